@@ -1,0 +1,96 @@
+"""pk_jax.all_gather against lax.all_gather (NCCL), same run.
+
+Two measurements per per-rank size:
+  * bandwidth: one jitted all_gather per call, host-timed batches;
+    bus bandwidth = (n - 1) / n * n * per_rank_bytes / time.
+  * latency: a jitted fori_loop of `--loop` dependent all_gathers inside one
+    program (each result feeds the next), time per iteration.
+
+Usage: python benchmarks/all_gather.py [--sizes 8K,1M,...] [--loop 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from common import markdown_table, time_ms, write_results
+
+IMPLS = {
+    "xla": lambda a: lax.all_gather(a, "x", tiled=True),
+    "pk_ld_st": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="ld_st"),
+    "pk_copy_engine": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="copy_engine"),
+}
+
+
+def parse_size(s: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
+
+
+def bandwidth_fn(mesh, gather):
+    return jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                 check_vma=False))
+
+
+def latency_fn(mesh, gather, steps):
+    def body(i, c):
+        y = gather(c)
+        return lax.dynamic_slice_in_dim(y, 0, c.shape[0]) + jnp.bfloat16(1)
+    return jax.jit(jax.shard_map(lambda c: lax.fori_loop(0, steps, body, c), mesh=mesh,
+                                 in_specs=P("x"), out_specs=P("x"), check_vma=False))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="8K,64K,1M,16M,64M,256M")
+    ap.add_argument("--loop", type=int, default=200)
+    ap.add_argument("--latency-max", default="16M", help="largest size timed in the loop")
+    args = ap.parse_args()
+
+    devices = jax.devices()
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("x",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng()
+    rows, table = [], []
+    for per_rank in map(parse_size, args.sizes.split(",")):
+        elems = per_rank // 2
+        x = jax.device_put(jnp.asarray(rng.standard_normal(n * elems, dtype=np.float32),
+                                       jnp.bfloat16), NamedSharding(mesh, P("x")))
+        bw_ms, lat_us = {}, {}
+        for name, gather in IMPLS.items():
+            f = bandwidth_fn(mesh, gather)
+            bw_ms[name] = time_ms(lambda: f(x))
+            if per_rank <= parse_size(args.latency_max):
+                g = latency_fn(mesh, gather, args.loop)
+                lat_us[name] = time_ms(lambda: g(x), calls=3, batches=3) * 1e3 / args.loop
+        base = bw_ms["xla"]
+        for name in IMPLS:
+            busbw = (n - 1) * per_rank / (bw_ms[name] * 1e-3) / 1e9
+            rows.append({"shape": [n * elems], "dtype": "bfloat16", "per_rank_bytes": per_rank,
+                         "implementation": name, "median_ms": bw_ms[name],
+                         "baseline": "xla", "baseline_median_ms": base,
+                         "bus_GBps": busbw, "loop_latency_us": lat_us.get(name)})
+            lat = f"{lat_us[name]:.1f}" if name in lat_us else "-"
+            table.append([f"{per_rank >> 10} KiB", name, f"{bw_ms[name]:.4f}", f"{busbw:.1f}",
+                          f"{base / bw_ms[name]:.2f}x", lat])
+        print(markdown_table(["per rank", "impl", "ms/call", "bus GB/s", "vs xla", "loop us/iter"],
+                             table[-len(IMPLS):]), flush=True)
+    md = markdown_table(["per rank", "impl", "ms/call", "bus GB/s", "speedup vs xla",
+                         f"latency in a {args.loop}-step fori_loop (us/iter)"], table)
+    write_results("all_gather", rows, md, "python benchmarks/all_gather.py " + " ".join(sys.argv[1:]))
+    print(md)
+    pk_jax.check_errors()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

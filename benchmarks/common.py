@@ -1,0 +1,73 @@
+"""Shared benchmark plumbing: timing, machine description, result files.
+
+Timing follows ../shared/notes/baselines-h200.md so ratios are comparable:
+a jitted function, warm-up, then the median over batches of host-timed
+back-to-back calls with block_until_ready at the end of each batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+RESULTS_MD = HERE / "RESULTS.md"
+
+
+def time_ms(fn: Callable[[], Any], *, calls: int = 10, batches: int = 5, warmup: int = 3) -> float:
+    """Median milliseconds per call of `fn` (which returns jax arrays)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    per_call = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        per_call.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(per_call)
+
+
+def machine() -> dict[str, Any]:
+    devs = jax.devices()
+    return {"gpu_model": devs[0].device_kind, "gpu_count": len(devs),
+            "platform": devs[0].platform, "jax": jax.__version__}
+
+
+def write_results(op: str, rows: list[dict[str, Any]], table_md: str, command: str) -> None:
+    """Write benchmarks/results/<op>.json and replace <op>'s section of RESULTS.md."""
+    RESULTS_DIR.mkdir(exist_ok=True)
+    date = datetime.date.today().isoformat()
+    info = machine()
+    for r in rows:
+        r.setdefault("op", op)
+        r.update(date=date, **info)
+    (RESULTS_DIR / f"{op}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    section = (f"<!-- {op}:begin -->\n## {op}\n\n{date}, {info['gpu_count']} x {info['gpu_model']}, "
+               f"jax {info['jax']}. Command: `{command}`\n\n{table_md}\n<!-- {op}:end -->")
+    text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n"
+    begin, end = f"<!-- {op}:begin -->", f"<!-- {op}:end -->"
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + section + "\n"
+    RESULTS_MD.write_text(text)
+    out = os.environ.get("OUT")
+    if out:  # on the device machine, results travel back through $OUT
+        (pathlib.Path(out) / f"{op}.json").write_text(json.dumps(rows, indent=1) + "\n")
+        (pathlib.Path(out) / "RESULTS.md").write_text(text)
+
+
+def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)

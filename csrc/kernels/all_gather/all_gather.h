@@ -1,0 +1,52 @@
+// all_gather kernels: host-side launch interface.
+//
+// Output layout: for every rank q, `rows` rows of `row_bytes` bytes at
+// dst + q * row_bytes with row stride n * row_bytes. Gathering along array
+// axis k of a C-contiguous array is this layout with rows = prod(shape[:k]).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "pk/layout.h"
+
+namespace pk::all_gather {
+
+struct Params {
+  const void* src = nullptr;   // this rank's input (XLA buffer)
+  void* dst = nullptr;         // this rank's output (XLA buffer)
+  uint64_t rows = 0;
+  uint64_t row_bytes = 0;
+  int rank = 0;
+  int n = 1;
+  int slot = 0;                // channel index in the workspace
+  char* workspace[kMaxRanks];  // every rank's workspace base (peer mapped)
+  size_t data_bytes = 0;       // size of each workspace's data area
+  WaitContext wait{};
+  bool skip_post = false;      // testing: this rank never posts (timeout path)
+  int max_blocks = 1;          // co-resident blocks of the pull kernel
+  cudaStream_t stream = nullptr;
+};
+
+// Bytes of workspace data area the copy-engine mechanism needs.
+inline size_t copy_engine_bytes(const Params& p) {
+  return size_t(p.n) * p.rows * p.row_bytes;
+}
+
+// ld/st pull: zero-copy. Each rank publishes its input address; every rank
+// reads every peer's input straight into its output with 16-byte loads.
+cudaError_t launch_ld_st(const Params& p);
+
+// Copy engine: CE pushes the input into each peer's workspace, tiny kernels
+// signal, CE copies the received blocks into the output. No SM does the data
+// movement.
+cudaError_t launch_copy_engine(const Params& p);
+
+// Load the kernels on the current device, so that no lazy module load happens
+// while a peer spins. The ld/st one also returns its co-resident block count.
+cudaError_t load_ld_st_kernels(int* max_blocks);
+cudaError_t load_copy_engine_kernels();
+
+}  // namespace pk::all_gather

@@ -1,0 +1,175 @@
+// all_gather, ld/st pull mechanism (zero copy, one kernel).
+//
+// Protocol for call epoch e on rank r (every counter is monotonic):
+//   1. post:   r writes its input address into ptr[r] of every peer's slot,
+//              then posted[r] = e (release). Every block does this; it is
+//              idempotent, so no block depends on block 0 being scheduled.
+//   2. pull:   for each rank q, wait until our posted[q] >= e (acquire), then
+//              the whole grid copies q's input into our output.
+//   3. done:   the last block to finish tells every peer done[r] = e, then
+//              waits for done[q] >= e from every peer before the kernel ends,
+//              because XLA may reuse our input buffer as soon as we return.
+// A rank cannot run ahead into epoch e+1 before every peer finished reading
+// its epoch-e input (step 3), so one set of flags per channel suffices.
+#include "kernels/all_gather/all_gather.h"
+#include "pk/copy.cuh"
+#include "pk/cuda_check.h"
+#include "pk/sync.cuh"
+
+namespace pk::all_gather {
+namespace {
+
+// ---- launch config ---------------------------------------------------------
+constexpr int kThreads = 512;
+// Bytes one block moves per grid-stride step at 16-byte width.
+constexpr uint64_t kBytesPerBlockStep = uint64_t(kThreads) * 16 * kCopyUnroll;
+
+// ---- arguments -------------------------------------------------------------
+struct PullArgs {
+  const void* src;
+  void* dst;
+  uint64_t rows;
+  uint64_t row_bytes;
+  SlotFlags* flags[kMaxRanks];  // the channel's flags on every rank
+  WaitContext wait;
+  int rank;
+  int n;
+  bool skip_post;
+};
+
+// ---- roles -----------------------------------------------------------------
+// Thread q < n publishes to peer q and then resolves rank q's source.
+__device__ void post_and_resolve(const PullArgs& a, uint64_t epoch,
+                                 const char** src_of, bool* ok_of) {
+  const int q = threadIdx.x;
+  if (q >= a.n) return;
+  SlotFlags* mine = a.flags[a.rank];
+  if (q == a.rank) {
+    src_of[q] = static_cast<const char*>(a.src);
+    ok_of[q] = true;
+    return;
+  }
+  if (!a.skip_post) {
+    store_relaxed_sys(&a.flags[q]->ptr[a.rank], reinterpret_cast<uint64_t>(a.src));
+    store_release_sys(&a.flags[q]->posted[a.rank], epoch);
+  }
+  ok_of[q] = wait_geq(&mine->posted[q], epoch, a.wait, q, kWaitPosted);
+  src_of[q] = reinterpret_cast<const char*>(load_relaxed_sys(&mine->ptr[q]));
+}
+
+// Called by every block after its copies. Returns in all blocks but the last;
+// the last one releases the peers and waits until they are done with us.
+__device__ void finish(const PullArgs& a, uint64_t epoch) {
+  __shared__ bool is_last;
+  SlotFlags* mine = a.flags[a.rank];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // our reads and writes happen before the ticket
+    is_last = atomicAdd(&mine->ticket, 1u) == gridDim.x - 1;
+    __threadfence();  // the last block sees every block's work
+  }
+  __syncthreads();
+  if (!is_last) return;
+  const int q = threadIdx.x;
+  if (q < a.n && q != a.rank) {
+    store_release_sys(&a.flags[q]->done[a.rank], epoch);
+    wait_geq(&mine->done[q], epoch, a.wait, q, kWaitDone);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    mine->ticket = 0;      // every block of this call has taken its ticket
+    mine->epoch = epoch;   // the next call on this stream sees it
+  }
+}
+
+// ---- entry point -----------------------------------------------------------
+template <typename V>
+__global__ void __launch_bounds__(kThreads) all_gather_pull_kernel(
+    const __grid_constant__ PullArgs a) {
+  __shared__ const char* src_of[kMaxRanks];
+  __shared__ bool ok_of[kMaxRanks];
+  // Read before any ticket is taken, so every block sees the same value.
+  const uint64_t epoch =
+      *reinterpret_cast<volatile uint64_t*>(&a.flags[a.rank]->epoch) + 1;
+  post_and_resolve(a, epoch, src_of, ok_of);
+  __syncthreads();
+
+  const uint64_t row_vecs = a.row_bytes / sizeof(V);
+  const uint64_t dst_stride = uint64_t(a.n) * row_vecs;
+  // Start at our own rank's neighbour so ranks pull from different peers.
+  for (int k = 1; k <= a.n; ++k) {
+    const int q = (a.rank + k) % a.n;
+    if (!ok_of[q]) continue;  // timed out: leave that part unwritten
+    grid_copy_rows(reinterpret_cast<const V*>(src_of[q]),
+                   reinterpret_cast<V*>(a.dst) + q * row_vecs, a.rows, row_vecs,
+                   dst_stride);
+  }
+  finish(a, epoch);
+}
+
+template <typename V>
+cudaError_t launch_typed(const PullArgs& a, int blocks, cudaStream_t stream) {
+  all_gather_pull_kernel<V><<<blocks, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+// Widest access that divides every offset the kernel forms.
+int access_width(const Params& p) {
+  const uint64_t bits = p.row_bytes | reinterpret_cast<uintptr_t>(p.src) |
+                        reinterpret_cast<uintptr_t>(p.dst);
+  for (int w = 16; w > 1; w /= 2)
+    if (bits % w == 0) return w;
+  return 1;
+}
+
+}  // namespace
+
+cudaError_t launch_ld_st(const Params& p) {
+  PullArgs a{};
+  a.src = p.src;
+  a.dst = p.dst;
+  a.rows = p.rows;
+  a.row_bytes = p.row_bytes;
+  for (int q = 0; q < p.n; ++q)
+    a.flags[q] = reinterpret_cast<SlotFlags*>(p.workspace[q] + kSlotsOffset) + p.slot;
+  a.wait = p.wait;
+  a.rank = p.rank;
+  a.n = p.n;
+  a.skip_post = p.skip_post;
+
+  const uint64_t total = uint64_t(p.n) * p.rows * p.row_bytes;
+  const uint64_t want = (total + kBytesPerBlockStep - 1) / kBytesPerBlockStep;
+  const int blocks = int(want < uint64_t(p.max_blocks) ? (want > 0 ? want : 1)
+                                                        : p.max_blocks);
+  switch (access_width(p)) {
+    case 16: return launch_typed<uint4>(a, blocks, p.stream);
+    case 8:  return launch_typed<uint2>(a, blocks, p.stream);
+    case 4:  return launch_typed<unsigned int>(a, blocks, p.stream);
+    case 2:  return launch_typed<unsigned short>(a, blocks, p.stream);
+    default: return launch_typed<unsigned char>(a, blocks, p.stream);
+  }
+}
+
+cudaError_t load_ld_st_kernels(int* max_blocks) {
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(all_gather_pull_kernel<uint4>),
+      reinterpret_cast<const void*>(all_gather_pull_kernel<uint2>),
+      reinterpret_cast<const void*>(all_gather_pull_kernel<unsigned int>),
+      reinterpret_cast<const void*>(all_gather_pull_kernel<unsigned short>),
+      reinterpret_cast<const void*>(all_gather_pull_kernel<unsigned char>)};
+  int per_sm = 1 << 30;
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr;
+    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
+    int n = 0;
+    PK_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kThreads, 0));
+    per_sm = n < per_sm ? n : per_sm;
+  }
+  int device = 0, sms = 0;
+  PK_CUDA_TRY(cudaGetDevice(&device));
+  PK_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  *max_blocks = per_sm * sms;
+  return cudaSuccess;
+}
+
+}  // namespace pk::all_gather

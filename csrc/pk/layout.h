@@ -1,0 +1,73 @@
+// Symmetric workspace layout shared by host and device code.
+//
+// Every device of a process owns one workspace of identical layout, and every
+// peer maps it (single process: plain device pointers with peer access on).
+// Kernels signal by writing into a *peer's* flag slots and wait by polling
+// their *own* flags, so every spin-wait is a local load.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pk {
+
+// Largest group a kernel handles. One NVLink domain of one host has at most 8
+// GPUs today; 16 leaves room without making the flag area large.
+inline constexpr int kMaxRanks = 16;
+
+// Independent (op, device group) channels. Each channel has its own epoch, so
+// ops on different groups (the axes of a 2-D mesh) never share counters.
+inline constexpr int kMaxSlots = 256;
+
+// Flags of one channel on one device. Fields indexed by a peer's rank are
+// written only by that peer (single writer), the others only locally.
+// All counters are monotonic epochs: no reset kernel is ever needed.
+struct alignas(128) SlotFlags {
+  uint64_t epoch;                 // calls completed on this device (local)
+  uint32_t ticket;                // blocks finished in the running call (local)
+  uint32_t pad0;
+  uint64_t pad1[14];
+  uint64_t ptr[kMaxRanks];        // peer r: address of its source buffer
+  uint64_t posted[kMaxRanks];     // peer r: epoch whose data/pointer is ready
+  uint64_t done[kMaxRanks];       // peer r: epoch it finished reading from us
+};
+
+// Per-device words that are not tied to a channel.
+struct alignas(128) DeviceHeader {
+  int32_t error_claim;  // 0 until the first failed wait claims the error record
+};
+
+// Workspace = header, channel flags, then a data area for staged mechanisms.
+inline constexpr size_t kSlotsOffset = 4096;
+inline constexpr size_t kFlagBytes = kSlotsOffset + sizeof(SlotFlags) * kMaxSlots;
+inline constexpr size_t kDataOffset = (kFlagBytes + 4095) / 4096 * 4096;
+static_assert(sizeof(DeviceHeader) <= kSlotsOffset, "header overlaps the slots");
+
+// Filled by a kernel whose bounded wait gave up; lives in mapped host memory
+// so the host can read it while the device is still running.
+struct ErrorRecord {
+  int32_t code;        // 0: none, 1: timeout
+  int32_t op;          // OpId
+  int32_t rank;        // this device's rank in the group
+  int32_t peer;        // rank waited for
+  int32_t what;        // WaitKind
+  int32_t pad;
+  uint64_t expected;   // epoch waited for
+  uint64_t observed;   // last value seen
+};
+
+enum OpId : int32_t { kOpAllGather = 1 };
+enum WaitKind : int32_t { kWaitPosted = 1, kWaitDone = 2 };
+enum ErrorCode : int32_t { kErrNone = 0, kErrTimeout = 1 };
+
+// Where a failed wait is reported. `record` is mapped host memory; `claim`
+// is a device word (atomics on mapped host memory are not atomic over PCIe).
+struct WaitContext {
+  ErrorRecord* record;
+  int32_t* claim;
+  uint64_t timeout_ns;
+  int32_t op;
+  int32_t rank;
+};
+
+}  // namespace pk

@@ -1,0 +1,70 @@
+// Process-wide runtime: one symmetric workspace per local GPU, mapped by every
+// peer, plus an error record per GPU in mapped host memory.
+//
+// Single process driving all local GPUs (the JAX default): peers map each
+// other's workspace through peer access, so a workspace is a plain device
+// pointer valid on every GPU. One process per GPU would exchange IPC handles
+// at init and fill the same table; nothing below the table changes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "pk/layout.h"
+
+namespace pk::runtime {
+
+struct DeviceState {
+  int ordinal = -1;                     // local CUDA ordinal
+  int64_t global_id = -1;               // JAX device id
+  char* workspace = nullptr;            // kDataOffset + data_bytes, zeroed
+  ErrorRecord* error_host = nullptr;    // mapped pinned memory, host view
+  ErrorRecord* error_device = nullptr;  // device view of the same record
+  int all_gather_max_blocks = 1;        // co-resident pull blocks
+};
+
+struct PendingError {
+  int ordinal;
+  ErrorRecord record;
+};
+
+class Runtime {
+ public:
+  static Runtime& get();
+
+  // Allocates the workspaces of `devices` ((global id, local ordinal) pairs),
+  // enables peer access between all of them and loads every kernel. Returns
+  // an error message, or "" on success. A second call is a no-op when it asks
+  // for the same devices and size, and an error otherwise.
+  std::string init(const std::vector<std::pair<int64_t, int>>& devices,
+                   size_t data_bytes);
+
+  bool initialized() const;
+  size_t data_bytes() const { return data_bytes_; }
+
+  // nullptr when the device is not managed (not initialized, or remote).
+  const DeviceState* by_ordinal(int ordinal) const;
+  const DeviceState* by_global_id(int64_t id) const;
+
+  // Errors recorded by kernels and not yet cleared.
+  std::vector<PendingError> pending_errors() const;
+
+  // Waits for every device, then zeroes all flags and error records. For
+  // recovery after a timeout, when no pk_jax kernel is in flight.
+  std::string reset();
+
+ private:
+  Runtime() = default;
+  mutable std::mutex mu_;
+  bool ready_ = false;
+  size_t data_bytes_ = 0;
+  std::vector<DeviceState> devices_;  // indexed by local ordinal
+};
+
+// Human-readable description of a kernel's error record.
+std::string describe(const ErrorRecord& r, int ordinal);
+
+}  // namespace pk::runtime

@@ -1,0 +1,23 @@
+"""pk_jax: ParallelKittens-style fused multi-GPU kernels for JAX.
+
+Ops are called inside `jax.shard_map`. On CUDA GPUs they run pk_jax kernels
+that read and write peer GPUs' memory directly; on other platforms (and for
+shapes the kernels do not take) they run their pure-lax reference.
+"""
+
+from pk_jax.config import Config, configure, get_config
+from pk_jax.errors import PkJaxError, PkJaxTimeoutError
+from pk_jax.ops.all_gather import all_gather
+from pk_jax.runtime import check_errors
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Config",
+    "PkJaxError",
+    "PkJaxTimeoutError",
+    "all_gather",
+    "check_errors",
+    "configure",
+    "get_config",
+]

@@ -1,0 +1,95 @@
+"""User-settable knobs: workspace size and wait timeout.
+
+Each knob has an environment variable (read once, at import) and a
+`pk_jax.configure(...)` keyword. The workspace is allocated when the first
+pk_jax kernel is lowered, so its size can only change before that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+_MIB = 1 << 20
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """pk_jax settings.
+
+    Attributes:
+      workspace_bytes: data area of each GPU's symmetric workspace, used by
+        staged mechanisms (the copy engine receives whole blocks there).
+        Env: PK_JAX_WORKSPACE_BYTES. Default 1 GiB.
+      timeout_s: bound of every cross-GPU wait inside a kernel. A wait that
+        exceeds it records an error instead of hanging the GPU.
+        Env: PK_JAX_TIMEOUT_S. Default 5 s.
+    """
+
+    workspace_bytes: int = 1024 * _MIB
+    timeout_s: float = 5.0
+
+    def __post_init__(self):
+        if self.workspace_bytes < 0:
+            raise ValueError(f"workspace_bytes must be >= 0, got {self.workspace_bytes}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def timeout_ns(self) -> int:
+        return int(self.timeout_s * 1e9)
+
+
+_config = Config(
+    workspace_bytes=_env_int("PK_JAX_WORKSPACE_BYTES", Config.workspace_bytes),
+    timeout_s=_env_float("PK_JAX_TIMEOUT_S", Config.timeout_s),
+)
+
+
+def get_config() -> Config:
+    """The settings in force."""
+    return _config
+
+
+def configure(*, workspace_bytes: int | None = None, timeout_s: float | None = None) -> Config:
+    """Change pk_jax's settings; returns the new settings.
+
+    `workspace_bytes` can only change before the first pk_jax kernel is
+    lowered (the workspace is allocated then). `timeout_s` applies to ops
+    lowered afterwards (it is baked into each compiled call).
+    """
+    global _config
+    from pk_jax import runtime  # late: runtime imports this module
+
+    changes = {}
+    if workspace_bytes is not None:
+        if runtime.initialized() and workspace_bytes != _config.workspace_bytes:
+            raise RuntimeError(
+                "pk_jax.configure(workspace_bytes=...) must be called before the first "
+                "pk_jax op is compiled: the workspace is already allocated with "
+                f"{_config.workspace_bytes} bytes")
+        changes["workspace_bytes"] = int(workspace_bytes)
+    if timeout_s is not None:
+        changes["timeout_s"] = float(timeout_s)
+    _config = dataclasses.replace(_config, **changes)
+    return _config

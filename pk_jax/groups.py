@@ -1,0 +1,54 @@
+"""Rank tables: which devices form each group of a mesh axis, in rank order.
+
+At lowering time the concrete mesh is known (the lowering context's axis
+context), so every group's device ids go into the kernel's attributes as a
+static table; at run time a device finds itself in it and learns its rank
+and its peers. No host state per call, so the calls are CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from jax.sharding import Mesh
+
+
+def axis_names(axis_name: str | Sequence[str]) -> tuple[str, ...]:
+    """Normalize an axis name (or tuple of names) to a tuple."""
+    if isinstance(axis_name, (tuple, list)):
+        names = tuple(axis_name)
+    else:
+        names = (axis_name,)
+    if not names:
+        raise ValueError("axis_name must name at least one mesh axis")
+    return names
+
+
+def axis_groups(mesh: Mesh, names: tuple[str, ...]) -> np.ndarray:
+    """Device ids of each group along `names`, shape [num_groups, group_size].
+
+    Column r of a row is the device with `lax.axis_index(names) == r`: for a
+    tuple of axes the index is row-major over the axes in the order given.
+    """
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"axis {missing} not in mesh axes {mesh.axis_names}")
+    ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+    axes = [mesh.axis_names.index(a) for a in names]
+    others = [i for i in range(ids.ndim) if i not in axes]
+    size = int(np.prod([ids.shape[i] for i in axes]))
+    return np.transpose(ids, others + axes).reshape(-1, size)
+
+
+def lowering_mesh(ctx, op: str) -> Mesh:
+    """The concrete mesh of the shard_map being lowered."""
+    from jax._src import sharding_impls  # the axis context types live here
+
+    axis_context = ctx.module_context.axis_context
+    mesh = getattr(axis_context, "mesh", None)
+    if not isinstance(axis_context, sharding_impls.SPMDAxisContext) or not isinstance(mesh, Mesh):
+        raise ValueError(
+            f"pk_jax.{op} must be called inside jax.shard_map over a concrete mesh "
+            f"(got axis context {type(axis_context).__name__})")
+    return mesh

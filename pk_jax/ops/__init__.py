@@ -1,0 +1,1 @@
+"""One module per op: the shard_map-level function and its primitive."""

@@ -1,0 +1,161 @@
+"""pk_jax.all_gather: `lax.all_gather` with pk's peer-memory kernels on GPUs.
+
+Path choice:
+  * trace time: unsupported dtypes and mechanism="xla" call lax.all_gather.
+  * lowering: on CUDA with the extension built, the FFI kernel; on any other
+    platform the same primitive lowers to lax.all_gather.
+The primitive is linear: its JVP is itself and its transpose is psum_scatter,
+so jax.grad and jax.jvp work on every path.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+
+from pk_jax import groups, reference, runtime, tuning
+from pk_jax._compat import make_varying
+from pk_jax._warnings import warn_once
+from pk_jax.config import get_config
+
+MECHANISMS = ("auto", "ld_st", "copy_engine", "xla")
+# Ids of the "mechanism" FFI attribute (xla_ffi/all_gather.cc: Mechanism).
+_MECHANISM_IDS = {"ld_st": 0, "copy_engine": 1}
+_KERNEL_ITEMSIZES = (1, 2, 4, 8)
+_TARGET = "pk_all_gather"
+
+all_gather_p = Primitive("pk_all_gather")
+
+
+def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
+               tiled: bool = False, mechanism: str = "auto") -> jax.Array:
+    """Gather `x` from every device of `axis_name`; same semantics as
+    `jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)`.
+
+    Call inside `jax.shard_map`. On CUDA GPUs the data moves through pk_jax
+    kernels that read peer GPUs' memory directly; elsewhere XLA's collective
+    runs.
+
+    Args:
+      x: this device's shard. Any dtype of 1, 2, 4 or 8 bytes takes the
+        kernel path; others fall back to XLA with a one-time warning.
+      axis_name: mesh axis name, or tuple of names, to gather over.
+      axis: where the gathered axis goes (tiled=False: a new axis at this
+        position; tiled=True: an existing axis that grows n-fold).
+      tiled: concatenate along `axis` instead of stacking a new axis.
+      mechanism: "auto" (a measured table picks by size), "ld_st" (SM kernel
+        pulling peers' inputs with 16-byte loads, zero copy), "copy_engine"
+        (DMA engines, no SMs; stages through the workspace), or "xla"
+        (lax.all_gather).
+
+    Returns:
+      The gathered array, identical on every device of the group.
+    """
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+    names = groups.axis_names(axis_name)
+    x = jax.numpy.asarray(x)
+    ndim = x.ndim + (0 if tiled else 1)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"axis={axis} out of range for a rank-{x.ndim} input with "
+                         f"tiled={tiled} (valid: {-ndim}..{ndim - 1})")
+    if tiled and x.ndim == 0:
+        raise ValueError("tiled=True needs an input of rank >= 1")
+    dim = axis % ndim
+    if mechanism == "xla":
+        return reference.all_gather(x, names, axis=dim, tiled=tiled)
+    itemsize = np.dtype(x.dtype).itemsize
+    if itemsize not in _KERNEL_ITEMSIZES or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        warn_once(f"all_gather-dtype-{x.dtype}",
+                  f"pk_jax.all_gather: dtype {x.dtype} ({itemsize} bytes) has no kernel "
+                  f"(supported: dtypes of {_KERNEL_ITEMSIZES} bytes); using lax.all_gather")
+        return reference.all_gather(x, names, axis=dim, tiled=tiled)
+    n = lax.axis_size(names)
+    x = make_varying(x, names)
+    return all_gather_p.bind(x, names=names, dim=dim, tiled=tiled, n=n, mechanism=mechanism)
+
+
+def _out_shape(shape: tuple[int, ...], dim: int, tiled: bool, n: int) -> tuple[int, ...]:
+    out = list(shape)
+    if tiled:
+        out[dim] *= n
+    else:
+        out.insert(dim, n)
+    return tuple(out)
+
+
+def _abstract_eval(x, *, names, dim, tiled, n, mechanism):
+    return x.update(shape=_out_shape(x.shape, dim, tiled, n))
+
+
+def _transpose(ct, x, *, names, dim, tiled, n, mechanism):
+    return [lax.psum_scatter(ct, names, scatter_dimension=dim, tiled=tiled)]
+
+
+def _reference_lowering(ctx, x, *, names, dim, tiled, n, mechanism):
+    fn = lambda v: reference.all_gather(v, names, axis=dim, tiled=tiled)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x)
+
+
+def _layout(shape: tuple[int, ...], dim: int, tiled: bool, itemsize: int) -> tuple[int, int]:
+    """(rows, row_bytes) of the kernel's view: every rank's block is `rows`
+    rows of `row_bytes` bytes, interleaved by rank in the output."""
+    rows = int(np.prod(shape[:dim], dtype=np.int64))
+    row_bytes = int(np.prod(shape[dim:], dtype=np.int64)) * itemsize
+    return rows, row_bytes
+
+
+def _resolve_mechanism(mechanism: str, per_rank_bytes: int, n: int) -> str:
+    workspace = runtime.workspace_data_bytes()
+    if mechanism == "auto":
+        return tuning.all_gather_mechanism(per_rank_bytes, n, workspace)
+    if mechanism == "copy_engine" and per_rank_bytes * n > workspace:
+        raise ValueError(
+            f"pk_jax.all_gather(mechanism='copy_engine') needs {per_rank_bytes * n} workspace "
+            f"bytes ({n} ranks x {per_rank_bytes}), the workspace holds {workspace}; raise it "
+            "with pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES, or use "
+            "mechanism='ld_st' (needs no workspace)")
+    return mechanism
+
+
+def _cuda_lowering(ctx, x, *, names, dim, tiled, n, mechanism):
+    if not runtime.available():
+        warn_once("all_gather-no-extension",
+                  "pk_jax.all_gather: native extension unavailable "
+                  f"({runtime.extension_error()}); using lax.all_gather")
+        return _reference_lowering(ctx, x, names=names, dim=dim, tiled=tiled, n=n,
+                                   mechanism=mechanism)
+    x_aval, = ctx.avals_in
+    itemsize = np.dtype(x_aval.dtype).itemsize
+    # The kernel's layout treats the gathered axis as a new leading axis of
+    # the trailing dims; tiled and stacked gathers share one byte layout.
+    rows, row_bytes = _layout(x_aval.shape, dim, tiled, itemsize)
+    table = groups.axis_groups(groups.lowering_mesh(ctx, "all_gather"), names)
+    if table.shape[1] != n:
+        raise AssertionError(f"mesh group size {table.shape[1]} != axis size {n}")
+    ext = runtime.ensure_ready()
+    if n > ext.max_ranks:
+        raise ValueError(f"pk_jax.all_gather supports groups of up to {ext.max_ranks} GPUs, got {n}")
+    chosen = _resolve_mechanism(mechanism, rows * row_bytes, n)
+    slot = runtime.channel_slot(("all_gather", table.tobytes()))
+    rule = jax.ffi.ffi_lowering(_TARGET)
+    return rule(ctx, x,
+                group_ids=table.reshape(-1),
+                group_size=np.int64(n),
+                slot=np.int64(slot),
+                rows=np.int64(rows),
+                row_bytes=np.int64(row_bytes),
+                mechanism=np.int32(_MECHANISM_IDS[chosen]),
+                timeout_ns=np.int64(get_config().timeout_ns),
+                skip_post_rank=np.int32(runtime.skip_post_rank()))
+
+
+all_gather_p.def_abstract_eval(_abstract_eval)
+ad.deflinear2(all_gather_p, _transpose)
+mlir.register_lowering(all_gather_p, _reference_lowering)
+mlir.register_lowering(all_gather_p, _cuda_lowering, platform="cuda")

@@ -1,0 +1,22 @@
+"""Mechanism choice by shape, from measured tables.
+
+The tables hold what benchmarks/ measured on the named machine; see
+benchmarks/RESULTS.md for the runs behind them. `mechanism="auto"` looks
+here; a user can force any mechanism.
+"""
+
+from __future__ import annotations
+
+# all_gather on 2 x H200 (NV18): per-rank message bytes at and above which the
+# copy engine beats the ld/st pull kernel. None: the pull kernel won at every
+# size measured (benchmarks/RESULTS.md, all_gather table).
+ALL_GATHER_COPY_ENGINE_FROM_BYTES: int | None = None
+
+
+def all_gather_mechanism(per_rank_bytes: int, group_size: int, workspace_bytes: int) -> str:
+    """The all_gather mechanism to use for one rank's message size."""
+    threshold = ALL_GATHER_COPY_ENGINE_FROM_BYTES
+    fits = per_rank_bytes * group_size <= workspace_bytes
+    if threshold is not None and per_rank_bytes >= threshold and fits:
+        return "copy_engine"
+    return "ld_st"

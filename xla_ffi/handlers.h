@@ -1,0 +1,10 @@
+// Every FFI handler symbol the extension exports (one per op).
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+namespace pk::ffi_handlers {
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGather);
+
+}  // namespace pk::ffi_handlers

@@ -1,0 +1,59 @@
+// The pk_jax native extension: FFI handler capsules and runtime controls.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "runtime/workspace.h"
+#include "xla_ffi/handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule as_capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+void raise_if(const std::string& err) {
+  if (!err.empty()) throw std::runtime_error(err);
+}
+
+}  // namespace
+
+NB_MODULE(_pk_jax_ext, m) {
+  m.doc() = "pk_jax CUDA kernels registered as XLA FFI handlers";
+
+  m.def("registrations", []() {
+    nb::dict d;
+    d["pk_all_gather"] = as_capsule(pk::ffi_handlers::AllGather);
+    return d;
+  }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
+
+  m.def("init_runtime",
+        [](const std::vector<std::pair<int64_t, int>>& devices, size_t data_bytes) {
+          raise_if(pk::runtime::Runtime::get().init(devices, data_bytes));
+        },
+        nb::arg("devices"), nb::arg("data_bytes"),
+        "Allocate and peer-map the workspace of every (global id, local ordinal).");
+
+  m.def("initialized", []() { return pk::runtime::Runtime::get().initialized(); });
+  m.def("data_bytes", []() { return pk::runtime::Runtime::get().data_bytes(); });
+
+  m.def("pending_errors", []() {
+    std::vector<std::string> out;
+    for (const auto& e : pk::runtime::Runtime::get().pending_errors())
+      out.push_back(pk::runtime::describe(e.record, e.ordinal));
+    return out;
+  }, "Descriptions of the errors kernels recorded and nobody cleared yet.");
+
+  m.def("reset", []() { raise_if(pk::runtime::Runtime::get().reset()); },
+        "Wait for every device, then zero all flags and error records.");
+
+  m.attr("max_ranks") = pk::kMaxRanks;
+  m.attr("max_slots") = pk::kMaxSlots;
+  m.attr("flag_bytes") = pk::kDataOffset;
+}
