@@ -3,8 +3,9 @@
 Two measurements per per-rank size:
   * bandwidth: one jitted all_gather per call, host-timed batches;
     bus bandwidth = (n - 1) / n * n * per_rank_bytes / time.
-  * latency: a jitted fori_loop of `--loop` dependent all_gathers inside one
-    program (each result feeds the next), time per iteration.
+  * latency: `--loop` dependent all_gathers inside one program (a fori_loop,
+    10 calls per iteration), time per call. The "no_comm" row is the same
+    program with a local concatenate instead: what the loop itself costs.
 
 Usage: python benchmarks/all_gather.py [--sizes 8K,1M,...] [--loop 200]
 """
@@ -25,8 +26,11 @@ import pk_jax
 from common import markdown_table, time_ms, write_results
 
 IMPLS = {
+    # No communication: the cost of the loop, slice and add alone (the floor).
+    "no_comm": lambda a: jnp.concatenate([a] * lax.axis_size("x")),
     "xla": lambda a: lax.all_gather(a, "x", tiled=True),
-    "pk_ld_st": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="ld_st"),
+    "pk_ld_st_push": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="ld_st_push"),
+    "pk_ld_st_pull": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="ld_st_pull"),
     "pk_copy_engine": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="copy_engine"),
 }
 
@@ -41,19 +45,26 @@ def bandwidth_fn(mesh, gather):
                                  check_vma=False))
 
 
-def latency_fn(mesh, gather, steps):
+UNROLL = 10  # dependent calls per loop iteration: amortizes the loop's own cost
+
+
+def latency_fn(mesh, gather, calls):
+    """`calls` dependent all_gathers in one program: a fori_loop whose body
+    runs UNROLL of them, each feeding the next."""
     def body(i, c):
-        y = gather(c)
-        return lax.dynamic_slice_in_dim(y, 0, c.shape[0]) + jnp.bfloat16(1)
-    return jax.jit(jax.shard_map(lambda c: lax.fori_loop(0, steps, body, c), mesh=mesh,
-                                 in_specs=P("x"), out_specs=P("x"), check_vma=False))
+        for _ in range(UNROLL):
+            c = lax.dynamic_slice_in_dim(gather(c), 0, c.shape[0]) + jnp.bfloat16(1)
+        return c
+    return jax.jit(jax.shard_map(lambda c: lax.fori_loop(0, calls // UNROLL, body, c),
+                                 mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="8K,64K,1M,16M,64M,256M")
-    ap.add_argument("--loop", type=int, default=200)
+    ap.add_argument("--loop", type=int, default=200, help="calls in the latency program")
     ap.add_argument("--latency-max", default="16M", help="largest size timed in the loop")
+    ap.add_argument("--sweep-blocks", default="", help="e.g. 32,66,132,264: grid sweep at the largest size")
     args = ap.parse_args()
 
     devices = jax.devices()
@@ -82,10 +93,23 @@ def main() -> int:
             lat = f"{lat_us[name]:.1f}" if name in lat_us else "-"
             table.append([f"{per_rank >> 10} KiB", name, f"{bw_ms[name]:.4f}", f"{busbw:.1f}",
                           f"{base / bw_ms[name]:.2f}x", lat])
-        print(markdown_table(["per rank", "impl", "ms/call", "bus GB/s", "vs xla", "loop us/iter"],
+        print(markdown_table(["per rank", "impl", "ms/call", "bus GB/s", "vs xla", "loop us/call"],
                              table[-len(IMPLS):]), flush=True)
+    if args.sweep_blocks:
+        # Grid size of the push kernel at the largest size: how many SMs the
+        # NVLink traffic needs (512-thread blocks, 2 co-resident per SM).
+        elems = parse_size(args.sizes.split(",")[-1]) // 2
+        x = jax.device_put(jnp.asarray(rng.standard_normal(n * elems, dtype=np.float32),
+                                       jnp.bfloat16), NamedSharding(mesh, P("x")))
+        for mech in ("ld_st_push", "ld_st_pull"):
+            for blocks in map(int, args.sweep_blocks.split(",")):
+                f = bandwidth_fn(mesh, lambda a: pk_jax.all_gather(
+                    a, "x", tiled=True, mechanism=mech, num_blocks=blocks))
+                ms = time_ms(lambda: f(x))
+                print(f"sweep {mech} num_blocks={blocks}: {ms:.4f} ms, "
+                      f"{(n - 1) * elems * 2 / (ms * 1e-3) / 1e9:.1f} GB/s", flush=True)
     md = markdown_table(["per rank", "impl", "ms/call", "bus GB/s", "speedup vs xla",
-                         f"latency in a {args.loop}-step fori_loop (us/iter)"], table)
+                         f"latency, {args.loop} dependent calls in one program (us/call)"], table)
     write_results("all_gather", rows, md, "python benchmarks/all_gather.py " + " ".join(sys.argv[1:]))
     print(md)
     pk_jax.check_errors()

@@ -6,6 +6,7 @@ shapes the kernels do not take) they run their pure-lax reference.
 """
 
 from pk_jax.config import Config, configure, get_config
+from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.runtime import check_errors
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Config",
     "PkJaxError",
+    "PkJaxFallbackWarning",
     "PkJaxTimeoutError",
     "all_gather",
     "check_errors",

@@ -8,8 +8,8 @@ here; a user can force any mechanism.
 from __future__ import annotations
 
 # all_gather on 2 x H200 (NV18): per-rank message bytes at and above which the
-# copy engine beats the ld/st pull kernel. None: the pull kernel won at every
-# size measured (benchmarks/RESULTS.md, all_gather table).
+# copy engine beats the ld/st kernels. None: ld/st push was fastest or level
+# with pull at every size measured, 8 KiB to 256 MiB (benchmarks/RESULTS.md).
 ALL_GATHER_COPY_ENGINE_FROM_BYTES: int | None = None
 
 
@@ -19,4 +19,4 @@ def all_gather_mechanism(per_rank_bytes: int, group_size: int, workspace_bytes: 
     fits = per_rank_bytes * group_size <= workspace_bytes
     if threshold is not None and per_rank_bytes >= threshold and fits:
         return "copy_engine"
-    return "ld_st"
+    return "ld_st_push"

@@ -22,7 +22,7 @@ from conftest import gpu_mesh, gpus
 from gpu_util import as_bits, poison_allocator, put, random_bits
 
 pytestmark = pytest.mark.gpu
-MECHANISMS = ["ld_st", "copy_engine"]
+MECHANISMS = ["ld_st_push", "ld_st_pull", "copy_engine"]
 
 
 def _gather_fn(mesh, gather, **kw):
@@ -133,7 +133,7 @@ _SUBPROCESS_CHECK = textwrap.dedent("""
     rng = np.random.default_rng()
     m = 1024
     x = put(mesh, rng.integers(0, 2**32, size=(2 * m,), dtype=np.uint32), jnp.uint32)
-    for mech in ("ld_st", "copy_engine"):
+    for mech in ("ld_st_push", "ld_st_pull", "copy_engine"):
         run = lambda g: jax.jit(jax.shard_map(_chain(g, m, 200), mesh=mesh, in_specs=P("x"),
                                               out_specs=P("x"), check_vma=False))(x)
         ours = run(lambda a, ax, **k: pk_jax.all_gather(a, ax, mechanism=mech, **k))
@@ -183,8 +183,8 @@ def test_pending_error_fails_the_next_call(rng):
     x = put(mesh, rng.standard_normal((2 * 64,)).astype(np.float32), jnp.float32)
     try:
         with runtime.testing_skip_post(0):
-            _gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st")(x).block_until_ready()
-        nxt = _gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st", tiled=True)
+            _gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st_push")(x).block_until_ready()
+        nxt = _gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st_push", tiled=True)
         with pytest.raises(Exception, match="timed out"):
             nxt(x).block_until_ready()
     finally:
@@ -192,5 +192,5 @@ def test_pending_error_fails_the_next_call(rng):
         with pytest.raises(pk_jax.PkJaxTimeoutError):
             pk_jax.check_errors()
     np.testing.assert_array_equal(
-        np.asarray(_gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st", tiled=True)(x)),
+        np.asarray(_gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st_push", tiled=True)(x)),
         np.asarray(_gather_fn(mesh, lax.all_gather, tiled=True)(x)))

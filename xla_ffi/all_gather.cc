@@ -1,6 +1,8 @@
 // FFI handler for pk_jax.all_gather.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "kernels/all_gather/all_gather.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi_common.h"
@@ -12,14 +14,14 @@ namespace {
 namespace ffi = xla::ffi;
 using ffi_common::Group;
 
-// Values of the "mechanism" attribute (pk_jax/ops/all_gather.py: MECHANISMS).
-enum Mechanism : int32_t { kLdSt = 0, kCopyEngine = 1 };
+// Values of the "mechanism" attribute (pk_jax/ops/all_gather.py: _MECHANISM_IDS).
+enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2 };
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out,
                          ffi::Span<const int64_t> group_ids, int64_t group_size,
                          int64_t slot, int64_t rows, int64_t row_bytes,
-                         int32_t mechanism, int64_t timeout_ns,
+                         int32_t mechanism, int32_t num_blocks, int64_t timeout_ns,
                          int32_t skip_post_rank) {
   constexpr const char* kOp = "all_gather";
   Group g;
@@ -46,7 +48,10 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   p.data_bytes = runtime::Runtime::get().data_bytes();
   p.wait = ffi_common::wait_context(*g.self, kOpAllGather, g.rank, timeout_ns);
   p.skip_post = skip_post_rank == g.rank;
-  p.max_blocks = g.self->all_gather_max_blocks;
+  // Default grid: one block per SM, measured best for large messages on
+  // 2 x H200 (benchmarks/NOTES.md); a caller may ask for up to all co-resident.
+  p.max_blocks = num_blocks > 0 ? std::min<int>(num_blocks, g.self->all_gather_max_blocks)
+                                : g.self->sm_count;
   p.stream = stream;
 
   if (x.size_bytes() == 0) return ffi::Error::Success();
@@ -59,8 +64,8 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
           "workspace holds " + std::to_string(p.data_bytes) + "; raise it with "
           "pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES");
     err = all_gather::launch_copy_engine(p);
-  } else if (mechanism == kLdSt) {
-    err = all_gather::launch_ld_st(p);
+  } else if (mechanism == kLdStPull || mechanism == kLdStPush) {
+    err = all_gather::launch_ld_st(p, mechanism == kLdStPush);
   } else {
     return ffi::Error::InvalidArgument("pk_jax.all_gather: unknown mechanism id " +
                                        std::to_string(mechanism));
@@ -84,6 +89,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("rows")                          // prod(shape[:axis])
         .Attr<int64_t>("row_bytes")                     // bytes per row and rank
         .Attr<int32_t>("mechanism")                     // Mechanism
+        .Attr<int32_t>("num_blocks")                    // ld/st grid cap, 0: one per SM
         .Attr<int64_t>("timeout_ns")                    // bound of every wait
         .Attr<int32_t>("skip_post_rank"),               // testing: -1 normally
     {ffi::Traits::kCmdBufferCompatible});

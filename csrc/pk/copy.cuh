@@ -9,31 +9,40 @@ namespace pk {
 // flight per thread to cover NVLink latency (about 1-2 us) at full rate.
 inline constexpr int kCopyUnroll = 4;
 
-// Copy `rows` rows of `row_vecs` vectors of type V from a contiguous source to
-// a destination with row stride `dst_stride_vecs`. Work is spread over the
-// whole grid (every block takes the same share). Loads bypass L1 (`.cg`): the
-// source may be a peer's memory, read once.
+// One rank's block in the all_gather layout: `rows` rows of `row_vecs`
+// vectors, contiguous at the source, row stride `dst_stride` at the destination.
 template <typename V>
-__device__ __forceinline__ void grid_copy_rows(const V* __restrict__ src,
-                                               V* __restrict__ dst, uint64_t rows,
-                                               uint64_t row_vecs,
-                                               uint64_t dst_stride_vecs) {
-  const uint64_t total = rows * row_vecs;
-  const uint64_t stride = uint64_t(gridDim.x) * blockDim.x;
-  uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  auto dst_index = [&](uint64_t k) {
+struct RowBlock {
+  const V* src;
+  V* dst;
+  uint64_t rows;
+  uint64_t row_vecs;
+  uint64_t dst_stride;
+
+  __device__ __forceinline__ uint64_t size() const { return rows * row_vecs; }
+  __device__ __forceinline__ uint64_t dst_index(uint64_t k) const {
     if (rows == 1) return k;
     const uint64_t r = k / row_vecs;
-    return r * dst_stride_vecs + (k - r * row_vecs);
-  };
-  for (; i + (kCopyUnroll - 1) * stride < total; i += kCopyUnroll * stride) {
-    V v[kCopyUnroll];
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) v[u] = __ldcg(src + i + u * stride);
-#pragma unroll
-    for (int u = 0; u < kCopyUnroll; ++u) dst[dst_index(i + u * stride)] = v[u];
+    return r * dst_stride + (k - r * row_vecs);
   }
-  for (; i < total; i += stride) dst[dst_index(i)] = __ldcg(src + i);
+};
+
+// Vectors one block copies per chunk: every thread keeps kCopyUnroll loads
+// in flight. Loads bypass L1 (`.cg`): the source may be a peer's memory.
+template <typename V>
+__device__ __forceinline__ void copy_chunk(const RowBlock<V>& b, uint64_t first) {
+  const uint64_t end = b.size();
+  V v[kCopyUnroll];
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const uint64_t k = first + threadIdx.x + uint64_t(u) * blockDim.x;
+    if (k < end) v[u] = __ldcg(b.src + k);
+  }
+#pragma unroll
+  for (int u = 0; u < kCopyUnroll; ++u) {
+    const uint64_t k = first + threadIdx.x + uint64_t(u) * blockDim.x;
+    if (k < end) b.dst[b.dst_index(k)] = v[u];
+  }
 }
 
 }  // namespace pk

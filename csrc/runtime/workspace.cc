@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <sstream>
+#include <string>
 
 #include "kernels/all_gather/all_gather.h"
 
@@ -13,10 +13,10 @@ namespace pk::runtime {
 namespace {
 
 std::string cuda_message(const char* call, int ordinal, cudaError_t e) {
-  std::ostringstream s;
-  s << "pk_jax runtime: " << call << " on device " << ordinal
-    << " failed: " << cudaGetErrorName(e) << " (" << cudaGetErrorString(e) << ")";
-  return s.str();
+  // std::string only: iostreams crashed when the host process loaded another
+  // libstdc++ build (seen on the GPU machines' Python).
+  return std::string("pk_jax runtime: ") + call + " on device " + std::to_string(ordinal) +
+         " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
 }
 
 #define PK_RT_TRY(call, ordinal)                                            \
@@ -35,10 +35,9 @@ std::string enable_peer(int from, int to) {
   int can = 0;
   PK_RT_TRY(cudaDeviceCanAccessPeer(&can, from, to), from);
   if (!can) {
-    std::ostringstream s;
-    s << "pk_jax runtime: device " << from << " cannot access device " << to
-      << " directly (no peer-to-peer path); pk_jax kernels need NVLink or PCIe P2P";
-    return s.str();
+    return "pk_jax runtime: device " + std::to_string(from) + " cannot access device " +
+           std::to_string(to) +
+           " directly (no peer-to-peer path); pk_jax kernels need NVLink or PCIe P2P";
   }
   PK_RT_TRY(cudaSetDevice(from), from);
   cudaError_t e = cudaDeviceEnablePeerAccess(to, 0);
@@ -64,6 +63,8 @@ std::string init_device(DeviceState& d, size_t bytes) {
   void* dev = nullptr;
   PK_RT_TRY(cudaHostGetDevicePointer(&dev, host, 0), d.ordinal);
   d.error_device = static_cast<ErrorRecord*>(dev);
+  PK_RT_TRY(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, d.ordinal),
+            d.ordinal);
   PK_RT_TRY(all_gather::load_ld_st_kernels(&d.all_gather_max_blocks), d.ordinal);
   PK_RT_TRY(all_gather::load_copy_engine_kernels(), d.ordinal);
   PK_RT_TRY(cudaDeviceSynchronize(), d.ordinal);
@@ -169,14 +170,14 @@ std::string Runtime::reset() {
 std::string describe(const ErrorRecord& r, int ordinal) {
   static const char* kOps[] = {"?", "all_gather"};
   const char* op = (r.op > 0 && r.op < int(std::size(kOps))) ? kOps[r.op] : "?";
-  std::ostringstream s;
-  s << "pk_jax." << op << " timed out on device " << ordinal << " (rank " << r.rank
-    << "): waited for peer rank " << r.peer << " to "
-    << (r.what == kWaitPosted ? "post its data" : "finish reading our data")
-    << " for epoch " << r.expected << " but saw " << r.observed
-    << ". The peer is missing, hung, or ran a different program; the outputs of "
-       "that call are undefined. pk_jax.check_errors() clears this state.";
-  return s.str();
+  return std::string("pk_jax.") + op + " timed out on device " + std::to_string(ordinal) +
+         " (rank " + std::to_string(r.rank) + "): waited for peer rank " +
+         std::to_string(r.peer) + " to " +
+         (r.what == kWaitPosted ? "post its address" : "finish its transfer") +
+         " for epoch " + std::to_string(r.expected) + " but saw " +
+         std::to_string(r.observed) +
+         ". The peer is missing, hung, or ran a different program; the outputs of that "
+         "call are undefined. pk_jax.check_errors() clears this state.";
 }
 
 }  // namespace pk::runtime

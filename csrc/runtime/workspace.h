@@ -23,7 +23,8 @@ struct DeviceState {
   char* workspace = nullptr;            // kDataOffset + data_bytes, zeroed
   ErrorRecord* error_host = nullptr;    // mapped pinned memory, host view
   ErrorRecord* error_device = nullptr;  // device view of the same record
-  int all_gather_max_blocks = 1;        // co-resident pull blocks
+  int sm_count = 1;                      // multiprocessors
+  int all_gather_max_blocks = 1;        // co-resident ld/st kernel blocks
 };
 
 struct PendingError {

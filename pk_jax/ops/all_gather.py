@@ -23,9 +23,9 @@ from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
 from pk_jax.config import get_config
 
-MECHANISMS = ("auto", "ld_st", "copy_engine", "xla")
+MECHANISMS = ("auto", "ld_st_push", "ld_st_pull", "copy_engine", "xla")
 # Ids of the "mechanism" FFI attribute (xla_ffi/all_gather.cc: Mechanism).
-_MECHANISM_IDS = {"ld_st": 0, "copy_engine": 1}
+_MECHANISM_IDS = {"ld_st_pull": 0, "copy_engine": 1, "ld_st_push": 2}
 _KERNEL_ITEMSIZES = (1, 2, 4, 8)
 _TARGET = "pk_all_gather"
 
@@ -33,7 +33,8 @@ all_gather_p = Primitive("pk_all_gather")
 
 
 def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
-               tiled: bool = False, mechanism: str = "auto") -> jax.Array:
+               tiled: bool = False, mechanism: str = "auto",
+               num_blocks: int | None = None) -> jax.Array:
     """Gather `x` from every device of `axis_name`; same semantics as
     `jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)`.
 
@@ -48,16 +49,22 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
       axis: where the gathered axis goes (tiled=False: a new axis at this
         position; tiled=True: an existing axis that grows n-fold).
       tiled: concatenate along `axis` instead of stacking a new axis.
-      mechanism: "auto" (a measured table picks by size), "ld_st" (SM kernel
-        pulling peers' inputs with 16-byte loads, zero copy), "copy_engine"
-        (DMA engines, no SMs; stages through the workspace), or "xla"
-        (lax.all_gather).
+      mechanism: "auto" (a measured table picks by size); "ld_st_push" (an SM
+        kernel writes this rank's block into every peer's output with 16-byte
+        stores, zero copy); "ld_st_pull" (the same kernel reads every peer's
+        input instead); "copy_engine" (DMA engines move the data, no SMs;
+        stages through the workspace); or "xla" (lax.all_gather).
+      num_blocks: thread blocks of the ld/st kernels (512 threads each; at most
+        what is co-resident, 2 per SM on H200). None: one per SM, the best
+        measured on 2 x H200.
 
     Returns:
       The gathered array, identical on every device of the group.
     """
     if mechanism not in MECHANISMS:
         raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+    if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 1):
+        raise ValueError(f"num_blocks must be a positive int or None, got {num_blocks!r}")
     names = groups.axis_names(axis_name)
     x = jax.numpy.asarray(x)
     ndim = x.ndim + (0 if tiled else 1)
@@ -77,7 +84,8 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
         return reference.all_gather(x, names, axis=dim, tiled=tiled)
     n = lax.axis_size(names)
     x = make_varying(x, names)
-    return all_gather_p.bind(x, names=names, dim=dim, tiled=tiled, n=n, mechanism=mechanism)
+    return all_gather_p.bind(x, names=names, dim=dim, tiled=tiled, n=n, mechanism=mechanism,
+                             num_blocks=num_blocks or 0)
 
 
 def _out_shape(shape: tuple[int, ...], dim: int, tiled: bool, n: int) -> tuple[int, ...]:
@@ -89,15 +97,15 @@ def _out_shape(shape: tuple[int, ...], dim: int, tiled: bool, n: int) -> tuple[i
     return tuple(out)
 
 
-def _abstract_eval(x, *, names, dim, tiled, n, mechanism):
+def _abstract_eval(x, *, dim, tiled, n, **_):
     return x.update(shape=_out_shape(x.shape, dim, tiled, n))
 
 
-def _transpose(ct, x, *, names, dim, tiled, n, mechanism):
+def _transpose(ct, x, *, names, dim, tiled, **_):
     return [lax.psum_scatter(ct, names, scatter_dimension=dim, tiled=tiled)]
 
 
-def _reference_lowering(ctx, x, *, names, dim, tiled, n, mechanism):
+def _reference_lowering(ctx, x, *, names, dim, tiled, **_):
     fn = lambda v: reference.all_gather(v, names, axis=dim, tiled=tiled)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x)
 
@@ -119,17 +127,16 @@ def _resolve_mechanism(mechanism: str, per_rank_bytes: int, n: int) -> str:
             f"pk_jax.all_gather(mechanism='copy_engine') needs {per_rank_bytes * n} workspace "
             f"bytes ({n} ranks x {per_rank_bytes}), the workspace holds {workspace}; raise it "
             "with pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES, or use "
-            "mechanism='ld_st' (needs no workspace)")
+            "mechanism='ld_st_push' (needs no workspace)")
     return mechanism
 
 
-def _cuda_lowering(ctx, x, *, names, dim, tiled, n, mechanism):
+def _cuda_lowering(ctx, x, *, names, dim, tiled, n, mechanism, num_blocks):
     if not runtime.available():
         warn_once("all_gather-no-extension",
                   "pk_jax.all_gather: native extension unavailable "
                   f"({runtime.extension_error()}); using lax.all_gather")
-        return _reference_lowering(ctx, x, names=names, dim=dim, tiled=tiled, n=n,
-                                   mechanism=mechanism)
+        return _reference_lowering(ctx, x, names=names, dim=dim, tiled=tiled)
     x_aval, = ctx.avals_in
     itemsize = np.dtype(x_aval.dtype).itemsize
     # The kernel's layout treats the gathered axis as a new leading axis of
@@ -151,6 +158,7 @@ def _cuda_lowering(ctx, x, *, names, dim, tiled, n, mechanism):
                 rows=np.int64(rows),
                 row_bytes=np.int64(row_bytes),
                 mechanism=np.int32(_MECHANISM_IDS[chosen]),
+                num_blocks=np.int32(num_blocks),
                 timeout_ns=np.int64(get_config().timeout_ns),
                 skip_post_rank=np.int32(runtime.skip_post_rank()))
 

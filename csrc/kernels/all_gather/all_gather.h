@@ -35,9 +35,11 @@ inline size_t copy_engine_bytes(const Params& p) {
   return size_t(p.n) * p.rows * p.row_bytes;
 }
 
-// ld/st pull: zero-copy. Each rank publishes its input address; every rank
-// reads every peer's input straight into its output with 16-byte loads.
-cudaError_t launch_ld_st(const Params& p);
+// ld/st, zero copy. Pull: each rank publishes its input address and every
+// rank reads every peer's input straight into its output with 16-byte loads.
+// Push: each rank publishes its output address and writes its input into
+// every peer's output with 16-byte stores.
+cudaError_t launch_ld_st(const Params& p, bool push);
 
 // Copy engine: CE pushes the input into each peer's workspace, tiny kernels
 // signal, CE copies the received blocks into the output. No SM does the data

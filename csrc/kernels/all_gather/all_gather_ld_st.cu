@@ -21,8 +21,10 @@ namespace {
 
 // ---- launch config ---------------------------------------------------------
 constexpr int kThreads = 512;
-// Bytes one block moves per grid-stride step at 16-byte width.
-constexpr uint64_t kBytesPerBlockStep = uint64_t(kThreads) * 16 * kCopyUnroll;
+
+// Pull: read every peer's input into our output. Push: write our input into
+// every peer's output. Same handshake; the published address differs.
+enum Direction { kPull, kPush };
 
 // ---- arguments -------------------------------------------------------------
 struct PullArgs {
@@ -39,18 +41,18 @@ struct PullArgs {
 
 // ---- roles -----------------------------------------------------------------
 // Thread q < n publishes to peer q and then resolves rank q's source.
-__device__ void post_and_resolve(const PullArgs& a, uint64_t epoch,
+__device__ void post_and_resolve(const PullArgs& a, uint64_t epoch, const void* mine_ptr,
                                  const char** src_of, bool* ok_of) {
   const int q = threadIdx.x;
   if (q >= a.n) return;
   SlotFlags* mine = a.flags[a.rank];
   if (q == a.rank) {
-    src_of[q] = static_cast<const char*>(a.src);
+    src_of[q] = static_cast<const char*>(mine_ptr);
     ok_of[q] = true;
     return;
   }
   if (!a.skip_post) {
-    store_relaxed_sys(&a.flags[q]->ptr[a.rank], reinterpret_cast<uint64_t>(a.src));
+    store_relaxed_sys(&a.flags[q]->ptr[a.rank], reinterpret_cast<uint64_t>(mine_ptr));
     store_release_sys(&a.flags[q]->posted[a.rank], epoch);
   }
   ok_of[q] = wait_geq(&mine->posted[q], epoch, a.wait, q, kWaitPosted);
@@ -64,7 +66,9 @@ __device__ void finish(const PullArgs& a, uint64_t epoch) {
   SlotFlags* mine = a.flags[a.rank];
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // our reads and writes happen before the ticket
+    // System scope: a peer GPU observes our reads of its input (pull) or
+    // our writes into its output (push) through the done flag.
+    __threadfence_system();
     is_last = atomicAdd(&mine->ticket, 1u) == gridDim.x - 1;
     __threadfence();  // the last block sees every block's work
   }
@@ -83,33 +87,46 @@ __device__ void finish(const PullArgs& a, uint64_t epoch) {
 }
 
 // ---- entry point -----------------------------------------------------------
-template <typename V>
-__global__ void __launch_bounds__(kThreads) all_gather_pull_kernel(
+template <typename V, Direction kDir>
+__global__ void __launch_bounds__(kThreads) all_gather_ld_st_kernel(
     const __grid_constant__ PullArgs a) {
   __shared__ const char* src_of[kMaxRanks];
   __shared__ bool ok_of[kMaxRanks];
   // Read before any ticket is taken, so every block sees the same value.
   const uint64_t epoch =
       *reinterpret_cast<volatile uint64_t*>(&a.flags[a.rank]->epoch) + 1;
-  post_and_resolve(a, epoch, src_of, ok_of);
+  post_and_resolve(a, epoch, kDir == kPull ? a.src : a.dst, src_of, ok_of);
   __syncthreads();
 
+  // Chunks of all ranks' blocks are interleaved over the grid, so the local
+  // copy of our own block runs beside the NVLink reads instead of after them.
   const uint64_t row_vecs = a.row_bytes / sizeof(V);
-  const uint64_t dst_stride = uint64_t(a.n) * row_vecs;
-  // Start at our own rank's neighbour so ranks pull from different peers.
-  for (int k = 1; k <= a.n; ++k) {
-    const int q = (a.rank + k) % a.n;
+  const uint64_t chunk = uint64_t(blockDim.x) * kCopyUnroll;
+  const uint64_t chunks_per_rank = (a.rows * row_vecs + chunk - 1) / chunk;
+  const uint64_t total = chunks_per_rank * a.n;
+  for (uint64_t c = blockIdx.x; c < total; c += gridDim.x) {
+    // Start at our neighbour so that the ranks read from different peers.
+    const int q = int((c + a.rank + 1) % a.n);
     if (!ok_of[q]) continue;  // timed out: leave that part unwritten
-    grid_copy_rows(reinterpret_cast<const V*>(src_of[q]),
-                   reinterpret_cast<V*>(a.dst) + q * row_vecs, a.rows, row_vecs,
-                   dst_stride);
+    const uint64_t stride = uint64_t(a.n) * row_vecs;
+    const RowBlock<V> b =
+        kDir == kPull
+            ? RowBlock<V>{reinterpret_cast<const V*>(src_of[q]),
+                          reinterpret_cast<V*>(a.dst) + q * row_vecs, a.rows, row_vecs, stride}
+            : RowBlock<V>{reinterpret_cast<const V*>(a.src),
+                          reinterpret_cast<V*>(const_cast<char*>(src_of[q])) + a.rank * row_vecs,
+                          a.rows, row_vecs, stride};
+    copy_chunk(b, (c / a.n) * chunk);
   }
   finish(a, epoch);
 }
 
 template <typename V>
-cudaError_t launch_typed(const PullArgs& a, int blocks, cudaStream_t stream) {
-  all_gather_pull_kernel<V><<<blocks, kThreads, 0, stream>>>(a);
+cudaError_t launch_typed(const PullArgs& a, bool push, int blocks, cudaStream_t stream) {
+  if (push)
+    all_gather_ld_st_kernel<V, kPush><<<blocks, kThreads, 0, stream>>>(a);
+  else
+    all_gather_ld_st_kernel<V, kPull><<<blocks, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -124,7 +141,7 @@ int access_width(const Params& p) {
 
 }  // namespace
 
-cudaError_t launch_ld_st(const Params& p) {
+cudaError_t launch_ld_st(const Params& p, bool push) {
   PullArgs a{};
   a.src = p.src;
   a.dst = p.dst;
@@ -137,26 +154,29 @@ cudaError_t launch_ld_st(const Params& p) {
   a.n = p.n;
   a.skip_post = p.skip_post;
 
-  const uint64_t total = uint64_t(p.n) * p.rows * p.row_bytes;
-  const uint64_t want = (total + kBytesPerBlockStep - 1) / kBytesPerBlockStep;
-  const int blocks = int(want < uint64_t(p.max_blocks) ? (want > 0 ? want : 1)
-                                                        : p.max_blocks);
-  switch (access_width(p)) {
-    case 16: return launch_typed<uint4>(a, blocks, p.stream);
-    case 8:  return launch_typed<uint2>(a, blocks, p.stream);
-    case 4:  return launch_typed<unsigned int>(a, blocks, p.stream);
-    case 2:  return launch_typed<unsigned short>(a, blocks, p.stream);
-    default: return launch_typed<unsigned char>(a, blocks, p.stream);
+  // One block per chunk (see the kernel), at most what is co-resident.
+  const int width = access_width(p);
+  const uint64_t chunk_bytes = uint64_t(kThreads) * kCopyUnroll * width;
+  const uint64_t chunks = p.n * ((p.rows * p.row_bytes + chunk_bytes - 1) / chunk_bytes);
+  const int blocks = int(chunks < uint64_t(p.max_blocks) ? (chunks > 0 ? chunks : 1)
+                                                          : p.max_blocks);
+  switch (width) {
+    case 16: return launch_typed<uint4>(a, push, blocks, p.stream);
+    case 8:  return launch_typed<uint2>(a, push, blocks, p.stream);
+    case 4:  return launch_typed<unsigned int>(a, push, blocks, p.stream);
+    case 2:  return launch_typed<unsigned short>(a, push, blocks, p.stream);
+    default: return launch_typed<unsigned char>(a, push, blocks, p.stream);
   }
 }
 
 cudaError_t load_ld_st_kernels(int* max_blocks) {
   const void* kernels[] = {
-      reinterpret_cast<const void*>(all_gather_pull_kernel<uint4>),
-      reinterpret_cast<const void*>(all_gather_pull_kernel<uint2>),
-      reinterpret_cast<const void*>(all_gather_pull_kernel<unsigned int>),
-      reinterpret_cast<const void*>(all_gather_pull_kernel<unsigned short>),
-      reinterpret_cast<const void*>(all_gather_pull_kernel<unsigned char>)};
+#define PK_AG_KERNELS(V)                                                        \
+  reinterpret_cast<const void*>(all_gather_ld_st_kernel<V, kPull>),           \
+      reinterpret_cast<const void*>(all_gather_ld_st_kernel<V, kPush>)
+      PK_AG_KERNELS(uint4), PK_AG_KERNELS(uint2), PK_AG_KERNELS(unsigned int),
+      PK_AG_KERNELS(unsigned short), PK_AG_KERNELS(unsigned char)};
+#undef PK_AG_KERNELS
   int per_sm = 1 << 30;
   for (const void* k : kernels) {
     cudaFuncAttributes attr;

@@ -1,0 +1,44 @@
+"""pk_jax.configure and environment variables."""
+
+import subprocess
+import sys
+
+import pytest
+
+import pk_jax
+
+
+def test_configure_round_trip():
+    saved = pk_jax.get_config()
+    try:
+        cfg = pk_jax.configure(timeout_s=0.5, workspace_bytes=1 << 20)
+        assert cfg.timeout_s == 0.5 and cfg.timeout_ns == 500_000_000
+        assert pk_jax.get_config().workspace_bytes == 1 << 20
+    finally:
+        pk_jax.configure(timeout_s=saved.timeout_s, workspace_bytes=saved.workspace_bytes)
+
+
+@pytest.mark.parametrize("kwargs,match", [(dict(timeout_s=0), "timeout_s"),
+                                          (dict(workspace_bytes=-1), "workspace_bytes")])
+def test_configure_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        pk_jax.configure(**kwargs)
+
+
+def _config_in_subprocess(env):
+    code = "import pk_jax; c = pk_jax.get_config(); print(c.workspace_bytes, c.timeout_s)"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+def test_environment_variables(monkeypatch):
+    import os
+    env = dict(os.environ, PK_JAX_WORKSPACE_BYTES="4096", PK_JAX_TIMEOUT_S="2.5")
+    proc = _config_in_subprocess(env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["4096", "2.5"]
+
+
+def test_bad_environment_variable_is_named():
+    import os
+    proc = _config_in_subprocess(dict(os.environ, PK_JAX_TIMEOUT_S="soon"))
+    assert proc.returncode != 0 and "PK_JAX_TIMEOUT_S" in proc.stderr

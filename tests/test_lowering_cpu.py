@@ -1,0 +1,101 @@
+"""The CUDA lowering, checked on a CPU-only machine by cross-lowering:
+rank tables, channel slots, FFI attributes, and no XLA all-gather left."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax import groups, runtime
+from conftest import cpu_mesh
+
+
+@pytest.mark.parametrize("names", [("x",), ("y",), ("x", "y"), ("y", "x")])
+def test_groups_follow_axis_index(names):
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    table = groups.axis_groups(mesh, names)
+    f = jax.shard_map(lambda: lax.axis_index(names)[None], mesh=mesh, in_specs=(),
+                      out_specs=P(("x", "y")), check_vma=False)
+    ranks = np.asarray(jax.jit(f)())  # one entry per device, mesh order
+    for device, rank in zip(mesh.devices.reshape(-1), ranks):
+        row = [r for r in table if device.id in r]
+        assert len(row) == 1 and row[0][rank] == device.id
+    assert table.shape == (8 // table.shape[1], int(np.prod([mesh.shape[a] for a in names])))
+
+
+class _FakeExtension:
+    max_ranks = 16
+    max_slots = 256
+
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """Pretend the extension and GPUs exist so the CUDA rule runs."""
+    monkeypatch.setattr(runtime, "available", lambda: True)
+    monkeypatch.setattr(runtime, "ensure_ready", lambda: _FakeExtension())
+
+    def lower(fn, mesh, spec, shape, dtype=jnp.float32):
+        x = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+        return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    return lower
+
+
+def _calls(hlo):
+    return re.findall(r"custom_call @pk_all_gather\(.*?\{(.*?)\}, operand_layouts", hlo)
+
+
+def _attr(call, name):
+    return re.search(name + r" = (dense<\[?[-\d, ]*\]?>|[-\d]+)", call).group(1)
+
+
+def test_kernel_call_replaces_xla_all_gather(cuda_lowering):
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    hlo = cuda_lowering(lambda a: pk_jax.all_gather(a, "x", axis=1, tiled=True), mesh,
+                        P("x", "y"), (8, 12))
+    assert "all_gather" not in hlo.replace("pk_all_gather", "") and "all-gather" not in hlo
+    call, = _calls(hlo)
+    assert _attr(call, "group_ids") == "dense<[0, 4, 1, 5, 2, 6, 3, 7]>"
+    assert _attr(call, "group_size") == "2"
+    # local shard [4, 3] f32 gathered along axis 1: 4 rows of 12 bytes
+    assert _attr(call, "rows") == "4" and _attr(call, "row_bytes") == "12"
+    assert _attr(call, "mechanism") == "2"  # auto -> ld_st_push (pk_jax/tuning.py)
+
+
+def test_channels_per_axis(cuda_lowering):
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+
+    def body(a):
+        b = pk_jax.all_gather(a, "x", tiled=True)
+        c = pk_jax.all_gather(b, "y", tiled=True)
+        return pk_jax.all_gather(c, "x", tiled=True)[: a.shape[0]]
+
+    calls = _calls(cuda_lowering(body, mesh, P("x", "y"), (8, 8)))
+    slots = [_attr(c, "slot") for c in calls]
+    assert len(calls) == 3 and slots[0] == slots[2] != slots[1]
+
+
+def test_copy_engine_too_large_names_the_knob(cuda_lowering, monkeypatch):
+    monkeypatch.setattr(runtime, "workspace_data_bytes", lambda: 1024)
+    mesh = cpu_mesh((2,), ("x",))
+    with pytest.raises(ValueError, match="workspace_bytes"):
+        cuda_lowering(lambda a: pk_jax.all_gather(a, "x", mechanism="copy_engine"), mesh,
+                      P("x"), (2, 1024))
+
+
+def test_without_extension_warns_and_uses_xla(monkeypatch):
+    monkeypatch.setattr(runtime, "available", lambda: False)
+    monkeypatch.setattr("pk_jax._warnings._seen", set())
+    mesh = cpu_mesh((2,), ("x",))
+    x = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    f = jax.jit(jax.shard_map(lambda a: pk_jax.all_gather(a, "x"), mesh=mesh, in_specs=P("x"),
+                              out_specs=P("x"), check_vma=False))
+    with pytest.warns(pk_jax.PkJaxFallbackWarning, match="extension unavailable"):
+        hlo = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert "pk_all_gather" not in hlo
