@@ -29,6 +29,7 @@ IMPLS = {
     # No communication: the cost of the loop, slice and add alone (the floor).
     "no_comm": lambda a: jnp.concatenate([a] * lax.axis_size("x")),
     "xla": lambda a: lax.all_gather(a, "x", tiled=True),
+    "pk_ld_st_ll": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="ld_st_ll"),
     "pk_ld_st_push": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="ld_st_push"),
     "pk_ld_st_pull": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="ld_st_pull"),
     "pk_copy_engine": lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="copy_engine"),
@@ -45,6 +46,7 @@ def bandwidth_fn(mesh, gather):
                                  check_vma=False))
 
 
+LL_MAX = 16 << 10  # largest per-rank message of the ld_st_ll mechanism
 UNROLL = 10  # dependent calls per loop iteration: amortizes the loop's own cost
 
 
@@ -61,7 +63,7 @@ def latency_fn(mesh, gather, calls):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="8K,64K,1M,16M,64M,256M")
+    ap.add_argument("--sizes", default="8K,16K,64K,1M,16M,64M,256M")
     ap.add_argument("--loop", type=int, default=200, help="calls in the latency program")
     ap.add_argument("--latency-max", default="16M", help="largest size timed in the loop")
     ap.add_argument("--sweep-blocks", default="", help="e.g. 32,66,132,264: grid sweep at the largest size")
@@ -77,14 +79,15 @@ def main() -> int:
         x = jax.device_put(jnp.asarray(rng.standard_normal(n * elems, dtype=np.float32),
                                        jnp.bfloat16), NamedSharding(mesh, P("x")))
         bw_ms, lat_us = {}, {}
-        for name, gather in IMPLS.items():
+        impls = {k: v for k, v in IMPLS.items() if k != "pk_ld_st_ll" or per_rank <= LL_MAX}
+        for name, gather in impls.items():
             f = bandwidth_fn(mesh, gather)
             bw_ms[name] = time_ms(lambda: f(x))
             if per_rank <= parse_size(args.latency_max):
                 g = latency_fn(mesh, gather, args.loop)
                 lat_us[name] = time_ms(lambda: g(x), calls=3, batches=3) * 1e3 / args.loop
         base = bw_ms["xla"]
-        for name in IMPLS:
+        for name in impls:
             busbw = (n - 1) * per_rank / (bw_ms[name] * 1e-3) / 1e9
             rows.append({"shape": [n * elems], "dtype": "bfloat16", "per_rank_bytes": per_rank,
                          "implementation": name, "median_ms": bw_ms[name],
@@ -94,7 +97,7 @@ def main() -> int:
             table.append([f"{per_rank >> 10} KiB", name, f"{bw_ms[name]:.4f}", f"{busbw:.1f}",
                           f"{base / bw_ms[name]:.2f}x", lat])
         print(markdown_table(["per rank", "impl", "ms/call", "bus GB/s", "vs xla", "loop us/call"],
-                             table[-len(IMPLS):]), flush=True)
+                             table[-len(impls):]), flush=True)
     if args.sweep_blocks:
         # Grid size of the push kernel at the largest size: how many SMs the
         # NVLink traffic needs (512-thread blocks, 2 co-resident per SM).

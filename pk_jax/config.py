@@ -13,24 +13,15 @@ import os
 _MIB = 1 << 20
 
 
-def _env_int(name: str, default: int) -> int:
+def _env(name: str, default, parse):
+    """An environment variable parsed with `parse` (int or float), or `default`."""
     raw = os.environ.get(name)
     if raw is None:
         return default
     try:
-        return int(raw)
+        return parse(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        raise ValueError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +52,8 @@ class Config:
 
 
 _config = Config(
-    workspace_bytes=_env_int("PK_JAX_WORKSPACE_BYTES", Config.workspace_bytes),
-    timeout_s=_env_float("PK_JAX_TIMEOUT_S", Config.timeout_s),
+    workspace_bytes=_env("PK_JAX_WORKSPACE_BYTES", Config.workspace_bytes, int),
+    timeout_s=_env("PK_JAX_TIMEOUT_S", Config.timeout_s, float),
 )
 
 

@@ -32,6 +32,8 @@ def test_groups_follow_axis_index(names):
 class _FakeExtension:
     max_ranks = 16
     max_slots = 256
+    ll_max_bytes = 16 << 10
+    ll_channels = 32
 
 
 @pytest.fixture
@@ -65,7 +67,21 @@ def test_kernel_call_replaces_xla_all_gather(cuda_lowering):
     assert _attr(call, "group_size") == "2"
     # local shard [4, 3] f32 gathered along axis 1: 4 rows of 12 bytes
     assert _attr(call, "rows") == "4" and _attr(call, "row_bytes") == "12"
-    assert _attr(call, "mechanism") == "2"  # auto -> ld_st_push (pk_jax/tuning.py)
+    assert _attr(call, "mechanism") == "3"  # auto, 48 bytes: ld_st_ll (pk_jax/tuning.py)
+
+
+def test_auto_takes_push_above_the_low_latency_limit(cuda_lowering):
+    mesh = cpu_mesh((2,), ("x",))
+    hlo = cuda_lowering(lambda a: pk_jax.all_gather(a, "x"), mesh, P("x"), (2, 8192))
+    call, = _calls(hlo)
+    assert _attr(call, "mechanism") == "2"  # 32 KiB per rank: ld_st_push
+
+
+def test_forced_low_latency_too_large_is_an_error(cuda_lowering):
+    mesh = cpu_mesh((2,), ("x",))
+    with pytest.raises(ValueError, match="ld_st_ll"):
+        cuda_lowering(lambda a: pk_jax.all_gather(a, "x", mechanism="ld_st_ll"), mesh,
+                      P("x"), (2, 8192))
 
 
 def test_channels_per_axis(cuda_lowering):

@@ -15,7 +15,7 @@ namespace ffi = xla::ffi;
 using ffi_common::Group;
 
 // Values of the "mechanism" attribute (pk_jax/ops/all_gather.py: _MECHANISM_IDS).
-enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2 };
+enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2, kLdStLl = 3 };
 
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out,
@@ -64,6 +64,13 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
           "workspace holds " + std::to_string(p.data_bytes) + "; raise it with "
           "pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES");
     err = all_gather::launch_copy_engine(p);
+  } else if (mechanism == kLdStLl) {
+    if (!all_gather::ll_supports(p))
+      return ffi::Error::InvalidArgument(
+          "pk_jax.all_gather: mechanism 'ld_st_ll' takes up to " +
+          std::to_string(kLlMaxBytes) + " bytes per rank in whole 4-byte words, on one of the "
+          "first " + std::to_string(kLlChannels) + " channels");
+    err = all_gather::launch_ll(p);
   } else if (mechanism == kLdStPull || mechanism == kLdStPush) {
     err = all_gather::launch_ld_st(p, mechanism == kLdStPush);
   } else {

@@ -55,5 +55,7 @@ NB_MODULE(_pk_jax_ext, m) {
 
   m.attr("max_ranks") = pk::kMaxRanks;
   m.attr("max_slots") = pk::kMaxSlots;
-  m.attr("flag_bytes") = pk::kDataOffset;
+  m.attr("data_offset") = pk::kDataOffset;
+  m.attr("ll_max_bytes") = pk::kLlMaxBytes;
+  m.attr("ll_channels") = pk::kLlChannels;
 }

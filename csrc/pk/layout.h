@@ -37,10 +37,23 @@ struct alignas(128) DeviceHeader {
   int32_t error_claim;  // 0 until the first failed wait claims the error record
 };
 
-// Workspace = header, channel flags, then a data area for staged mechanisms.
+// Low-latency (LL) lines: the first kLlChannels channels can carry messages
+// of up to kLlMaxBytes per rank with one-way signalling. A line is 8 bytes,
+// 4 of data and 4 of flag (the epoch's low bits), written by one 8-byte store,
+// so a reader that sees the flag sees the data. Two parities per channel:
+// call e writes parity e & 1, so call e+1 never overwrites lines a slow peer
+// still reads.
+inline constexpr int kLlChannels = 32;
+inline constexpr size_t kLlMaxBytes = 16 << 10;
+inline constexpr size_t kLlRankBytes = 2 * kLlMaxBytes;  // lines from one sender
+inline constexpr size_t kLlChannelBytes = 2 * kMaxRanks * kLlRankBytes;
+
+// Workspace = header, channel flags, LL lines, then a data area for staged
+// mechanisms.
 inline constexpr size_t kSlotsOffset = 4096;
 inline constexpr size_t kFlagBytes = kSlotsOffset + sizeof(SlotFlags) * kMaxSlots;
-inline constexpr size_t kDataOffset = (kFlagBytes + 4095) / 4096 * 4096;
+inline constexpr size_t kLlOffset = (kFlagBytes + 4095) / 4096 * 4096;
+inline constexpr size_t kDataOffset = kLlOffset + kLlChannels * kLlChannelBytes;
 static_assert(sizeof(DeviceHeader) <= kSlotsOffset, "header overlaps the slots");
 
 // Filled by a kernel whose bounded wait gave up; lives in mapped host memory
@@ -57,7 +70,7 @@ struct ErrorRecord {
 };
 
 enum OpId : int32_t { kOpAllGather = 1 };
-enum WaitKind : int32_t { kWaitPosted = 1, kWaitDone = 2 };
+enum WaitKind : int32_t { kWaitPosted = 1, kWaitDone = 2, kWaitLine = 3 };
 enum ErrorCode : int32_t { kErrNone = 0, kErrTimeout = 1 };
 
 // Where a failed wait is reported. `record` is mapped host memory; `claim`

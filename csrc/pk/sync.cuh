@@ -37,35 +37,58 @@ __device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* p) {
 }
 
 
-// Spin until *flag >= target (acquire). Returns false after the timeout and
-// fills the error record (first failure wins); the caller then skips the work
-// that depended on the flag and finishes, so the GPU stays usable.
-__device__ inline bool wait_geq(const uint64_t* flag, uint64_t target,
-                                const WaitContext& ctx, int32_t peer,
-                                int32_t what) {
-  uint64_t v = load_acquire_sys(flag);
-  if (v >= target) return true;
+// Fill the error record once per device (the first failed wait wins).
+__device__ inline void record_timeout(const WaitContext& ctx, int32_t peer, int32_t what,
+                                      uint64_t expected, uint64_t observed) {
+  if (ctx.record == nullptr || atomicCAS(ctx.claim, 0, 1) != 0) return;
+  volatile ErrorRecord* r = ctx.record;
+  r->op = ctx.op;
+  r->rank = ctx.rank;
+  r->peer = peer;
+  r->what = what;
+  r->expected = expected;
+  r->observed = observed;
+  __threadfence_system();
+  r->code = kErrTimeout;  // last: the host reads the fields once it sees this
+  __threadfence_system();
+}
+
+// Spin on *word until ready(value); false after the timeout, with the error
+// recorded. The caller then skips the work that depended on the word and
+// finishes, so the GPU stays usable. *seen holds the last value read.
+template <bool kAcquire, typename Ready>
+__device__ inline bool spin_bounded(const uint64_t* word, Ready ready, const WaitContext& ctx,
+                                    int32_t peer, int32_t what, uint64_t expected,
+                                    uint64_t* seen) {
+  auto load = [&] { return kAcquire ? load_acquire_sys(word) : load_relaxed_sys(word); };
+  uint64_t v = load();
+  if (ready(v)) return *seen = v, true;
   const uint64_t start = globaltimer_ns();
-  uint32_t spins = 0;
-  while (true) {
-    v = load_acquire_sys(flag);
-    if (v >= target) return true;
+  for (uint32_t spins = 1;; ++spins) {
+    v = load();
+    if (ready(v)) return *seen = v, true;
     // Read the timer only every 64 polls: it is slower than the load.
-    if ((++spins & 63u) == 0 && globaltimer_ns() - start > ctx.timeout_ns) break;
+    if ((spins & 63u) == 0 && globaltimer_ns() - start > ctx.timeout_ns) break;
   }
-  if (ctx.record != nullptr && atomicCAS(ctx.claim, 0, 1) == 0) {
-    volatile ErrorRecord* r = ctx.record;
-    r->op = ctx.op;
-    r->rank = ctx.rank;
-    r->peer = peer;
-    r->what = what;
-    r->expected = target;
-    r->observed = v;
-    __threadfence_system();
-    r->code = kErrTimeout;  // last: the host reads the fields once it sees this
-    __threadfence_system();
-  }
+  *seen = v;
+  record_timeout(ctx, peer, what, expected, v);
   return false;
+}
+
+// Wait until *flag >= target, with acquire ordering.
+__device__ inline bool wait_geq(const uint64_t* flag, uint64_t target, const WaitContext& ctx,
+                                int32_t peer, int32_t what) {
+  uint64_t seen;
+  return spin_bounded<true>(flag, [=](uint64_t v) { return v >= target; }, ctx, peer, what,
+                            target, &seen);
+}
+
+// Wait until an LL line (data in the low, flag in the high 32 bits) carries
+// `flag`; the line is read in one 8-byte load, so its data is current.
+__device__ inline bool wait_line(const uint64_t* line, uint32_t flag, const WaitContext& ctx,
+                                 int32_t peer, uint64_t* value) {
+  return spin_bounded<false>(line, [=](uint64_t v) { return uint32_t(v >> 32) == flag; }, ctx,
+                             peer, kWaitLine, flag, value);
 }
 
 }  // namespace pk

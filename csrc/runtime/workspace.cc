@@ -54,7 +54,7 @@ std::string init_device(DeviceState& d, size_t bytes) {
   void* ws = nullptr;
   PK_RT_TRY(cudaMalloc(&ws, bytes), d.ordinal);
   d.workspace = static_cast<char*>(ws);
-  PK_RT_TRY(cudaMemset(ws, 0, kFlagBytes), d.ordinal);
+  PK_RT_TRY(cudaMemset(ws, 0, kDataOffset), d.ordinal);  // flags and LL lines
   void* host = nullptr;
   PK_RT_TRY(cudaHostAlloc(&host, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable),
             d.ordinal);
@@ -67,6 +67,7 @@ std::string init_device(DeviceState& d, size_t bytes) {
             d.ordinal);
   PK_RT_TRY(all_gather::load_ld_st_kernels(&d.all_gather_max_blocks), d.ordinal);
   PK_RT_TRY(all_gather::load_copy_engine_kernels(), d.ordinal);
+  PK_RT_TRY(all_gather::load_ll_kernels(), d.ordinal);
   PK_RT_TRY(cudaDeviceSynchronize(), d.ordinal);
   return "";
 }
@@ -160,7 +161,7 @@ std::string Runtime::reset() {
   for (DeviceState& d : devices_) {
     if (d.ordinal < 0) continue;
     PK_RT_TRY(cudaSetDevice(d.ordinal), d.ordinal);
-    PK_RT_TRY(cudaMemset(d.workspace, 0, kFlagBytes), d.ordinal);
+    PK_RT_TRY(cudaMemset(d.workspace, 0, kDataOffset), d.ordinal);
     PK_RT_TRY(cudaDeviceSynchronize(), d.ordinal);
     std::memset(d.error_host, 0, sizeof(ErrorRecord));
   }
@@ -173,7 +174,9 @@ std::string describe(const ErrorRecord& r, int ordinal) {
   return std::string("pk_jax.") + op + " timed out on device " + std::to_string(ordinal) +
          " (rank " + std::to_string(r.rank) + "): waited for peer rank " +
          std::to_string(r.peer) + " to " +
-         (r.what == kWaitPosted ? "post its address" : "finish its transfer") +
+         (r.what == kWaitPosted ? "post its address"
+          : r.what == kWaitLine ? "send its data lines"
+                                : "finish its transfer") +
          " for epoch " + std::to_string(r.expected) + " but saw " +
          std::to_string(r.observed) +
          ". The peer is missing, hung, or ran a different program; the outputs of that "

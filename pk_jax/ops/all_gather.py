@@ -23,9 +23,9 @@ from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
 from pk_jax.config import get_config
 
-MECHANISMS = ("auto", "ld_st_push", "ld_st_pull", "copy_engine", "xla")
+MECHANISMS = ("auto", "ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine", "xla")
 # Ids of the "mechanism" FFI attribute (xla_ffi/all_gather.cc: Mechanism).
-_MECHANISM_IDS = {"ld_st_pull": 0, "copy_engine": 1, "ld_st_push": 2}
+_MECHANISM_IDS = {"ld_st_pull": 0, "copy_engine": 1, "ld_st_push": 2, "ld_st_ll": 3}
 _KERNEL_ITEMSIZES = (1, 2, 4, 8)
 _TARGET = "pk_all_gather"
 
@@ -49,7 +49,9 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
       axis: where the gathered axis goes (tiled=False: a new axis at this
         position; tiled=True: an existing axis that grows n-fold).
       tiled: concatenate along `axis` instead of stacking a new axis.
-      mechanism: "auto" (a measured table picks by size); "ld_st_push" (an SM
+      mechanism: "auto" (a measured table picks by size); "ld_st_ll" (small
+        messages, up to 16 KiB per rank: data and flags travel together into
+        the peers' workspaces, one one-way trip per call); "ld_st_push" (an SM
         kernel writes this rank's block into every peer's output with 16-byte
         stores, zero copy); "ld_st_pull" (the same kernel reads every peer's
         input instead); "copy_engine" (DMA engines move the data, no SMs;
@@ -118,14 +120,23 @@ def _layout(shape: tuple[int, ...], dim: int, tiled: bool, itemsize: int) -> tup
     return rows, row_bytes
 
 
-def _resolve_mechanism(mechanism: str, per_rank_bytes: int, n: int) -> str:
+def _resolve_mechanism(mechanism: str, rows: int, row_bytes: int, n: int, slot: int,
+                       ext) -> str:
+    per_rank = rows * row_bytes
     workspace = runtime.workspace_data_bytes()
+    ll_ok = per_rank <= ext.ll_max_bytes and row_bytes % 4 == 0 and slot < ext.ll_channels
     if mechanism == "auto":
-        return tuning.all_gather_mechanism(per_rank_bytes, n, workspace)
-    if mechanism == "copy_engine" and per_rank_bytes * n > workspace:
+        return tuning.all_gather_mechanism(per_rank, n, workspace, ll_ok)
+    if mechanism == "ld_st_ll" and not ll_ok:
         raise ValueError(
-            f"pk_jax.all_gather(mechanism='copy_engine') needs {per_rank_bytes * n} workspace "
-            f"bytes ({n} ranks x {per_rank_bytes}), the workspace holds {workspace}; raise it "
+            f"pk_jax.all_gather(mechanism='ld_st_ll') takes messages of up to "
+            f"{ext.ll_max_bytes} bytes per rank made of whole 4-byte words (got {per_rank} "
+            f"bytes, rows of {row_bytes}), on the first {ext.ll_channels} channels (this is "
+            f"channel {slot}); use 'ld_st_push'")
+    if mechanism == "copy_engine" and per_rank * n > workspace:
+        raise ValueError(
+            f"pk_jax.all_gather(mechanism='copy_engine') needs {per_rank * n} workspace "
+            f"bytes ({n} ranks x {per_rank}), the workspace holds {workspace}; raise it "
             "with pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES, or use "
             "mechanism='ld_st_push' (needs no workspace)")
     return mechanism
@@ -148,8 +159,8 @@ def _cuda_lowering(ctx, x, *, names, dim, tiled, n, mechanism, num_blocks):
     ext = runtime.ensure_ready()
     if n > ext.max_ranks:
         raise ValueError(f"pk_jax.all_gather supports groups of up to {ext.max_ranks} GPUs, got {n}")
-    chosen = _resolve_mechanism(mechanism, rows * row_bytes, n)
     slot = runtime.channel_slot(("all_gather", table.tobytes()))
+    chosen = _resolve_mechanism(mechanism, rows, row_bytes, n, slot, ext)
     rule = jax.ffi.ffi_lowering(_TARGET)
     return rule(ctx, x,
                 group_ids=table.reshape(-1),

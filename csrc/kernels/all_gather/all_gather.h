@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "pk/channel.h"
 #include "pk/layout.h"
 
 namespace pk::all_gather {
@@ -46,9 +47,19 @@ cudaError_t launch_ld_st(const Params& p, bool push);
 // movement.
 cudaError_t launch_copy_engine(const Params& p);
 
+// ld/st low latency: for messages of up to kLlMaxBytes per rank with
+// row_bytes a multiple of 4. Each rank stores its block as flagged lines into
+// every peer's workspace; receivers spin on the lines themselves, so a call
+// costs one one-way trip and no handshake.
+cudaError_t launch_ll(const Params& p);
+inline bool ll_supports(const Params& p) {
+  return p.slot < kLlChannels && p.rows * p.row_bytes <= kLlMaxBytes && p.row_bytes % 4 == 0;
+}
+
 // Load the kernels on the current device, so that no lazy module load happens
 // while a peer spins. The ld/st one also returns its co-resident block count.
 cudaError_t load_ld_st_kernels(int* max_blocks);
 cudaError_t load_copy_engine_kernels();
+cudaError_t load_ll_kernels();
 
 }  // namespace pk::all_gather

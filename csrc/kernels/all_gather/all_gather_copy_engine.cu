@@ -21,42 +21,36 @@ constexpr int kSignalThreads = 32;  // one warp; thread q talks to rank q
 
 // ---- arguments -------------------------------------------------------------
 struct SignalArgs {
-  SlotFlags* flags[kMaxRanks];
-  WaitContext wait;
-  int rank;
-  int n;
+  Channel ch;
   bool skip_post;
 };
 
 // ---- roles -----------------------------------------------------------------
-__device__ uint64_t next_epoch(const SignalArgs& a) {
-  return *reinterpret_cast<volatile uint64_t*>(&a.flags[a.rank]->epoch) + 1;
-}
 
 // ---- entry points ----------------------------------------------------------
 __global__ void ce_begin_kernel(const __grid_constant__ SignalArgs a) {
   const int q = threadIdx.x;
-  if (q >= a.n || q == a.rank) return;
-  wait_geq(&a.flags[a.rank]->done[q], next_epoch(a) - 1, a.wait, q, kWaitDone);
+  if (q >= a.ch.n || q == a.ch.rank) return;
+  wait_geq(&a.ch.mine()->done[q], a.ch.next_epoch() - 1, a.ch.wait, q, kWaitDone);
 }
 
 __global__ void ce_post_kernel(const __grid_constant__ SignalArgs a) {
   const int q = threadIdx.x;
-  if (q >= a.n || q == a.rank) return;
-  const uint64_t e = next_epoch(a);
+  if (q >= a.ch.n || q == a.ch.rank) return;
+  const uint64_t e = a.ch.next_epoch();
   // The pushes before this kernel on the stream have completed; the fence
   // orders their visibility before the flag for a peer that acquires it.
   __threadfence_system();
-  if (!a.skip_post) store_release_sys(&a.flags[q]->posted[a.rank], e);
-  wait_geq(&a.flags[a.rank]->posted[q], e, a.wait, q, kWaitPosted);
+  if (!a.skip_post) store_release_sys(&a.ch.flags[q]->posted[a.ch.rank], e);
+  wait_geq(&a.ch.mine()->posted[q], e, a.ch.wait, q, kWaitPosted);
 }
 
 __global__ void ce_end_kernel(const __grid_constant__ SignalArgs a) {
   const int q = threadIdx.x;
-  const uint64_t e = next_epoch(a);
-  if (q < a.n && q != a.rank) store_release_sys(&a.flags[q]->done[a.rank], e);
+  const uint64_t e = a.ch.next_epoch();
+  if (q < a.ch.n && q != a.ch.rank) store_release_sys(&a.ch.flags[q]->done[a.ch.rank], e);
   __syncwarp();
-  if (q == 0) a.flags[a.rank]->epoch = e;
+  if (q == 0) a.ch.mine()->epoch = e;
 }
 
 // Output block q: rows of row_bytes at dst + q * row_bytes, pitch n * row_bytes.
@@ -72,11 +66,7 @@ cudaError_t copy_block(const Params& p, int q, const void* src, cudaStream_t s) 
 
 cudaError_t launch_copy_engine(const Params& p) {
   SignalArgs a{};
-  for (int q = 0; q < p.n; ++q)
-    a.flags[q] = reinterpret_cast<SlotFlags*>(p.workspace[q] + kSlotsOffset) + p.slot;
-  a.wait = p.wait;
-  a.rank = p.rank;
-  a.n = p.n;
+  a.ch = make_channel(p.workspace, p.n, p.rank, p.slot, p.wait);
   a.skip_post = p.skip_post;
   const size_t block_bytes = p.rows * p.row_bytes;
   cudaStream_t s = p.stream;

@@ -1,16 +1,21 @@
-// all_gather, ld/st pull mechanism (zero copy, one kernel).
+// all_gather, ld/st mechanism: one kernel, zero copy, push or pull.
 //
-// Protocol for call epoch e on rank r (every counter is monotonic):
-//   1. post:   r writes its input address into ptr[r] of every peer's slot,
-//              then posted[r] = e (release). Every block does this; it is
-//              idempotent, so no block depends on block 0 being scheduled.
-//   2. pull:   for each rank q, wait until our posted[q] >= e (acquire), then
-//              the whole grid copies q's input into our output.
-//   3. done:   the last block to finish tells every peer done[r] = e, then
-//              waits for done[q] >= e from every peer before the kernel ends,
-//              because XLA may reuse our input buffer as soon as we return.
-// A rank cannot run ahead into epoch e+1 before every peer finished reading
-// its epoch-e input (step 3), so one set of flags per channel suffices.
+// Push: every rank stores its block into every peer's output (it publishes
+// its output address). Pull: every rank loads every peer's block into its own
+// output (it publishes its input address). Protocol for call epoch e on rank r
+// (every counter is monotonic):
+//   1. post:    r stores its address into ptr[r] of every peer's channel, then
+//               releases posted[r] = e. Every block does this; it is idempotent,
+//               so no block depends on block 0 being scheduled.
+//   2. resolve: for each rank q, wait until our posted[q] >= e (acquire) and
+//               read ptr[q].
+//   3. copy:    the grid moves all ranks' blocks, chunk by chunk.
+//   4. done:    the last block to finish releases done[r] = e to every peer,
+//               then waits for done[q] >= e from every peer before the kernel
+//               ends: XLA may reuse our input and output buffers as soon as we
+//               return, and a peer may still be reading or writing them.
+// A rank cannot post epoch e+1 before every peer finished epoch e (step 4),
+// so one set of flags per channel suffices.
 #include "kernels/all_gather/all_gather.h"
 #include "pk/copy.cuh"
 #include "pk/cuda_check.h"
@@ -27,43 +32,40 @@ constexpr int kThreads = 512;
 enum Direction { kPull, kPush };
 
 // ---- arguments -------------------------------------------------------------
-struct PullArgs {
+struct LdStArgs {
   const void* src;
   void* dst;
   uint64_t rows;
   uint64_t row_bytes;
-  SlotFlags* flags[kMaxRanks];  // the channel's flags on every rank
-  WaitContext wait;
-  int rank;
-  int n;
+  Channel ch;
   bool skip_post;
 };
 
 // ---- roles -----------------------------------------------------------------
-// Thread q < n publishes to peer q and then resolves rank q's source.
-__device__ void post_and_resolve(const PullArgs& a, uint64_t epoch, const void* mine_ptr,
-                                 const char** src_of, bool* ok_of) {
+// Thread q < n publishes to peer q, then resolves rank q's address.
+__device__ void post_and_resolve(const LdStArgs& a, uint64_t epoch, const void* mine_ptr,
+                                 const char** peer_ptr, bool* ok_of) {
   const int q = threadIdx.x;
-  if (q >= a.n) return;
-  SlotFlags* mine = a.flags[a.rank];
-  if (q == a.rank) {
-    src_of[q] = static_cast<const char*>(mine_ptr);
+  if (q >= a.ch.n) return;
+  SlotFlags* mine = a.ch.mine();
+  if (q == a.ch.rank) {
+    peer_ptr[q] = static_cast<const char*>(mine_ptr);
     ok_of[q] = true;
     return;
   }
   if (!a.skip_post) {
-    store_relaxed_sys(&a.flags[q]->ptr[a.rank], reinterpret_cast<uint64_t>(mine_ptr));
-    store_release_sys(&a.flags[q]->posted[a.rank], epoch);
+    store_relaxed_sys(&a.ch.flags[q]->ptr[a.ch.rank], reinterpret_cast<uint64_t>(mine_ptr));
+    store_release_sys(&a.ch.flags[q]->posted[a.ch.rank], epoch);
   }
-  ok_of[q] = wait_geq(&mine->posted[q], epoch, a.wait, q, kWaitPosted);
-  src_of[q] = reinterpret_cast<const char*>(load_relaxed_sys(&mine->ptr[q]));
+  ok_of[q] = wait_geq(&mine->posted[q], epoch, a.ch.wait, q, kWaitPosted);
+  peer_ptr[q] = reinterpret_cast<const char*>(load_relaxed_sys(&mine->ptr[q]));
 }
 
 // Called by every block after its copies. Returns in all blocks but the last;
 // the last one releases the peers and waits until they are done with us.
-__device__ void finish(const PullArgs& a, uint64_t epoch) {
+__device__ void finish(const LdStArgs& a, uint64_t epoch) {
   __shared__ bool is_last;
-  SlotFlags* mine = a.flags[a.rank];
+  SlotFlags* mine = a.ch.mine();
   __syncthreads();
   if (threadIdx.x == 0) {
     // System scope: a peer GPU observes our reads of its input (pull) or
@@ -75,9 +77,9 @@ __device__ void finish(const PullArgs& a, uint64_t epoch) {
   __syncthreads();
   if (!is_last) return;
   const int q = threadIdx.x;
-  if (q < a.n && q != a.rank) {
-    store_release_sys(&a.flags[q]->done[a.rank], epoch);
-    wait_geq(&mine->done[q], epoch, a.wait, q, kWaitDone);
+  if (q < a.ch.n && q != a.ch.rank) {
+    store_release_sys(&a.ch.flags[q]->done[a.ch.rank], epoch);
+    wait_geq(&mine->done[q], epoch, a.ch.wait, q, kWaitDone);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -89,40 +91,40 @@ __device__ void finish(const PullArgs& a, uint64_t epoch) {
 // ---- entry point -----------------------------------------------------------
 template <typename V, Direction kDir>
 __global__ void __launch_bounds__(kThreads) all_gather_ld_st_kernel(
-    const __grid_constant__ PullArgs a) {
-  __shared__ const char* src_of[kMaxRanks];
+    const __grid_constant__ LdStArgs a) {
+  __shared__ const char* peer_ptr[kMaxRanks];
   __shared__ bool ok_of[kMaxRanks];
   // Read before any ticket is taken, so every block sees the same value.
-  const uint64_t epoch =
-      *reinterpret_cast<volatile uint64_t*>(&a.flags[a.rank]->epoch) + 1;
-  post_and_resolve(a, epoch, kDir == kPull ? a.src : a.dst, src_of, ok_of);
+  const uint64_t epoch = a.ch.next_epoch();
+  post_and_resolve(a, epoch, kDir == kPull ? a.src : a.dst, peer_ptr, ok_of);
   __syncthreads();
 
   // Chunks of all ranks' blocks are interleaved over the grid, so the local
-  // copy of our own block runs beside the NVLink reads instead of after them.
+  // copy of our own block runs beside the NVLink traffic, not after it.
   const uint64_t row_vecs = a.row_bytes / sizeof(V);
   const uint64_t chunk = uint64_t(blockDim.x) * kCopyUnroll;
   const uint64_t chunks_per_rank = (a.rows * row_vecs + chunk - 1) / chunk;
-  const uint64_t total = chunks_per_rank * a.n;
+  const uint64_t total = chunks_per_rank * a.ch.n;
   for (uint64_t c = blockIdx.x; c < total; c += gridDim.x) {
-    // Start at our neighbour so that the ranks read from different peers.
-    const int q = int((c + a.rank + 1) % a.n);
+    // Start at our neighbour so that the ranks talk to different peers.
+    const int q = int((c + a.ch.rank + 1) % a.ch.n);
     if (!ok_of[q]) continue;  // timed out: leave that part unwritten
-    const uint64_t stride = uint64_t(a.n) * row_vecs;
+    const uint64_t stride = uint64_t(a.ch.n) * row_vecs;
     const RowBlock<V> b =
         kDir == kPull
-            ? RowBlock<V>{reinterpret_cast<const V*>(src_of[q]),
+            ? RowBlock<V>{reinterpret_cast<const V*>(peer_ptr[q]),
                           reinterpret_cast<V*>(a.dst) + q * row_vecs, a.rows, row_vecs, stride}
             : RowBlock<V>{reinterpret_cast<const V*>(a.src),
-                          reinterpret_cast<V*>(const_cast<char*>(src_of[q])) + a.rank * row_vecs,
+                          reinterpret_cast<V*>(const_cast<char*>(peer_ptr[q])) +
+                              a.ch.rank * row_vecs,
                           a.rows, row_vecs, stride};
-    copy_chunk(b, (c / a.n) * chunk);
+    copy_chunk(b, (c / a.ch.n) * chunk);
   }
   finish(a, epoch);
 }
 
 template <typename V>
-cudaError_t launch_typed(const PullArgs& a, bool push, int blocks, cudaStream_t stream) {
+cudaError_t launch_typed(const LdStArgs& a, bool push, int blocks, cudaStream_t stream) {
   if (push)
     all_gather_ld_st_kernel<V, kPush><<<blocks, kThreads, 0, stream>>>(a);
   else
@@ -142,16 +144,12 @@ int access_width(const Params& p) {
 }  // namespace
 
 cudaError_t launch_ld_st(const Params& p, bool push) {
-  PullArgs a{};
+  LdStArgs a{};
   a.src = p.src;
   a.dst = p.dst;
   a.rows = p.rows;
   a.row_bytes = p.row_bytes;
-  for (int q = 0; q < p.n; ++q)
-    a.flags[q] = reinterpret_cast<SlotFlags*>(p.workspace[q] + kSlotsOffset) + p.slot;
-  a.wait = p.wait;
-  a.rank = p.rank;
-  a.n = p.n;
+  a.ch = make_channel(p.workspace, p.n, p.rank, p.slot, p.wait);
   a.skip_post = p.skip_post;
 
   // One block per chunk (see the kernel), at most what is co-resident.
