@@ -74,13 +74,14 @@ def configure(*, workspace_bytes: int | None = None, timeout_s: float | None = N
 
     changes = {}
     if workspace_bytes is not None:
-        if runtime.initialized() and workspace_bytes != _config.workspace_bytes:
-            raise RuntimeError(
-                "pk_jax.configure(workspace_bytes=...) must be called before the first "
-                "pk_jax op is compiled: the workspace is already allocated with "
-                f"{_config.workspace_bytes} bytes")
         changes["workspace_bytes"] = int(workspace_bytes)
     if timeout_s is not None:
         changes["timeout_s"] = float(timeout_s)
-    _config = dataclasses.replace(_config, **changes)
+    new = dataclasses.replace(_config, **changes)  # validates
+    if new.workspace_bytes != _config.workspace_bytes and runtime.initialized():
+        raise RuntimeError(
+            "pk_jax.configure(workspace_bytes=...) must be called before the first "
+            "pk_jax op is compiled: the workspace is already allocated with "
+            f"{_config.workspace_bytes} bytes")
+    _config = new
     return _config

@@ -6,16 +6,30 @@ import sys
 import pytest
 
 import pk_jax
+from pk_jax import runtime
 
 
 def test_configure_round_trip():
     saved = pk_jax.get_config()
     try:
-        cfg = pk_jax.configure(timeout_s=0.5, workspace_bytes=1 << 20)
+        cfg = pk_jax.configure(timeout_s=0.5)
         assert cfg.timeout_s == 0.5 and cfg.timeout_ns == 500_000_000
-        assert pk_jax.get_config().workspace_bytes == 1 << 20
+        assert pk_jax.get_config() == cfg
     finally:
-        pk_jax.configure(timeout_s=saved.timeout_s, workspace_bytes=saved.workspace_bytes)
+        pk_jax.configure(timeout_s=saved.timeout_s)
+
+
+def test_workspace_size_only_before_allocation():
+    saved = pk_jax.get_config().workspace_bytes
+    if runtime.initialized():  # a GPU test ran first in this process
+        with pytest.raises(RuntimeError, match="before the first pk_jax op"):
+            pk_jax.configure(workspace_bytes=saved + 4096)
+        assert pk_jax.get_config().workspace_bytes == saved
+        return
+    try:
+        assert pk_jax.configure(workspace_bytes=1 << 20).workspace_bytes == 1 << 20
+    finally:
+        pk_jax.configure(workspace_bytes=saved)
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(timeout_s=0), "timeout_s"),

@@ -27,14 +27,13 @@ done
 
 echo "== summary"
 grep -E "passed|failed" "$OUT/pytest.log" | tail -1
-cat "$OUT/all_gather.json" >/dev/null 2>&1 && python3 - <<'PY'
-import json, os
+python3 - <<'PY'
+import json, os, sys
+sys.path.insert(0, "benchmarks")
+from all_gather import HEADER, table_row
 rows = json.load(open(os.path.join(os.environ.get("OUT", "/tmp/pk_out"), "all_gather.json")))
-print(f"{'bytes/rank':>11} {'impl':>15} {'ms':>9} {'busGB/s':>8} {'vs xla':>7} {'loop us':>8}")
+print("all_gather (" + ", ".join(HEADER) + ")")
 for r in rows:
-    lat = r["loop_latency_us"]
-    print(f"{r['per_rank_bytes']:>11} {r['implementation']:>15} {r['median_ms']:>9.4f} "
-          f"{r['bus_GBps']:>8.1f} {r['baseline_median_ms'] / r['median_ms']:>6.2f}x "
-          f"{(f'{lat:.1f}' if lat else '-'):>8}")
+    print("  ".join(f"{c:>10}" for c in table_row(r)))
 PY
 exit $test_rc
