@@ -17,7 +17,6 @@
 // A rank cannot post epoch e+1 before every peer finished epoch e (step 4),
 // so one set of flags per channel suffices.
 #include <algorithm>
-#include <numeric>
 
 #include "kernels/all_gather/all_gather.h"
 #include "pk/copy.cuh"
@@ -109,10 +108,8 @@ __global__ void __launch_bounds__(kThreads) all_gather_ld_st_kernel(
   const uint64_t chunks_per_rank = (a.rows * row_vecs + chunk - 1) / chunk;
   const uint64_t total = chunks_per_rank * a.ch.n;
   for (uint64_t c = blockIdx.x; c < total; c += gridDim.x) {
-    // Chunk c is chunk c / n of rank q's block. A block's successive chunks
-    // step by gridDim, coprime with n (see the launch), so every block
-    // alternates between ranks and the NVLink traffic comes from all SMs.
-    // Starting at our neighbour makes the ranks talk to different peers.
+    // Chunk c is chunk c / n of rank q's block. Starting at our neighbour
+    // makes the ranks talk to different peers.
     const int q = int((c + a.ch.rank + 1) % a.ch.n);
     if (!ok_of[q]) continue;  // timed out: leave that part unwritten
     const uint64_t stride = uint64_t(a.ch.n) * row_vecs;
@@ -158,15 +155,11 @@ cudaError_t launch_ld_st(const Params& p, bool push) {
   a.ch = make_channel(p.workspace, p.n, p.rank, p.slot, p.wait);
   a.skip_post = p.skip_post;
 
-  // One block per chunk (see the kernel), at most max_blocks, and a grid
-  // coprime with n: with a grid that is a multiple of n, block b would only
-  // ever draw chunks of rank (b + r + 1) % n, leaving the remote traffic to
-  // (n-1)/n of the blocks once the local chunks are done.
+  // One block per chunk (see the kernel), at most max_blocks.
   const int width = access_width(p);
   const uint64_t chunk_bytes = uint64_t(kThreads) * kCopyUnroll * width;
   const uint64_t chunks = p.n * ((p.rows * p.row_bytes + chunk_bytes - 1) / chunk_bytes);
-  int blocks = int(std::clamp<uint64_t>(chunks, 1, uint64_t(p.max_blocks)));
-  while (blocks > 1 && std::gcd(blocks, p.n) != 1) --blocks;
+  const int blocks = int(std::clamp<uint64_t>(chunks, 1, uint64_t(p.max_blocks)));
   switch (width) {
     case 16: return launch_typed<uint4>(a, push, blocks, p.stream);
     case 8:  return launch_typed<uint2>(a, push, blocks, p.stream);
