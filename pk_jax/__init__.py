@@ -9,6 +9,7 @@ from pk_jax.config import Config, configure, get_config
 from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
+from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
 from pk_jax.runtime import check_errors
 
 __version__ = "0.1.0"
@@ -19,7 +20,9 @@ __all__ = [
     "PkJaxFallbackWarning",
     "PkJaxTimeoutError",
     "all_gather",
+    "all_gather_matmul",
     "check_errors",
     "configure",
     "get_config",
+    "matmul_reduce_scatter",
 ]

@@ -9,6 +9,7 @@ built extension) every op lowers to its reference path instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import threading
 from typing import Any, Hashable, Iterator
@@ -22,7 +23,9 @@ _lock = threading.RLock()
 _ext: Any = None
 _ext_error: str | None = None
 _registered = False
-_slots: dict[Hashable, int] = {}
+_channels: dict[Hashable, "Channel"] = {}
+_data_used = 0  # bytes of the workspace data area handed to channels
+_DATA_ALIGN = 4096
 _skip_post_rank = -1  # testing switch, see testing_skip_post()
 
 
@@ -92,23 +95,46 @@ def workspace_data_bytes() -> int:
     return get_config().workspace_bytes
 
 
-def channel_slot(key: Hashable) -> int:
-    """Workspace channel of one (op, device group) pair.
+@dataclasses.dataclass(frozen=True)
+class Channel:
+    """A workspace channel: flags (slot) and, for staged mechanisms, a data
+    region of its own, at the same offsets on every GPU."""
 
-    Every distinct key gets its own flags and epoch counter on each device.
-    All ranks of a group compute the same key, so they agree on the slot.
+    slot: int
+    data_offset: int = 0
+    data_bytes: int = 0
+
+
+def channel(key: Hashable, data_bytes: int = 0) -> Channel:
+    """The channel of one (op, device group, staging size).
+
+    Every distinct key gets its own flags and epoch counter on each device,
+    and its own data region, so staged transfers of different ops or groups
+    never overwrite each other. All ranks of a group lower the same program
+    and compute the same key, so they agree on the channel.
     """
+    global _data_used
     with _lock:
-        slot = _slots.get(key)
-        if slot is None:
-            ext = extension()
-            limit = ext.max_slots if ext is not None else 256
-            if len(_slots) >= limit:
-                raise PkJaxError(
-                    f"pk_jax: more than {limit} distinct (op, device group) channels; "
-                    "this build supports at most that many")
-            slot = _slots[key] = len(_slots)
-        return slot
+        full_key = (key, int(data_bytes))
+        found = _channels.get(full_key)
+        if found is not None:
+            return found
+        ext = extension()
+        limit = ext.max_slots if ext is not None else 256
+        if len(_channels) >= limit:
+            raise PkJaxError(f"pk_jax: more than {limit} distinct (op, device group, size) "
+                             "channels; this build supports at most that many")
+        offset = _data_used
+        end = offset + -(-int(data_bytes) // _DATA_ALIGN) * _DATA_ALIGN
+        if end > workspace_data_bytes():
+            raise PkJaxError(
+                f"pk_jax: the workspace data area is too small: this op needs {data_bytes} "
+                f"bytes, {workspace_data_bytes() - offset} of {workspace_data_bytes()} are "
+                "left; raise pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES "
+                "(before the first op), or pick a mechanism that stages nothing")
+        _data_used = end
+        found = _channels[full_key] = Channel(len(_channels), offset, int(data_bytes))
+        return found
 
 
 def check_errors() -> None:

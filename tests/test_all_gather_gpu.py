@@ -7,7 +7,6 @@ bit patterns every run and the allocator is poisoned before each call.
 import os
 import subprocess
 import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from pk_jax import runtime
 from conftest import gpu_mesh, gpus
+from gpu_chains import check_all_gather_chain
 from gpu_util import as_bits, poison_allocator, put, random_bits
 
 pytestmark = pytest.mark.gpu
@@ -94,29 +94,9 @@ def test_world_size_one(rng, mechanism):
     _check(mesh, rng, (3000,), jnp.bfloat16, mechanism, tiled=True)
 
 
-def _chain(gather, m, steps):
-    """`steps` dependent all_gathers: each result feeds the next input."""
-    def body(i, c):
-        y = gather(c, "x", tiled=True)
-        n = y.shape[0] // m
-        r = lax.axis_index("x")
-        nxt = lax.dynamic_slice_in_dim(y, ((r + 1) % n) * m, m)
-        mine = lax.dynamic_slice_in_dim(y, r * m, m)
-        return nxt * jnp.uint32(3) + mine + i.astype(jnp.uint32)
-    return lambda c: lax.fori_loop(0, steps, body, c)
-
-
 @pytest.mark.parametrize("mechanism", MECHANISMS)
-def test_thousand_calls_in_fori_loop(rng, mechanism):
-    mesh = gpu_mesh(2)
-    m = 2048
-    x = put(mesh, rng.integers(0, 2**32, size=(2 * m,), dtype=np.uint32), jnp.uint32)
-    run = lambda g: jax.jit(jax.shard_map(_chain(g, m, 1000), mesh=mesh, in_specs=P("x"),
-                                          out_specs=P("x"), check_vma=False))(x)
-    ref = run(lax.all_gather)
-    ours = run(lambda a, ax, **k: pk_jax.all_gather(a, ax, mechanism=mechanism, **k))
-    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
-    pk_jax.check_errors()
+def test_thousand_calls_in_fori_loop(mechanism):
+    check_all_gather_chain(gpu_mesh(2), mechanism, 1000, m=2048)
 
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
@@ -139,39 +119,15 @@ def test_interleaved_with_xla_psum(rng, mechanism):
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(run(lax.all_gather)))
 
 
-_SUBPROCESS_CHECK = textwrap.dedent("""
-    import sys
-    sys.path.insert(0, {tests!r})
-    import numpy as np, jax, jax.numpy as jnp
-    from jax import lax
-    from jax.sharding import PartitionSpec as P
-    import pk_jax
-    from conftest import gpu_mesh
-    from test_all_gather_gpu import _chain
-    from gpu_util import put
-    mesh = gpu_mesh(2)
-    rng = np.random.default_rng()
-    m = 1024
-    x = put(mesh, rng.integers(0, 2**32, size=(2 * m,), dtype=np.uint32), jnp.uint32)
-    for mech in ("ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine"):
-        run = lambda g: jax.jit(jax.shard_map(_chain(g, m, 200), mesh=mesh, in_specs=P("x"),
-                                              out_specs=P("x"), check_vma=False))(x)
-        ours = run(lambda a, ax, **k: pk_jax.all_gather(a, ax, mechanism=mech, **k))
-        np.testing.assert_array_equal(np.asarray(ours), np.asarray(run(lax.all_gather)))
-        pk_jax.check_errors()
-    print("SUBPROCESS_OK")
-""")
-
-
 def test_command_buffers_off():
     """The default run of this suite has XLA command buffers on; this one
-    runs the chain again in a process with them off."""
+    runs every op's chain again in a process with them off."""
     gpu_mesh(2)
-    tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    proc = subprocess.run([sys.executable, "-c", _SUBPROCESS_CHECK.format(tests=tests)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_chains.py")
+    proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0 and "SUBPROCESS_OK" in proc.stdout, proc.stderr[-4000:]
 
 

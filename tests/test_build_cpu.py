@@ -13,7 +13,8 @@ def test_extension_built_when_nvcc_present():
         pytest.skip("nvcc not on PATH: the package installs as pure Python here")
     assert runtime.extension() is not None, runtime.extension_error()
     ext = runtime.extension()
-    assert set(ext.registrations()) == {"pk_all_gather"}
+    assert set(ext.registrations()) == {"pk_all_gather", "pk_all_gather_matmul",
+                                        "pk_matmul_reduce_scatter"}
     assert ext.max_ranks >= 8
 
 

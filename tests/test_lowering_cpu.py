@@ -34,6 +34,7 @@ class _FakeExtension:
     max_slots = 256
     ll_max_bytes = 16 << 10
     ll_channels = 32
+    has_gemm = True
 
 
 @pytest.fixture
@@ -41,12 +42,18 @@ def cuda_lowering(monkeypatch):
     """Pretend the extension and GPUs exist so the CUDA rule runs."""
     monkeypatch.setattr(runtime, "available", lambda: True)
     monkeypatch.setattr(runtime, "ensure_ready", lambda: _FakeExtension())
+    monkeypatch.setattr(runtime, "extension", lambda: _FakeExtension())
 
     def lower(fn, mesh, spec, shape, dtype=jnp.float32):
         x = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
         f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
         return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     return lower
+
+
+def _collectives(hlo: str) -> list[str]:
+    """XLA collectives left in a lowered module (StableHLO spelling)."""
+    return re.findall(r"stablehlo\.(all_gather|reduce_scatter|all_reduce)", hlo)
 
 
 def _calls(hlo):
@@ -84,6 +91,19 @@ def test_forced_low_latency_too_large_is_an_error(cuda_lowering):
                       P("x"), (2, 8192))
 
 
+def test_staged_channels_get_disjoint_regions(cuda_lowering):
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+
+    def body(a):
+        b = pk_jax.all_gather(a, "x", tiled=True, mechanism="copy_engine")
+        return pk_jax.all_gather(b, "y", tiled=True, mechanism="copy_engine")[: a.shape[0]]
+
+    calls = _calls(cuda_lowering(body, mesh, P("x", "y"), (8, 1024)))
+    (o1, o2) = [int(_attr(c, "data_offset")) for c in calls]
+    # x: 2 ranks x [4, 256] f32 = 8 KiB staged; regions are 4 KiB aligned.
+    assert o2 >= o1 + 2 * 4 * 256 * 4
+
+
 def test_channels_per_axis(cuda_lowering):
     mesh = cpu_mesh((2, 4), ("x", "y"))
 
@@ -100,7 +120,7 @@ def test_channels_per_axis(cuda_lowering):
 def test_copy_engine_too_large_names_the_knob(cuda_lowering, monkeypatch):
     monkeypatch.setattr(runtime, "workspace_data_bytes", lambda: 1024)
     mesh = cpu_mesh((2,), ("x",))
-    with pytest.raises(ValueError, match="workspace_bytes"):
+    with pytest.raises(pk_jax.PkJaxError, match="workspace_bytes"):
         cuda_lowering(lambda a: pk_jax.all_gather(a, "x", mechanism="copy_engine"), mesh,
                       P("x"), (2, 1024))
 
@@ -115,3 +135,33 @@ def test_without_extension_warns_and_uses_xla(monkeypatch):
     with pytest.warns(pk_jax.PkJaxFallbackWarning, match="extension unavailable"):
         hlo = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert "pk_all_gather" not in hlo
+
+
+def test_mlp_pair_forward_and_backward_use_only_kernels(cuda_lowering):
+    """A column- then row-parallel MLP, and its gradient: every collective is
+    a pk_jax kernel call, no XLA all-gather or reduce-scatter is left."""
+    mesh = cpu_mesh((2,), ("tp",))
+    specs = (P("tp"), P(None, "tp"), P("tp", None))
+
+    def loss(x, w1, w2, mechanism):
+        def body(x, w1, w2):
+            h = pk_jax.all_gather_matmul(x, w1, "tp", mechanism=mechanism)
+            return pk_jax.matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", mechanism=mechanism)
+        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("tp"))
+        return jnp.sum(f(x, w1, w2).astype(jnp.float32) ** 2)
+
+    shapes = [(256, 128), (128, 512), (512, 128)]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+            for s, p in zip(shapes, specs)]
+
+    def lowered(fn, mechanism):
+        f = lambda *a: fn(*a, mechanism)
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    grad = jax.grad(loss, (0, 1, 2))
+    for fn in (loss, grad):
+        hlo = lowered(fn, "auto")
+        assert _collectives(hlo) == []
+        assert "pk_all_gather_matmul" in hlo and "pk_matmul_reduce_scatter" in hlo
+        # The check can fail: XLA's path shows its collectives.
+        assert set(_collectives(lowered(fn, "xla"))) == {"all_gather", "reduce_scatter"}

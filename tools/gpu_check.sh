@@ -11,6 +11,12 @@ cd "$(dirname "$0")/.."
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -5
 
+# Build-time packages the GPU image lacks (nvidia-cutlass) travel as wheels in .whl/.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
 echo "== build"
 t0=$(date +%s)
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 || exit 1
@@ -21,7 +27,7 @@ python3 -m pytest -q -rs tests "$@" 2>&1 | tee "$OUT/pytest.log" | tail -40
 test_rc=${PIPESTATUS[0]}
 
 echo "== benchmarks"
-for b in benchmarks/all_gather.py; do
+for b in benchmarks/all_gather.py benchmarks/tp_matmul.py; do
   (cd benchmarks && python3 "$(basename "$b")") 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -3
 done
 
@@ -35,5 +41,15 @@ rows = json.load(open(os.path.join(os.environ.get("OUT", "/tmp/pk_out"), "all_ga
 print("all_gather (" + ", ".join(HEADER) + ")")
 for r in rows:
     print("  ".join(f"{c:>10}" for c in table_row(r)))
+PY
+python3 - <<'PY'
+import json, os
+path = os.path.join(os.environ.get("OUT", "/tmp/pk_out"), "tp_matmul.json")
+if os.path.exists(path):
+    print("tp_matmul (op, shape, impl, ms, vs gemm-only, vs xla)")
+    for r in json.load(open(path)):
+        floor = f"{r['median_ms'] / r['gemm_only_ms']:.3f}" if r["gemm_only_ms"] else "-"
+        print(f"{r['op']:>22} {'x'.join(map(str, r['shape'])):>17} {r['implementation']:>9} "
+              f"{r['median_ms']:8.3f} {floor:>6} {r['baseline_median_ms'] / r['median_ms']:5.2f}x")
 PY
 exit $test_rc

@@ -20,7 +20,7 @@ enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2, kLdStL
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out,
                          ffi::Span<const int64_t> group_ids, int64_t group_size,
-                         int64_t slot, int64_t rows, int64_t row_bytes,
+                         int64_t slot, int64_t data_offset, int64_t rows, int64_t row_bytes,
                          int32_t mechanism, int32_t num_blocks, int64_t timeout_ns,
                          int32_t skip_post_rank) {
   constexpr const char* kOp = "all_gather";
@@ -45,6 +45,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   p.n = g.n;
   p.slot = int(slot);
   for (int q = 0; q < g.n; ++q) p.workspace[q] = g.members[q]->workspace;
+  p.data_offset = size_t(data_offset);
   p.data_bytes = runtime::Runtime::get().data_bytes();
   p.wait = ffi_common::wait_context(*g.self, kOpAllGather, g.rank, timeout_ns);
   p.skip_post = skip_post_rank == g.rank;
@@ -57,11 +58,10 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   if (x.size_bytes() == 0) return ffi::Error::Success();
   cudaError_t err;
   if (mechanism == kCopyEngine) {
-    if (all_gather::copy_engine_bytes(p) > p.data_bytes)
+    // The region was sized at lowering (pk_jax/runtime.py: channel).
+    if (data_offset < 0 || p.data_offset + all_gather::copy_engine_bytes(p) > p.data_bytes)
       return ffi::Error::InvalidArgument(
-          "pk_jax.all_gather: the copy-engine mechanism needs " +
-          std::to_string(all_gather::copy_engine_bytes(p)) + " workspace bytes, but the "
-          "workspace holds " + std::to_string(p.data_bytes) + "; raise it with "
+          "pk_jax.all_gather: the copy-engine region does not fit the workspace; raise "
           "pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES");
     err = all_gather::launch_copy_engine(p);
   } else if (mechanism == kLdStLl) {
@@ -93,6 +93,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<ffi::Span<const int64_t>>("group_ids")    // device ids, group by group
         .Attr<int64_t>("group_size")                    // ranks per group
         .Attr<int64_t>("slot")                          // workspace channel
+        .Attr<int64_t>("data_offset")                   // channel's data region
         .Attr<int64_t>("rows")                          // prod(shape[:axis])
         .Attr<int64_t>("row_bytes")                     // bytes per row and rank
         .Attr<int32_t>("mechanism")                     // Mechanism

@@ -6,5 +6,7 @@
 namespace pk::ffi_handlers {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherMatmul);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(MatmulReduceScatter);
 
 }  // namespace pk::ffi_handlers

@@ -6,6 +6,7 @@
 
 #include <stdexcept>
 
+#include "kernels/gemm/gemm.h"
 #include "runtime/workspace.h"
 #include "xla_ffi/handlers.h"
 
@@ -30,6 +31,8 @@ NB_MODULE(_pk_jax_ext, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["pk_all_gather"] = as_capsule(pk::ffi_handlers::AllGather);
+    d["pk_all_gather_matmul"] = as_capsule(pk::ffi_handlers::AllGatherMatmul);
+    d["pk_matmul_reduce_scatter"] = as_capsule(pk::ffi_handlers::MatmulReduceScatter);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 
@@ -58,4 +61,5 @@ NB_MODULE(_pk_jax_ext, m) {
   m.attr("data_offset") = pk::kDataOffset;
   m.attr("ll_max_bytes") = pk::kLlMaxBytes;
   m.attr("ll_channels") = pk::kLlChannels;
+  m.attr("has_gemm") = pk::gemm::available();
 }

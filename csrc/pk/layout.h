@@ -69,7 +69,7 @@ struct ErrorRecord {
   uint64_t observed;   // last value seen
 };
 
-enum OpId : int32_t { kOpAllGather = 1 };
+enum OpId : int32_t { kOpAllGather = 1, kOpAllGatherMatmul = 2, kOpMatmulReduceScatter = 3 };
 enum WaitKind : int32_t { kWaitPosted = 1, kWaitDone = 2, kWaitLine = 3 };
 enum ErrorCode : int32_t { kErrNone = 0, kErrTimeout = 1 };
 

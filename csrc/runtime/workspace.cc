@@ -8,9 +8,15 @@
 #include <string>
 
 #include "kernels/all_gather/all_gather.h"
+#include "kernels/tp_matmul/tp_matmul.h"
+#include "pk/signals.h"
 
 namespace pk::runtime {
 namespace {
+
+// Scratch for the GEMM kernels (CUTLASS's persistent scheduler needs a few
+// KiB; this leaves room for split-K variants).
+constexpr size_t kGemmWorkspaceBytes = size_t(16) << 20;
 
 std::string cuda_message(const char* call, int ordinal, cudaError_t e) {
   // std::string only: iostreams crashed when the host process loaded another
@@ -65,8 +71,15 @@ std::string init_device(DeviceState& d, size_t bytes) {
   d.error_device = static_cast<ErrorRecord*>(dev);
   PK_RT_TRY(cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, d.ordinal),
             d.ordinal);
+  PK_RT_TRY(cudaStreamCreateWithFlags(&d.side_stream, cudaStreamNonBlocking), d.ordinal);
+  PK_RT_TRY(cudaEventCreateWithFlags(&d.fork, cudaEventDisableTiming), d.ordinal);
+  PK_RT_TRY(cudaEventCreateWithFlags(&d.join, cudaEventDisableTiming), d.ordinal);
+  d.gemm_workspace_bytes = kGemmWorkspaceBytes;
+  PK_RT_TRY(cudaMalloc(&d.gemm_workspace, d.gemm_workspace_bytes), d.ordinal);
   PK_RT_TRY(all_gather::load_ld_st_kernels(&d.all_gather_max_blocks), d.ordinal);
-  PK_RT_TRY(all_gather::load_copy_engine_kernels(), d.ordinal);
+  PK_RT_TRY(signals::load_kernels(), d.ordinal);
+  PK_RT_TRY(tp_matmul::load_kernels(), d.ordinal);
+  PK_RT_TRY(gemm::load_kernels(), d.ordinal);
   PK_RT_TRY(all_gather::load_ll_kernels(), d.ordinal);
   PK_RT_TRY(cudaDeviceSynchronize(), d.ordinal);
   return "";
@@ -169,7 +182,8 @@ std::string Runtime::reset() {
 }
 
 std::string describe(const ErrorRecord& r, int ordinal) {
-  static const char* kOps[] = {"?", "all_gather"};
+  static const char* kOps[] = {"?", "all_gather", "all_gather_matmul",
+                               "matmul_reduce_scatter"};
   const char* op = (r.op > 0 && r.op < int(std::size(kOps))) ? kOps[r.op] : "?";
   return std::string("pk_jax.") + op + " timed out on device " + std::to_string(ordinal) +
          " (rank " + std::to_string(r.rank) + "): waited for peer rank " +

@@ -7,6 +7,8 @@
 // at init and fill the same table; nothing below the table changes.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -24,6 +26,11 @@ struct DeviceState {
   ErrorRecord* error_host = nullptr;    // mapped pinned memory, host view
   ErrorRecord* error_device = nullptr;  // device view of the same record
   int sm_count = 1;                      // multiprocessors
+  cudaStream_t side_stream = nullptr;   // second stream for comm beside compute
+  cudaEvent_t fork = nullptr;           // main -> side ordering
+  cudaEvent_t join = nullptr;           // side -> main ordering
+  void* gemm_workspace = nullptr;       // scratch of the GEMM kernels
+  size_t gemm_workspace_bytes = 0;
   int all_gather_max_blocks = 1;        // co-resident ld/st kernel blocks
 };
 

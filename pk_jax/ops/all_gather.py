@@ -21,7 +21,7 @@ from jax.interpreters import ad, mlir
 from pk_jax import groups, reference, runtime, tuning
 from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
-from pk_jax.config import get_config
+from pk_jax.ops._lowering import channel_attrs, group_table, kernels_missing
 
 MECHANISMS = ("auto", "ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine", "xla")
 # Ids of the "mechanism" FFI attribute (xla_ffi/all_gather.cc: Mechanism).
@@ -120,58 +120,48 @@ def _layout(shape: tuple[int, ...], dim: int, tiled: bool, itemsize: int) -> tup
     return rows, row_bytes
 
 
-def _resolve_mechanism(mechanism: str, rows: int, row_bytes: int, n: int, slot: int,
-                       ext) -> str:
+def _resolve_mechanism(mechanism: str, rows: int, row_bytes: int, n: int, ext) -> str:
     per_rank = rows * row_bytes
     workspace = runtime.workspace_data_bytes()
-    ll_ok = per_rank <= ext.ll_max_bytes and row_bytes % 4 == 0 and slot < ext.ll_channels
+    ll_ok = per_rank <= ext.ll_max_bytes and row_bytes % 4 == 0
     if mechanism == "auto":
         return tuning.all_gather_mechanism(per_rank, n, workspace, ll_ok)
     if mechanism == "ld_st_ll" and not ll_ok:
         raise ValueError(
             f"pk_jax.all_gather(mechanism='ld_st_ll') takes messages of up to "
             f"{ext.ll_max_bytes} bytes per rank made of whole 4-byte words (got {per_rank} "
-            f"bytes, rows of {row_bytes}), on the first {ext.ll_channels} channels (this is "
-            f"channel {slot}); use 'ld_st_push'")
-    if mechanism == "copy_engine" and per_rank * n > workspace:
-        raise ValueError(
-            f"pk_jax.all_gather(mechanism='copy_engine') needs {per_rank * n} workspace "
-            f"bytes ({n} ranks x {per_rank}), the workspace holds {workspace}; raise it "
-            "with pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES, or use "
-            "mechanism='ld_st_push' (needs no workspace)")
+            f"bytes, rows of {row_bytes}); use 'ld_st_push'")
     return mechanism
 
 
+def _channel(mechanism: str, requested: str, table: np.ndarray, rows: int, row_bytes: int,
+             n: int, ext) -> tuple[str, "runtime.Channel"]:
+    """The workspace channel (and the mechanism, which falls back from
+    ld_st_ll to ld_st_push under "auto" when the channel has no LL lines)."""
+    staged = n * rows * row_bytes if mechanism == "copy_engine" else 0
+    ch = runtime.channel(("all_gather", table.tobytes()), staged)
+    if mechanism == "ld_st_ll" and ch.slot >= ext.ll_channels:
+        if requested != "auto":
+            raise ValueError(f"pk_jax.all_gather: the program uses more than "
+                             f"{ext.ll_channels} channels, the number with low-latency "
+                             "lines; use mechanism='ld_st_push'")
+        mechanism = "ld_st_push"
+    return mechanism, ch
+
+
 def _cuda_lowering(ctx, x, *, names, dim, tiled, n, mechanism, num_blocks):
-    if not runtime.available():
-        warn_once("all_gather-no-extension",
-                  "pk_jax.all_gather: native extension unavailable "
-                  f"({runtime.extension_error()}); using lax.all_gather")
+    if kernels_missing("all_gather"):
         return _reference_lowering(ctx, x, names=names, dim=dim, tiled=tiled)
     x_aval, = ctx.avals_in
-    itemsize = np.dtype(x_aval.dtype).itemsize
-    # The kernel's layout treats the gathered axis as a new leading axis of
-    # the trailing dims; tiled and stacked gathers share one byte layout.
-    rows, row_bytes = _layout(x_aval.shape, dim, tiled, itemsize)
-    table = groups.axis_groups(groups.lowering_mesh(ctx, "all_gather"), names)
-    if table.shape[1] != n:
-        raise AssertionError(f"mesh group size {table.shape[1]} != axis size {n}")
-    ext = runtime.ensure_ready()
-    if n > ext.max_ranks:
-        raise ValueError(f"pk_jax.all_gather supports groups of up to {ext.max_ranks} GPUs, got {n}")
-    slot = runtime.channel_slot(("all_gather", table.tobytes()))
-    chosen = _resolve_mechanism(mechanism, rows, row_bytes, n, slot, ext)
-    rule = jax.ffi.ffi_lowering(_TARGET)
-    return rule(ctx, x,
-                group_ids=table.reshape(-1),
-                group_size=np.int64(n),
-                slot=np.int64(slot),
-                rows=np.int64(rows),
-                row_bytes=np.int64(row_bytes),
-                mechanism=np.int32(_MECHANISM_IDS[chosen]),
-                num_blocks=np.int32(num_blocks),
-                timeout_ns=np.int64(get_config().timeout_ns),
-                skip_post_rank=np.int32(runtime.skip_post_rank()))
+    # Stacked and tiled gathers share one byte layout (see _layout).
+    rows, row_bytes = _layout(x_aval.shape, dim, tiled, np.dtype(x_aval.dtype).itemsize)
+    ext, table = group_table(ctx, "all_gather", names, n)
+    chosen = _resolve_mechanism(mechanism, rows, row_bytes, n, ext)
+    chosen, ch = _channel(chosen, mechanism, table, rows, row_bytes, n, ext)
+    return jax.ffi.ffi_lowering(_TARGET)(
+        ctx, x, rows=np.int64(rows), row_bytes=np.int64(row_bytes),
+        mechanism=np.int32(_MECHANISM_IDS[chosen]), num_blocks=np.int32(num_blocks),
+        **channel_attrs(table, ch))
 
 
 all_gather_p.def_abstract_eval(_abstract_eval)

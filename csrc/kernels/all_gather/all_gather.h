@@ -24,6 +24,7 @@ struct Params {
   int n = 1;
   int slot = 0;                // channel index in the workspace
   char* workspace[kMaxRanks];  // every rank's workspace base (peer mapped)
+  size_t data_offset = 0;      // this channel's region in the data area
   size_t data_bytes = 0;       // size of each workspace's data area
   WaitContext wait{};
   bool skip_post = false;      // testing: this rank never posts (timeout path)
@@ -59,7 +60,6 @@ inline bool ll_supports(const Params& p) {
 // Load the kernels on the current device, so that no lazy module load happens
 // while a peer spins. The ld/st one also returns its co-resident block count.
 cudaError_t load_ld_st_kernels(int* max_blocks);
-cudaError_t load_copy_engine_kernels();
 cudaError_t load_ll_kernels();
 
 }  // namespace pk::all_gather

@@ -1,0 +1,133 @@
+"""Tensor-parallel matmuls: pk_jax against XLA (all_gather + dot, dot +
+psum_scatter) and against gemm-only (the same local GEMM with no
+communication: the floor perfect overlap reaches), in one run.
+
+Usage: python benchmarks/tp_matmul.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from common import markdown_table, time_ms, write_results
+
+# Global M x K x N, as in ../shared/notes/baselines-h200.md.
+AG_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 28672)]
+RS_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 28672, 8192)]
+
+
+def _put(mesh, shape, spec, rng, scale=1.0):
+    a = jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * scale, jnp.bfloat16)
+    return jax.device_put(a, NamedSharding(mesh, spec))
+
+
+def ag_impls(mesh):
+    specs = dict(mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))
+    return {
+        "pk": jax.jit(jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(x, w, "x"), **specs)),
+        "xla": jax.jit(jax.shard_map(
+            lambda x, w: lax.all_gather(x, "x", tiled=True) @ w, **specs)),
+        # the local GEMM alone: every rank multiplies M rows (its rows n times)
+        "gemm_only": jax.jit(jax.shard_map(
+            lambda x, w: jnp.concatenate([x] * lax.axis_size("x")) @ w, **specs)),
+    }
+
+
+def rs_impls(mesh):
+    specs = dict(mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P("x"))
+    n = mesh.size
+    return {
+        "pk": jax.jit(jax.shard_map(lambda x, w: pk_jax.matmul_reduce_scatter(x, w, "x"),
+                                    **specs)),
+        "xla": jax.jit(jax.shard_map(
+            lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True),
+            **specs)),
+        "gemm_only": jax.jit(jax.shard_map(lambda x, w: (x @ w)[: x.shape[0] // n], **specs)),
+    }
+
+
+def mlp_impls(mesh):
+    def loss(pk):
+        def body(x, w1, w2):
+            if pk:
+                h = pk_jax.all_gather_matmul(x, w1, "x")
+                return pk_jax.matmul_reduce_scatter(jax.nn.gelu(h), w2, "x")
+            h = lax.all_gather(x, "x", tiled=True) @ w1
+            return lax.psum_scatter(jax.nn.gelu(h) @ w2, "x", scatter_dimension=0, tiled=True)
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x"), P("x", None)),
+                          out_specs=P("x"))
+        return lambda *a: jnp.sum(f(*a).astype(jnp.float32))
+    return {name: jax.jit(jax.value_and_grad(loss(pk), (0, 1, 2)))
+            for name, pk in (("pk", True), ("xla", False))}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="the first shape of each op only")
+    args = ap.parse_args()
+    devices = jax.devices()
+    n = len(devices)
+    mesh = Mesh(np.array(devices), ("x",), axis_types=(AxisType.Auto,))
+    rng = np.random.default_rng()
+    rows, table = [], []
+
+    def record(op, shape, times, flops, gpus=n):
+        base, floor = times["xla"], times.get("gemm_only")
+        for name, ms in times.items():
+            rows.append({"op": op, "shape": list(shape), "dtype": "bfloat16",
+                         "implementation": name, "median_ms": ms, "baseline": "xla",
+                         "baseline_median_ms": base, "gemm_only_ms": floor,
+                         "tflops_per_gpu": flops / gpus / (ms * 1e-3) / 1e12})
+            table.append([op, "x".join(map(str, shape)), name, f"{ms:.3f}",
+                          f"{flops / gpus / (ms * 1e-3) / 1e12:.0f}",
+                          f"{ms / floor:.3f}" if floor else "-", f"{base / ms:.2f}x"])
+        print(markdown_table(HEADER, table[-len(times):]), flush=True)
+
+    for shape in AG_SHAPES[: 1 if args.quick else None]:
+        m, k, nn = shape
+        x, w = _put(mesh, (m, k), P("x"), rng), _put(mesh, (k, nn), P(None, "x"), rng, k ** -0.5)
+        times = {name: time_ms(lambda: f(x, w)) for name, f in ag_impls(mesh).items()}
+        record("all_gather_matmul", shape, times, 2.0 * m * k * nn)
+    for shape in RS_SHAPES[: 1 if args.quick else None]:
+        m, k, nn = shape
+        x, w = _put(mesh, (m, k), P(None, "x"), rng), _put(mesh, (k, nn), P("x"), rng, k ** -0.5)
+        times = {name: time_ms(lambda: f(x, w)) for name, f in rs_impls(mesh).items()}
+        record("matmul_reduce_scatter", shape, times, 2.0 * m * k * nn)
+    # World size 1: pk's GEMM (no peers) against XLA's dot on one GPU.
+    one = Mesh(np.array(devices[:1]), ("x",), axis_types=(AxisType.Auto,))
+    m = k = nn = 8192
+    x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
+    impls = ag_impls(one)
+    times = {name: time_ms(lambda: impls[name](x, w)) for name in ("pk", "xla")}
+    record("gemm_world_size_1", (m, k, nn), times, 2.0 * m * k * nn, gpus=1)
+    # MLP pair, forward + backward, hidden 8192 (ffn 28672), 8192 tokens.
+    tokens, d, ffn = 8192, 8192, 28672
+    x = _put(mesh, (tokens, d), P("x"), rng)
+    w1, w2 = _put(mesh, (d, ffn), P(None, "x"), rng, d ** -0.5), _put(mesh, (ffn, d), P("x"), rng,
+                                                                       ffn ** -0.5)
+    times = {name: time_ms(lambda: f(x, w1, w2), calls=5) for name, f in mlp_impls(mesh).items()}
+    record("mlp_fwd_bwd", (tokens, d, ffn), times, 3 * 2 * 2.0 * tokens * d * ffn)
+
+    md = ("Columns: time per call (ms), TFLOP/s per GPU, time over gemm-only (the same local "
+          "GEMM with no communication), speedup over XLA. mlp_fwd_bwd: column- then "
+          "row-parallel layer, loss and gradients, 3x the forward FLOPs.\n\n"
+          + markdown_table(HEADER, table))
+    write_results("tp_matmul", rows, md, "python benchmarks/tp_matmul.py " + " ".join(sys.argv[1:]))
+    print(md)
+    pk_jax.check_errors()
+    return 0
+
+
+HEADER = ["op", "M x K x N", "impl", "ms", "TFLOP/s/GPU", "vs gemm-only", "vs xla"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,80 @@
+#include "pk/signals.h"
+
+#include "pk/cuda_check.h"
+#include "pk/sync.cuh"
+
+namespace pk::signals {
+namespace {
+
+// ---- launch config ---------------------------------------------------------
+constexpr int kThreads = 32;  // one warp; thread q talks to rank q (kMaxRanks <= 32)
+static_assert(kMaxRanks <= kThreads, "one thread per rank");
+
+// True for the threads whose rank this call addresses (never our own).
+__device__ __forceinline__ bool addressed(const Channel& ch, int peer, int q) {
+  return q < ch.n && q != ch.rank && (peer == kAllPeers || peer == q);
+}
+
+// ---- entry points ----------------------------------------------------------
+__global__ void wait_credit_kernel(const __grid_constant__ Channel ch) {
+  const int q = threadIdx.x;
+  if (addressed(ch, kAllPeers, q))
+    wait_geq(&ch.mine()->done[q], ch.next_epoch() - 1, ch.wait, q, kWaitDone);
+}
+
+__global__ void post_kernel(const __grid_constant__ Channel ch, int peer) {
+  const int q = threadIdx.x;
+  __threadfence_system();
+  if (addressed(ch, peer, q)) store_release_sys(&ch.flags[q]->posted[ch.rank], ch.next_epoch());
+}
+
+__global__ void wait_posted_kernel(const __grid_constant__ Channel ch, int peer) {
+  const int q = threadIdx.x;
+  if (addressed(ch, peer, q))
+    wait_geq(&ch.mine()->posted[q], ch.next_epoch(), ch.wait, q, kWaitPosted);
+}
+
+__global__ void finish_kernel(const __grid_constant__ Channel ch) {
+  const int q = threadIdx.x;
+  const uint64_t e = ch.next_epoch();
+  if (addressed(ch, kAllPeers, q)) store_release_sys(&ch.flags[q]->done[ch.rank], e);
+  __syncwarp();
+  if (q == 0) ch.mine()->epoch = e;
+}
+
+}  // namespace
+
+cudaError_t wait_credit(const Channel& ch, cudaStream_t stream) {
+  wait_credit_kernel<<<1, kThreads, 0, stream>>>(ch);
+  return cudaGetLastError();
+}
+
+cudaError_t post(const Channel& ch, int peer, bool skip, cudaStream_t stream) {
+  if (skip) return cudaSuccess;
+  post_kernel<<<1, kThreads, 0, stream>>>(ch, peer);
+  return cudaGetLastError();
+}
+
+cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream) {
+  wait_posted_kernel<<<1, kThreads, 0, stream>>>(ch, peer);
+  return cudaGetLastError();
+}
+
+cudaError_t finish(const Channel& ch, cudaStream_t stream) {
+  finish_kernel<<<1, kThreads, 0, stream>>>(ch);
+  return cudaGetLastError();
+}
+
+cudaError_t load_kernels() {
+  const void* kernels[] = {reinterpret_cast<const void*>(wait_credit_kernel),
+                           reinterpret_cast<const void*>(post_kernel),
+                           reinterpret_cast<const void*>(wait_posted_kernel),
+                           reinterpret_cast<const void*>(finish_kernel)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr;
+    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
+  }
+  return cudaSuccess;
+}
+
+}  // namespace pk::signals

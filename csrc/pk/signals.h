@@ -1,0 +1,34 @@
+// Stream-ordered signalling for mechanisms whose data moves outside a pk
+// kernel (copy engines, GEMMs writing to peers): one-warp kernels, thread q
+// talking to rank q. Each reads the channel's epoch e (calls completed + 1);
+// only `finish` advances it, so launch it last.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "pk/channel.h"
+
+namespace pk::signals {
+
+inline constexpr int kAllPeers = -1;
+
+// Wait until every peer's done[q] >= e - 1: each peer has finished reading
+// what we staged in its workspace during the previous call (our credit).
+cudaError_t wait_credit(const Channel& ch, cudaStream_t stream);
+
+// Release posted[rank] = e on `peer` (or every peer), after a system-scope
+// fence: what this stream wrote before is visible to a peer that acquires it.
+// `skip` (testing) launches nothing.
+cudaError_t post(const Channel& ch, int peer, bool skip, cudaStream_t stream);
+
+// Wait until posted[q] >= e for `peer` (or every peer).
+cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream);
+
+// Release done[rank] = e to every peer (we finished reading what they staged
+// with us), then advance the epoch.
+cudaError_t finish(const Channel& ch, cudaStream_t stream);
+
+// Load the kernels on the current device (no lazy loading while peers spin).
+cudaError_t load_kernels();
+
+}  // namespace pk::signals

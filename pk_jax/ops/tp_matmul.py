@@ -1,0 +1,219 @@
+"""Tensor-parallel matmuls with the communication overlapped:
+`all_gather_matmul` and `matmul_reduce_scatter`, each the other's transpose.
+
+Call inside `jax.shard_map`. On CUDA GPUs the GEMMs run on row chunks while
+the copy engines bring the rows in (all_gather_matmul), or write their tiles
+straight into the owner's memory (matmul_reduce_scatter); elsewhere, and for
+inputs the kernels do not take, XLA's collectives and dot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pk_jax import groups, reference, runtime
+from pk_jax._compat import make_varying
+from pk_jax._warnings import warn_once
+from pk_jax.ops.tp_matmul_primitives import all_gather_matmul_p, matmul_reduce_scatter_p
+
+MECHANISMS = ("auto", "chunked", "xla")
+_KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static part of one call, validated once (hashable: a custom_vjp static)."""
+
+    names: tuple[str, ...]
+    n: int
+    out_dtype: np.dtype
+    mechanism: str  # "chunked" or "xla" after validation
+
+
+def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism) -> _Config:
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"pk_jax.{op}: mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+    if x.ndim < 2 or w.ndim != 2:
+        raise ValueError(f"pk_jax.{op}: expected x [..., rows, K] and w [K, N], got x "
+                         f"{x.shape} and w {w.shape}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"pk_jax.{op}: contraction mismatch, x {x.shape} @ w {w.shape}")
+    for name, a in (("x", x), ("w", w)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"pk_jax.{op}: {name} must be floating point, got {a.dtype}")
+    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+    names = groups.axis_names(axis_name)
+    cfg = _Config(names, lax.axis_size(names), out_dtype, mechanism)
+    if mechanism != "xla":
+        why = _kernel_unsupported(x, w, out_dtype)
+        if why:
+            if mechanism == "chunked":
+                raise ValueError(f"pk_jax.{op}(mechanism='chunked'): {why}")
+            if runtime.available():  # elsewhere the reference is the plan, not a fallback
+                warn_once(f"{op}-{why}", f"pk_jax.{op}: {why}; using the XLA reference path")
+        cfg = dataclasses.replace(cfg, mechanism="xla" if why else "chunked")
+    return cfg
+
+
+def _kernel_unsupported(x, w, out_dtype) -> str:
+    """Why the GEMM kernels cannot take these operands ('' if they can)."""
+    if x.dtype != w.dtype or x.dtype not in _KERNEL_DTYPES:
+        return (f"the kernels take bf16 or fp16 operands of one dtype, got {x.dtype} and "
+                f"{w.dtype}")
+    if out_dtype not in (x.dtype, jnp.dtype(jnp.float32)):
+        return f"the kernels write {x.dtype} or float32, not {out_dtype}"
+    if x.shape[-1] % 8 or w.shape[1] % 8:
+        return f"K ({x.shape[-1]}) and N ({w.shape[1]}) must be multiples of 8 for the kernels"
+    return ""
+
+
+def _t(w):
+    return jnp.swapaxes(w, 0, 1)
+
+
+def _dot_f32(a, b, dtype):
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32).astype(dtype)
+
+
+# ---- all_gather_matmul: 2-D core with its VJP ----------------------------------
+def _ag(x, w, cfg: _Config, return_gathered: bool):
+    return all_gather_matmul_p.bind(x, w, names=cfg.names, n=cfg.n, out_dtype=cfg.out_dtype,
+                                    return_gathered=return_gathered, mechanism=cfg.mechanism)
+
+
+def _ag_forward(x, w, cfg):
+    out, gathered = _ag(x, w, cfg, True)
+    return (out, gathered), (gathered, w)
+
+
+def _ag_backward(cfg: _Config, res, dy, dgathered=None):
+    """dx = matmul_reduce_scatter(dy, w^T) (+ the gathered output's share),
+    dw = gathered^T @ dy."""
+    gathered, w = res
+    x_dtype = gathered.dtype
+    if dy.dtype == x_dtype and cfg.mechanism == "chunked":
+        dx = _rs(dy, _t(w), dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype)))
+    else:
+        dx = reference.matmul_reduce_scatter(dy.astype(x_dtype), _t(w).astype(x_dtype),
+                                             cfg.names)
+    if dgathered is not None:
+        dx = dx + lax.psum_scatter(dgathered, cfg.names, scatter_dimension=0, tiled=True)
+    dw = _dot_f32(gathered, dy.astype(x_dtype), w.dtype)
+    return dx.astype(x_dtype), dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ag_out(x, w, cfg):
+    return _ag(x, w, cfg, False)[0]
+
+
+def _ag_out_forward(x, w, cfg):
+    (out, _), res = _ag_forward(x, w, cfg)
+    return out, res
+
+
+_ag_out.defvjp(_ag_out_forward, _ag_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ag_out_gathered(x, w, cfg):
+    return tuple(_ag(x, w, cfg, True))
+
+
+_ag_out_gathered.defvjp(_ag_forward, lambda cfg, res, ct: _ag_backward(cfg, res, *ct))
+
+
+# ---- matmul_reduce_scatter: 2-D core with its VJP ------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rs(x, w, cfg):
+    return matmul_reduce_scatter_p.bind(x, w, names=cfg.names, n=cfg.n,
+                                        out_dtype=cfg.out_dtype, mechanism=cfg.mechanism)
+
+
+def _rs_forward(x, w, cfg):
+    return _rs(x, w, cfg), (x, w)
+
+
+def _rs_backward(cfg: _Config, res, dy):
+    """dx, gathered dy = all_gather_matmul(dy, w^T); dw = x^T @ gathered dy."""
+    x, w = res
+    if dy.dtype == x.dtype and cfg.mechanism == "chunked":
+        dx, gathered_dy = _ag(dy, _t(w), dataclasses.replace(cfg, out_dtype=x.dtype), True)
+    else:
+        dx, gathered_dy = reference.all_gather_matmul(dy.astype(x.dtype), _t(w).astype(x.dtype),
+                                                      cfg.names)
+    dw = _dot_f32(x, gathered_dy.astype(x.dtype), w.dtype)
+    return dx.astype(x.dtype), dw
+
+
+_rs.defvjp(_rs_forward, _rs_backward)
+
+
+# ---- public API ----------------------------------------------------------------
+def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
+                      return_gathered: bool = False, preferred_element_type=None,
+                      mechanism: str = "auto"):
+    """`lax.all_gather(x, axis_name, axis=0, tiled=True) @ w`, overlapped.
+
+    Args:
+      x: this device's rows, [m, K] or [batch..., K] (leading dims are rows;
+        the gather is along the first one).
+      w: [K, N_local], e.g. the column shard of a column-parallel layer.
+      axis_name: mesh axis (or tuple of axes) to gather over.
+      return_gathered: also return the gathered x (what the backward pass of
+        the weight needs); it costs one extra copy of x per peer.
+      preferred_element_type: output dtype; None: the operands' dtype.
+        Accumulation is fp32 either way.
+      mechanism: "auto"/"chunked" (GEMMs on row chunks as the copy engines
+        bring them in; bf16/fp16 operands, K and N multiples of 8) or "xla".
+
+    Returns:
+      out [n * x.shape[0], ..., N_local], and with return_gathered the
+      gathered x [n * x.shape[0], ..., K].
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    cfg = _validate("all_gather_matmul", x, w, axis_name, preferred_element_type, mechanism)
+    x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
+    w = make_varying(w, cfg.names)
+    lead = (cfg.n * x.shape[0],) + x.shape[1:-1]
+    if return_gathered:
+        out, gathered = _ag_out_gathered(x2, w, cfg)
+        return out.reshape(lead + (w.shape[1],)), gathered.reshape(lead + (x.shape[-1],))
+    return _ag_out(x2, w, cfg).reshape(lead + (w.shape[1],))
+
+
+def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
+                          preferred_element_type=None, mechanism: str = "auto") -> jax.Array:
+    """`lax.psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`, overlapped.
+
+    Args:
+      x: [M, K_local] or [batch..., K_local], e.g. the activations of a
+        row-parallel layer; the first dim must divide by the axis size.
+      w: [K_local, N], the row shard of the weight.
+      axis_name: mesh axis (or tuple of axes) to reduce-scatter over.
+      preferred_element_type: output dtype; None: the operands' dtype. The
+        partial products travel in it and are summed in fp32.
+      mechanism: "auto"/"chunked" (each peer's rows are multiplied first and
+        written straight into that peer's memory; bf16/fp16 operands, K and N
+        multiples of 8) or "xla".
+
+    Returns:
+      This device's shard of the sum, [x.shape[0] / n, ..., N].
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    cfg = _validate("matmul_reduce_scatter", x, w, axis_name, preferred_element_type, mechanism)
+    if x.shape[0] % cfg.n:
+        raise ValueError(f"pk_jax.matmul_reduce_scatter: the first dim of x ({x.shape[0]}) "
+                         f"must divide by the size of axis {cfg.names} ({cfg.n})")
+    x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
+    w = make_varying(w, cfg.names)
+    out = _rs(x2, w, cfg)
+    return out.reshape((x.shape[0] // cfg.n,) + x.shape[1:-1] + (w.shape[1],))

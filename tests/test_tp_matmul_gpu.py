@@ -1,0 +1,166 @@
+"""all_gather_matmul / matmul_reduce_scatter kernels on GPUs against the fp32
+reference of the unsharded product, with a tolerance set by XLA's own
+same-precision result. Skipped with a reason when there are too few GPUs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax import runtime
+from conftest import gpu_mesh
+from gpu_chains import check_tp_chain
+from gpu_util import poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+# (rows per rank, K, N per rank): square-ish, non-square, tall-skinny, ragged rows.
+SHAPES = [(256, 512, 1024), (1024, 4096, 512), (4096, 256, 128), (100, 128, 256)]
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _put(mesh, a, spec):
+    return jax.device_put(a, NamedSharding(mesh, spec))
+
+
+def _ag(mesh, mechanism, **kw):
+    return jax.jit(jax.shard_map(
+        lambda x, w: pk_jax.all_gather_matmul(x, w, "x", mechanism=mechanism, **kw),
+        mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x")))
+
+
+def _rs(mesh, mechanism, **kw):
+    return jax.jit(jax.shard_map(
+        lambda x, w: pk_jax.matmul_reduce_scatter(x, w, "x", mechanism=mechanism, **kw),
+        mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P("x")))
+
+
+def _check(ours, xla, exact, what):
+    """Our error against fp32 may be at most XLA's same-precision error plus a
+    little (different summation order), never NaN."""
+    err, base = _rel(ours, exact), _rel(xla, exact)
+    assert np.isfinite(err) and err <= 1.5 * base + 1e-3, f"{what}: {err=} {base=}"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,n_cols", SHAPES)
+def test_all_gather_matmul(rng, n, dtype, m, k, n_cols):
+    mesh = gpu_mesh(n)
+    x = rng.standard_normal((n * m, k)).astype(np.float32)
+    w = (rng.standard_normal((k, n * n_cols)) / np.sqrt(k)).astype(np.float32)
+    xs, ws = _put(mesh, x.astype(dtype), P("x")), _put(mesh, w.astype(dtype), P(None, "x"))
+    exact = np.asarray(xs, np.float32) @ np.asarray(ws, np.float32)
+    xla = _ag(mesh, "xla")(xs, ws)
+    poison_allocator(mesh, exact.size * 2 // n + 4096)
+    _check(_ag(mesh, "chunked")(xs, ws), xla, exact, "all_gather_matmul")
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("m,k,n_cols", SHAPES)
+def test_matmul_reduce_scatter(rng, n, dtype, m, k, n_cols):
+    mesh = gpu_mesh(n)
+    x = rng.standard_normal((n * m, n * k)).astype(np.float32)
+    w = (rng.standard_normal((n * k, n_cols)) / np.sqrt(n * k)).astype(np.float32)
+    xs, ws = _put(mesh, x.astype(dtype), P(None, "x")), _put(mesh, w.astype(dtype), P("x"))
+    exact = np.asarray(xs, np.float32) @ np.asarray(ws, np.float32)
+    xla = _rs(mesh, "xla")(xs, ws)
+    poison_allocator(mesh, exact.size * 2 // n + 4096)
+    _check(_rs(mesh, "chunked")(xs, ws), xla, exact, "matmul_reduce_scatter")
+    pk_jax.check_errors()
+
+
+def test_fp32_output_and_gathered(rng):
+    mesh = gpu_mesh(2)
+    x = _put(mesh, jnp.asarray(rng.standard_normal((512, 256)), jnp.bfloat16), P("x"))
+    w = _put(mesh, jnp.asarray(rng.standard_normal((256, 256)) / 16, jnp.bfloat16), P(None, "x"))
+    f = jax.jit(jax.shard_map(
+        lambda a, b: pk_jax.all_gather_matmul(a, b, "x", return_gathered=True,
+                                              preferred_element_type=jnp.float32),
+        mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=(P(None, "x"), P("x")),
+        check_vma=False))
+    out, gathered = f(x, w)
+    assert out.dtype == jnp.float32
+    # every device gathered all rows: the per-device copies stack to n x the input
+    np.testing.assert_array_equal(np.asarray(gathered[:512]), np.asarray(x))
+    exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    assert _rel(out, exact) < 1e-5  # fp32 output: only the bf16 inputs' rounding is left
+
+
+def _mlp_loss(mesh, pk, x, w1, w2):
+    def body(x, w1, w2):
+        if pk:
+            h = pk_jax.all_gather_matmul(x, w1, "x")
+            return pk_jax.matmul_reduce_scatter(jax.nn.gelu(h), w2, "x")
+        h = lax.all_gather(x, "x", tiled=True) @ w1
+        return lax.psum_scatter(jax.nn.gelu(h) @ w2, "x", scatter_dimension=0, tiled=True)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x"), P("x", None)),
+                      out_specs=P("x"))
+    return jnp.sum(f(x, w1, w2).astype(jnp.float32) ** 2)
+
+
+def test_mlp_gradients(rng):
+    mesh = gpu_mesh(2)
+    d, h = 512, 2048
+    x = _put(mesh, jnp.asarray(rng.standard_normal((1024, d)), jnp.bfloat16), P("x"))
+    w1 = _put(mesh, jnp.asarray(rng.standard_normal((d, h)) / np.sqrt(d), jnp.bfloat16),
+              P(None, "x"))
+    w2 = _put(mesh, jnp.asarray(rng.standard_normal((h, d)) / np.sqrt(h), jnp.bfloat16),
+              P("x", None))
+    grads = lambda pk, *a: jax.jit(jax.grad(lambda *b: _mlp_loss(mesh, pk, *b), (0, 1, 2)))(*a)
+    exact = grads(False, *(a.astype(jnp.float32) for a in (x, w1, w2)))
+    xla = grads(False, x, w1, w2)
+    ours = grads(True, x, w1, w2)
+    for o, r, e in zip(ours, xla, exact):
+        _check(o, r, e, "mlp gradient")
+    pk_jax.check_errors()
+
+
+def test_repeated_in_scan(rng):
+    mesh = gpu_mesh(2)
+    w1 = _put(mesh, jnp.asarray(rng.standard_normal((256, 512)) / 16, jnp.bfloat16), P(None, "x"))
+    w2 = _put(mesh, jnp.asarray(rng.standard_normal((512, 256)) / 22, jnp.bfloat16), P("x", None))
+    x = _put(mesh, jnp.asarray(rng.standard_normal((512, 256)), jnp.bfloat16), P("x"))
+
+    def run(mechanism):
+        def body(x, w1, w2):
+            def step(c, _):
+                h = pk_jax.all_gather_matmul(c, w1, "x", mechanism=mechanism)
+                return pk_jax.matmul_reduce_scatter(jnp.tanh(h), w2, "x",
+                                                    mechanism=mechanism), None
+            return lax.scan(step, x, None, length=50)[0]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x"),
+                                                                 P("x", None)),
+                                     out_specs=P("x")))(x, w1, w2)
+    ours, ref = run("chunked"), run("xla")
+    assert _rel(ours, ref) < 2e-2
+    pk_jax.check_errors()
+
+
+def test_chain_in_fori_loop():
+    check_tp_chain(gpu_mesh(2), steps=100)
+
+
+def test_timeout_raises(rng):
+    mesh = gpu_mesh(2)
+    saved = pk_jax.get_config().timeout_s
+    pk_jax.configure(timeout_s=0.2)
+    try:
+        with runtime.testing_skip_post(1):
+            x = _put(mesh, jnp.ones((256, 128), jnp.bfloat16), P("x"))
+            w = _put(mesh, jnp.ones((128, 256), jnp.bfloat16), P(None, "x"))
+            _ag(mesh, "chunked")(x, w).block_until_ready()
+        with pytest.raises(pk_jax.PkJaxTimeoutError, match="all_gather_matmul.*peer rank 1"):
+            pk_jax.check_errors()
+    finally:
+        pk_jax.configure(timeout_s=saved)

@@ -1,0 +1,168 @@
+// FFI handlers for pk_jax.all_gather_matmul and pk_jax.matmul_reduce_scatter.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "kernels/tp_matmul/tp_matmul.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi_common.h"
+#include "xla_ffi/handlers.h"
+
+namespace pk::ffi_handlers {
+namespace {
+
+namespace ffi = xla::ffi;
+
+bool to_gemm_type(ffi::DataType t, gemm::DType* out) {
+  switch (t) {
+    case ffi::DataType::BF16: *out = gemm::DType::kBF16; return true;
+    case ffi::DataType::F16: *out = gemm::DType::kF16; return true;
+    case ffi::DataType::F32: *out = gemm::DType::kF32; return true;
+    default: return false;
+  }
+}
+
+// Everything both ops share: the group, the channel, its region, the streams.
+ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t ordinal,
+                   ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out,
+                   ffi::Span<const int64_t> group_ids, int64_t group_size, int64_t slot,
+                   int64_t data_offset, int64_t timeout_ns, int32_t skip_post_rank,
+                   tp_matmul::Params* p) {
+  ffi_common::Group g;
+  if (ffi::Error e = ffi_common::resolve_group(op, group_ids, group_size, ordinal, &g);
+      e.failure())
+    return e;
+  if (ffi::Error e = ffi_common::pending_error(*g.self); e.failure()) return e;
+  if (!gemm::available())
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string("pk_jax.") + op + ": built without CUTLASS");
+  if (slot < 0 || slot >= kMaxSlots || data_offset < 0)
+    return ffi::Error::InvalidArgument(std::string("pk_jax.") + op + ": bad channel");
+  if (!to_gemm_type(x.element_type(), &p->in) || x.element_type() != w.element_type() ||
+      !to_gemm_type(out.element_type(), &p->out_type))
+    return ffi::Error::InvalidArgument(std::string("pk_jax.") + op + ": unsupported dtypes");
+  const runtime::DeviceState& d = *g.self;
+  p->rank = g.rank;
+  p->n = g.n;
+  char* workspaces[kMaxRanks];
+  for (int q = 0; q < g.n; ++q) {
+    workspaces[q] = g.members[q]->workspace;
+    p->region[q] = workspaces[q] + kDataOffset + data_offset;
+  }
+  p->ch = make_channel(workspaces, g.n, g.rank, int(slot),
+                       ffi_common::wait_context(d, op_id, g.rank, timeout_ns));
+  p->region_bytes = runtime::Runtime::get().data_bytes() - size_t(data_offset);
+  p->skip_post = skip_post_rank == g.rank;
+  p->gemm_dev = {d.ordinal, d.sm_count, d.gemm_workspace, d.gemm_workspace_bytes};
+  p->stream = stream;
+  p->side_stream = d.side_stream;
+  p->fork = d.fork;
+  p->join = d.join;
+  p->x = x.untyped_data();
+  p->w = w.untyped_data();
+  p->out = out.untyped_data();
+  return ffi::Error::Success();
+}
+
+ffi::Error check_region(const char* op, size_t needed, const tp_matmul::Params& p) {
+  if (needed <= p.region_bytes) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string("pk_jax.") + op +
+                                     ": the channel's region does not fit the workspace; raise "
+                                     "pk_jax.configure(workspace_bytes=...)");
+}
+
+ffi::Error launched(const char* op, cudaError_t err) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi_common::cuda_error(op, "launch", err);
+}
+
+ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                               ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::AnyBuffer> gathered,
+                               ffi::Span<const int64_t> group_ids, int64_t group_size,
+                               int64_t slot, int64_t data_offset, int64_t timeout_ns,
+                               int32_t skip_post_rank, bool return_gathered) {
+  constexpr const char* kOp = "all_gather_matmul";
+  tp_matmul::Params p;
+  if (ffi::Error e = prepare(kOp, kOpAllGatherMatmul, stream, ordinal, x, w, *out, group_ids,
+                             group_size, slot, data_offset, timeout_ns, skip_post_rank, &p);
+      e.failure())
+    return e;
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
+    return ffi::Error::InvalidArgument("pk_jax.all_gather_matmul: expected x [m, K], w [K, N]");
+  p.m = xd[0];
+  p.k = xd[1];
+  p.n_cols = wd[1];
+  p.gathered = return_gathered ? gathered->untyped_data() : nullptr;
+  if (p.n > 1)
+    if (ffi::Error e = check_region(kOp, tp_matmul::ag_matmul_region_bytes(p.n, p.m, p.k, p.in), p);
+        e.failure())
+      return e;
+  return launched(kOp, tp_matmul::all_gather_matmul(p));
+}
+
+ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                   ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                                   ffi::Span<const int64_t> group_ids, int64_t group_size,
+                                   int64_t slot, int64_t data_offset, int64_t timeout_ns,
+                                   int32_t skip_post_rank) {
+  constexpr const char* kOp = "matmul_reduce_scatter";
+  tp_matmul::Params p;
+  if (ffi::Error e = prepare(kOp, kOpMatmulReduceScatter, stream, ordinal, x, w, *out,
+                             group_ids, group_size, slot, data_offset, timeout_ns,
+                             skip_post_rank, &p);
+      e.failure())
+    return e;
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || xd[0] % p.n != 0)
+    return ffi::Error::InvalidArgument(
+        "pk_jax.matmul_reduce_scatter: expected x [M, K], w [K, N], M divisible by the group");
+  p.m = xd[0] / p.n;
+  p.k = xd[1];
+  p.n_cols = wd[1];
+  if (p.n > 1)
+    if (ffi::Error e = check_region(
+            kOp, tp_matmul::matmul_rs_region_bytes(p.n, p.m, p.n_cols, p.out_type), p);
+        e.failure())
+      return e;
+  return launched(kOp, tp_matmul::matmul_reduce_scatter(p));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllGatherMatmul, AllGatherMatmulImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()                          // x: this rank's rows [m, K]
+        .Arg<ffi::AnyBuffer>()                          // w: [K, N]
+        .Ret<ffi::AnyBuffer>()                          // out: [n*m, N]
+        .Ret<ffi::AnyBuffer>()                          // gathered x [n*m, K] (or [0])
+        .Attr<ffi::Span<const int64_t>>("group_ids")    // device ids, group by group
+        .Attr<int64_t>("group_size")                    // ranks per group
+        .Attr<int64_t>("slot")                          // workspace channel
+        .Attr<int64_t>("data_offset")                   // channel's data region
+        .Attr<int64_t>("timeout_ns")                    // bound of every wait
+        .Attr<int32_t>("skip_post_rank")                // testing: -1 normally
+        .Attr<bool>("return_gathered"),                 // fill the second result
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MatmulReduceScatter, MatmulReduceScatterImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()                          // x: [M, K_local]
+        .Arg<ffi::AnyBuffer>()                          // w: [K_local, N]
+        .Ret<ffi::AnyBuffer>()                          // out: our shard [M/n, N]
+        .Attr<ffi::Span<const int64_t>>("group_ids")    // device ids, group by group
+        .Attr<int64_t>("group_size")                    // ranks per group
+        .Attr<int64_t>("slot")                          // workspace channel
+        .Attr<int64_t>("data_offset")                   // channel's data region
+        .Attr<int64_t>("timeout_ns")                    // bound of every wait
+        .Attr<int32_t>("skip_post_rank"),               // testing: -1 normally
+    {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace pk::ffi_handlers
