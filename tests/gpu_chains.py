@@ -36,14 +36,16 @@ def check_all_gather_chain(mesh, mechanism, steps, m=1024):
 
 
 def check_tp_chain(mesh, steps=20):
-    """An MLP pair applied `steps` times in a fori_loop, pk against XLA."""
+    """An MLP pair applied `steps` times in a fori_loop: pk's distance to the
+    fp32 chain may be at most XLA's (bf16) distance plus a little. Rounding
+    differences compound over the steps, so a fixed bound would not do."""
     rng = np.random.default_rng()
     put = lambda a, s: jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(mesh, s))
     x = put(rng.standard_normal((512, 256)), P("x"))
     w1 = put(rng.standard_normal((256, 512)) / 16, P(None, "x"))
     w2 = put(rng.standard_normal((512, 256)) / 22, P("x", None))
 
-    def run(mechanism):
+    def run(mechanism, *args):
         def body(x, w1, w2):
             def step(i, c):
                 h = pk_jax.all_gather_matmul(c, w1, "x", mechanism=mechanism)
@@ -51,9 +53,11 @@ def check_tp_chain(mesh, steps=20):
             return lax.fori_loop(0, steps, step, x)
         return np.asarray(jax.jit(jax.shard_map(
             body, mesh=mesh, in_specs=(P("x"), P(None, "x"), P("x", None)),
-            out_specs=P("x")))(x, w1, w2), np.float64)
-    ours, ref = run("chunked"), run("xla")
-    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 2e-2
+            out_specs=P("x")))(*args), np.float64)
+    exact = run("xla", *(a.astype(jnp.float32) for a in (x, w1, w2)))
+    rel = lambda a: np.linalg.norm(a - exact) / np.linalg.norm(exact)
+    ours, xla = rel(run("chunked", x, w1, w2)), rel(run("xla", x, w1, w2))
+    assert np.isfinite(ours) and ours <= 1.5 * xla + 1e-2, f"{ours=} {xla=}"
     pk_jax.check_errors()
 
 
