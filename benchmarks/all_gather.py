@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from common import markdown_table, time_ms, write_results
+from common import markdown_table, one_axis_mesh, time_ms, write_results
 
 IMPLS = {
     # No communication: the cost of the loop, slice and add alone (the floor).
@@ -95,7 +95,7 @@ def main() -> int:
 
     devices = jax.devices()
     n = len(devices)
-    mesh = Mesh(np.array(devices), ("x",), axis_types=(AxisType.Auto,))
+    mesh = one_axis_mesh(devices)
     rng = np.random.default_rng()
     rows, table = [], []
     for per_rank in map(parse_size, args.sizes.split(",")):

@@ -16,6 +16,8 @@ import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -35,6 +37,11 @@ def time_ms(fn: Callable[[], Any], *, calls: int = 10, batches: int = 5, warmup:
         jax.block_until_ready(out)
         per_call.append((time.perf_counter() - t0) * 1e3 / calls)
     return statistics.median(per_call)
+
+
+def one_axis_mesh(devices, name: str = "x") -> Mesh:
+    """A 1-D mesh over `devices` (the benchmarks' layout)."""
+    return Mesh(np.array(devices), (name,), axis_types=(AxisType.Auto,))
 
 
 def machine() -> dict[str, Any]:

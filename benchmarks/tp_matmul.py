@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from common import markdown_table, time_ms, write_results
+from common import markdown_table, one_axis_mesh, time_ms, write_results
 
 # Global M x K x N, as in ../shared/notes/baselines-h200.md.
 AG_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 28672)]
@@ -76,7 +76,7 @@ def main() -> int:
     args = ap.parse_args()
     devices = jax.devices()
     n = len(devices)
-    mesh = Mesh(np.array(devices), ("x",), axis_types=(AxisType.Auto,))
+    mesh = one_axis_mesh(devices)
     rng = np.random.default_rng()
     rows, table = [], []
 
@@ -103,7 +103,7 @@ def main() -> int:
         times = {name: time_ms(lambda: f(x, w)) for name, f in rs_impls(mesh).items()}
         record("matmul_reduce_scatter", shape, times, 2.0 * m * k * nn)
     # World size 1: pk's GEMM (no peers) against XLA's dot on one GPU.
-    one = Mesh(np.array(devices[:1]), ("x",), axis_types=(AxisType.Auto,))
+    one = one_axis_mesh(devices[:1])
     m = k = nn = 8192
     x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
     impls = ag_impls(one)

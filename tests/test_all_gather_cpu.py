@@ -70,6 +70,14 @@ def _varying(aval):
     return frozenset(vma if vma is not None else aval.mat.varying)
 
 
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_rings_of_other_sizes(rng, n):
+    mesh = cpu_mesh((n,), ("x",))
+    x = jnp.asarray(rng.standard_normal((n * 5, 3)), jnp.float32)
+    ours, ref = _gather_both(mesh, P("x"), dict(axis=1, tiled=False), x, "x")
+    np.testing.assert_array_equal(ours, ref)
+
+
 def test_gradient_matches_lax(rng):
     mesh = cpu_mesh((8,), ("x",))
     x = jax.device_put(jnp.asarray(rng.standard_normal((16, 5)), jnp.float32),

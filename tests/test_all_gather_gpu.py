@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
-from conftest import gpu_mesh, gpus
+from conftest import gpu_mesh
 from gpu_chains import check_all_gather_chain
 from gpu_util import as_bits, poison_allocator, put, random_bits
 

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from conftest import cpu_mesh
+from tp_models import mlp_loss
 
 
 def _rel(a, b):
@@ -33,7 +34,7 @@ def _rs_fn(mesh, **kw):
                                  out_specs=P("tp")))
 
 
-@pytest.mark.parametrize("n", [1, 2, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_all_gather_matmul_values(rng, n, dtype):
     mesh = cpu_mesh((n,), ("tp",))
@@ -42,7 +43,7 @@ def test_all_gather_matmul_values(rng, n, dtype):
     assert _rel(_ag_fn(mesh)(x, w), ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("n", [1, 2, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 def test_matmul_reduce_scatter_values(rng, n):
     mesh = cpu_mesh((n,), ("tp",))
     x, w = _normal(rng, (8 * n, 16 * n)), _normal(rng, (16 * n, 24))
@@ -71,23 +72,11 @@ def test_preferred_element_type(rng):
     assert _rs_fn(mesh, preferred_element_type=jnp.float32)(x, w).dtype == jnp.float32
 
 
-def _mlp_loss(mesh, x, w1, w2, pk: bool):
-    """Column-parallel then row-parallel layer (Megatron MLP), sequence-sharded x."""
-    def body(x, w1, w2):
-        if pk:
-            h = pk_jax.all_gather_matmul(x, w1, "tp")
-            return pk_jax.matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp")
-        h = lax.all_gather(x, "tp", tiled=True) @ w1
-        return lax.psum_scatter(jax.nn.gelu(h) @ w2, "tp", scatter_dimension=0, tiled=True)
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp", None)),
-                      out_specs=P("tp"))
-    return jnp.sum(jnp.sin(f(x, w1, w2)))
-
-
 def test_mlp_pair_gradients_match_xla(rng):
     mesh = cpu_mesh((4,), ("tp",))
     x, w1, w2 = _normal(rng, (32, 16)), _normal(rng, (16, 64)), _normal(rng, (64, 16))
-    grad = lambda pk: jax.jit(jax.grad(lambda *a: _mlp_loss(mesh, *a, pk), (0, 1, 2)))(x, w1, w2)
+    grad = lambda pk: jax.jit(jax.grad(lambda *a: mlp_loss(mesh, "tp", pk, *a), (0, 1, 2)))(
+        x, w1, w2)
     for ours, ref in zip(grad(True), grad(False)):
         assert _rel(ours, ref) < 1e-5
 

@@ -15,6 +15,7 @@ from pk_jax import runtime
 from conftest import gpu_mesh
 from gpu_chains import check_tp_chain
 from gpu_util import poison_allocator
+from tp_models import mlp_loss
 
 pytestmark = pytest.mark.gpu
 
@@ -97,18 +98,6 @@ def test_fp32_output_and_gathered(rng):
     assert _rel(out, exact) < 1e-5  # fp32 output: only the bf16 inputs' rounding is left
 
 
-def _mlp_loss(mesh, pk, x, w1, w2):
-    def body(x, w1, w2):
-        if pk:
-            h = pk_jax.all_gather_matmul(x, w1, "x")
-            return pk_jax.matmul_reduce_scatter(jax.nn.gelu(h), w2, "x")
-        h = lax.all_gather(x, "x", tiled=True) @ w1
-        return lax.psum_scatter(jax.nn.gelu(h) @ w2, "x", scatter_dimension=0, tiled=True)
-    f = jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x"), P("x", None)),
-                      out_specs=P("x"))
-    return jnp.sum(f(x, w1, w2).astype(jnp.float32) ** 2)
-
-
 def test_mlp_gradients(rng):
     mesh = gpu_mesh(2)
     d, h = 512, 2048
@@ -117,7 +106,8 @@ def test_mlp_gradients(rng):
               P(None, "x"))
     w2 = _put(mesh, jnp.asarray(rng.standard_normal((h, d)) / np.sqrt(h), jnp.bfloat16),
               P("x", None))
-    grads = lambda pk, *a: jax.jit(jax.grad(lambda *b: _mlp_loss(mesh, pk, *b), (0, 1, 2)))(*a)
+    grads = lambda pk, *a: jax.jit(jax.grad(lambda *b: mlp_loss(mesh, "x", pk, *b),
+                                            (0, 1, 2)))(*a)
     exact = grads(False, *(a.astype(jnp.float32) for a in (x, w1, w2)))
     xla = grads(False, x, w1, w2)
     ours = grads(True, x, w1, w2)
