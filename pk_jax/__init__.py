@@ -9,6 +9,7 @@ from pk_jax.config import Config, configure, get_config
 from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
+from pk_jax.ops.ring_attention import ring_attention, zigzag_shard, zigzag_unshard
 from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
 from pk_jax.runtime import check_errors
 
@@ -25,4 +26,7 @@ __all__ = [
     "configure",
     "get_config",
     "matmul_reduce_scatter",
+    "ring_attention",
+    "zigzag_shard",
+    "zigzag_unshard",
 ]

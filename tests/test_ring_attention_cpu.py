@@ -1,0 +1,265 @@
+"""ring_attention on fake CPU devices: values, log-sum-exp and gradients
+against jax.nn.dot_product_attention on the whole sequence, for both layouts,
+GQA, several world sizes (n=3 catches ring indexing bugs), zigzag reordering,
+and input checks."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from conftest import cpu_mesh
+from pk_jax.ops import ring_attention as ra
+from pk_jax.ops.ring_attention import ring_attention, zigzag_shard, zigzag_unshard
+
+SEQ = P(None, "sp")
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _normal(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def _qkv(rng, b, s, hq, hkv, d, dtype=jnp.float32):
+    return (_normal(rng, (b, s, hq, d), dtype), _normal(rng, (b, s, hkv, d), dtype),
+            _normal(rng, (b, s, hkv, d), dtype))
+
+
+def _f32(*xs):
+    return tuple(x.astype(jnp.float32) for x in xs)
+
+
+def _sharded(mesh, layout="contiguous", return_lse=False, check_vma=False, **kw):
+    """Global q, k, v (natural order) -> global output (natural order), via the ring."""
+    n = mesh.shape["sp"]
+    out_specs = (SEQ, P(None, None, "sp")) if return_lse else SEQ
+    f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, "sp", layout=layout,
+                                                     return_lse=return_lse, **kw),
+                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=out_specs,
+                      check_vma=check_vma)
+    if layout == "contiguous":
+        return f
+
+    def zig(q, k, v):
+        res = f(*(zigzag_shard(x, n) for x in (q, k, v)))
+        if return_lse:
+            return zigzag_unshard(res[0], n), zigzag_unshard(res[1], n, seq_axis=2)
+        return zigzag_unshard(res, n)
+    return zig
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _reference(q, k, v, causal, scale=None):
+    return jax.nn.dot_product_attention(*_f32(q, k, v), is_causal=causal, scale=scale)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _reference_lse(q, k, v, causal):
+    q, k, v = _f32(q, k, v)
+    g = q.shape[2] // k.shape[2]
+    s = jnp.einsum("bshd,bthd->bhst", q, jnp.repeat(k, g, axis=2)) / np.sqrt(q.shape[3])
+    if causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    return jax.nn.logsumexp(s, axis=-1)
+
+
+# ---- values --------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_values(rng, n, layout, causal):
+    q, k, v = _qkv(rng, 2, 8 * n, 8, 2, 64)
+    out = jax.jit(_sharded(cpu_mesh((n,), ("sp",)), layout, causal=causal))(q, k, v)
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    assert _rel(out, _reference(q, k, v, causal)) < 1e-5
+
+
+@pytest.mark.parametrize("hkv", [8, 2, 1])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_and_head_dim(rng, hkv, d):
+    q, k, v = _qkv(rng, 2, 24, 8, hkv, d)
+    out = jax.jit(_sharded(cpu_mesh((3,), ("sp",)), "zigzag", causal=True))(q, k, v)
+    assert _rel(out, _reference(q, k, v, True)) < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_bf16(rng, layout):
+    q, k, v = _qkv(rng, 2, 64, 8, 2, 64, jnp.bfloat16)
+    out = jax.jit(_sharded(cpu_mesh((4,), ("sp",)), layout, causal=True))(q, k, v)
+    assert out.dtype == jnp.bfloat16
+    assert _rel(out, _reference(q, k, v, True)) < 2e-2
+
+
+def test_scale_mechanism_and_vma_check(rng):
+    q, k, v = _qkv(rng, 1, 32, 4, 4, 64)
+    f = _sharded(cpu_mesh((4,), ("sp",)), "zigzag", check_vma=True, causal=True, scale=0.3,
+                 mechanism="xla")
+    assert _rel(jax.jit(f)(q, k, v), _reference(q, k, v, True, scale=0.3)) < 1e-5
+
+
+def test_long_local_block(rng):
+    q, k, v = _qkv(rng, 1, 128, 4, 1, 64)
+    out = jax.jit(_sharded(cpu_mesh((2,), ("sp",)), causal=True))(q, k, v)
+    assert _rel(out, _reference(q, k, v, True)) < 1e-5
+
+
+def test_tuple_axis_name(rng):
+    mesh = cpu_mesh((2, 2), ("a", "b"))
+    spec = P(None, ("a", "b"))
+    q, k, v = _qkv(rng, 2, 32, 4, 2, 64)
+    f = jax.shard_map(lambda *x: ring_attention(*x, ("a", "b"), causal=True), mesh=mesh,
+                      in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
+    assert _rel(jax.jit(f)(q, k, v), _reference(q, k, v, True)) < 1e-5
+
+
+# ---- log-sum-exp ---------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_return_lse(rng, layout, causal):
+    q, k, v = _qkv(rng, 2, 48, 8, 2, 64)
+    out, lse = jax.jit(_sharded(cpu_mesh((3,), ("sp",)), layout, return_lse=True,
+                                causal=causal))(q, k, v)
+    assert lse.shape == (2, 8, 48) and lse.dtype == jnp.float32
+    assert _rel(out, _reference(q, k, v, causal)) < 1e-5
+    assert _rel(lse, _reference_lse(q, k, v, causal)) < 1e-5
+
+
+# ---- gradients -----------------------------------------------------------------
+@pytest.mark.parametrize("n,layout,causal", [(3, "contiguous", True), (4, "zigzag", True),
+                                             (2, "contiguous", False), (3, "zigzag", False)])
+def test_gradients(rng, n, layout, causal):
+    q, k, v = _qkv(rng, 2, 8 * n, 8, 2, 64)
+    w = _normal(rng, q.shape)
+    ring = _sharded(cpu_mesh((n,), ("sp",)), layout, causal=causal)
+    grad = lambda f: jax.jit(jax.grad(lambda *x: jnp.sum(f(*x) * w), (0, 1, 2)))(q, k, v)
+    ours = grad(ring)
+    refs = grad(lambda *x: _reference(*x, causal))
+    for a, b in zip(ours, refs):
+        assert np.all(np.isfinite(a))
+        assert _rel(a, b) < 1e-4
+
+
+def test_lse_gradient(rng):
+    q, k, v = _qkv(rng, 1, 24, 4, 2, 64)
+    ring = _sharded(cpu_mesh((3,), ("sp",)), "zigzag", return_lse=True, causal=True)
+    grad = lambda f: jax.jit(jax.grad(lambda *x: jnp.sum(f(*x)[1] ** 2), (0, 1)))(q, k, v)
+    ref = lambda *x: (None, _reference_lse(*x, True))
+    for a, b in zip(grad(ring), grad(ref)):
+        assert _rel(a, b) < 1e-4
+
+
+def test_fully_masked_block_is_finite(rng):
+    """A block that hides every key from every query leaves the state empty
+    (no NaN in values or gradients), and an empty state finishes to zeros."""
+    cfg = ra._Config(("sp",), 2, True, 0.125, "contiguous", "xla")
+    q5, k = _normal(rng, (1, 8, 2, 2, 64)), _normal(rng, (1, 8, 2, 64))
+    q_pos, k_pos = jnp.arange(8), jnp.arange(8, 16)
+
+    def run(q5, k):
+        state = ra._block_update(ra._init_state(q5), q5, k, k, q_pos, k_pos, cfg)
+        return ra._finish(state, (1, 8, 4, 64), jnp.float32)
+
+    out, lse = jax.jit(run)(q5, k)
+    assert np.all(np.asarray(out) == 0) and np.all(np.isfinite(lse))
+    grads = jax.jit(jax.grad(lambda *x: jnp.sum(run(*x)[0]) + jnp.sum(run(*x)[1]), (0, 1)))(
+        q5, k)
+    assert all(np.all(np.isfinite(g)) for g in grads)
+
+
+# ---- inside lax.scan -----------------------------------------------------------
+def test_repeated_calls_in_scan(rng):
+    n, layers = 4, 3
+    q, k, v = _qkv(rng, 2, 8 * n, 4, 2, 64)
+    mesh = cpu_mesh((n,), ("sp",))
+
+    def stacked(x, kk, vv):
+        return lax.scan(lambda c, _: (ring_attention(c, kk, vv, "sp", causal=True,
+                                                     layout="zigzag") * 2.0, None),
+                        x, None, length=layers)[0]
+
+    f = jax.jit(jax.shard_map(stacked, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ,
+                              check_vma=False))
+    out = zigzag_unshard(f(*(zigzag_shard(x, n) for x in (q, k, v))), n)
+    ref = q
+    for _ in range(layers):
+        ref = _reference(ref, k, v, True) * 2.0
+    assert _rel(out, ref) < 1e-5
+
+
+# ---- zigzag reordering ---------------------------------------------------------
+@pytest.mark.parametrize("shape,seq_axis", [((24,), 0), ((2, 24, 3), 1), ((2, 3, 24), -1),
+                                            ((24, 5), 0)])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_zigzag_round_trip(rng, shape, seq_axis, n):
+    x = _normal(rng, shape)
+    z = zigzag_shard(x, n, seq_axis=seq_axis)
+    assert z.shape == x.shape
+    np.testing.assert_array_equal(zigzag_unshard(z, n, seq_axis=seq_axis), x)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_zigzag_layout(n):
+    chunk = 3
+    z = np.asarray(zigzag_shard(jnp.arange(2 * n * chunk), n, seq_axis=0)).reshape(n, 2, chunk)
+    for r in range(n):
+        np.testing.assert_array_equal(z[r, 0], np.arange(r * chunk, (r + 1) * chunk))
+        c = 2 * n - 1 - r
+        np.testing.assert_array_equal(z[r, 1], np.arange(c * chunk, (c + 1) * chunk))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(axis_size=2), "must divide by 2 \\* axis_size \\(4\\)"),
+    (dict(axis_size=0), "axis_size must be a positive int"),
+    (dict(axis_size=1, seq_axis=3), "seq_axis=3 out of range"),
+])
+def test_zigzag_errors(kw, match):
+    x = jnp.zeros((2, 6, 4))
+    for fn in (zigzag_shard, zigzag_unshard):
+        with pytest.raises(ValueError, match=match):
+            fn(x, **kw)
+
+
+# ---- input checks --------------------------------------------------------------
+def _call(q_shape, k_shape, v_shape=None, dtypes=(jnp.float32,) * 3, **kw):
+    mesh = cpu_mesh((2,), ("sp",))
+    shapes = (q_shape, k_shape, v_shape or k_shape)
+    args = [jnp.zeros(s, d) for s, d in zip(shapes, dtypes)]
+    f = jax.shard_map(lambda *x: ring_attention(*x, "sp", **kw), mesh=mesh,
+                      in_specs=(SEQ,) * 3, out_specs=SEQ, check_vma=False)
+    return jax.jit(f)(*args)
+
+
+Q, KV = (2, 16, 8, 64), (2, 16, 2, 64)
+
+
+@pytest.mark.parametrize("args,kw,exc,match", [
+    (((2, 16, 64), KV), {}, ValueError, "q must have rank 4"),
+    ((Q, (2, 16, 2, 1, 64)), {}, ValueError, "k must have rank 4"),
+    ((Q, KV, (2, 16, 4, 64)), {}, ValueError, "k and v must have the same shape"),
+    ((Q, (1, 16, 2, 64)), {}, ValueError, "same batch"),
+    ((Q, (2, 8, 2, 64)), {}, ValueError, "same seq_local"),
+    ((Q, (2, 16, 2, 32)), {}, ValueError, "same head_dim"),
+    ((Q, (2, 16, 3, 64)), {}, ValueError, "query heads \\(8\\) must be a multiple of kv "
+                                           "heads \\(3\\)"),
+    ((Q, KV), dict(layout="striped"), ValueError, "layout must be one of"),
+    ((Q, KV), dict(mechanism="cuda"), ValueError, "mechanism must be one of"),
+    (((2, 6, 8, 64), (2, 6, 2, 64)), dict(layout="zigzag"), ValueError,
+     "needs an even seq_local.*got 3"),
+    ((Q, KV), dict(dtypes=(jnp.int32, jnp.float32, jnp.float32)), TypeError,
+     "q must be floating point"),
+    ((Q, KV), dict(dtypes=(jnp.float32, jnp.float32, jnp.int8)), TypeError,
+     "v must be floating point"),
+    ((Q, KV), dict(scale="big"), TypeError, "scale must be a Python or NumPy real number"),
+    ((Q, KV), dict(scale=float("inf")), ValueError, "scale must be finite"),
+])
+def test_bad_inputs(args, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        _call(*args, **kw)
