@@ -112,7 +112,7 @@ def _reference_lowering(ctx, x, *, names, dim, tiled, **_):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x)
 
 
-def _layout(shape: tuple[int, ...], dim: int, tiled: bool, itemsize: int) -> tuple[int, int]:
+def _layout(shape: tuple[int, ...], dim: int, itemsize: int) -> tuple[int, int]:
     """(rows, row_bytes) of the kernel's view: every rank's block is `rows`
     rows of `row_bytes` bytes, interleaved by rank in the output."""
     rows = int(np.prod(shape[:dim], dtype=np.int64))
@@ -154,7 +154,7 @@ def _cuda_lowering(ctx, x, *, names, dim, tiled, n, mechanism, num_blocks):
         return _reference_lowering(ctx, x, names=names, dim=dim, tiled=tiled)
     x_aval, = ctx.avals_in
     # Stacked and tiled gathers share one byte layout (see _layout).
-    rows, row_bytes = _layout(x_aval.shape, dim, tiled, np.dtype(x_aval.dtype).itemsize)
+    rows, row_bytes = _layout(x_aval.shape, dim, np.dtype(x_aval.dtype).itemsize)
     ext, table = group_table(ctx, "all_gather", names, n)
     chosen = _resolve_mechanism(mechanism, rows, row_bytes, n, ext)
     chosen, ch = _channel(chosen, mechanism, table, rows, row_bytes, n, ext)
