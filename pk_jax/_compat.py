@@ -14,3 +14,21 @@ def make_varying(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     except ImportError:  # older/newer JAX without the helper: nothing to do
         return x
     return insert_collective_pvary(names, x)
+
+
+def varying_axes(x: jax.Array) -> frozenset:
+    """The mesh axes `x` varies over inside shard_map (empty when unchecked)."""
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)  # jax >= 0.11
+    if vma is None:
+        mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+        vma = getattr(mat, "varying", ()) if mat is not None else ()
+    return frozenset(vma)
+
+
+def sum_to_type_of(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """Sum a cotangent over the mesh axes it varies over but its primal does
+    not (a weight replicated over "sp" gets the sum of every sp shard's
+    gradient), as JAX's own transpose rules do; a no-op when unchecked."""
+    extra = varying_axes(ct) - varying_axes(primal)
+    return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct

@@ -263,3 +263,14 @@ Q, KV = (2, 16, 8, 64), (2, 16, 2, 64)
 def test_bad_inputs(args, kw, exc, match):
     with pytest.raises(exc, match=match):
         _call(*args, **kw)
+
+
+def test_other_mesh_axes_keep_their_varying_type(rng):
+    """q sharded over a second axis too (batch over "tp"): the ring state must
+    vary like q, or shard_map's type check (check_vma) rejects the scan."""
+    mesh = cpu_mesh((2, 2), ("tp", "sp"))
+    q = jnp.asarray(rng.standard_normal((4, 16, 2, 8)), jnp.float32)
+    f = jax.jit(jax.shard_map(lambda a: ring_attention(a, a, a, "sp", causal=True), mesh=mesh,
+                              in_specs=P("tp", "sp"), out_specs=P("tp", "sp")))
+    ref = jax.nn.dot_product_attention(q, q, q, is_causal=True)
+    np.testing.assert_allclose(np.asarray(f(q)), np.asarray(ref), rtol=1e-5, atol=1e-5)

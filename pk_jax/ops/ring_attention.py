@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from pk_jax import groups, runtime
-from pk_jax._compat import make_varying
+from pk_jax._compat import make_varying, varying_axes
 from pk_jax._warnings import warn_once
 
 MECHANISMS = ("auto", "xla")
@@ -179,7 +179,10 @@ def _ring_reference(q, k, v, cfg: _Config) -> tuple[jax.Array, jax.Array]:
         kb, vb = (lax.ppermute(x, cfg.names, perm) for x in (kb, vb))
         return (kb, vb, state), None
 
-    state = tuple(make_varying(x, cfg.names) for x in _init_state(q5))
+    # The running state varies like q: over the ring and over any other axis
+    # q is sharded on (a 2-D mesh), or the scan's carry types would differ.
+    axes = tuple(sorted(set(cfg.names) | varying_axes(q5)))
+    state = tuple(make_varying(x, axes) for x in _init_state(q5))
     (kb, vb, state), _ = lax.scan(body, (k, v, state), jnp.arange(n - 1, dtype=jnp.int32))
     state = update(state, kb, vb, jnp.int32(n - 1))
     return _finish(state, q.shape, q.dtype)

@@ -19,7 +19,7 @@ import numpy as np
 from jax import lax
 
 from pk_jax import groups, reference, runtime
-from pk_jax._compat import make_varying
+from pk_jax._compat import make_varying, sum_to_type_of
 from pk_jax._warnings import warn_once
 from pk_jax.ops.tp_matmul_primitives import all_gather_matmul_p, matmul_reduce_scatter_p
 
@@ -107,7 +107,8 @@ def _ag_backward(cfg: _Config, res, dy, dgathered=None):
     if dgathered is not None:
         dx = dx + lax.psum_scatter(dgathered, cfg.names, scatter_dimension=0, tiled=True)
     dw = _dot_f32(gathered, dy.astype(x_dtype), w.dtype)
-    return dx.astype(x_dtype), dw
+    # the gathered x varies over exactly x's axes
+    return sum_to_type_of(dx.astype(x_dtype), gathered), sum_to_type_of(dw, w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -151,7 +152,7 @@ def _rs_backward(cfg: _Config, res, dy):
         dx, gathered_dy = reference.all_gather_matmul(dy.astype(x.dtype), _t(w).astype(x.dtype),
                                                       cfg.names)
     dw = _dot_f32(x, gathered_dy.astype(x.dtype), w.dtype)
-    return dx.astype(x.dtype), dw
+    return sum_to_type_of(dx.astype(x.dtype), x), sum_to_type_of(dw, w)
 
 
 _rs.defvjp(_rs_forward, _rs_backward)
