@@ -1,0 +1,321 @@
+"""Flax NNX layers that call pk_jax's collectives, for use inside `jax.shard_map`.
+
+The model code runs per shard: a module holds this device's parameter
+shards, and its call is traced inside the shard_map body. Every parameter
+records how it is laid out over the mesh in its `pk_spec` metadata (a
+`PartitionSpec` of the global parameter), so `partition_specs` gives the
+shard_map specs of a module's state. The pattern:
+
+    graphdef, state = init_sharded(lambda: Model(..., rngs=nnx.Rngs(0)), mesh)
+    # state holds the *global* parameters, laid out over the mesh
+
+    @jax.shard_map(mesh=mesh, in_specs=(partition_specs(state), P("tp")),
+                   out_specs=P("tp"))
+    def apply(state, x):            # state: this device's shards
+        return nnx.merge(graphdef, state)(x)
+
+Gradients with respect to `state` (outside the shard_map) come back as
+global arrays in the same layout, ready for an optax update.
+
+Token rows: the tensor-parallel linears take activations whose *first* dim
+is sharded over their axis (rows of tokens: Megatron's sequence
+parallelism, or the batch dim of [B, S, F]); `ColumnParallelLinear` gathers
+them inside its matmul and `RowParallelLinear` scatters them back.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from pk_jax.ops.ring_attention import LAYOUTS, ring_attention
+from pk_jax.ops.tp_matmul import MECHANISMS, all_gather_matmul, matmul_reduce_scatter
+
+AxisName = str | tuple[str, ...] | None
+Initializer = Callable[..., jax.Array]
+SPEC_KEY = "pk_spec"  # metadata key of a parameter's global PartitionSpec
+
+default_kernel_init: Initializer = nnx.initializers.lecun_normal()
+default_bias_init: Initializer = nnx.initializers.zeros_init()
+
+
+# ---- helpers: specs, sizes, parameter creation ---------------------------------
+def partition_specs(tree: nnx.Module | nnx.State) -> nnx.State:
+    """The `PartitionSpec` of every variable of a module or state (P() for
+    variables without `pk_spec` metadata, e.g. `nnx.RMSNorm`'s scale: they
+    are replicated). Usable as shard_map in_specs/out_specs for the state."""
+    state = nnx.state(tree) if isinstance(tree, nnx.Module) else tree
+    return jax.tree.map(lambda v: v.get_metadata().get(SPEC_KEY, P()), state,
+                        is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def shard_size(total: int, parts: int, what: str = "features") -> int:
+    """total // parts, or a ValueError naming `what` if it does not divide."""
+    if parts < 1 or total % parts:
+        raise ValueError(f"pk_jax.flax: {what} ({total}) must divide by the number of "
+                         f"shards ({parts})")
+    return total // parts
+
+
+def init_sharded(factory: Callable[[], nnx.Module], mesh: Mesh
+                 ) -> tuple[nnx.GraphDef, nnx.State]:
+    """Build a module on every device of `mesh` (inside a jitted shard_map)
+    and return its graphdef and its state as global arrays laid out by
+    `partition_specs`.
+
+    Parameters made with this module's layers are drawn at their global
+    shape and each device keeps its block, so the global weights do not
+    depend on the mesh (the same seed gives the same model on any number of
+    devices) and initializers see the global fan-in; each device briefly
+    holds one whole parameter while drawing it. The factory must create its
+    own `nnx.Rngs` (with a fixed seed) so that every device draws alike.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(factory))
+    build = jax.shard_map(lambda: nnx.state(factory()), mesh=mesh, in_specs=(),
+                          out_specs=partition_specs(abstract))
+    return graphdef, jax.jit(build)()
+
+
+def _spec_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _new_param(rngs: nnx.Rngs, init: Initializer, shape: tuple[int, ...], dtype,
+               spec: P) -> nnx.Param:
+    """A parameter of local `shape` whose global layout is `spec`.
+
+    Inside shard_map it is drawn at the global shape and this device keeps
+    its block (see `init_sharded`); elsewhere (e.g. under nnx.eval_shape) it
+    is drawn at the local shape.
+    """
+    key = rngs.params()
+    axes = [_spec_axes(e) for e in spec] + [()] * (len(shape) - len(spec))
+    try:
+        sizes = [lax.axis_size(a) if a else 1 for a in axes]
+    except NameError:  # not inside shard_map: no axis bound
+        return nnx.Param(init(key, shape, dtype), **{SPEC_KEY: spec})
+    full = init(key, tuple(s * m for s, m in zip(shape, sizes)), dtype)
+    starts = [lax.axis_index(a) * s if a else 0 for a, s in zip(axes, shape)]
+    return nnx.Param(lax.dynamic_slice(full, starts, shape), **{SPEC_KEY: spec})
+
+
+def _check_positive(**sizes: int) -> None:
+    for name, size in sizes.items():
+        if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+            raise ValueError(f"pk_jax.flax: {name} must be a positive int, got {size!r}")
+
+
+def _check_mechanism(mechanism: str) -> None:
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"pk_jax.flax: mechanism must be one of {MECHANISMS}, "
+                         f"got {mechanism!r}")
+
+
+# ---- linear layers -------------------------------------------------------------
+class _ParallelLinear(nnx.Module):
+    """Kernel [in, out] (+ bias [out]) of local shapes, their global specs,
+    input checks and dtype promotion; subclasses choose the layout and the
+    matmul."""
+
+    def __init__(self, in_features: int, out_features: int, *, axis_name: AxisName,
+                 kernel_spec: P, bias_spec: P, rngs: nnx.Rngs, dtype: Any, param_dtype: Any,
+                 use_bias: bool, mechanism: str, kernel_init: Initializer,
+                 bias_init: Initializer) -> None:
+        _check_positive(in_features=in_features, out_features=out_features)
+        _check_mechanism(mechanism)
+        self.in_features, self.out_features = in_features, out_features
+        self.axis_name, self.mechanism = axis_name, mechanism
+        self.dtype, self.param_dtype = dtype, param_dtype
+        self.kernel = _new_param(rngs, kernel_init, (in_features, out_features), param_dtype,
+                                 kernel_spec)
+        self.bias = (_new_param(rngs, bias_init, (out_features,), param_dtype, bias_spec)
+                     if use_bias else None)
+
+    def _operands(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x and the kernel, checked and promoted to the computation dtype."""
+        x = jnp.asarray(x)
+        if x.ndim < 2 or x.shape[-1] != self.in_features:
+            raise ValueError(f"pk_jax.flax.{type(self).__name__}: expected input "
+                             f"[rows, ..., {self.in_features}], got shape {x.shape}")
+        dtype = self.dtype or jnp.result_type(x, self.kernel[...])
+        return x.astype(dtype), self.kernel[...].astype(dtype)
+
+    def _add_bias(self, y: jax.Array) -> jax.Array:
+        return y if self.bias is None else y + self.bias[...].astype(y.dtype)
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """y = all_gather(x) @ W (+ b), with the columns of W sharded.
+
+    Sharding over `axis_name` (n devices):
+      * input x [rows_local, ..., in_features]: the first dim is sharded;
+      * kernel [in_features, out_features_local]: global [in, n * out_local],
+        columns sharded (spec P(None, axis)); bias [out_local], spec P(axis);
+      * output [n * rows_local, ..., out_features_local]: all rows, this
+        device's columns.
+    Communication: the all-gather of x, overlapped with the matmul
+    (`pk_jax.all_gather_matmul`); the backward pass reduce-scatters dx.
+    With axis_name=None the layer is a plain replicated Linear (no
+    communication).
+    """
+
+    def __init__(self, in_features: int, out_features_local: int, *, axis_name: AxisName,
+                 rngs: nnx.Rngs, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 use_bias: bool = False, mechanism: str = "auto",
+                 kernel_init: Initializer = default_kernel_init,
+                 bias_init: Initializer = default_bias_init) -> None:
+        super().__init__(in_features, out_features_local, axis_name=axis_name,
+                         kernel_spec=P(None, axis_name), bias_spec=P(axis_name), rngs=rngs,
+                         dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
+                         mechanism=mechanism, kernel_init=kernel_init, bias_init=bias_init)
+
+    def __call__(self, x: jax.Array, *, return_gathered: bool = False):
+        """y [n * rows_local, ..., out_local]; with return_gathered also the
+        gathered input, for further projections of it (`apply_gathered`)."""
+        x, kernel = self._operands(x)
+        if self.axis_name is None:
+            y, gathered = x @ kernel, x
+        elif return_gathered:
+            y, gathered = all_gather_matmul(x, kernel, self.axis_name, return_gathered=True,
+                                            mechanism=self.mechanism)
+        else:
+            y = all_gather_matmul(x, kernel, self.axis_name, mechanism=self.mechanism)
+        y = self._add_bias(y)
+        return (y, gathered) if return_gathered else y
+
+    def apply_gathered(self, x_gathered: jax.Array) -> jax.Array:
+        """The layer on an input that is already gathered (all rows), e.g. the
+        second output of another layer's call with return_gathered=True:
+        a local matmul, no communication."""
+        x, kernel = self._operands(x_gathered)
+        return self._add_bias(x @ kernel)
+
+
+class RowParallelLinear(_ParallelLinear):
+    """y = reduce_scatter(x @ W) (+ b), with the rows of W sharded.
+
+    Sharding over `axis_name` (n devices):
+      * input x [rows, ..., in_features_local]: all rows, this device's
+        share of the features (e.g. a ColumnParallelLinear's output);
+      * kernel [in_features_local, out_features]: global [n * in_local, out],
+        rows sharded (spec P(axis, None)); bias [out_features], replicated,
+        added once after the scatter;
+      * output [rows / n, ..., out_features]: the first dim sharded again.
+    Communication: the reduce-scatter of the partial products, overlapped
+    with the matmul (`pk_jax.matmul_reduce_scatter`); the backward pass
+    all-gathers dy. rows must divide by n. With axis_name=None the layer is
+    a plain replicated Linear.
+    """
+
+    def __init__(self, in_features_local: int, out_features: int, *, axis_name: AxisName,
+                 rngs: nnx.Rngs, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 use_bias: bool = False, mechanism: str = "auto",
+                 kernel_init: Initializer = default_kernel_init,
+                 bias_init: Initializer = default_bias_init) -> None:
+        super().__init__(in_features_local, out_features, axis_name=axis_name,
+                         kernel_spec=P(axis_name, None), bias_spec=P(), rngs=rngs,
+                         dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
+                         mechanism=mechanism, kernel_init=kernel_init, bias_init=bias_init)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """y [rows / n, ..., out_features]."""
+        x, kernel = self._operands(x)
+        if self.axis_name is None:
+            return self._add_bias(x @ kernel)
+        return self._add_bias(matmul_reduce_scatter(x, kernel, self.axis_name,
+                                                    mechanism=self.mechanism))
+
+
+# ---- blocks --------------------------------------------------------------------
+class ParallelMLP(nnx.Module):
+    """Gated MLP, down(act(gate(x)) * up(x)), tensor parallel over `axis_name`.
+
+    Sharding (n devices): input and output [rows_local, ..., features] with
+    the first dim sharded; gate and up are ColumnParallelLinear (kernels
+    [features, hidden_local], global columns sharded), down is
+    RowParallelLinear (kernel [hidden_local, features], rows sharded).
+    Communication: one all-gather of x (fused into the gate matmul; the up
+    projection reuses the gathered rows) and one reduce-scatter (fused into
+    the down matmul); their transposes in the backward pass.
+    """
+
+    def __init__(self, features: int, hidden_features_local: int, *, axis_name: AxisName,
+                 rngs: nnx.Rngs, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 use_bias: bool = False, mechanism: str = "auto",
+                 activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
+                 kernel_init: Initializer = default_kernel_init) -> None:
+        common = dict(axis_name=axis_name, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                      use_bias=use_bias, mechanism=mechanism, kernel_init=kernel_init)
+        self.gate = ColumnParallelLinear(features, hidden_features_local, **common)
+        self.up = ColumnParallelLinear(features, hidden_features_local, **common)
+        self.down = RowParallelLinear(hidden_features_local, features, **common)
+        self.activation = activation
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate, gathered = self.gate(x, return_gathered=True)
+        return self.down(self.activation(gate) * self.up.apply_gathered(gathered))
+
+
+class RingSelfAttention(nnx.Module):
+    """Self-attention over a sequence sharded along `axis_name` (ring
+    attention), with grouped-query heads; optionally tensor parallel over
+    the heads along `tp_axis_name`.
+
+    Sharding: input and output x [batch, seq_local, in_features]: the
+    sequence (dim 1) is sharded over `axis_name` (layout "contiguous" or
+    "zigzag", see `pk_jax.ring_attention`).
+      * tp_axis_name=None: the q/k/v/output projections are replicated and
+        local (no communication); num_heads / num_kv_heads are the model's.
+      * tp_axis_name="tp" (t devices): the batch (dim 0) is also sharded
+        over "tp" outside the layer; num_heads / num_kv_heads are this
+        device's heads (the model's divided by t); q/k/v are
+        ColumnParallelLinear (heads sharded, one all-gather of x over "tp"),
+        the output projection is RowParallelLinear (reduce-scatter over
+        "tp" back to the batch shard).
+    Communication: `pk_jax.ring_attention` passes the K/V blocks around the
+    `axis_name` ring; plus the "tp" gather/scatter above.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, in_features: int, *,
+                 axis_name: str | Sequence[str], tp_axis_name: AxisName = None,
+                 causal: bool = True, layout: str = "contiguous", rngs: nnx.Rngs,
+                 dtype: Any = None, param_dtype: Any = jnp.float32, use_bias: bool = False,
+                 mechanism: str = "auto",
+                 kernel_init: Initializer = default_kernel_init) -> None:
+        _check_positive(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"pk_jax.flax.RingSelfAttention: num_heads ({num_heads}) must be "
+                             f"a multiple of num_kv_heads ({num_kv_heads})")
+        if layout not in LAYOUTS:
+            raise ValueError(f"pk_jax.flax.RingSelfAttention: layout must be one of "
+                             f"{LAYOUTS}, got {layout!r}")
+        common = dict(axis_name=tp_axis_name, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                      use_bias=use_bias, mechanism=mechanism, kernel_init=kernel_init)
+        self.q = ColumnParallelLinear(in_features, num_heads * head_dim, **common)
+        self.k = ColumnParallelLinear(in_features, num_kv_heads * head_dim, **common)
+        self.v = ColumnParallelLinear(in_features, num_kv_heads * head_dim, **common)
+        self.out = RowParallelLinear(num_heads * head_dim, in_features, **common)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.axis_name, self.causal, self.layout = axis_name, causal, layout
+        self.mechanism = mechanism
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if jnp.ndim(x) != 3:
+            raise ValueError(f"pk_jax.flax.RingSelfAttention: expected x [batch, seq_local, "
+                             f"features], got shape {jnp.shape(x)}")
+        q, gathered = self.q(x, return_gathered=True)
+        k, v = self.k.apply_gathered(gathered), self.v.apply_gathered(gathered)
+        b, s = q.shape[:2]
+        heads = lambda a, h: a.reshape(b, s, h, self.head_dim)
+        o = ring_attention(heads(q, self.num_heads), heads(k, self.num_kv_heads),
+                           heads(v, self.num_kv_heads), self.axis_name, causal=self.causal,
+                           layout=self.layout,
+                           mechanism="xla" if self.mechanism == "xla" else "auto")
+        return self.out(o.reshape(b, s, self.num_heads * self.head_dim))
