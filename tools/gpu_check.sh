@@ -31,6 +31,12 @@ for b in benchmarks/all_gather.py benchmarks/tp_matmul.py; do
   (cd benchmarks && python3 "$(basename "$b")") 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -3
 done
 
+echo "== flax example (step time, pk against xla)"
+for c in pk xla; do
+  python3 examples/flax_transformer.py --steps 30 --collectives $c --dtype bfloat16 2>&1 \
+    | tee "$OUT/flax_$c.log" | tail -2
+done
+
 echo "== summary"
 grep -E "passed|failed" "$OUT/pytest.log" | tail -1
 python3 - <<'PY'
