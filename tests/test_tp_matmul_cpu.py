@@ -130,6 +130,8 @@ def test_repeated_calls_in_scan(rng):
      "expected x", ValueError),
     (lambda: pk_jax.matmul_reduce_scatter(jnp.ones((3, 8)), jnp.ones((8, 8)), "tp"),
      "must divide", ValueError),
+    (lambda: pk_jax.all_gather_matmul(jnp.ones((0, 8)), jnp.ones((8, 8)), "tp"),
+     "empty operands", ValueError),
     (lambda: pk_jax.all_gather_matmul(jnp.ones((4, 8)), jnp.ones((8, 8)), "tp", mechanism="nccl"),
      "mechanism must be", ValueError),
     (lambda: pk_jax.all_gather_matmul(jnp.ones((4, 8)), jnp.ones((8, 8)), "tp",

@@ -45,6 +45,9 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism) -> _C
                          f"{x.shape} and w {w.shape}")
     if x.shape[-1] != w.shape[0]:
         raise ValueError(f"pk_jax.{op}: contraction mismatch, x {x.shape} @ w {w.shape}")
+    if x.size == 0 or w.size == 0:  # XLA's collectives reject empty dims too
+        raise ValueError(f"pk_jax.{op}: empty operands are not supported, got x {x.shape} "
+                         f"and w {w.shape}")
     for name, a in (("x", x), ("w", w)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"pk_jax.{op}: {name} must be floating point, got {a.dtype}")
