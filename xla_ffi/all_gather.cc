@@ -12,7 +12,6 @@ namespace pk::ffi_handlers {
 namespace {
 
 namespace ffi = xla::ffi;
-using ffi_common::Group;
 
 // Values of the "mechanism" attribute (pk_jax/ops/all_gather.py: _MECHANISM_IDS).
 enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2, kLdStLl = 3 };
@@ -24,11 +23,12 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          int32_t mechanism, int32_t num_blocks, int64_t timeout_ns,
                          int32_t skip_post_rank) {
   constexpr const char* kOp = "all_gather";
-  Group g;
-  if (ffi::Error e = ffi_common::resolve_group(kOp, group_ids, group_size, ordinal, &g);
+  ffi_common::GroupContext ctx;
+  if (ffi::Error e = ffi_common::make_group_context(kOp, kOpAllGather, ordinal, group_ids,
+                                                    group_size, timeout_ns, &ctx);
       e.failure())
     return e;
-  if (ffi::Error e = ffi_common::pending_error(*g.self); e.failure()) return e;
+  const ffi_common::Group& g = ctx.group;
   if (slot < 0 || slot >= kMaxSlots)
     return ffi::Error::InvalidArgument("pk_jax.all_gather: channel slot out of range");
   if (uint64_t(rows) * uint64_t(row_bytes) != x.size_bytes() ||
@@ -44,10 +44,10 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   p.rank = g.rank;
   p.n = g.n;
   p.slot = int(slot);
-  for (int q = 0; q < g.n; ++q) p.workspace[q] = g.members[q]->workspace;
+  for (int q = 0; q < g.n; ++q) p.workspace[q] = ctx.workspaces[q];
   p.data_offset = size_t(data_offset);
   p.data_bytes = runtime::Runtime::get().data_bytes();
-  p.wait = ffi_common::wait_context(*g.self, kOpAllGather, g.rank, timeout_ns);
+  p.wait = ctx.wait;
   p.skip_post = skip_post_rank == g.rank;
   // Default grid: one block per SM, measured best for large messages on
   // 2 x H200 (benchmarks/NOTES.md); a caller may ask for up to all co-resident.

@@ -1,12 +1,15 @@
 // Shared pieces of every pk_jax FFI handler: CUDA error conversion, finding
-// this device's rank and peers from the static group table, pending errors.
+// this device's rank and peers from the static group table, pending errors,
+// and the group setup every collective handler starts with (GroupContext).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
+#include "pk/channel.h"
 #include "pk/layout.h"
 #include "runtime/workspace.h"
 #include "xla/ffi/api/ffi.h"
@@ -63,12 +66,9 @@ inline ffi::Error resolve_group(const char* op, ffi::Span<const int64_t> group_i
 // A kernel on this device gave up waiting earlier: refuse to run until the
 // user clears the state (the peers' flags are no longer in step).
 inline ffi::Error pending_error(const runtime::DeviceState& d) {
-  const volatile ErrorRecord* r = d.error_host;
-  if (r->code == kErrNone) return ffi::Error::Success();
-  ErrorRecord copy;
-  copy.code = r->code; copy.op = r->op; copy.rank = r->rank; copy.peer = r->peer;
-  copy.what = r->what; copy.expected = r->expected; copy.observed = r->observed;
-  return ffi::Error::Internal(runtime::describe(copy, d.ordinal));
+  const std::optional<ErrorRecord> r = runtime::recorded_error(d);
+  if (!r) return ffi::Error::Success();
+  return ffi::Error::Internal(runtime::describe(*r, d.ordinal));
 }
 
 inline WaitContext wait_context(const runtime::DeviceState& d, int32_t op, int rank,
@@ -80,6 +80,39 @@ inline WaitContext wait_context(const runtime::DeviceState& d, int32_t op, int r
   w.op = op;
   w.rank = rank;
   return w;
+}
+
+// This device's part in one call of a collective op: its group, every
+// member's workspace, and where its failed waits are reported.
+struct GroupContext {
+  Group group;                       // rank, size, this device and the members
+  char* workspaces[kMaxRanks] = {};  // member q's workspace base (peer mapped)
+  WaitContext wait{};                // for the op id and timeout given
+
+  // The flags of channel `slot` on every member; check the slot first.
+  Channel channel(int slot) const {
+    return make_channel(workspaces, group.n, group.rank, slot, wait);
+  }
+};
+
+// The common start of every handler that talks to its group: finds this
+// device's rank and peers in the static group table (resolve_group), refuses
+// to run while a kernel on this device has an error recorded (pending_error),
+// and fills `ctx` (`op` names the op in messages, `op_id` in error records).
+// Still the caller's: checking its slot (0 <= slot < kMaxSlots) and data
+// region (data_offset, region size) with its own messages before
+// ctx->channel(slot) or using the workspaces; buffers, dtypes and shapes;
+// skip_post (skip_post_rank == ctx->group.rank); streams and launch.
+inline ffi::Error make_group_context(const char* op, int32_t op_id, int32_t ordinal,
+                                     ffi::Span<const int64_t> group_ids, int64_t group_size,
+                                     int64_t timeout_ns, GroupContext* ctx) {
+  Group& g = ctx->group;
+  if (ffi::Error e = resolve_group(op, group_ids, group_size, ordinal, &g); e.failure())
+    return e;
+  if (ffi::Error e = pending_error(*g.self); e.failure()) return e;
+  for (int q = 0; q < g.n; ++q) ctx->workspaces[q] = g.members[q]->workspace;
+  ctx->wait = wait_context(*g.self, op_id, g.rank, timeout_ns);
+  return ffi::Error::Success();
 }
 
 }  // namespace pk::ffi_common

@@ -28,11 +28,11 @@ ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t o
                    ffi::Span<const int64_t> group_ids, int64_t group_size, int64_t slot,
                    int64_t data_offset, int64_t timeout_ns, int32_t skip_post_rank,
                    tp_matmul::Params* p) {
-  ffi_common::Group g;
-  if (ffi::Error e = ffi_common::resolve_group(op, group_ids, group_size, ordinal, &g);
+  ffi_common::GroupContext ctx;
+  if (ffi::Error e = ffi_common::make_group_context(op, op_id, ordinal, group_ids, group_size,
+                                                    timeout_ns, &ctx);
       e.failure())
     return e;
-  if (ffi::Error e = ffi_common::pending_error(*g.self); e.failure()) return e;
   if (!gemm::available())
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       std::string("pk_jax.") + op + ": built without CUTLASS");
@@ -41,16 +41,12 @@ ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t o
   if (!to_gemm_type(x.element_type(), &p->in) || x.element_type() != w.element_type() ||
       !to_gemm_type(out.element_type(), &p->out_type))
     return ffi::Error::InvalidArgument(std::string("pk_jax.") + op + ": unsupported dtypes");
+  const ffi_common::Group& g = ctx.group;
   const runtime::DeviceState& d = *g.self;
   p->rank = g.rank;
   p->n = g.n;
-  char* workspaces[kMaxRanks];
-  for (int q = 0; q < g.n; ++q) {
-    workspaces[q] = g.members[q]->workspace;
-    p->region[q] = workspaces[q] + kDataOffset + data_offset;
-  }
-  p->ch = make_channel(workspaces, g.n, g.rank, int(slot),
-                       ffi_common::wait_context(d, op_id, g.rank, timeout_ns));
+  for (int q = 0; q < g.n; ++q) p->region[q] = ctx.workspaces[q] + kDataOffset + data_offset;
+  p->ch = ctx.channel(int(slot));
   p->region_bytes = runtime::Runtime::get().data_bytes() - size_t(data_offset);
   p->skip_post = skip_post_rank == g.rank;
   p->gemm_dev = {d.ordinal, d.sm_count, d.gemm_workspace, d.gemm_workspace_bytes};

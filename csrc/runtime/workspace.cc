@@ -153,11 +153,7 @@ std::vector<PendingError> Runtime::pending_errors() const {
   std::vector<PendingError> out;
   for (const DeviceState& d : devices_) {
     if (d.ordinal < 0) continue;
-    const volatile ErrorRecord* r = d.error_host;
-    if (r->code == kErrNone) continue;
-    ErrorRecord copy;
-    std::memcpy(&copy, const_cast<const ErrorRecord*>(d.error_host), sizeof(copy));
-    out.push_back({d.ordinal, copy});
+    if (std::optional<ErrorRecord> r = recorded_error(d)) out.push_back({d.ordinal, *r});
   }
   return out;
 }
@@ -179,6 +175,16 @@ std::string Runtime::reset() {
     std::memset(d.error_host, 0, sizeof(ErrorRecord));
   }
   return "";
+}
+
+std::optional<ErrorRecord> recorded_error(const DeviceState& d) {
+  // Field by field through volatile: a kernel may be writing the record.
+  const volatile ErrorRecord* r = d.error_host;
+  if (r->code == kErrNone) return std::nullopt;
+  ErrorRecord copy;
+  copy.code = r->code; copy.op = r->op; copy.rank = r->rank; copy.peer = r->peer;
+  copy.what = r->what; copy.pad = 0; copy.expected = r->expected; copy.observed = r->observed;
+  return copy;
 }
 
 std::string describe(const ErrorRecord& r, int ordinal) {

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,11 @@ class Runtime {
   size_t data_bytes_ = 0;
   std::vector<DeviceState> devices_;  // indexed by local ordinal
 };
+
+// The error a kernel recorded on `d` and nobody cleared yet, or nullopt. The
+// record is mapped host memory a kernel may write at any time: this is the
+// one place that reads it.
+std::optional<ErrorRecord> recorded_error(const DeviceState& d);
 
 // Human-readable description of a kernel's error record.
 std::string describe(const ErrorRecord& r, int ordinal);

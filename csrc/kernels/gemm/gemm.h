@@ -14,6 +14,9 @@ namespace pk::gemm {
 
 enum class DType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
 
+// Bytes per element.
+inline size_t itemsize(DType t) { return t == DType::kF32 ? 4 : 2; }
+
 struct Problem {
   int64_t m = 0, n = 0, k = 0;
   const void* a = nullptr;  // [m, k] row-major

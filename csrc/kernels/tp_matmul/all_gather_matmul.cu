@@ -22,7 +22,7 @@ cudaError_t gemm_rows(const Params& p, const void* rows, int q, cudaStream_t s) 
   g.k = p.k;
   g.a = rows;
   g.b = p.w;
-  g.d = static_cast<char*>(p.out) + size_t(q) * p.m * p.n_cols * itemsize(p.out_type);
+  g.d = static_cast<char*>(p.out) + size_t(q) * p.m * p.n_cols * gemm::itemsize(p.out_type);
   g.in = p.in;
   g.out = p.out_type;
   return gemm::run(g, p.gemm_dev, s);
@@ -30,7 +30,7 @@ cudaError_t gemm_rows(const Params& p, const void* rows, int q, cudaStream_t s) 
 
 cudaError_t copy_gathered(const Params& p, const void* rows, int q, cudaStream_t s) {
   if (p.gathered == nullptr) return cudaSuccess;
-  const size_t bytes = size_t(p.m) * p.k * itemsize(p.in);
+  const size_t bytes = size_t(p.m) * p.k * gemm::itemsize(p.in);
   return cudaMemcpyAsync(static_cast<char*>(p.gathered) + q * bytes, rows, bytes,
                          cudaMemcpyDeviceToDevice, s);
 }
@@ -38,7 +38,7 @@ cudaError_t copy_gathered(const Params& p, const void* rows, int q, cudaStream_t
 }  // namespace
 
 cudaError_t all_gather_matmul(const Params& p) {
-  const size_t block = size_t(p.m) * p.k * itemsize(p.in);
+  const size_t block = size_t(p.m) * p.k * gemm::itemsize(p.in);
   cudaStream_t s = p.stream, side = p.side_stream;
   if (p.n > 1) {
     PK_CUDA_TRY(cudaEventRecord(p.fork, s));

@@ -23,7 +23,7 @@ cudaError_t gemm_into(const Params& p, int rows_of, char* dst, cudaStream_t s) {
   g.m = p.m;
   g.n = p.n_cols;
   g.k = p.k;
-  g.a = static_cast<const char*>(p.x) + size_t(rows_of) * p.m * p.k * itemsize(p.in);
+  g.a = static_cast<const char*>(p.x) + size_t(rows_of) * p.m * p.k * gemm::itemsize(p.in);
   g.b = p.w;
   g.d = dst;
   g.in = p.in;
@@ -36,7 +36,7 @@ cudaError_t gemm_into(const Params& p, int rows_of, char* dst, cudaStream_t s) {
 cudaError_t matmul_reduce_scatter(const Params& p) {
   cudaStream_t s = p.stream;
   if (p.n == 1) return gemm_into(p, 0, static_cast<char*>(p.out), s);
-  const size_t slot = size_t(p.m) * p.n_cols * itemsize(p.out_type);
+  const size_t slot = size_t(p.m) * p.n_cols * gemm::itemsize(p.out_type);
   PK_CUDA_TRY(signals::wait_credit(p.ch, s));
   for (int k = 1; k < p.n; ++k) {
     const int q = (p.rank + k) % p.n;

@@ -74,8 +74,6 @@ cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s)
   }
 }
 
-size_t itemsize(gemm::DType t) { return t == gemm::DType::kF32 ? 4 : 2; }
-
 cudaError_t load_kernels() {
   const void* kernels[] = {reinterpret_cast<const void*>(sum_slots_kernel<__nv_bfloat16>),
                            reinterpret_cast<const void*>(sum_slots_kernel<__half>),

@@ -45,14 +45,12 @@ struct Params {
   cudaEvent_t join = nullptr;
 };
 
-size_t itemsize(gemm::DType t);
-
 // Bytes of the channel's data region each op needs: n slots of one rank's block.
 inline size_t ag_matmul_region_bytes(int n, int64_t m, int64_t k, gemm::DType in) {
-  return size_t(n) * m * k * itemsize(in);
+  return size_t(n) * m * k * gemm::itemsize(in);
 }
 inline size_t matmul_rs_region_bytes(int n, int64_t m, int64_t n_cols, gemm::DType out) {
-  return size_t(n) * m * n_cols * itemsize(out);
+  return size_t(n) * m * n_cols * gemm::itemsize(out);
 }
 
 cudaError_t all_gather_matmul(const Params& p);
