@@ -31,6 +31,12 @@ for b in benchmarks/all_gather.py benchmarks/tp_matmul.py; do
   (cd benchmarks && python3 "$(basename "$b")") 2>&1 | tee "$OUT/$(basename "$b" .py).log" | tail -3
 done
 
+# Ring attention: 2 sequences + world size 1, forward, ~1.5 min on 2 GPUs (mostly compiles);
+# results are saved after every group, so a timeout keeps what was measured.
+echo "== ring attention (pk against the cuDNN ring, the einsum ring and the one-GPU ideal)"
+(cd benchmarks && timeout 180 python3 ring_attention.py --seqs 16384,32768) 2>&1 \
+  | tee "$OUT/ring_attention.log" | grep -E "^(!!!!|--|total)" | tail -12
+
 echo "== flax example (step time, pk against xla)"
 for c in pk xla; do
   python3 examples/flax_transformer.py --steps 30 --collectives $c --dtype bfloat16 2>&1 \
@@ -57,5 +63,15 @@ if os.path.exists(path):
         floor = f"{r['median_ms'] / r['gemm_only_ms']:.3f}" if r["gemm_only_ms"] else "-"
         print(f"{r['op']:>22} {'x'.join(map(str, r['shape'])):>17} {r['implementation']:>9} "
               f"{r['median_ms']:8.3f} {floor:>6} {r['baseline_median_ms'] / r['median_ms']:5.2f}x")
+PY
+python3 - <<'PY'
+import json, os, sys
+sys.path.insert(0, "benchmarks")
+path = os.path.join(os.environ.get("OUT", "/tmp/pk_out"), "ring_attention.json")
+if os.path.exists(path):
+    from ring_attention import HEADER, table_row
+    print("ring_attention (" + ", ".join(HEADER) + ")")
+    for r in json.load(open(path)):
+        print("  ".join(f"{c:>8}" for c in table_row(r)))
 PY
 exit $test_rc

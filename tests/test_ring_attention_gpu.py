@@ -1,0 +1,297 @@
+"""pk_jax.ring_attention on GPUs (mechanisms "auto" and "copy_engine")
+against jax.nn.dot_product_attention on the gathered sequence computed in
+float32 from the upcast inputs, with a tolerance set by the same attention
+computed from the bf16/fp16 inputs (what any correct half-precision
+implementation can reach). Causal and not, zigzag and contiguous layouts,
+GQA, head dims 64 and 128, S_local 128 to 64k, B > 1, world sizes 1 and 2,
+calls repeated inside lax.scan, the log-sum-exp, and the documented behaviour
+on shapes the kernel does not take. Skipped with a reason when there are too
+few GPUs.
+
+Inputs are fresh every run: each test draws a seed from numpy's default_rng
+and names it in its failure messages (rerun a failure with that seed by
+replacing `_seed()`'s draw).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax import _warnings
+from conftest import gpu_mesh
+from gpu_util import poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+SEQ = P(None, "sp")
+LSE = P(None, None, "sp")
+MECHANISMS = ["auto", "copy_engine"]
+FULL_CHECK_MAX_S = 4096  # above: check sampled query rows against the whole sequence
+
+
+# ---- inputs and references -----------------------------------------------------
+def _seed() -> int:
+    return int(np.random.default_rng().integers(1 << 31))
+
+
+def _qkv(seed: int, b: int, s: int, hq: int, hkv: int, d: int, dtype):
+    """Global (natural order) q, k, v of `dtype`, drawn on the first GPU."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    draw = lambda kk, h: jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype)
+    return draw(keys[0], hq), draw(keys[1], hkv), draw(keys[2], hkv)
+
+
+def _rows(s: int, n: int, seed: int) -> np.ndarray:
+    """Query rows to check: all of them for short sequences; otherwise both
+    ends of every zigzag chunk and of every rank's block, and random rows."""
+    if s <= FULL_CHECK_MAX_S:
+        return np.arange(s, dtype=np.int32)
+    c = s // (2 * n)
+    ends = [x for i in range(2 * n) for x in (i * c, (i + 1) * c - 1)]
+    extra = np.random.default_rng(seed).integers(0, s, 64)
+    return np.unique(np.concatenate([ends, [0, s - 1], extra])).astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))
+def _attention_rows(q, k, v, rows, causal: bool, dtype, exact: bool):
+    """jax.nn.dot_product_attention of the query rows `rows` (natural
+    positions) against the whole sequence, inputs cast to `dtype`; `exact`:
+    full-precision fp32 matmuls (no TF32), otherwise XLA's default."""
+    qr = jnp.take(q, rows, axis=1)
+    mask = None
+    if causal:
+        mask = (rows[:, None] >= jnp.arange(k.shape[1])[None, :])[None, None]
+    with jax.default_matmul_precision("highest") if exact else contextlib.nullcontext():
+        return jax.nn.dot_product_attention(qr.astype(dtype), k.astype(dtype),
+                                            v.astype(dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _lse_rows(q, k, rows, causal: bool):
+    """float32 log-sum-exp [B, Hq, R] of the scaled scores of rows `rows`."""
+    qr = jnp.take(q, rows, axis=1).astype(jnp.float32)
+    g = q.shape[2] // k.shape[2]
+    kk = jnp.repeat(k.astype(jnp.float32), g, axis=2)
+    s = jnp.einsum("brhd,bshd->bhrs", qr, kk, precision=lax.Precision.HIGHEST)
+    s = s / np.sqrt(q.shape[3])
+    if causal:
+        s = jnp.where(rows[:, None] >= jnp.arange(k.shape[1])[None, :], s, -jnp.inf)
+    return jax.nn.logsumexp(s, axis=-1)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _worst_row(a, b) -> float:
+    """Worst relative error of one token (sequence axis 1) over its heads and dims."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    axes = tuple(range(2, a.ndim))
+    ref = np.sqrt(np.sum(b * b, axis=axes))
+    return float(np.max(np.sqrt(np.sum((a - b) ** 2, axis=axes)) / np.maximum(ref, ref.mean())))
+
+
+def _check(out, q, k, v, causal, what, seed, n=2, lse=None):
+    """`out` (natural order) against fp32 attention; tolerance from the same
+    attention on the half-precision inputs. `lse` [B, Hq, S]: against an fp32
+    log-sum-exp."""
+    rows = _rows(q.shape[1], n, seed)
+    r = jnp.asarray(rows)
+    exact = _attention_rows(q, k, v, r, causal, jnp.float32, True)
+    same_precision = _attention_rows(q, k, v, r, causal, q.dtype, False)
+    got = jnp.take(out, r, axis=1)
+    err, base = _rel(got, exact), _rel(same_precision, exact)
+    assert out.shape == q.shape and out.dtype == q.dtype, f"{what}: {out.shape} {out.dtype}"
+    assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{what}: non-finite (seed {seed})"
+    assert err <= 1.5 * base + 2e-3, (
+        f"{what}: rel err {err:.3g} against fp32, same-precision attention {base:.3g} "
+        f"(seed {seed}, {len(rows)} rows)")
+    row, row_base = _worst_row(got, exact), _worst_row(same_precision, exact)
+    assert row <= 2 * row_base + 1e-2, (
+        f"{what}: worst token rel err {row:.3g}, same-precision attention {row_base:.3g} "
+        f"(seed {seed})")
+    if lse is not None:
+        assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == jnp.float32
+        want = _lse_rows(q, k, r, causal)
+        diff = float(jnp.max(jnp.abs(jnp.take(lse, r, axis=2) - want)))
+        assert diff <= 2e-2, f"{what}: lse max abs err {diff:.3g} (seed {seed})"
+
+
+# ---- the op under test -----------------------------------------------------------
+def _ring(mesh, *, causal: bool, layout: str, mechanism: str, return_lse: bool = False):
+    """Global natural-order (q, k, v) -> natural-order output (and lse) through
+    pk_jax.ring_attention on `mesh` (axis "sp")."""
+    n = mesh.size
+    f = jax.jit(jax.shard_map(
+        lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal, layout=layout,
+                                              return_lse=return_lse, mechanism=mechanism),
+        mesh=mesh, in_specs=(SEQ,) * 3, out_specs=(SEQ, LSE) if return_lse else SEQ))
+    sharding = NamedSharding(mesh, SEQ)
+
+    def run(q, k, v):
+        if layout == "zigzag":
+            q, k, v = (pk_jax.zigzag_shard(x, n) for x in (q, k, v))
+        res = f(*(jax.device_put(x, sharding) for x in (q, k, v)))
+        out, lse = res if return_lse else (res, None)
+        if layout == "zigzag":
+            out = pk_jax.zigzag_unshard(out, n)
+            lse = None if lse is None else pk_jax.zigzag_unshard(lse, n, seq_axis=2)
+        out = jax.device_put(out, mesh.devices.flat[0])
+        lse = None if lse is None else jax.device_put(lse, mesh.devices.flat[0])
+        return (out, lse) if return_lse else out
+    return run
+
+
+def _run_and_check(n, mechanism, causal, layout, b, s_local, hq, hkv, d, dtype, what):
+    mesh = gpu_mesh(n, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, b, n * s_local, hq, hkv, d, dtype)
+    poison_allocator(mesh, q.size * q.dtype.itemsize // n + 4096)
+    out = _ring(mesh, causal=causal, layout=layout, mechanism=mechanism)(q, k, v)
+    _check(out, q, k, v, causal, what, seed, n)
+    pk_jax.check_errors()
+
+
+CASES = [(False, "contiguous"), (True, "contiguous"), (True, "zigzag"), (False, "zigzag")]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("causal,layout", CASES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_values(n, mechanism, causal, layout, dtype):
+    _run_and_check(n, mechanism, causal, layout, 2, 256, 8, 2, 128, dtype,
+                   f"n={n} {mechanism} causal={causal} {layout} {jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_and_head_dim(mechanism, group, d):
+    _run_and_check(2, mechanism, True, "zigzag", 2, 512, 8, 8 // group, d, jnp.bfloat16,
+                   f"{mechanism} GQA {group} d={d}")
+
+
+# S_local from 128 to 64k; the long ones few (a 64k-token block per GPU).
+@pytest.mark.parametrize("mechanism,causal,layout,b,s_local,hq,hkv", [
+    ("copy_engine", True, "zigzag", 3, 128, 8, 8),
+    ("copy_engine", False, "contiguous", 2, 1024, 16, 4),
+    ("auto", True, "zigzag", 2, 4096, 16, 2),
+    ("copy_engine", True, "contiguous", 1, 8192, 16, 16),
+    ("auto", False, "contiguous", 1, 16384, 8, 8),
+    ("copy_engine", True, "zigzag", 1, 65536, 8, 1),
+    ("auto", False, "contiguous", 1, 65536, 4, 4),
+])
+def test_sequence_lengths(mechanism, causal, layout, b, s_local, hq, hkv):
+    _run_and_check(2, mechanism, causal, layout, b, s_local, hq, hkv, 128, jnp.bfloat16,
+                   f"{mechanism} causal={causal} {layout} b={b} s_local={s_local}")
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("causal,layout", CASES[:3])
+def test_return_lse(n, mechanism, causal, layout):
+    mesh = gpu_mesh(n, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 2, n * 512, 8, 2, 128, jnp.bfloat16)
+    out, lse = _ring(mesh, causal=causal, layout=layout, mechanism=mechanism,
+                     return_lse=True)(q, k, v)
+    _check(out, q, k, v, causal, f"lse n={n} {mechanism} causal={causal} {layout}", seed, n,
+           lse=lse)
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("n", [1, 2])
+def test_repeated_in_scan(mechanism, n):
+    """Layers of ring attention in one lax.scan (the kernel's per-call state
+    must advance inside one program), and the program called twice."""
+    mesh = gpu_mesh(n, "sp")
+    seed = _seed()
+    layers = 6
+    q, k, v = _qkv(seed, 2, n * 256, 8, 2, 128, jnp.bfloat16)
+
+    def stacked(x, kk, vv):
+        step = lambda c, _: (pk_jax.ring_attention(c, kk, vv, "sp", causal=True, layout="zigzag",
+                                                   mechanism=mechanism) * 4.0, None)
+        return lax.scan(step, x, None, length=layers)[0]
+
+    f = jax.jit(jax.shard_map(stacked, mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ))
+    sharding = NamedSharding(mesh, SEQ)
+    args = [jax.device_put(pk_jax.zigzag_shard(x, n), sharding) for x in (q, k, v)]
+
+    def reference(dtype, exact):
+        c = q.astype(dtype)
+        with jax.default_matmul_precision("highest") if exact else contextlib.nullcontext():
+            for _ in range(layers):
+                c = (jax.nn.dot_product_attention(c, k.astype(dtype), v.astype(dtype),
+                                                  is_causal=True) * 4.0).astype(dtype)
+        return c
+    exact, same_precision = reference(jnp.float32, True), reference(q.dtype, False)
+    base = _rel(same_precision, exact)
+    for call in ("first", "second"):
+        out = jax.device_put(pk_jax.zigzag_unshard(f(*args), n), mesh.devices.flat[0])
+        err = _rel(out, exact)
+        assert err <= 1.5 * base + 2e-3, (f"scan {mechanism} n={n}, {call} call: {err=:.3g} "
+                                          f"{base=:.3g} (seed {seed})")
+    pk_jax.check_errors()
+
+
+# ---- shapes the kernel does not take ---------------------------------------------
+# Documented contract: "auto" falls back to the reference ring with a one-time
+# PkJaxFallbackWarning saying why; an explicit "copy_engine" raises a ValueError
+# that says what the kernel supports. float32 inputs (kernel: bf16 / fp16) and
+# head dim 32 (kernel: 64, 128) are outside it.
+UNSUPPORTED = [pytest.param(jnp.float32, 128, r"(?i)float32|dtype", id="float32"),
+               pytest.param(jnp.bfloat16, 32, r"(?i)head.?dim|\b32\b", id="head_dim_32")]
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget the one-time warnings already given, so this test sees its own."""
+    monkeypatch.setattr(_warnings, "_seen", set())
+
+
+@pytest.mark.parametrize("dtype,d,_", UNSUPPORTED)
+def test_unsupported_auto_falls_back(fresh_warnings, dtype, d, _):
+    mesh = gpu_mesh(2, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 1, 512, 4, 2, d, dtype)
+    with pytest.warns(pk_jax.PkJaxFallbackWarning):
+        out = _ring(mesh, causal=True, layout="zigzag", mechanism="auto")(q, k, v)
+    _check(out, q, k, v, True, f"fallback {jnp.dtype(dtype).name} d={d}", seed)
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("dtype,d,names_it", UNSUPPORTED)
+def test_unsupported_copy_engine_raises(dtype, d, names_it):
+    mesh = gpu_mesh(2, "sp")
+    q, k, v = _qkv(_seed(), 1, 512, 4, 2, d, dtype)
+    with pytest.raises(ValueError, match=r"(?i)support") as info:
+        _ring(mesh, causal=True, layout="zigzag", mechanism="copy_engine")(q, k, v)
+    assert re.search(names_it, str(info.value)), str(info.value)
+
+
+def test_supported_auto_takes_the_kernel(fresh_warnings):
+    """On a supported shape "auto" must not fall back (no fallback warning)."""
+    mesh = gpu_mesh(2, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 1, 1024, 8, 2, 128, jnp.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pk_jax.PkJaxFallbackWarning)
+        out = _ring(mesh, causal=True, layout="zigzag", mechanism="auto")(q, k, v)
+    _check(out, q, k, v, True, "auto on a supported shape", seed)
+    pk_jax.check_errors()
