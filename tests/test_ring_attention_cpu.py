@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh
-from pk_jax.ops import ring_attention as ra
+from pk_jax.ops import ring_attention_reference as ra
 from pk_jax.ops.ring_attention import ring_attention, zigzag_shard, zigzag_unshard
 
 SEQ = P(None, "sp")
@@ -159,7 +159,7 @@ def test_lse_gradient(rng):
 def test_fully_masked_block_is_finite(rng):
     """A block that hides every key from every query leaves the state empty
     (no NaN in values or gradients), and an empty state finishes to zeros."""
-    cfg = ra._Config(("sp",), 2, True, 0.125, "contiguous", "xla")
+    cfg = ra.RingConfig(("sp",), 2, True, 0.125, "contiguous", "xla")
     q5, k = _normal(rng, (1, 8, 2, 2, 64)), _normal(rng, (1, 8, 2, 64))
     q_pos, k_pos = jnp.arange(8), jnp.arange(8, 16)
 
@@ -274,3 +274,61 @@ def test_other_mesh_axes_keep_their_varying_type(rng):
                               in_specs=P("tp", "sp"), out_specs=P("tp", "sp")))
     ref = jax.nn.dot_product_attention(q, q, q, is_causal=True)
     np.testing.assert_allclose(np.asarray(f(q)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+# ---- the fused path's plumbing (primitive + custom_vjp; CPU lowers it to the ring)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_copy_engine_path_values_and_grads(rng, layout):
+    """mechanism="copy_engine" binds the kernel primitive (on CPU it lowers to
+    the reference ring); values, lse and gradients match plain attention."""
+    n, s = 2, 2 * 256
+    q, k, v = _qkv(rng, 1, s, 4, 2, 64, jnp.bfloat16)
+    ring = _sharded(cpu_mesh((n,), ("sp",)), layout, return_lse=True, causal=True,
+                    mechanism="copy_engine")
+    out, lse = jax.jit(ring)(q, k, v)
+    assert _rel(out, _reference(q, k, v, True)) < 2e-2
+    assert _rel(lse, _reference_lse(q, k, v, True)) < 1e-2
+    loss = lambda f: (lambda *x: jnp.sum(f(*x)[0].astype(jnp.float32) ** 2))
+    ours = jax.jit(jax.grad(loss(ring), (0, 1, 2)))(q, k, v)
+    refs = jax.jit(jax.grad(loss(lambda *x: (_reference(*x, True),)), (0, 1, 2)))(q, k, v)
+    for a, b in zip(ours, refs):
+        assert _rel(a, b) < 3e-2
+
+
+def test_copy_engine_lowers_to_kernel_primitive():
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    f = jax.shard_map(lambda q: ring_attention(q, q, q, "sp", mechanism="copy_engine"),
+                      mesh=cpu_mesh((2,), ("sp",)), in_specs=SEQ, out_specs=SEQ,
+                      check_vma=False)
+    text = str(jax.make_jaxpr(f)(jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)))
+    assert "pk_ring_attention" in text
+    text = str(jax.make_jaxpr(jax.shard_map(
+        lambda q: ring_attention(q, q, q, "sp", mechanism="xla"), mesh=cpu_mesh((2,), ("sp",)),
+        in_specs=SEQ, out_specs=SEQ, check_vma=False))(
+            jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16)))
+    assert "pk_ring_attention" not in text and "ppermute" in text
+    del q
+
+
+@pytest.mark.parametrize("shape,dtype,what", [
+    ((1, 256, 4, 96), jnp.bfloat16, "head_dim 96"),
+    ((1, 200, 4, 64), jnp.bfloat16, "S_local=200"),
+    ((1, 256, 4, 64), jnp.float32, "dtype float32"),
+])
+def test_copy_engine_rejects_unsupported(shape, dtype, what):
+    f = jax.shard_map(lambda q: ring_attention(q, q, q, "sp", mechanism="copy_engine"),
+                      mesh=cpu_mesh((2,), ("sp",)), in_specs=SEQ, out_specs=SEQ,
+                      check_vma=False)
+    glob = jax.ShapeDtypeStruct((shape[0], 2 * shape[1]) + shape[2:], dtype)
+    with pytest.raises(ValueError, match=what):
+        jax.eval_shape(f, glob)
+
+
+def test_zigzag_chunk_must_fit_tiles():
+    """Zigzag needs each half of S_local to be whole 128-row tiles."""
+    f = jax.shard_map(lambda q: ring_attention(q, q, q, "sp", layout="zigzag",
+                                               mechanism="copy_engine"),
+                      mesh=cpu_mesh((2,), ("sp",)), in_specs=SEQ, out_specs=SEQ,
+                      check_vma=False)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        jax.eval_shape(f, jax.ShapeDtypeStruct((1, 2 * 128, 4, 64), jnp.bfloat16))

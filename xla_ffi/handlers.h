@@ -8,5 +8,6 @@ namespace pk::ffi_handlers {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGather);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherMatmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MatmulReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAttention);
 
 }  // namespace pk::ffi_handlers

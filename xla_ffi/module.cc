@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "kernels/gemm/gemm.h"
+#include "kernels/ring_attention/ring_attention.h"
 #include "runtime/workspace.h"
 #include "xla_ffi/handlers.h"
 
@@ -33,6 +34,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_all_gather"] = as_capsule(pk::ffi_handlers::AllGather);
     d["pk_all_gather_matmul"] = as_capsule(pk::ffi_handlers::AllGatherMatmul);
     d["pk_matmul_reduce_scatter"] = as_capsule(pk::ffi_handlers::MatmulReduceScatter);
+    d["pk_ring_attention"] = as_capsule(pk::ffi_handlers::RingAttention);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 
@@ -62,4 +64,5 @@ NB_MODULE(_pk_jax_ext, m) {
   m.attr("ll_max_bytes") = pk::kLlMaxBytes;
   m.attr("ll_channels") = pk::kLlChannels;
   m.attr("has_gemm") = pk::gemm::available();
+  m.attr("has_attention") = pk::ring_attention::available();
 }

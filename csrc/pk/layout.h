@@ -26,7 +26,10 @@ struct alignas(128) SlotFlags {
   uint64_t epoch;                 // calls completed on this device (local)
   uint32_t ticket;                // blocks finished in the running call (local)
   uint32_t pad0;
-  uint64_t pad1[14];
+  // Copy-engine posts: values a stream copy writes into a peer's posted[]
+  // (signals::stamp sets them; one per piece of a staged block).
+  uint64_t stamp[8];
+  uint64_t pad1[6];
   uint64_t ptr[kMaxRanks];        // peer r: address of its source buffer
   uint64_t posted[kMaxRanks];     // peer r: epoch whose data/pointer is ready
   uint64_t done[kMaxRanks];       // peer r: epoch it finished reading from us
@@ -69,7 +72,12 @@ struct ErrorRecord {
   uint64_t observed;   // last value seen
 };
 
-enum OpId : int32_t { kOpAllGather = 1, kOpAllGatherMatmul = 2, kOpMatmulReduceScatter = 3 };
+enum OpId : int32_t {
+  kOpAllGather = 1,
+  kOpAllGatherMatmul = 2,
+  kOpMatmulReduceScatter = 3,
+  kOpRingAttention = 4,
+};
 enum WaitKind : int32_t { kWaitPosted = 1, kWaitDone = 2, kWaitLine = 3 };
 enum ErrorCode : int32_t { kErrNone = 0, kErrTimeout = 1 };
 

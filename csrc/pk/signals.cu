@@ -42,6 +42,11 @@ __global__ void finish_kernel(const __grid_constant__ Channel ch) {
   if (q == 0) ch.mine()->epoch = e;
 }
 
+__global__ void stamp_kernel(const __grid_constant__ Channel ch, int pieces) {
+  const int i = threadIdx.x;
+  if (i < pieces) ch.mine()->stamp[i] = (ch.next_epoch() - 1) * pieces + i + 1;
+}
+
 }  // namespace
 
 cudaError_t wait_credit(const Channel& ch, cudaStream_t stream) {
@@ -65,11 +70,18 @@ cudaError_t finish(const Channel& ch, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t stamp(const Channel& ch, int pieces, cudaStream_t stream) {
+  if (pieces < 1 || pieces > 8) return cudaErrorInvalidValue;
+  stamp_kernel<<<1, kThreads, 0, stream>>>(ch, pieces);
+  return cudaGetLastError();
+}
+
 cudaError_t load_kernels() {
   const void* kernels[] = {reinterpret_cast<const void*>(wait_credit_kernel),
                            reinterpret_cast<const void*>(post_kernel),
                            reinterpret_cast<const void*>(wait_posted_kernel),
-                           reinterpret_cast<const void*>(finish_kernel)};
+                           reinterpret_cast<const void*>(finish_kernel),
+                           reinterpret_cast<const void*>(stamp_kernel)};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;
     PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));

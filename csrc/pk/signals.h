@@ -28,6 +28,12 @@ cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream);
 // with us), then advance the epoch.
 cudaError_t finish(const Channel& ch, cudaStream_t stream);
 
+// Copy-engine posting, for waits that must not depend on a kernel getting an
+// SM: set mine()->stamp[i] = (e - 1) * pieces + i + 1 for i < pieces; a
+// stream copy of stamp[i] into a peer's posted[rank] then posts piece i of
+// call e (monotonic across calls while `pieces` is fixed per channel).
+cudaError_t stamp(const Channel& ch, int pieces, cudaStream_t stream);
+
 // Load the kernels on the current device (no lazy loading while peers spin).
 cudaError_t load_kernels();
 

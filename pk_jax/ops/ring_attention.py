@@ -1,28 +1,35 @@
 """pk_jax.ring_attention: sequence-parallel attention over a mesh axis.
 
 Every device of `axis_name` holds a slice of the sequence (q, k and v of the
-same tokens). The K/V blocks travel around the ring with `lax.ppermute`
-(rank r sends to r + 1 mod n); at each of the n steps a device attends its
-queries to the visiting block and merges the partial result into a running
-output with an online softmax (running max and sum of exponentials, fp32), so
-memory stays O(S_local) and the result equals attention over the whole
-sequence.
+same tokens); the result equals attention over the whole sequence.
 
-Causal masks use global token positions, computed from the rank, the step
-and the layout, so both layouts are exact:
+Causal masks use global token positions, computed from the rank and the
+layout, so both layouts are exact:
   * "contiguous": rank r holds tokens [r * S_local, (r + 1) * S_local).
   * "zigzag": the sequence is cut into 2n chunks of S_local / 2 tokens and
     rank r holds chunks r and 2n - 1 - r, so every rank has the same causal
     work. `zigzag_shard` / `zigzag_unshard` reorder global arrays to and from
     this layout.
 
-Path choice: only the pure-JAX reference exists for now (mechanism "auto" and
-"xla" both take it); it is differentiable by JAX autodiff.
+Mechanisms:
+  * "copy_engine": the fused kernel (csrc/kernels/ring_attention): the copy
+    engines push this rank's K/V block to every peer while one attention
+    kernel walks its own block and then each peer's block as it lands,
+    merging all steps in registers. bfloat16/float16, head_dim 64 or 128,
+    S_local a multiple of 128 (256 for zigzag). On platforms other than CUDA
+    it lowers to the reference.
+  * "xla": the pure-JAX ring (ring_attention_reference.py): ppermute of K/V
+    blocks with an fp32 online softmax, O(S_local) memory.
+  * "auto": "copy_engine" where it applies, else "xla" (with a one-time
+    PkJaxFallbackWarning saying why).
+Gradients: a custom_vjp whose backward differentiates the reference ring
+(recomputing the forward); a fused backward is future work.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -32,25 +39,13 @@ import numpy as np
 from jax import lax
 
 from pk_jax import groups, runtime
-from pk_jax._compat import make_varying, varying_axes
+from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
+from pk_jax.ops.ring_attention_primitive import kernel_problem, ring_attention_p
+from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference
 
-MECHANISMS = ("auto", "xla")
+MECHANISMS = ("auto", "copy_engine", "xla")
 LAYOUTS = ("contiguous", "zigzag")
-# Mask value of the scores: finite, so fully masked rows give no inf - inf.
-_NEG = -1e30
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """Static part of one call, validated once."""
-
-    names: tuple[str, ...]
-    n: int
-    causal: bool
-    scale: float
-    layout: str
-    mechanism: str  # "xla" after validation (the only path so far)
 
 
 def _check_shapes(q, k, v) -> None:
@@ -86,7 +81,7 @@ def _check_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
-def _validate(q, k, v, axis_name, causal, scale, layout, mechanism) -> _Config:
+def _validate(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfig:
     if mechanism not in MECHANISMS:
         raise ValueError(f"pk_jax.ring_attention: mechanism must be one of {MECHANISMS}, "
                          f"got {mechanism!r}")
@@ -99,93 +94,40 @@ def _validate(q, k, v, axis_name, causal, scale, layout, mechanism) -> _Config:
                          f"(two chunks per rank), got {q.shape[1]}; use "
                          "layout='contiguous' or pad the sequence")
     names = groups.axis_names(axis_name)
-    cfg = _Config(names, lax.axis_size(names), bool(causal), _check_scale(scale, q.shape[3]),
-                  layout, "xla")
-    if mechanism == "auto" and runtime.available():
-        warn_once("ring_attention-no-kernel", "pk_jax.ring_attention: no fused kernel yet; "
-                  "using the pure-JAX ring reference path")
+    cfg = RingConfig(names, lax.axis_size(names), bool(causal),
+                     _check_scale(scale, q.shape[3]), layout, "xla")
+    if mechanism == "xla":
+        return cfg
+    why = kernel_problem(q, k, cfg)
+    if why is None:
+        return dataclasses.replace(cfg, mechanism="copy_engine")
+    if mechanism == "copy_engine":
+        raise ValueError(f"pk_jax.ring_attention: mechanism='copy_engine' does not take {why}; "
+                         "use mechanism='auto' or 'xla' for this call")
+    if runtime.available():  # only where the kernel could have run
+        warn_once(f"ring_attention-fallback-{why}", f"pk_jax.ring_attention: the fused "
+                  f"kernel does not take {why}; using the pure-JAX ring")
     return cfg
 
 
-# ---- positions -----------------------------------------------------------------
-def _positions(rank: jax.Array, n: int, s_local: int, layout: str) -> jax.Array:
-    """Global token positions [s_local] (int32) of the block that `rank` owns."""
-    i = jnp.arange(s_local, dtype=jnp.int32)
-    if layout == "contiguous":
-        return rank * s_local + i
-    half = s_local // 2
-    chunk = jnp.where(i < half, rank, 2 * n - 1 - rank)
-    return chunk * half + i % half
+# ---- the fused path and its gradient -------------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fused(q, k, v, cfg: RingConfig):
+    return tuple(ring_attention_p.bind(q, k, v, cfg=cfg))
 
 
-# ---- blockwise online softmax --------------------------------------------------
-def _init_state(q5: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(running max, running sum, running output) for q5 [B, S, K, G, D]."""
-    b, s, kh, g, d = q5.shape
-    m = jnp.full((b, kh, g, s), _NEG, jnp.float32)
-    return m, jnp.zeros_like(m), jnp.zeros((b, kh, g, s, d), jnp.float32)
+def _fused_fwd(q, k, v, cfg: RingConfig):
+    return _fused(q, k, v, cfg), (q, k, v)
 
 
-def _block_update(state, q5, k, v, q_pos, k_pos, cfg: _Config):
-    """Merge attention of q5 [B, S, K, G, D] to one K/V block [B, T, K, D]
-    into the running (max, sum, output) state; all in fp32."""
-    m, l, acc = state
-    s = jnp.einsum("bskgd,btkd->bkgst", q5, k.astype(jnp.float32),
-                   preferred_element_type=jnp.float32) * cfg.scale
-    if cfg.causal:
-        visible = q_pos[:, None] >= k_pos[None, :]
-        s = jnp.where(visible, s, _NEG)
-    # The max only stabilizes the exponentials: the result does not depend on it.
-    m_new = lax.stop_gradient(jnp.maximum(m, s.max(axis=-1)))
-    p = jnp.exp(s - m_new[..., None])
-    if cfg.causal:  # rows with nothing visible yet have m_new == _NEG and exp(0) == 1
-        p = jnp.where(visible, p, 0.0)
-    alpha = jnp.exp(m - m_new)
-    l = alpha * l + p.sum(axis=-1)
-    pv = jnp.einsum("bkgst,btkd->bkgsd", p, v.astype(jnp.float32),
-                    preferred_element_type=jnp.float32)
-    return m_new, l, alpha[..., None] * acc + pv
+def _fused_bwd(cfg: RingConfig, res, cotangents):
+    # The reference ring computes the same function; differentiating it
+    # recomputes the forward blockwise (O(S_local) memory).
+    _, vjp = jax.vjp(lambda a, b, c: ring_reference(a, b, c, cfg), *res)
+    return vjp(tuple(cotangents))
 
 
-def _finish(state, out_shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
-    """Normalized output [B, S, Hq, D] in `dtype` and log-sum-exp [B, Hq, S]."""
-    m, l, acc = state
-    seen = l > 0
-    l_safe = jnp.where(seen, l, 1.0)
-    out = acc / l_safe[..., None]
-    b, s, hq, d = out_shape
-    out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(out_shape).astype(dtype)
-    lse = jnp.where(seen, m + jnp.log(l_safe), _NEG).reshape(b, hq, s)
-    return out, lse
-
-
-def _ring_reference(q, k, v, cfg: _Config) -> tuple[jax.Array, jax.Array]:
-    """The ring: n blockwise updates, the K/V block moving r -> r + 1 between them."""
-    b, s_local, hq, d = q.shape
-    kh = k.shape[2]
-    n = cfg.n
-    rank = lax.axis_index(cfg.names)
-    q5 = q.astype(jnp.float32).reshape(b, s_local, kh, hq // kh, d)
-    q_pos = _positions(rank, n, s_local, cfg.layout)
-    perm = [(r, (r + 1) % n) for r in range(n)]
-
-    def update(state, kb, vb, step):
-        k_pos = _positions((rank - step) % n, n, s_local, cfg.layout)
-        return _block_update(state, q5, kb, vb, q_pos, k_pos, cfg)
-
-    def body(carry, step):
-        kb, vb, state = carry
-        state = update(state, kb, vb, step)
-        kb, vb = (lax.ppermute(x, cfg.names, perm) for x in (kb, vb))
-        return (kb, vb, state), None
-
-    # The running state varies like q: over the ring and over any other axis
-    # q is sharded on (a 2-D mesh), or the scan's carry types would differ.
-    axes = tuple(sorted(set(cfg.names) | varying_axes(q5)))
-    state = tuple(make_varying(x, axes) for x in _init_state(q5))
-    (kb, vb, state), _ = lax.scan(body, (k, v, state), jnp.arange(n - 1, dtype=jnp.int32))
-    state = update(state, kb, vb, jnp.int32(n - 1))
-    return _finish(state, q.shape, q.dtype)
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 # ---- public API ----------------------------------------------------------------
@@ -216,7 +158,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         2n - 1 - r (balanced causal work; S_local must be even; reorder
         global arrays with `zigzag_shard` before sharding).
       return_lse: also return the log-sum-exp of the scaled scores.
-      mechanism: "auto" or "xla"; both run the pure-JAX ring for now.
+      mechanism: "auto", "copy_engine" (the fused kernel; raises ValueError
+        for shapes it does not take) or "xla" (the pure-JAX ring); see the
+        module docstring.
 
     Returns:
       out [B, S_local, Hq, D] in q's dtype, and with return_lse also the
@@ -227,7 +171,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     cfg = _validate(q, k, v, axis_name, causal, scale, layout, mechanism)
     q, k, v = (make_varying(x, cfg.names) for x in (q, k, v))
-    out, lse = _ring_reference(q, k, v, cfg)
+    if cfg.mechanism == "copy_engine":
+        out, lse = _fused(q, k, v, cfg)
+    else:
+        out, lse = ring_reference(q, k, v, cfg)
     return (out, lse) if return_lse else out
 
 

@@ -1,0 +1,100 @@
+// The fused ring attention kernel for one (element type, head dim): the
+// FMHA kernel skeleton of CUTLASS's Hopper example (one producer warpgroup,
+// two cooperative math warpgroups, TMA epilogue) around RingMainloop.
+//
+// Launch config: one CTA per (128-row query tile, batch, query head), 384
+// threads; CTAs that start late find the peers' blocks already posted.
+// Arguments: see KernelArgs / Params in ring_attention.h.
+// Roles: warp 1 of warpgroup 0 loads Q, K, V (and waits on the posts);
+// warpgroups 1 and 2 run QK, softmax and PV on 64 query rows each.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/device_kernel.h>
+
+#include "collective/fmha_epilogue.hpp"
+#include "kernel/fmha_kernel_tma_warpspecialized.hpp"
+#include "kernel/fmha_tile_scheduler.hpp"
+
+#include "kernels/ring_attention/ring_attention.h"
+#include "kernels/ring_attention/ring_mainloop.cuh"
+#include "pk/cuda_check.h"
+
+namespace pk::ring_attention {
+
+// Tiles as CUTLASS's example picks them for each head dim.
+template <int kHeadDim>
+struct Tiles;
+template <>
+struct Tiles<128> {
+  using Shape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+};
+template <>
+struct Tiles<64> {
+  using Shape = cute::Shape<cute::_128, cute::_64, cute::_64>;
+};
+
+template <typename Element, int kHeadDim>
+struct AttentionKernel {
+  using Stride = cute::tuple<int, cute::_1, cute::tuple<int, int>>;  // (seq, dim, (batch, head))
+  using TileShape = typename Tiles<kHeadDim>::Shape;
+  using Mainloop = RingMainloop<Element, TileShape, Stride>;
+  using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float,
+                                                              typename Mainloop::TileShapePV>;
+  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
+      Mainloop, Epilogue, cutlass::fmha::kernel::IndividualTileScheduler>;
+  static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
+
+  static Stride stride(int seq_rows_per_batch, int heads) {
+    return Stride{heads * kHeadDim, cute::_1{},
+                  cute::make_tuple(seq_rows_per_batch * heads * kHeadDim, kHeadDim)};
+  }
+
+  static cudaError_t launch(const KernelArgs& a) {
+    const Params& p = *a.p;
+    const Geometry& g = p.geo;
+    const int peer_rows = g.n > 1 ? (g.n - 1) * g.s_local : g.s_local;
+    typename Kernel::Arguments args{
+        {p.batch, p.q_heads, g.s_local, g.s_local, kHeadDim},
+        {static_cast<const Element*>(p.q), stride(g.s_local, p.q_heads),
+         static_cast<const Element*>(p.k), static_cast<const Element*>(p.v),
+         stride(g.s_local, p.kv_heads), static_cast<const Element*>(a.k_peers),
+         static_cast<const Element*>(a.v_peers), stride(peer_rows, p.kv_heads),
+         RingArgs{g, p.q_heads / p.kv_heads, p.kv_heads, p.ch.mine()->posted,
+                  &p.ch.mine()->epoch, p.ch.wait, p.scale, p.pieces}},
+        {static_cast<Element*>(p.out), stride(g.s_local, p.q_heads), p.lse,
+         cute::make_tuple(cute::_1{}, cute::make_tuple(p.q_heads * g.s_local, g.s_local))},
+        cutlass::KernelHardwareInfo{0, p.sm_count}};
+    if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
+    auto params = Kernel::to_underlying_arguments(args, nullptr);
+    constexpr int smem = Kernel::SharedStorageSize;
+    PK_CUDA_TRY(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cutlass::device_kernel<Kernel>
+        <<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), smem, p.stream>>>(params);
+    return cudaGetLastError();
+  }
+
+  static cudaError_t load() {
+    cudaFuncAttributes attr;
+    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>));
+    return cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                int(Kernel::SharedStorageSize));
+  }
+};
+
+}  // namespace pk::ring_attention
+
+// One instantiation per file keeps each compile unit's time in bounds.
+#define PK_RING_ATTENTION_INSTANTIATE(ELEMENT, HEAD_DIM)                              \
+  namespace pk::ring_attention {                                                     \
+  template <>                                                                        \
+  cudaError_t launch_attention<ELEMENT, HEAD_DIM>(const KernelArgs& a) {             \
+    return AttentionKernel<ELEMENT, HEAD_DIM>::launch(a);                            \
+  }                                                                                  \
+  template <>                                                                        \
+  cudaError_t load_attention<ELEMENT, HEAD_DIM>() {                                  \
+    return AttentionKernel<ELEMENT, HEAD_DIM>::load();                               \
+  }                                                                                  \
+  }

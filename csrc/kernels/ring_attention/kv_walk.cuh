@@ -1,0 +1,100 @@
+// Where every row of the ring lives, and the order in which one query tile
+// visits the K/V tiles of the whole ring.
+//
+// Rank r holds s_local rows of q, k and v. Their global token positions:
+//   contiguous: rows [0, s_local) are tokens r * s_local + j;
+//   zigzag:     the sequence is cut into 2n chunks of c = s_local / 2 tokens;
+//               rows [0, c) are chunk r, rows [c, s_local) chunk 2n - 1 - r.
+// A query tile never straddles a chunk (the host checks c % tile_q == 0), so
+// its rows are consecutive tokens.
+//
+// Walk order: our own block first (it is there when the kernel starts), then
+// the blocks of ranks r - 1, r - 2, ... in the order the copy engines deliver
+// them. Causal walks skip the K tiles that lie wholly after the query tile's
+// last token and flag the tiles that cross its first token for masking.
+#pragma once
+
+#include <cstdint>
+
+#ifdef __CUDACC__
+#define PK_HD __host__ __device__
+#else
+#define PK_HD
+#endif
+
+namespace pk::ring_attention {
+
+struct Geometry {
+  int rank = 0;
+  int n = 1;
+  int s_local = 0;   // rows per rank
+  bool zigzag = false;
+  bool causal = false;
+
+  PK_HD int chunks() const { return zigzag ? 2 : 1; }
+  PK_HD int chunk_rows() const { return zigzag ? s_local / 2 : s_local; }
+  // Global token of the first row of chunk `c` of rank `src`'s block.
+  PK_HD int chunk_start(int src, int c) const {
+    const int rows = chunk_rows();
+    if (!zigzag) return src * rows;
+    return (c == 0 ? src : 2 * n - 1 - src) * rows;
+  }
+  // Global token of row `j` of rank `src`'s block.
+  PK_HD int token(int src, int j) const {
+    const int rows = chunk_rows();
+    return chunk_start(src, j / rows) + j % rows;
+  }
+};
+
+// One K/V tile of the walk.
+struct KvTile {
+  int step;    // 0: our own block; s >= 1: the block of rank (r - s) mod n
+  int row;     // first row of the tile inside that rank's block
+  int token;   // global token of that row
+  bool masked; // some key of the tile comes after some query of the tile
+};
+
+class KvWalk {
+ public:
+  // `q_first`: global token of the query tile's first row; `q_rows` its rows.
+  PK_HD KvWalk(const Geometry& g, int q_first, int q_rows, int tile_k)
+      : g_(g), q_first_(q_first), q_last_(q_first + q_rows - 1), tile_k_(tile_k) {}
+
+  // The next tile, false after the last one.
+  PK_HD bool next(KvTile& t) {
+    while (step_ < g_.n) {
+      const int src = (g_.rank - step_ + g_.n) % g_.n;
+      const int start = g_.chunk_start(src, chunk_);
+      if (count_ < 0) count_ = tiles_in_chunk(start);
+      if (tile_ < count_) {
+        t.step = step_;
+        t.row = chunk_ * g_.chunk_rows() + tile_ * tile_k_;
+        t.token = start + tile_ * tile_k_;
+        t.masked = g_.causal && t.token + tile_k_ - 1 > q_first_;
+        ++tile_;
+        return true;
+      }
+      tile_ = 0;
+      count_ = -1;
+      if (++chunk_ == g_.chunks()) chunk_ = 0, ++step_;
+    }
+    return false;
+  }
+
+ private:
+  // Tiles of the chunk starting at global token `start` that hold at least
+  // one key at or before the tile's last query.
+  PK_HD int tiles_in_chunk(int start) const {
+    const int all = g_.chunk_rows() / tile_k_;
+    if (!g_.causal) return all;
+    if (start > q_last_) return 0;
+    const int visible = (q_last_ - start) / tile_k_ + 1;
+    return visible < all ? visible : all;
+  }
+
+  Geometry g_;
+  int q_first_, q_last_, tile_k_;
+  int step_ = 0, chunk_ = 0, tile_ = 0, count_ = -1;
+};
+
+}  // namespace pk::ring_attention

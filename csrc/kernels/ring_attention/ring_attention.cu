@@ -1,0 +1,108 @@
+// Host side of the fused ring attention: the stream protocol of
+// ring_attention.h and the dispatch to the kernel instantiations.
+#include "kernels/ring_attention/ring_attention.h"
+
+#include "pk/cuda_check.h"
+#include "pk/signals.h"
+
+#ifdef PK_HAVE_CUTLASS
+#include <cutlass/numeric_types.h>
+#endif
+
+namespace pk::ring_attention {
+namespace {
+
+#ifdef PK_HAVE_CUTLASS
+using BF16 = cutlass::bfloat16_t;
+using F16 = cutlass::half_t;
+
+cudaError_t launch(const Params& p, const KernelArgs& a) {
+  const bool bf16 = p.dtype == DType::kBF16;
+  if (p.head_dim == 128) return bf16 ? launch_attention<BF16, 128>(a) : launch_attention<F16, 128>(a);
+  if (p.head_dim == 64) return bf16 ? launch_attention<BF16, 64>(a) : launch_attention<F16, 64>(a);
+  return cudaErrorNotSupported;
+}
+#endif
+
+// Push our K and V blocks to every peer on the side stream, posting each
+// piece with a stream copy of its stamp (see ring_attention.h).
+cudaError_t push_blocks(const Params& p) {
+  const Geometry& g = p.geo;
+  const size_t row_bytes = block_bytes(1, g.s_local, p.kv_heads, p.head_dim);  // one batch
+  const size_t region_half = region_bytes(g.n, p.batch, g.s_local, p.kv_heads, p.head_dim) / 2;
+  const size_t piece_bytes = row_bytes / p.pieces;
+  for (int k = 1; k < g.n; ++k) {
+    const int q = (g.rank + k) % g.n;
+    // Our block is slot k - 1 of q's region; batch b's rows sit n - 1 blocks apart.
+    char* k_dst = p.region[q] + size_t(k - 1) * row_bytes;
+    char* v_dst = k_dst + region_half;
+    const size_t pitch = size_t(g.n - 1) * row_bytes;
+    for (int i = 0; i < p.pieces; ++i) {
+      const size_t off = size_t(i) * piece_bytes;
+      PK_CUDA_TRY(cudaMemcpy2DAsync(k_dst + off, pitch, static_cast<const char*>(p.k) + off,
+                                    row_bytes, piece_bytes, p.batch, cudaMemcpyDeviceToDevice,
+                                    p.side_stream));
+      PK_CUDA_TRY(cudaMemcpy2DAsync(v_dst + off, pitch, static_cast<const char*>(p.v) + off,
+                                    row_bytes, piece_bytes, p.batch, cudaMemcpyDeviceToDevice,
+                                    p.side_stream));
+      PK_CUDA_TRY(cudaMemcpyAsync(&p.ch.flags[q]->posted[g.rank], &p.ch.mine()->stamp[i],
+                                  sizeof(uint64_t), cudaMemcpyDeviceToDevice, p.side_stream));
+    }
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+bool available() {
+#ifdef PK_HAVE_CUTLASS
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool supported(const Params& p) {
+  const Geometry& g = p.geo;
+  const int tile_k = p.head_dim == 64 ? 64 : 128;
+  return available() && (p.head_dim == 64 || p.head_dim == 128) && p.kv_heads > 0 &&
+         p.q_heads % p.kv_heads == 0 && g.s_local > 0 && g.chunk_rows() % kTileQ == 0 &&
+         g.chunk_rows() % tile_k == 0 && p.pieces >= 1 && p.pieces <= kMaxPieces &&
+         g.s_local % p.pieces == 0;
+}
+
+cudaError_t run(const Params& p) {
+#ifdef PK_HAVE_CUTLASS
+  if (!supported(p)) return cudaErrorNotSupported;
+  const Geometry& g = p.geo;
+  const size_t half = region_bytes(g.n, p.batch, g.s_local, p.kv_heads, p.head_dim) / 2;
+  KernelArgs a{&p, p.region[g.rank], p.region[g.rank] + half};
+  if (g.n > 1) {
+    PK_CUDA_TRY(signals::wait_credit(p.ch, p.stream));
+    PK_CUDA_TRY(signals::stamp(p.ch, p.pieces, p.stream));
+    PK_CUDA_TRY(cudaEventRecord(p.fork, p.stream));
+    PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.fork, 0));
+    PK_CUDA_TRY(push_blocks(p));
+  }
+  PK_CUDA_TRY(launch(p, a));
+  if (g.n == 1) return cudaSuccess;
+  PK_CUDA_TRY(cudaEventRecord(p.join, p.side_stream));
+  PK_CUDA_TRY(cudaStreamWaitEvent(p.stream, p.join, 0));
+  return signals::finish(p.ch, p.stream);
+#else
+  (void)p;
+  return cudaErrorNotSupported;
+#endif
+}
+
+cudaError_t load_kernels() {
+#ifdef PK_HAVE_CUTLASS
+  PK_CUDA_TRY((load_attention<BF16, 128>()));
+  PK_CUDA_TRY((load_attention<BF16, 64>()));
+  PK_CUDA_TRY((load_attention<F16, 128>()));
+  PK_CUDA_TRY((load_attention<F16, 64>()));
+#endif
+  return cudaSuccess;
+}
+
+}  // namespace pk::ring_attention

@@ -1,0 +1,95 @@
+// Ring attention forward, fused: one attention kernel covers every ring step.
+//
+// For call epoch e on rank r of n:
+//   main:  wait credit (every peer finished reading what we staged with it
+//          last call), stamp the post values, fork the side stream;
+//   side:  for each peer q, nearest first, the copy engines push our K and V
+//          block into slot (q - r - 1) of q's region, piece by piece, each
+//          piece followed by a stream copy of its stamp into q's posted[r]
+//          (no SM is involved, so a kernel spinning on the flag cannot starve
+//          the post);
+//   main:  the attention kernel: each query tile walks our own block, then
+//          each peer's block as its pieces are posted (kv_walk.cuh), merging
+//          all steps in registers; O and the log-sum-exp are written once;
+//          join the side stream; finish (done[r] = e to every peer).
+// The region holds n - 1 peer blocks, K then V: [B, (n - 1) * s_local, Hkv, D]
+// each. (A ring would forward blocks hop by hop through a double buffer; on
+// NVLink switches every pair has full bandwidth, so direct pushes move the
+// same bytes per link without the forwarding chain, for (n - 1) blocks of
+// memory instead of 2.)
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/ring_attention/kv_walk.cuh"
+#include "pk/channel.h"
+#include "pk/layout.h"
+
+namespace pk::ring_attention {
+
+enum class DType : int32_t { kBF16 = 0, kF16 = 1 };
+
+// Query rows per CTA tile; a tile never straddles a zigzag chunk.
+inline constexpr int kTileQ = 128;
+// Most pieces a staged block is posted in (SlotFlags::stamp).
+inline constexpr int kMaxPieces = 8;
+
+struct Params {
+  const void* q = nullptr;  // [B, s_local, Hq, D]
+  const void* k = nullptr;  // [B, s_local, Hkv, D]
+  const void* v = nullptr;
+  void* out = nullptr;      // [B, s_local, Hq, D]
+  float* lse = nullptr;     // [B, Hq, s_local], natural log, scale included
+  int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  DType dtype = DType::kBF16;
+  float scale = 1.0f;
+  Geometry geo{};
+  int pieces = 1;           // pieces each peer's block is posted in
+  Channel ch{};
+  char* region[kMaxRanks] = {};
+  int sm_count = 0;
+  cudaStream_t stream = nullptr;
+  cudaStream_t side_stream = nullptr;
+  cudaEvent_t fork = nullptr;
+  cudaEvent_t join = nullptr;
+};
+
+// Bytes of one rank's K (or V) block.
+inline size_t block_bytes(int batch, int s_local, int kv_heads, int head_dim) {
+  return size_t(batch) * s_local * kv_heads * head_dim * 2;
+}
+// Bytes of the channel region: n - 1 peer blocks of K and of V.
+inline size_t region_bytes(int n, int batch, int s_local, int kv_heads, int head_dim) {
+  return 2 * size_t(n - 1) * block_bytes(batch, s_local, kv_heads, head_dim);
+}
+// Pieces to post a block of `bytes` in: about 4 MiB each, at most kMaxPieces
+// (more copies cost launch latency, fewer make the first wait longer).
+inline int pieces_for(size_t bytes, int s_local) {
+  int p = int(bytes / (4u << 20));
+  p = p < 1 ? 1 : (p > kMaxPieces ? kMaxPieces : p);
+  while (s_local % p) --p;
+  return p;
+}
+
+// False when the extension was built without CUTLASS.
+bool available();
+// head_dim 64 or 128; tiles fit the layout (see the Python checks).
+bool supported(const Params& p);
+cudaError_t run(const Params& p);
+cudaError_t load_kernels();
+
+// The attention kernel alone (the instantiations, attention_<type>_d<D>.cu).
+struct KernelArgs {
+  const Params* p;
+  const void* k_peers;
+  const void* v_peers;
+};
+template <typename Element, int kHeadDim>
+cudaError_t launch_attention(const KernelArgs& a);
+template <typename Element, int kHeadDim>
+cudaError_t load_attention();
+
+}  // namespace pk::ring_attention

@@ -1,0 +1,345 @@
+// The attention mainloop of the fused ring kernel.
+//
+// It reuses the building blocks of CUTLASS's Hopper FMHA (the nvidia-cutlass
+// wheel ships them under examples/88_hopper_fmha): the TMA warp-specialized
+// mainloop's types, shared storage and pipelines, its online softmax and its
+// epilogue. What changes is the K/V loop:
+//   * the producer and the two math warpgroups follow one KvWalk (kv_walk.cuh)
+//     over the whole ring instead of one local sequence: our own block first,
+//     then each peer's block from the workspace;
+//   * before the first TMA load of a peer's block, the producer lane waits
+//     until that peer's copy engine has posted it (a bounded spin on a flag
+//     in our own memory), so compute starts on local data at once and the
+//     partial results of all ring steps merge in registers;
+//   * causal masks compare global token positions (both layouts), and tiles
+//     wholly in the future are never loaded.
+// GQA/MQA: query head h reads K/V head h / group.
+#pragma once
+
+#include <cmath>
+
+#include "collective/fmha_collective_tma_warpspecialized.hpp"
+#include "collective/fmha_fusion.hpp"
+
+#include "kernels/ring_attention/kv_walk.cuh"
+#include "pk/layout.h"
+#include "pk/sync.cuh"
+
+namespace pk::ring_attention {
+
+using namespace cute;
+namespace fmha = cutlass::fmha::collective;
+
+// Everything about the ring the mainloop needs besides the tensors.
+struct RingArgs {
+  Geometry geo;
+  int group = 1;                     // query heads per K/V head
+  int kv_heads = 1;
+  const uint64_t* posted = nullptr;  // our channel flags' posted[] (peers write)
+  const uint64_t* epoch = nullptr;   // our channel's completed-call count
+  WaitContext wait{};
+  float scale = 1.0f;
+  int pieces = 1;                    // each peer's block is posted in pieces of rows
+};
+
+template <class Element, class TileShape, class Stride>
+struct RingMainloop
+    : cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+          Element, float, float, TileShape, Stride, Stride, Stride,
+          cutlass::fmha::collective::DefaultFusion> {
+  using Base = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+      Element, float, float, TileShape, Stride, Stride, Stride,
+      cutlass::fmha::collective::DefaultFusion>;
+  using typename Base::CollectiveMmaPV;
+  using typename Base::CollectiveMmaQK;
+  using typename Base::LoadK;
+  using typename Base::LoadQ;
+  using typename Base::LoadV;
+  using typename Base::MainloopPipeline;
+  using typename Base::MainloopPipelineQ;
+  using typename Base::PipelineState;
+  using typename Base::PipelineStateQ;
+  using typename Base::SharedStorage;
+  using typename Base::TiledMmaPV;
+  using typename Base::TiledMmaQK;
+  using typename Base::TileShapePV;
+  using typename Base::TileShapeQK;
+  using typename Base::TMA_K;
+  using typename Base::TMA_V;
+  using Base::NumMmaWarpGroups;
+  static_assert(!Base::kIsPersistent, "one query tile per CTA: the last stages are not released");
+
+  static constexpr int kTileQ = get<0>(TileShape{});
+  static constexpr int kTileK = get<1>(TileShape{});
+
+  struct Arguments {
+    const Element* q;
+    Stride dq;
+    const Element* k;        // our block [B, s_local, Hkv, D]
+    const Element* v;
+    Stride dkv;
+    const Element* k_peers;  // peers' blocks [B, (n - 1) * s_local, Hkv, D], slot s - 1
+    const Element* v_peers;  // for ring step s
+    Stride dkv_peers;
+    RingArgs ring;
+  };
+
+  struct Params : Base::Params {
+    TMA_K tma_load_k_peers;
+    TMA_V tma_load_v_peers;
+    RingArgs ring;
+  };
+
+  // Problem shapes as the FMHA collectives read them: (B, H, Sq, Skv, D).
+  using Problem = cute::tuple<int, int, int, int, int>;
+
+  template <class ProblemShape>
+  CUTLASS_HOST_DEVICE static Problem kv_problem(ProblemShape const& p, RingArgs const& r, int kv_rows) {
+    return Problem{get<0>(p), r.kv_heads, get<2>(p), kv_rows, get<4>(p)};
+  }
+
+  // TMA descriptors of q (query heads) and of one K/V tensor (kv heads).
+  static auto make_tmas(Problem const& pq, Problem const& pkv, Arguments const& a,
+                        const Element* k, const Element* v, Stride const& dkv) {
+    auto qk_shape = [](Problem const& p) {
+      return make_shape(get<2>(p), get<3>(p), get<4>(p), make_shape(get<0>(p), get<1>(p)));
+    };
+    auto q_params = CollectiveMmaQK::to_underlying_arguments(
+        qk_shape(pq), typename CollectiveMmaQK::Arguments{a.q, a.dq, a.k, a.dkv}, nullptr);
+    auto k_params = CollectiveMmaQK::to_underlying_arguments(
+        qk_shape(pkv), typename CollectiveMmaQK::Arguments{a.q, a.dq, k, dkv}, nullptr);
+    auto v_params = CollectiveMmaPV::to_underlying_arguments(
+        select<0, 2, 1, 3>(qk_shape(pkv)),
+        typename CollectiveMmaPV::Arguments{k, dkv, v, select<1, 0, 2>(dkv)}, nullptr);
+    return cute::make_tuple(q_params.tma_load_a, k_params.tma_load_b, v_params.tma_load_b);
+  }
+
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& problem, Arguments const&) {
+    return get<4>(problem) == get<2>(TileShape{});  // the head dim is the tile's
+  }
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem, Arguments const& a, void*) {
+    const Geometry& g = a.ring.geo;
+    const Problem pq{get<0>(problem), get<1>(problem), get<2>(problem), get<3>(problem),
+                     get<4>(problem)};
+    auto local = make_tmas(pq, kv_problem(problem, a.ring, g.s_local), a, a.k, a.v, a.dkv);
+    // With one rank there are no peers' blocks; point the descriptors at ours.
+    const bool peers = g.n > 1;
+    auto remote = make_tmas(pq, kv_problem(problem, a.ring, peers ? (g.n - 1) * g.s_local : g.s_local),
+                            a, peers ? a.k_peers : a.k, peers ? a.v_peers : a.v,
+                            peers ? a.dkv_peers : a.dkv);
+    Params p;
+    p.tma_load_q = get<0>(local);
+    p.tma_load_k = get<1>(local);
+    p.tma_load_v = get<2>(local);
+    p.tma_load_k_peers = get<1>(remote);
+    p.tma_load_v_peers = get<2>(remote);
+    p.scale_softmax = a.ring.scale;
+    p.scale_softmax_log2 = float(a.ring.scale * M_LOG2E);
+    p.rp_dropout = 1.0f;
+    p.ring = a.ring;
+    return p;
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
+    Base::prefetch_tma_descriptors(p);
+    cute::prefetch_tma_descriptor(p.tma_load_k_peers.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(p.tma_load_v_peers.get_tma_descriptor());
+  }
+
+  // The walk of the CTA's query tile (blk_coord's first mode, kTileQ rows).
+  template <class BlkCoord>
+  CUTLASS_DEVICE static KvWalk make_walk(BlkCoord const& blk, Params const& p) {
+    const Geometry& g = p.ring.geo;
+    return KvWalk(g, g.token(g.rank, int(get<0>(blk)) * kTileQ), kTileQ, kTileK);
+  }
+
+  // ---- producer warp ------------------------------------------------------
+  template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
+  CUTLASS_DEVICE void load_kv_maybe_q(int block_rank_in_cluster, BlkCoord const& blk,
+                                      Params const& p, ProblemShape const& problem,
+                                      MainloopPipeline& pipeline, PipelineState& write,
+                                      MainloopPipelineQ& pipeline_q, PipelineStateQ& write_q,
+                                      SharedStorage& storage, LoadWarpBarrier&, bool) {
+    static_assert(kLoadQ, "the K/V producer also loads Q");
+    const int lane_predicate = cute::elect_one_sync();
+    const Geometry& g = p.ring.geo;
+    const auto kv_blk = make_coord(get<0>(blk), get<1>(blk),
+                                   make_coord(get<2, 0>(blk), get<2, 1>(blk) / p.ring.group));
+
+    LoadQ load_q{p.tma_load_q, pipeline_q, storage.smem_q};
+    auto q_state = load_q.init_state(_0{}, problem, TileShapeQK{}, blk, NumMmaWarpGroups);
+    auto q_iter = cute::make_coord_iterator(Int<NumMmaWarpGroups>{});
+    int q_count = NumMmaWarpGroups;
+
+    const Problem own = kv_problem(problem, p.ring, g.s_local);
+    const Problem peers = kv_problem(problem, p.ring, g.n > 1 ? (g.n - 1) * g.s_local : g.s_local);
+    LoadK load_k{p.tma_load_k, pipeline, storage.smem_k};
+    LoadV load_v{p.tma_load_v, pipeline, storage.smem_v};
+    LoadK load_k_peers{p.tma_load_k_peers, pipeline, storage.smem_k};
+    LoadV load_v_peers{p.tma_load_v_peers, pipeline, storage.smem_v};
+    auto k_own = load_k.init_state(block_rank_in_cluster, own, TileShapeQK{}, kv_blk, 0);
+    auto v_own = load_v.init_state(block_rank_in_cluster, own, TileShapePV{}, kv_blk, 0);
+    auto k_peer = load_k_peers.init_state(block_rank_in_cluster, peers, TileShapeQK{}, kv_blk, 0);
+    auto v_peer = load_v_peers.init_state(block_rank_in_cluster, peers, TileShapePV{}, kv_blk, 0);
+
+    // One stage of the shared K/V pipeline, filled by one TMA load.
+    auto issue = [&](auto const& tma, auto const& state, int tile) {
+      pipeline.producer_acquire(write);
+      auto* bar = pipeline.producer_get_barrier(write);
+      copy(tma.with(*bar, 0), get<0>(state)(_, _, _, tile), get<1>(state)(_, _, _, write.index()));
+      ++write;
+    };
+
+    if (lane_predicate) {
+      const uint64_t epoch = *reinterpret_cast<const volatile uint64_t*>(p.ring.epoch) + 1;
+      const int piece_rows = g.s_local / p.ring.pieces;
+      int waited_step = 0, waited_piece = -1;  // the last piece known to be here
+      KvWalk walk = make_walk(blk, p);
+      KvTile t;
+      bool first = true;
+      while (walk.next(t)) {
+        // The walk visits a peer's rows in order, so waiting for the piece
+        // of a tile's last row covers the whole tile.
+        const int piece = (t.row + kTileK - 1) / piece_rows;
+        if (t.step > 0 && (t.step != waited_step || piece > waited_piece)) {
+          const int src = (g.rank - t.step + g.n) % g.n;
+          const uint64_t target = (epoch - 1) * uint64_t(p.ring.pieces) + piece + 1;
+          wait_geq(p.ring.posted + src, target, p.ring.wait, src, kWaitPosted);
+          // The copy engine wrote the rows; TMA reads them through the async proxy.
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          waited_step = t.step;
+          waited_piece = piece;
+        }
+        const int k_tile = (t.step == 0 ? t.row : (t.step - 1) * g.s_local + t.row) / kTileK;
+        // Q for the first warpgroup, then K, then Q for the second: the first
+        // QK GEMM can start before all of Q has landed.
+        if (first) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
+        if (t.step == 0) issue(p.tma_load_k, k_own, k_tile);
+        else issue(p.tma_load_k_peers, k_peer, k_tile);
+        if (first) {
+          while (q_count > 0) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
+          first = false;
+        }
+        if (t.step == 0) issue(p.tma_load_v, v_own, k_tile);
+        else issue(p.tma_load_v_peers, v_peer, k_tile);
+      }
+    }
+  }
+
+  // Mask the scores of keys after their query (global tokens).
+  template <class Acc, class Coords>
+  CUTLASS_DEVICE static void mask_future(Acc& acc, Coords const& coords, int q_shift, int k_token) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      auto c = coords(i);
+      if (k_token + int(get<1>(c)) > int(get<0>(c)) + q_shift) acc(i) = -INFINITY;
+    }
+  }
+
+  // ---- math warpgroups ----------------------------------------------------
+  template <class BlkCoord, class ProblemShape, class PipelineReducer, class StateReducer,
+            class OrderBarrier>
+  CUTLASS_DEVICE auto compute(BlkCoord const& blk, BlkCoord const& wg_coord, Params const& p,
+                              ProblemShape const& problem, MainloopPipeline& pipeline,
+                              PipelineState& read, MainloopPipelineQ& pipeline_q,
+                              PipelineStateQ& read_q, PipelineReducer&, StateReducer&,
+                              SharedStorage& storage, OrderBarrier& order) {
+    const int thread_idx = int(threadIdx.x);
+    PipelineState release = read;
+
+    TiledMmaQK mma_qk;
+    auto thr_qk = mma_qk.get_thread_slice(thread_idx);
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), typename Base::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), typename Base::SmemLayoutK{});
+    Tensor tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ));
+    Tensor tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK));
+    TiledMmaPV mma_pv;
+    auto thr_pv = mma_pv.get_thread_slice(thread_idx);
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), typename Base::SmemLayoutV{});
+    Tensor tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV));
+
+    // (query row in our block, key column in the tile) of each score.
+    const int wg_row0 = int(get<0>(wg_coord)) * get<0>(TileShapeQK{});
+    Tensor cP = make_identity_tensor(take<0, 2>(TileShapeQK{}));
+    Tensor tPcP = thr_qk.partition_C(cP);
+    tPcP.data() = tPcP.data() + E<0>{} * wg_row0;
+    const Geometry& g = p.ring.geo;
+    const int q_shift = g.token(g.rank, wg_row0) - wg_row0;  // row -> global token
+
+    Tensor acc_pv = partition_fragment_C(mma_pv, take<0, 2>(TileShapePV{}));
+    cutlass::fmha::collective::CollectiveSoftmax<float, cutlass::fmha::collective::DefaultFusion,
+                                                 Params>
+        softmax{p};
+    auto state = softmax.init(acc_pv, mma_pv);
+
+    KvWalk walk = make_walk(blk, p);
+    KvTile t;
+    walk.next(t);  // never empty: the query tile's own chunk is visible
+    pipeline_q.consumer_wait(read_q);
+
+    {  // First tile: initialises the running max and sum.
+      Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
+      pipeline.consumer_wait(read);
+      order.wait();
+      warpgroup_fence_operand(acc_qk);
+      warpgroup_arrive();
+      fmha::gemm_zero_acc(mma_qk, tSrQ(_, _, _, read_q.index()), tSrK(_, _, _, read.index()), acc_qk);
+      warpgroup_commit_batch();
+      order.arrive();
+      ++read;
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_qk);
+      if (t.masked) mask_future(acc_qk, tPcP, q_shift, t.token);
+      softmax.step(acc_qk, mma_qk, tPcP, state, problem);
+      Tensor p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
+      pipeline.consumer_wait(read);
+      warpgroup_fence_operand(acc_pv);
+      warpgroup_fence_operand(p_op);
+      warpgroup_arrive();
+      fmha::gemm_zero_acc(mma_pv, p_op, tOrV(_, _, _, read.index()), acc_pv);
+      warpgroup_commit_batch();
+      pipeline.consumer_release(release);  // K of the first tile
+      ++release;
+      ++read;
+    }
+
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (walk.next(t)) {
+      Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
+      pipeline.consumer_wait(read);
+      warpgroup_fence_operand(acc_qk);
+      warpgroup_arrive();
+      fmha::gemm_zero_acc(mma_qk, tSrQ(_, _, _, read_q.index()), tSrK(_, _, _, read.index()), acc_qk);
+      warpgroup_commit_batch();
+      ++read;
+      auto token = pipeline.consumer_try_wait(read);
+      warpgroup_wait<0>();  // this QK and the previous PV
+      warpgroup_fence_operand(acc_qk);
+      warpgroup_fence_operand(acc_pv);
+      if (t.masked) mask_future(acc_qk, tPcP, q_shift, t.token);
+      softmax.template step<false>(acc_qk, mma_qk, tPcP, state, acc_pv, mma_pv, problem);
+      Tensor p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
+      pipeline.consumer_wait(read, token);
+      warpgroup_fence_operand(acc_pv);
+      warpgroup_fence_operand(p_op);
+      warpgroup_arrive();
+      cute::gemm(mma_pv, p_op, tOrV(_, _, _, read.index()), acc_pv);
+      warpgroup_commit_batch();
+      pipeline.consumer_release(release);  // V of the previous tile
+      ++release;
+      pipeline.consumer_release(release);  // K of this tile
+      ++release;
+      ++read;
+    }
+
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_pv);
+    Tensor lse = softmax.tail(state, acc_pv, mma_pv);
+    return make_tuple(acc_pv, lse);
+  }
+};
+
+}  // namespace pk::ring_attention

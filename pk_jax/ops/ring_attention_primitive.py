@@ -1,0 +1,98 @@
+"""The primitive of the fused ring attention forward.
+
+`pk_ring_attention`: q [B, S, Hq, D], k, v [B, S, Hkv, D] (this rank's tokens)
+-> (out [B, S, Hq, D], lse [B, Hq, S] float32).
+
+Lowering: on CUDA with the extension built with CUTLASS, the FFI kernel of
+xla_ffi/ring_attention.cc (copy engines push K/V to every peer while one
+attention kernel walks the whole ring); anywhere else the pure-JAX ring of
+ring_attention_reference.py. Which shapes the kernel takes is decided before
+binding (`kernel_problem`), so a bound primitive never falls back silently on
+CUDA except when the extension itself is missing (with a one-time warning).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from pk_jax import runtime
+from pk_jax.ops._lowering import channel_attrs, group_table, kernels_missing
+from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference
+
+ring_attention_p = Primitive("pk_ring_attention")
+ring_attention_p.multiple_results = True
+
+HEAD_DIMS = (64, 128)
+DTYPES = (jnp.bfloat16, jnp.float16)
+TILE_Q = 128  # query rows per CTA (csrc/kernels/ring_attention/ring_attention.h)
+MAX_PIECES = 8
+PIECE_BYTES = 4 << 20  # a peer's block is posted in pieces of about this size
+
+
+def kernel_problem(q, k, cfg: RingConfig) -> str | None:
+    """None when the fused kernel takes this call, else why it does not."""
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (the kernel takes bfloat16 and float16)"
+    if k.dtype != q.dtype:
+        return f"q is {q.dtype} but k/v are {k.dtype} (the kernel needs one dtype)"
+    d = q.shape[3]
+    if d not in HEAD_DIMS:
+        return f"head_dim {d} (the kernel takes {HEAD_DIMS})"
+    s_local = q.shape[1]
+    rows = s_local // 2 if cfg.layout == "zigzag" else s_local
+    if s_local == 0 or rows % TILE_Q:
+        per = "each zigzag chunk (S_local / 2)" if cfg.layout == "zigzag" else "S_local"
+        return (f"S_local={s_local}: {per} must be a multiple of {TILE_Q} "
+                f"(S_local a multiple of {2 * TILE_Q if cfg.layout == 'zigzag' else TILE_Q})")
+    return None
+
+
+def pieces(q_shape, k_shape) -> int:
+    """Pieces a peer's K (or V) block is posted in: ~PIECE_BYTES each, at most
+    MAX_PIECES, dividing S_local. Fixed per channel (it is part of the key)."""
+    b, s_local, hkv, d = k_shape
+    p = int(np.clip((b * s_local * hkv * d * 2) // PIECE_BYTES, 1, MAX_PIECES))
+    while s_local % p:
+        p -= 1
+    return p
+
+
+def region_bytes(n: int, k_shape) -> int:
+    """The channel's data region: n - 1 peer blocks of K and of V."""
+    return 2 * (n - 1) * int(np.prod(k_shape)) * 2 if n > 1 else 0
+
+
+# ---- abstract evaluation ------------------------------------------------------
+def _abstract(q, k, v, *, cfg: RingConfig):
+    b, s, hq, _ = q.shape
+    return q.update(), q.update(shape=(b, hq, s), dtype=jnp.float32)
+
+
+# ---- reference lowering (every platform but CUDA) ------------------------------
+def _reference(ctx, q, k, v, *, cfg: RingConfig):
+    fn = lambda a, b, c: ring_reference(a, b, c, cfg)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, q, k, v)
+
+
+# ---- CUDA lowering -----------------------------------------------------------
+def _cuda(ctx, q, k, v, *, cfg: RingConfig):
+    # The kernel needs CUTLASS like the GEMMs: the same build check.
+    if kernels_missing("ring_attention", need_gemm=True):
+        return _reference(ctx, q, k, v, cfg=cfg)
+    q_aval, k_aval, _ = ctx.avals_in
+    _, table = group_table(ctx, "ring_attention", cfg.names, cfg.n)
+    n_pieces = pieces(q_aval.shape, k_aval.shape)
+    ch = runtime.channel(("ring_attention", table.tobytes(), n_pieces),
+                         region_bytes(cfg.n, k_aval.shape))
+    return jax.ffi.ffi_lowering("pk_ring_attention")(
+        ctx, q, k, v, scale=np.float32(cfg.scale), causal=bool(cfg.causal),
+        zigzag=cfg.layout == "zigzag", pieces=np.int64(n_pieces), **channel_attrs(table, ch))
+
+
+ring_attention_p.def_abstract_eval(_abstract)
+mlir.register_lowering(ring_attention_p, _reference)
+mlir.register_lowering(ring_attention_p, _cuda, platform="cuda")

@@ -1,0 +1,111 @@
+// FFI handler for pk_jax.ring_attention (the fused kernel, mechanism
+// "copy_engine"): q, k, v of this rank -> out and the log-sum-exp.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "kernels/ring_attention/ring_attention.h"
+#include "runtime/workspace.h"
+#include "xla/ffi/api/ffi.h"
+#include "xla_ffi/ffi_common.h"
+#include "xla_ffi/handlers.h"
+
+namespace pk::ffi_handlers {
+namespace {
+
+namespace ffi = xla::ffi;
+
+constexpr const char* kOp = "ring_attention";
+
+ffi::Error invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("pk_jax.") + kOp + ": " + what);
+}
+
+ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
+                             ffi::AnyBuffer k, ffi::AnyBuffer v,
+                             ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                             ffi::Span<const int64_t> group_ids, int64_t group_size,
+                             int64_t slot, int64_t data_offset, int64_t timeout_ns,
+                             int32_t skip_post_rank, float scale, bool causal, bool zigzag,
+                             int64_t pieces) {
+  (void)skip_post_rank;  // the copy engines post; there is no kernel post to skip
+  ffi_common::GroupContext ctx;
+  if (ffi::Error e = ffi_common::make_group_context(kOp, kOpRingAttention, ordinal, group_ids,
+                                                    group_size, timeout_ns, &ctx);
+      e.failure())
+    return e;
+  if (!ring_attention::available())
+    return ffi::Error(ffi::ErrorCode::kUnimplemented, "pk_jax.ring_attention: built without CUTLASS");
+  if (slot < 0 || slot >= kMaxSlots || data_offset < 0) return invalid("bad channel");
+  const auto t = q.element_type();
+  if ((t != ffi::DataType::BF16 && t != ffi::DataType::F16) || k.element_type() != t ||
+      v.element_type() != t || out->element_type() != t)
+    return invalid("q, k, v and out must all be bfloat16 or all float16");
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] ||
+      qd[1] != kd[1] || qd[3] != kd[3] || vd[0] != kd[0] || vd[1] != kd[1] ||
+      vd[2] != kd[2] || vd[3] != kd[3])
+    return invalid("expected q [B, S, Hq, D] and k, v [B, S, Hkv, D]");
+
+  ring_attention::Params p;
+  const ffi_common::Group& g = ctx.group;
+  const runtime::DeviceState& d = *g.self;
+  p.q = q.untyped_data();
+  p.k = k.untyped_data();
+  p.v = v.untyped_data();
+  p.out = out->untyped_data();
+  p.lse = lse->typed_data();
+  p.batch = int(qd[0]);
+  p.q_heads = int(qd[2]);
+  p.kv_heads = int(kd[2]);
+  p.head_dim = int(qd[3]);
+  p.dtype = t == ffi::DataType::BF16 ? ring_attention::DType::kBF16 : ring_attention::DType::kF16;
+  p.scale = scale;
+  p.geo = ring_attention::Geometry{g.rank, g.n, int(qd[1]), zigzag, causal};
+  p.pieces = int(pieces);
+  if (!ring_attention::supported(p)) return invalid("unsupported shape (the Python checks missed it)");
+  if (g.n > 1) {
+    const size_t need = ring_attention::region_bytes(g.n, p.batch, p.geo.s_local, p.kv_heads,
+                                                     p.head_dim);
+    if (need > runtime::Runtime::get().data_bytes() - size_t(data_offset))
+      return invalid("the channel's region does not fit the workspace; raise "
+                     "pk_jax.configure(workspace_bytes=...)");
+  }
+  for (int r = 0; r < g.n; ++r) p.region[r] = ctx.workspaces[r] + kDataOffset + data_offset;
+  p.ch = ctx.channel(int(slot));
+  p.sm_count = d.sm_count;
+  p.stream = stream;
+  p.side_stream = d.side_stream;
+  p.fork = d.fork;
+  p.join = d.join;
+  if (cudaError_t err = ring_attention::run(p); err != cudaSuccess)
+    return ffi_common::cuda_error(kOp, "launch", err);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    RingAttention, RingAttentionImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()                        // q [B, S, Hq, D]
+        .Arg<ffi::AnyBuffer>()                        // k [B, S, Hkv, D]
+        .Arg<ffi::AnyBuffer>()                        // v [B, S, Hkv, D]
+        .Ret<ffi::AnyBuffer>()                        // out [B, S, Hq, D]
+        .Ret<ffi::Buffer<ffi::F32>>()                 // lse [B, Hq, S]
+        .Attr<ffi::Span<const int64_t>>("group_ids")  // device ids, group by group
+        .Attr<int64_t>("group_size")
+        .Attr<int64_t>("slot")
+        .Attr<int64_t>("data_offset")
+        .Attr<int64_t>("timeout_ns")
+        .Attr<int32_t>("skip_post_rank")
+        .Attr<float>("scale")
+        .Attr<bool>("causal")
+        .Attr<bool>("zigzag")
+        .Attr<int64_t>("pieces"),
+    {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace pk::ffi_handlers
