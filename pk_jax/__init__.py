@@ -1,6 +1,9 @@
 """pk_jax: ParallelKittens-style fused multi-GPU kernels for JAX.
 
-Ops are called inside `jax.shard_map`. On CUDA GPUs they run pk_jax kernels
+Ops are called inside `jax.shard_map`; `dot_general`, `matmul` and
+`dot_product_attention` are called from plain `jax.jit` programs on sharded
+arrays and run the fused ops where the shardings call for them
+(`pk_jax.partitioning`). On CUDA GPUs they run pk_jax kernels
 that read and write peer GPUs' memory directly; on other platforms (and for
 shapes the kernels do not take) they run their pure-lax reference.
 """
@@ -11,6 +14,7 @@ from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.ring_attention import ring_attention, zigzag_shard, zigzag_unshard
 from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
+from pk_jax.partitioning import dot_general, dot_product_attention, matmul
 from pk_jax.runtime import check_errors
 
 __version__ = "0.1.0"
@@ -24,7 +28,10 @@ __all__ = [
     "all_gather_matmul",
     "check_errors",
     "configure",
+    "dot_general",
+    "dot_product_attention",
     "get_config",
+    "matmul",
     "matmul_reduce_scatter",
     "ring_attention",
     "zigzag_shard",

@@ -1,6 +1,9 @@
 """pk_jax.flax: Flax NNX layers over pk_jax's collectives, for use inside
-`jax.shard_map` (see `pk_jax.flax.layers` for the pattern)."""
+`jax.shard_map` (see `pk_jax.flax.layers` for the pattern), and drop-ins
+(`dot_general`, `attention_fn`) for unmodified Flax models under plain
+`jax.jit` (see `pk_jax.flax.dropins`)."""
 
+from pk_jax.flax.dropins import attention_fn, dot_general
 from pk_jax.flax.layers import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -16,6 +19,8 @@ __all__ = [
     "ParallelMLP",
     "RingSelfAttention",
     "RowParallelLinear",
+    "attention_fn",
+    "dot_general",
     "init_sharded",
     "partition_specs",
     "shard_size",

@@ -1,0 +1,171 @@
+"""`pk_jax.dot_product_attention`: `jax.nn.dot_product_attention` for plain
+`jax.jit` programs, run as `pk_jax.ring_attention` when the sequence of q/k/v
+is sharded over the mesh (routing rules: `_attention_plan.py`).
+
+Forward and backward are two `custom_partitioning` ops tied by
+`jax.custom_vjp`: the backward op routes like the forward (from the same
+q/k/v shardings) and runs `jax.vjp` of the per-device program it picked, so
+the ring is recomputed in the backward pass (no O(S^2) residuals, the
+price is a second forward). First-order only.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+
+from pk_jax.ops.ring_attention import ring_attention
+from pk_jax.partitioning._attention_plan import AttentionPlan, plan_attention
+from pk_jax.partitioning._specs import Route, dim_axes, named, record
+
+
+@functools.lru_cache(maxsize=None)
+def _rule(same_heads: bool, same_len: bool, vjp: bool) -> str:
+    q = "b s h d"
+    kv_seq, kv_heads = ("s" if same_len else "t"), ("h" if same_heads else "k")
+    k = f"b {kv_seq} {kv_heads} d"
+    v = f"b {kv_seq} {kv_heads} e"
+    out = "b s h e"
+    if vjp:
+        return f"{q}, {k}, {v}, {out} -> {q}, {k}, {v}"
+    return f"{q}, {k}, {v} -> {out}"
+
+
+def _local(plan: AttentionPlan, causal: bool, scale: float):
+    """The per-device attention of a plan."""
+    if plan.route == "ring_attention":
+        return lambda q, k, v: ring_attention(q, k, v, plan.axes, causal=causal, scale=scale,
+                                              layout="contiguous")
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+
+
+def _reference(q, k, v, causal, scale):
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+
+
+def _plan(mesh, arg_shapes, causal) -> AttentionPlan:
+    q, k, v = arg_shapes[:3]
+    return plan_attention(dim_axes(q.sharding, 4, mesh), q.shape, k.shape, v.shape,
+                          dict(mesh.shape), causal)
+
+
+@functools.lru_cache(maxsize=None)
+def _op(causal: bool, scale: float, same_heads: bool, same_len: bool,
+        vjp: bool) -> custom_partitioning:
+    """Forward op f(q, k, v) -> out, or with vjp f(q, k, v, g) -> (dq, dk, dv)."""
+
+    if vjp:
+        def fun(q, k, v, g):
+            return jax.vjp(lambda *a: _reference(*a, causal, scale), q, k, v)[1](g)
+    else:
+        def fun(q, k, v):
+            return _reference(q, k, v, causal, scale)
+    op = custom_partitioning(fun)
+
+    def shardings(mesh, plan):
+        q, kv, out = named(mesh, plan.q), named(mesh, plan.kv), named(mesh, plan.out)
+        return ((q, kv, kv, out), (q, kv, kv)) if vjp else ((q, kv, kv), out)
+
+    def partition(mesh, arg_shapes, result_shape):
+        plan = _plan(mesh, arg_shapes, causal)
+        ins, outs = shardings(mesh, plan)
+        record(Route("attention_vjp" if vjp else "attention", plan.route, plan.axes,
+                     tuple(s.spec for s in ins),
+                     tuple(s.spec for s in outs) if vjp else (outs.spec,)))
+        local = _local(plan, causal, scale)
+        if vjp:
+            q_seq = plan.q[1] if plan.route == "attention" else ()
+
+            def lower(q, k, v, g):
+                dq, dk, dv = jax.vjp(local, q, k, v)[1](g)
+                if q_seq:  # every query block adds to the gradient of the (whole) keys
+                    dk, dv = lax.psum((dk, dv), q_seq)
+                return dq, dk, dv
+        else:
+            lower = local
+        return mesh, lower, outs, ins
+
+    def infer(mesh, arg_shapes, result_shape):  # GSPMD propagation
+        return shardings(mesh, _plan(mesh, arg_shapes, causal))[1]
+
+    op.def_partition(partition, infer_sharding_from_operands=infer,
+                     propagate_user_sharding=lambda mesh, user_shape: jax.tree.map(
+                         lambda s: s.sharding, user_shape),
+                     sharding_rule=_rule(same_heads, same_len, vjp))
+    return op
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attention(q, k, v, key):
+    return _op(*key, False)(q, k, v)
+
+
+def _attention_fwd(q, k, v, key):
+    return _attention(q, k, v, key), (q, k, v)
+
+
+def _attention_bwd(key, res, g):
+    return tuple(_op(*key, True)(*res, g.astype(res[0].dtype)))
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _check(q, k, v) -> None:
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.ndim != 4:
+            raise ValueError(f"pk_jax.dot_product_attention: {name} must be [batch, seq, "
+                             f"heads, head_dim], got shape {a.shape}")
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise TypeError(f"pk_jax.dot_product_attention: {name} must be floating point, "
+                            f"got {a.dtype}")
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"pk_jax.dot_product_attention: expected q [B, S, Hq, D], k "
+                         f"[B, T, Hkv, D] and v [B, T, Hkv, Dv], got q {q.shape}, k {k.shape} "
+                         f"and v {v.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"pk_jax.dot_product_attention: query heads ({q.shape[2]}) must be "
+                         f"a multiple of kv heads ({k.shape[2]})")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"pk_jax.dot_product_attention: q, k and v must have one dtype, got "
+                        f"{q.dtype}, {k.dtype} and {v.dtype}")
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                          scale: Optional[float] = None) -> jax.Array:
+    """`jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)`,
+    partitioned by pk_jax under `jax.jit`.
+
+    When q's sequence dim is sharded over mesh axes A and k/v have as many
+    tokens, each device runs `pk_jax.ring_attention` over A on its contiguous
+    block of the sequence (k and v are resharded to q's layout first if they
+    differ); otherwise plain attention runs per device with the keys
+    unsharded (batch and head sharding are kept in both cases; see
+    `pk_jax/partitioning/_attention_plan.py`). Without a multi-device mesh
+    it is plain attention.
+
+    Args:
+      q: [B, S, Hq, D] queries, floating point.
+      k: [B, T, Hkv, D] keys; Hq must be a multiple of Hkv (GQA / MQA).
+      v: [B, T, Hkv, Dv] values.
+      causal: mask keys at later positions than the query (aligned at 0, as
+        in jax.nn.dot_product_attention).
+      scale: score scale; None: 1 / sqrt(D).
+
+    Returns:
+      [B, S, Hq, Dv] in q's dtype. Differentiable (first order).
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check(q, k, v)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[3])
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"pk_jax.dot_product_attention: scale must be finite, got {scale}")
+    key = (bool(causal), float(scale), q.shape[2] == k.shape[2], q.shape[1] == k.shape[1])
+    return _attention(q, k, v, key)
