@@ -14,7 +14,7 @@ def test_extension_built_when_nvcc_present():
     assert runtime.extension() is not None, runtime.extension_error()
     ext = runtime.extension()
     assert set(ext.registrations()) == {"pk_all_gather", "pk_all_gather_matmul",
-                                        "pk_matmul_reduce_scatter"}
+                                        "pk_matmul_reduce_scatter", "pk_ring_attention"}
     assert ext.max_ranks >= 8
 
 

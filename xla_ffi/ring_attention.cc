@@ -79,6 +79,8 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.side_stream = d.side_stream;
   p.fork = d.fork;
   p.join = d.join;
+  p.copy_stream = d.copy_stream;
+  p.copy_done = d.copy_done;
   if (cudaError_t err = ring_attention::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "launch", err);
   return ffi::Error::Success();

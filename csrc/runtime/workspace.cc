@@ -75,6 +75,8 @@ std::string init_device(DeviceState& d, size_t bytes) {
   PK_RT_TRY(cudaStreamCreateWithFlags(&d.side_stream, cudaStreamNonBlocking), d.ordinal);
   PK_RT_TRY(cudaEventCreateWithFlags(&d.fork, cudaEventDisableTiming), d.ordinal);
   PK_RT_TRY(cudaEventCreateWithFlags(&d.join, cudaEventDisableTiming), d.ordinal);
+  PK_RT_TRY(cudaStreamCreateWithFlags(&d.copy_stream, cudaStreamNonBlocking), d.ordinal);
+  PK_RT_TRY(cudaEventCreateWithFlags(&d.copy_done, cudaEventDisableTiming), d.ordinal);
   d.gemm_workspace_bytes = kGemmWorkspaceBytes;
   PK_RT_TRY(cudaMalloc(&d.gemm_workspace, d.gemm_workspace_bytes), d.ordinal);
   PK_RT_TRY(all_gather::load_ld_st_kernels(&d.all_gather_max_blocks), d.ordinal);

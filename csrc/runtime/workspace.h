@@ -30,6 +30,8 @@ struct DeviceState {
   cudaStream_t side_stream = nullptr;   // second stream for comm beside compute
   cudaEvent_t fork = nullptr;           // main -> side ordering
   cudaEvent_t join = nullptr;           // side -> main ordering
+  cudaStream_t copy_stream = nullptr;   // beside side_stream: two copy engines at once
+  cudaEvent_t copy_done = nullptr;      // copy_stream -> side_stream ordering
   void* gemm_workspace = nullptr;       // scratch of the GEMM kernels
   size_t gemm_workspace_bytes = 0;
   int all_gather_max_blocks = 1;        // co-resident ld/st kernel blocks

@@ -3,7 +3,8 @@
 // two cooperative math warpgroups, TMA epilogue) around RingMainloop.
 //
 // Launch config: one CTA per (128-row query tile, batch, query head), 384
-// threads; CTAs that start late find the peers' blocks already posted.
+// threads, heaviest query tiles first (HeavyFirstScheduler); CTAs that start
+// late find the peers' blocks already posted.
 // Arguments: see KernelArgs / Params in ring_attention.h.
 // Roles: warp 1 of warpgroup 0 loads Q, K, V (and waits on the posts);
 // warpgroups 1 and 2 run QK, softmax and PV on 64 query rows each.
@@ -14,13 +15,48 @@
 
 #include "collective/fmha_epilogue.hpp"
 #include "kernel/fmha_kernel_tma_warpspecialized.hpp"
-#include "kernel/fmha_tile_scheduler.hpp"
 
 #include "kernels/ring_attention/ring_attention.h"
 #include "kernels/ring_attention/ring_mainloop.cuh"
 #include "pk/cuda_check.h"
 
 namespace pk::ring_attention {
+
+// One CTA per (query tile, batch, head), launched heaviest first: the grid's
+// x walks (batch, head) and y the query tiles from the last. A later query
+// tile sees at least as many keys in both layouts (contiguous: more of the
+// ring before it; zigzag: the second chunk outweighs the first), so causal
+// launches go longest-first (a shorter tail), and the first wave has the most
+// work on our own block while the peers' blocks are still in flight.
+struct HeavyFirstScheduler {
+  struct Params {
+    dim3 grid;
+    int heads;
+  };
+  Params params;
+  bool valid = true;
+
+  CUTLASS_DEVICE explicit HeavyFirstScheduler(Params const& p) : params(p) {}
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem, cutlass::KernelHardwareInfo,
+                                        ClusterShape const&, TileShape const& tile) {
+    const int m_blocks = cute::ceil_div(cute::get<2>(problem), cute::get<0>(tile));
+    return Params{dim3(cute::get<0>(problem) * cute::get<1>(problem), m_blocks, 1),
+                  cute::get<1>(problem)};
+  }
+  static dim3 get_grid_shape(Params const& p) { return p.grid; }
+  CUTLASS_DEVICE bool is_valid() const { return valid; }
+  CUTLASS_DEVICE auto get_block_coord() const {
+    const int m = int(gridDim.y - 1 - blockIdx.y);
+    const int b = int(blockIdx.x) / params.heads, h = int(blockIdx.x) % params.heads;
+    return cute::make_coord(m, cute::_0{}, cute::make_coord(b, h));
+  }
+  CUTLASS_DEVICE HeavyFirstScheduler& operator++() {
+    valid = false;
+    return *this;
+  }
+};
 
 // Tiles as CUTLASS's example picks them for each head dim.
 template <int kHeadDim>
@@ -42,7 +78,7 @@ struct AttentionKernel {
   using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float,
                                                               typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue, cutlass::fmha::kernel::IndividualTileScheduler>;
+      Mainloop, Epilogue, HeavyFirstScheduler>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
 
   static Stride stride(int seq_rows_per_batch, int heads) {

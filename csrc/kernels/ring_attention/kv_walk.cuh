@@ -17,9 +17,9 @@
 #include <cstdint>
 
 #ifdef __CUDACC__
-#define PK_HD __host__ __device__
+#define PK_HD __host__ __device__ __forceinline__
 #else
-#define PK_HD
+#define PK_HD inline
 #endif
 
 namespace pk::ring_attention {

@@ -44,7 +44,10 @@ cudaError_t push_blocks(const Params& p) {
                                     p.side_stream));
       PK_CUDA_TRY(cudaMemcpy2DAsync(v_dst + off, pitch, static_cast<const char*>(p.v) + off,
                                     row_bytes, piece_bytes, p.batch, cudaMemcpyDeviceToDevice,
-                                    p.side_stream));
+                                    p.copy_stream));
+      // Reusing one event is safe: each wait binds to the record before it.
+      PK_CUDA_TRY(cudaEventRecord(p.copy_done, p.copy_stream));
+      PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.copy_done, 0));
       PK_CUDA_TRY(cudaMemcpyAsync(&p.ch.flags[q]->posted[g.rank], &p.ch.mine()->stamp[i],
                                   sizeof(uint64_t), cudaMemcpyDeviceToDevice, p.side_stream));
     }
@@ -82,10 +85,12 @@ cudaError_t run(const Params& p) {
     PK_CUDA_TRY(signals::stamp(p.ch, p.pieces, p.stream));
     PK_CUDA_TRY(cudaEventRecord(p.fork, p.stream));
     PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.fork, 0));
+    PK_CUDA_TRY(cudaStreamWaitEvent(p.copy_stream, p.fork, 0));
     PK_CUDA_TRY(push_blocks(p));
   }
   PK_CUDA_TRY(launch(p, a));
   if (g.n == 1) return cudaSuccess;
+  // The side stream waited for the copy stream's last piece: joining it joins both.
   PK_CUDA_TRY(cudaEventRecord(p.join, p.side_stream));
   PK_CUDA_TRY(cudaStreamWaitEvent(p.stream, p.join, 0));
   return signals::finish(p.ch, p.stream);

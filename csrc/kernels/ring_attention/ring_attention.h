@@ -4,10 +4,11 @@
 //   main:  wait credit (every peer finished reading what we staged with it
 //          last call), stamp the post values, fork the side stream;
 //   side:  for each peer q, nearest first, the copy engines push our K and V
-//          block into slot (q - r - 1) of q's region, piece by piece, each
+//          block into slot (q - r - 1) of q's region, piece by piece (K on
+//          the side stream, V on the copy stream: two engines at once), each
 //          piece followed by a stream copy of its stamp into q's posted[r]
-//          (no SM is involved, so a kernel spinning on the flag cannot starve
-//          the post);
+//          once both halves landed (no SM is involved, so a kernel spinning
+//          on the flag cannot starve the post);
 //   main:  the attention kernel: each query tile walks our own block, then
 //          each peer's block as its pieces are posted (kv_walk.cuh), merging
 //          all steps in registers; O and the log-sum-exp are written once;
@@ -47,7 +48,7 @@ struct Params {
   DType dtype = DType::kBF16;
   float scale = 1.0f;
   Geometry geo{};
-  int pieces = 1;           // pieces each peer's block is posted in
+  int pieces = 1;           // pieces each peer's block is posted in (fixed per channel)
   Channel ch{};
   char* region[kMaxRanks] = {};
   int sm_count = 0;
@@ -55,6 +56,8 @@ struct Params {
   cudaStream_t side_stream = nullptr;
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
+  cudaStream_t copy_stream = nullptr;  // V's copies, beside K's on side_stream
+  cudaEvent_t copy_done = nullptr;
 };
 
 // Bytes of one rank's K (or V) block.
@@ -65,15 +68,6 @@ inline size_t block_bytes(int batch, int s_local, int kv_heads, int head_dim) {
 inline size_t region_bytes(int n, int batch, int s_local, int kv_heads, int head_dim) {
   return 2 * size_t(n - 1) * block_bytes(batch, s_local, kv_heads, head_dim);
 }
-// Pieces to post a block of `bytes` in: about 4 MiB each, at most kMaxPieces
-// (more copies cost launch latency, fewer make the first wait longer).
-inline int pieces_for(size_t bytes, int s_local) {
-  int p = int(bytes / (4u << 20));
-  p = p < 1 ? 1 : (p > kMaxPieces ? kMaxPieces : p);
-  while (s_local % p) --p;
-  return p;
-}
-
 // False when the extension was built without CUTLASS.
 bool available();
 // head_dim 64 or 128; tiles fit the layout (see the Python checks).
