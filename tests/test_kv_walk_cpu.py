@@ -1,0 +1,69 @@
+"""The ring attention kernel's K/V walk (csrc/kernels/ring_attention/kv_walk.cuh),
+compiled for the host and run on every geometry class the kernel takes: it
+must visit exactly the tiles with a visible key, once each, in posting order,
+mask every tile that needs it, and place tokens exactly where the reference
+ring (pk_jax/ops/ring_attention_reference.py) does."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pk_jax.ops.ring_attention_reference import _positions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def checker(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to build the walk checker")
+    exe = str(tmp_path_factory.mktemp("kv_walk") / "kv_walk_check")
+    subprocess.run([cxx, "-std=c++17", "-O1", "-I", os.path.join(ROOT, "csrc"),
+                    os.path.join(ROOT, "tests", "native", "kv_walk_check.cc"), "-o", exe],
+                   check=True)
+    return exe
+
+
+def _run(exe, n, s_local, zigzag, causal, tile_q=128, tile_k=128):
+    res = subprocess.run([exe, str(n), str(s_local), str(int(zigzag)), str(int(causal)),
+                          str(tile_q), str(tile_k)], capture_output=True, text=True)
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0 and lines[-1] == "OK", lines[-1] if lines else res.stderr
+    return {int(l.split()[1]): np.array(l.split()[2:], int) for l in lines if l.startswith("tokens")}
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("zigzag", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s_local,tile_k", [(256, 128), (512, 64), (1024, 128)])
+def test_walk(checker, n, zigzag, causal, s_local, tile_k):
+    tokens = _run(checker, n, s_local, zigzag, causal, 128, tile_k)
+    layout = "zigzag" if zigzag else "contiguous"
+    for rank, got in tokens.items():
+        want = np.asarray(_positions(jnp.int32(rank), n, s_local, layout))
+        np.testing.assert_array_equal(got, want)
+
+
+def test_checker_catches_a_broken_walk(checker, tmp_path):
+    """The checker must fail when the walk is wrong: rebuild it against a walk
+    that forgets the mask flag."""
+    src = open(os.path.join(ROOT, "csrc", "kernels", "ring_attention", "kv_walk.cuh")).read()
+    broken = src.replace("t.masked = g_.causal &&", "t.masked = false &&")
+    assert broken != src
+    inc = tmp_path / "kernels" / "ring_attention"
+    inc.mkdir(parents=True)
+    (inc / "kv_walk.cuh").write_text(broken)
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    exe = str(tmp_path / "broken")
+    subprocess.run([cxx, "-std=c++17", "-I", str(tmp_path),
+                    os.path.join(ROOT, "tests", "native", "kv_walk_check.cc"), "-o", exe],
+                   check=True)
+    res = subprocess.run([exe, "2", "256", "1", "1", "128", "128"], capture_output=True, text=True)
+    assert res.returncode == 1 and "mask missing" in res.stdout
