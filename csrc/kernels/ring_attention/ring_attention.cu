@@ -2,6 +2,7 @@
 // ring_attention.h and the dispatch to the kernel instantiations.
 #include "kernels/ring_attention/ring_attention.h"
 
+#include "kernels/gemm/gemm.h"
 #include "pk/cuda_check.h"
 #include "pk/signals.h"
 
@@ -57,13 +58,8 @@ cudaError_t push_blocks(const Params& p) {
 
 }  // namespace
 
-bool available() {
-#ifdef PK_HAVE_CUTLASS
-  return true;
-#else
-  return false;
-#endif
-}
+// The kernel needs the CUTLASS headers, like the GEMM: one build switch.
+bool available() { return gemm::available(); }
 
 bool supported(const Params& p) {
   const Geometry& g = p.geo;
