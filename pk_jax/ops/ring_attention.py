@@ -22,8 +22,11 @@ Mechanisms:
     blocks with an fp32 online softmax, O(S_local) memory.
   * "auto": "copy_engine" where it applies, else "xla" (with a one-time
     PkJaxFallbackWarning saying why).
-Gradients: a custom_vjp whose backward differentiates the reference ring
-(recomputing the forward); a fused backward is future work.
+Gradients: a custom_vjp saving the output and log-sum-exp; the backward is a
+pure-JAX ring (ring_attention_reference.ring_reference_bwd: K/V blocks travel
+with their partial dK/dV and go home at the end, dq stays local, probabilities
+recomputed from the log-sum-exp, fixed summation order). A fused backward
+kernel is future work.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from pk_jax import groups, runtime
 from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
 from pk_jax.ops.ring_attention_primitive import kernel_problem, ring_attention_p
-from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference
+from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference, ring_reference_bwd
 
 MECHANISMS = ("auto", "copy_engine", "xla")
 LAYOUTS = ("contiguous", "zigzag")
@@ -110,24 +113,32 @@ def _validate(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfi
     return cfg
 
 
-# ---- the fused path and its gradient -------------------------------------------
+# ---- forward (kernel or reference) and the ring backward ------------------------
+def _forward(q, k, v, cfg: RingConfig):
+    if cfg.mechanism == "copy_engine":
+        return tuple(ring_attention_p.bind(q, k, v, cfg=cfg))
+    return ring_reference(q, k, v, cfg)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fused(q, k, v, cfg: RingConfig):
-    return tuple(ring_attention_p.bind(q, k, v, cfg=cfg))
+def _attend(q, k, v, cfg: RingConfig):
+    return _forward(q, k, v, cfg)
 
 
-def _fused_fwd(q, k, v, cfg: RingConfig):
-    return _fused(q, k, v, cfg), (q, k, v)
+def _attend_fwd(q, k, v, cfg: RingConfig):
+    out, lse = _forward(q, k, v, cfg)
+    return (out, lse), (q, k, v, out, lse)
 
 
-def _fused_bwd(cfg: RingConfig, res, cotangents):
-    # The reference ring computes the same function; differentiating it
-    # recomputes the forward blockwise (O(S_local) memory).
-    _, vjp = jax.vjp(lambda a, b, c: ring_reference(a, b, c, cfg), *res)
-    return vjp(tuple(cotangents))
+def _attend_bwd(cfg: RingConfig, res, cotangents):
+    # The ring backward from the saved output and log-sum-exp (same for both
+    # forwards): no per-step residuals, blocks recomputed one at a time.
+    q, k, v, out, lse = res
+    dout, dlse = cotangents
+    return ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg)
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 # ---- public API ----------------------------------------------------------------
@@ -140,9 +151,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     the whole (unsharded) sequence, this device's rows.
 
     Call inside `jax.shard_map` with the sequence dim sharded over
-    `axis_name`. The K/V blocks circulate around the ring with
-    `lax.ppermute`; scores and the softmax are fp32 whatever the input dtype.
-    Differentiable by JAX autodiff.
+    `axis_name`. Every device's K/V block reaches every other device (the
+    fused kernel's copy-engine pushes, or the reference's ppermute ring);
+    scores and the softmax are fp32 whatever the input dtype. Differentiable
+    (first order): the backward is a ring too (module docstring).
 
     Args:
       q: this device's queries [B, S_local, Hq, D], floating point.
@@ -171,10 +183,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     cfg = _validate(q, k, v, axis_name, causal, scale, layout, mechanism)
     q, k, v = (make_varying(x, cfg.names) for x in (q, k, v))
-    if cfg.mechanism == "copy_engine":
-        out, lse = _fused(q, k, v, cfg)
-    else:
-        out, lse = ring_reference(q, k, v, cfg)
+    out, lse = _attend(q, k, v, cfg)
     return (out, lse) if return_lse else out
 
 

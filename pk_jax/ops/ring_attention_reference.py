@@ -117,3 +117,67 @@ def ring_reference(q, k, v, cfg: RingConfig) -> tuple[jax.Array, jax.Array]:
     return _finish(state, q.shape, q.dtype)
 
 
+
+
+def _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg: RingConfig):
+    """Gradient contributions of one K/V block [B, T, K, D], recomputing the
+    probabilities from the saved log-sum-exp: (dq5, dk, dv), all fp32.
+
+    p = exp(s - lse); dv = p^T do; dp = do v^T; ds = p (dp - delta + dlse);
+    dq = scale ds k; dk = scale ds^T q (summed over the group's query heads).
+    """
+    kf, vf = kb.astype(jnp.float32), vb.astype(jnp.float32)
+    s = jnp.einsum("bskgd,btkd->bkgst", q5, kf, preferred_element_type=jnp.float32) * cfg.scale
+    p = jnp.exp(s - lse4[..., None])
+    if cfg.causal:
+        p = jnp.where(q_pos[:, None] >= k_pos[None, :], p, 0.0)
+    dv = jnp.einsum("bkgst,bskgd->btkd", p, do5, preferred_element_type=jnp.float32)
+    dp = jnp.einsum("bskgd,btkd->bkgst", do5, vf, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None] + dlse4[..., None]) * cfg.scale
+    dq = jnp.einsum("bkgst,btkd->bskgd", ds, kf, preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgst,bskgd->btkd", ds, q5, preferred_element_type=jnp.float32)
+    return dq, dk, dv
+
+
+def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
+    """Gradients (dq, dk, dv) of ring attention from the forward's output and
+    log-sum-exp, as a ring: each K/V block travels r -> r + 1 with its partial
+    dK/dV, every rank adds its queries' share, and after n steps one more hop
+    takes dK/dV home. dq stays local. Memory: one block's scores at a time (no
+    per-step residuals), and a fixed summation order (deterministic).
+
+    `out` [B, S, Hq, D], `lse` [B, Hq, S] as the forward returned them;
+    `dout`, `dlse` their cotangents (dlse may be None).
+    """
+    b, s_local, hq, d = q.shape
+    kh = k.shape[2]
+    g = hq // kh
+    n = cfg.n
+    rank = lax.axis_index(cfg.names)
+    f32 = jnp.float32
+    q5, do5, o5 = (x.astype(f32).reshape(b, s_local, kh, g, d) for x in (q, dout, out))
+    delta = jnp.einsum("bskgd,bskgd->bkgs", do5, o5)  # rowsum(dO * O)
+    lse4 = lse.astype(f32).reshape(b, kh, g, s_local)
+    dlse4 = jnp.zeros_like(lse4) if dlse is None else dlse.astype(f32).reshape(lse4.shape)
+    q_pos = _positions(rank, n, s_local, cfg.layout)
+    perm = [(r, (r + 1) % n) for r in range(n)]
+    axes = tuple(sorted(set(cfg.names) | varying_axes(q5)))
+
+    def add(carry, step):
+        kb, vb, dkb, dvb, dq = carry
+        k_pos = _positions((rank - step) % n, n, s_local, cfg.layout)
+        dq_s, dk_s, dv_s = _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg)
+        return kb, vb, dkb + dk_s, dvb + dv_s, dq + dq_s
+
+    def body(carry, step):
+        kb, vb, dkb, dvb, dq = add(carry, step)
+        kb, vb, dkb, dvb = (lax.ppermute(x, cfg.names, perm) for x in (kb, vb, dkb, dvb))
+        return (kb, vb, dkb, dvb, dq), None
+
+    zeros = lambda shape: make_varying(jnp.zeros(shape, f32), axes)
+    carry = (k, v, zeros(k.shape), zeros(v.shape), zeros(q5.shape))
+    carry, _ = lax.scan(body, carry, jnp.arange(n - 1, dtype=jnp.int32))
+    _, _, dk, dv, dq = add(carry, jnp.int32(n - 1))
+    if n > 1:  # the block we hold now belongs to rank r + 1: one hop home
+        dk, dv = (lax.ppermute(x, cfg.names, perm) for x in (dk, dv))
+    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
