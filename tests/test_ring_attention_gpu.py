@@ -297,3 +297,26 @@ def test_supported_auto_takes_the_kernel(fresh_warnings):
         out = _ring(mesh, causal=True, layout="zigzag", mechanism="auto")(q, k, v)
     _check(out, q, k, v, True, "auto on a supported shape", seed)
     pk_jax.check_errors()
+
+
+def test_timeout_raises_and_recovers():
+    """A peer that never posts its K/V: the waiting rank's kernel gives up
+    after the timeout (later CTAs at once), the error names the op and the
+    peer, and after check_errors() the next call is correct again."""
+    from pk_jax import runtime
+    mesh = gpu_mesh(2, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 1, 2 * 2048, 8, 2, 128, jnp.bfloat16)
+    saved = pk_jax.get_config().timeout_s
+    pk_jax.configure(timeout_s=0.2)
+    try:
+        with runtime.testing_skip_post(1):
+            ring = _ring(mesh, causal=False, layout="contiguous", mechanism="copy_engine")
+            jax.block_until_ready(ring(q, k, v))
+        with pytest.raises(pk_jax.PkJaxTimeoutError, match="ring_attention.*peer rank 1"):
+            pk_jax.check_errors()
+    finally:
+        pk_jax.configure(timeout_s=saved)
+    out = _ring(mesh, causal=True, layout="contiguous", mechanism="copy_engine")(q, k, v)
+    _check(out, q, k, v, True, "after a timeout", seed)
+    pk_jax.check_errors()

@@ -29,7 +29,6 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              int64_t slot, int64_t data_offset, int64_t timeout_ns,
                              int32_t skip_post_rank, float scale, bool causal, bool zigzag,
                              int64_t pieces) {
-  (void)skip_post_rank;  // the copy engines post; there is no kernel post to skip
   ffi_common::GroupContext ctx;
   if (ffi::Error e = ffi_common::make_group_context(kOp, kOpRingAttention, ordinal, group_ids,
                                                     group_size, timeout_ns, &ctx);
@@ -64,6 +63,7 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.scale = scale;
   p.geo = ring_attention::Geometry{g.rank, g.n, int(qd[1]), zigzag, causal};
   p.pieces = int(pieces);
+  p.skip_post = skip_post_rank == g.rank;
   if (!ring_attention::supported(p)) return invalid("unsupported shape (the Python checks missed it)");
   if (g.n > 1) {
     const size_t need = ring_attention::region_bytes(g.n, p.batch, p.geo.s_local, p.kv_heads,

@@ -53,8 +53,17 @@ __device__ inline void record_timeout(const WaitContext& ctx, int32_t peer, int3
   __threadfence_system();
 }
 
-// Spin on *word until ready(value); false after the timeout, with the error
-// recorded. The caller then skips the work that depended on the word and
+// True once a wait on this device has given up (the claim word is set until
+// check_errors() resets the device): later waits give up at once instead of
+// each paying the timeout again (a kernel of many waves would otherwise
+// take waves x timeout to finish).
+__device__ __forceinline__ bool device_failed(const WaitContext& ctx) {
+  return ctx.claim != nullptr && *reinterpret_cast<volatile int32_t*>(ctx.claim) != 0;
+}
+
+// Spin on *word until ready(value); false after the timeout or as soon as
+// another wait on this device has failed, with the error recorded (first
+// failure only). The caller then skips the work that depended on the word and
 // finishes, so the GPU stays usable. *seen holds the last value read.
 template <bool kAcquire, typename Ready>
 __device__ inline bool spin_bounded(const uint64_t* word, Ready ready, const WaitContext& ctx,
@@ -67,8 +76,10 @@ __device__ inline bool spin_bounded(const uint64_t* word, Ready ready, const Wai
   for (uint32_t spins = 1;; ++spins) {
     v = load();
     if (ready(v)) return *seen = v, true;
-    // Read the timer only every 64 polls: it is slower than the load.
-    if ((spins & 63u) == 0 && globaltimer_ns() - start > ctx.timeout_ns) break;
+    // Read the timer and the claim only every 64 polls: slower than the load.
+    if ((spins & 63u) == 0 &&
+        (globaltimer_ns() - start > ctx.timeout_ns || device_failed(ctx)))
+      break;
   }
   *seen = v;
   record_timeout(ctx, peer, what, expected, v);

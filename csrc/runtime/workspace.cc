@@ -193,7 +193,7 @@ std::optional<ErrorRecord> recorded_error(const DeviceState& d) {
 
 std::string describe(const ErrorRecord& r, int ordinal) {
   static const char* kOps[] = {"?", "all_gather", "all_gather_matmul",
-                               "matmul_reduce_scatter"};
+                               "matmul_reduce_scatter", "ring_attention"};
   const char* op = (r.op > 0 && r.op < int(std::size(kOps))) ? kOps[r.op] : "?";
   return std::string("pk_jax.") + op + " timed out on device " + std::to_string(ordinal) +
          " (rank " + std::to_string(r.rank) + "): waited for peer rank " +

@@ -49,8 +49,9 @@ cudaError_t push_blocks(const Params& p) {
       // Reusing one event is safe: each wait binds to the record before it.
       PK_CUDA_TRY(cudaEventRecord(p.copy_done, p.copy_stream));
       PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.copy_done, 0));
-      PK_CUDA_TRY(cudaMemcpyAsync(&p.ch.flags[q]->posted[g.rank], &p.ch.mine()->stamp[i],
-                                  sizeof(uint64_t), cudaMemcpyDeviceToDevice, p.side_stream));
+      if (!p.skip_post)
+        PK_CUDA_TRY(cudaMemcpyAsync(&p.ch.flags[q]->posted[g.rank], &p.ch.mine()->stamp[i],
+                                    sizeof(uint64_t), cudaMemcpyDeviceToDevice, p.side_stream));
     }
   }
   return cudaSuccess;

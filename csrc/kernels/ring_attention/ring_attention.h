@@ -49,6 +49,7 @@ struct Params {
   float scale = 1.0f;
   Geometry geo{};
   int pieces = 1;           // pieces each peer's block is posted in (fixed per channel)
+  bool skip_post = false;   // testing: push the data but never post it
   Channel ch{};
   char* region[kMaxRanks] = {};
   int sm_count = 0;
