@@ -793,7 +793,8 @@ def main() -> int:
         print(f"   ({time.perf_counter() - t0:.1f} s)", flush=True)
         md = _markdown(bench, rows)
         if not args.no_save:  # after every group: a run cut short keeps what it measured
-            write_results("ring_attention", rows, md,
+            # Forward+backward runs keep their own section and JSON.
+            write_results("ring_attention_bwd" if args.backward else "ring_attention", rows, md,
                           "python benchmarks/ring_attention.py " + " ".join(sys.argv[1:]))
     print(_markdown(bench, rows))
     print(f"total {time.perf_counter() - t_start:.1f} s", flush=True)
