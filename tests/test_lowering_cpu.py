@@ -165,3 +165,50 @@ def test_mlp_pair_forward_and_backward_use_only_kernels(cuda_lowering):
         assert "pk_all_gather_matmul" in hlo and "pk_matmul_reduce_scatter" in hlo
         # The check can fail: XLA's path shows its collectives.
         assert set(_collectives(lowered(fn, "xla"))) == {"all_gather", "reduce_scatter"}
+
+
+def _ring_calls(hlo):
+    return re.findall(r"custom_call @pk_ring_attention\(.*?\{(.*?)\}, operand_layouts", hlo)
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False)])
+def test_ring_attention_forward_is_one_kernel_call(cuda_lowering, layout, causal):
+    """On CUDA the forward is a single pk_ring_attention call (no ppermute
+    ring left) with the layout, mask, scale, pieces and channel attributes;
+    the pieces follow the block size (about 4 MiB each, at most 8)."""
+    mesh = cpu_mesh((2, 4), ("sp", "tp"))
+    spec = P(None, "sp", "tp")
+    # local q [1, 2048, 4, 128] bf16; k/v [1, 2048, 4, 128]: 2 MiB per block -> 1 piece
+    hlo = cuda_lowering(lambda q: pk_jax.ring_attention(q, q, q, "sp", causal=causal,
+                                                        layout=layout, scale=0.5),
+                        mesh, spec, (1, 4096, 16, 128), jnp.bfloat16)
+    assert "collective_permute" not in hlo
+    call, = _ring_calls(hlo)
+    assert ("zigzag = true" in call) == (layout == "zigzag")
+    assert ("causal = true" in call) == causal
+    assert "scale = 5.000000e-01" in call
+    assert _attr(call, "pieces") == "1"
+    assert _attr(call, "group_size") == "2"
+    assert _attr(call, "group_ids") == "dense<[0, 4, 1, 5, 2, 6, 3, 7]>"
+
+
+def test_ring_attention_pieces_and_backward(cuda_lowering):
+    """A 32 MiB block is posted in 8 pieces; the gradient adds the ppermute
+    ring of the backward but never an all-gather of the sequence."""
+    mesh = cpu_mesh((2,), ("sp",))
+    spec = P(None, "sp")
+    x = jax.ShapeDtypeStruct((1, 2 * 8192, 16, 128), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, spec))
+
+    def loss(q):
+        f = jax.shard_map(lambda q: pk_jax.ring_attention(q, q, q, "sp", causal=True,
+                                                          layout="zigzag"),
+                          mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return jnp.sum(f(q).astype(jnp.float32))
+
+    fwd = jax.jit(loss).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    call, = _ring_calls(fwd)
+    assert _attr(call, "pieces") == "8"
+    bwd = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(_ring_calls(bwd)) == 1 and "collective_permute" in bwd
+    assert _collectives(bwd) == []
