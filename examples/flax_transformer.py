@@ -18,10 +18,12 @@ offset, so the next token follows from the current one and the loss drops
 quickly. `--collectives xla` runs every pk op with mechanism="xla" (XLA's
 collectives: the baseline); the losses agree.
 
-    python examples/flax_transformer.py [--steps 50] [--collectives {pk,xla}]
+    python examples/flax_transformer.py [--steps 50] [--collectives {pk,xla,both}]
 
 Runs on GPUs unchanged (use --dtype bfloat16 there for the fused kernels) or
-on 8 fake CPU devices.
+on 8 fake CPU devices. `--preset gpu` is a model the fused kernels take (head
+dim 128, 8k tokens, bf16); `--collectives both --save` times pk against xla
+and writes the "flax_transformer" section of benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -147,9 +150,26 @@ def make_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh) -> Callable
     return lambda params, inputs, targets: per_shard(params, inputs, targets).mean()
 
 
+# Model sizes by name: "small" trains in seconds on CPU; "gpu" is shaped for
+# the fused kernels (bf16, head dim 128, S_local a multiple of 128).
+PRESETS = {
+    "small": Config(),
+    "gpu": Config(vocab=8192, d_model=2048, num_heads=16, num_kv_heads=4, head_dim=128,
+                  hidden=8192, num_layers=4, batch=4, seq_len=8192, period=64,
+                  dtype="bfloat16"),
+}
+
+
 def train(steps: int = 50, collectives: str = "pk", cfg: Config = Config(),
           mesh: Mesh | None = None, log: Callable[[str], None] = print) -> list[float]:
     """Train `steps` Adam steps; returns the loss of every step."""
+    return train_timed(steps, collectives, cfg, mesh, log)[0]
+
+
+def train_timed(steps: int, collectives: str, cfg: Config, mesh: Mesh | None = None,
+                log: Callable[[str], None] = print) -> tuple[list[float], float]:
+    """Train `steps` Adam steps; (loss of every step, mean step time in ms
+    over steps 2.. (step 1 compiles); nan with one step)."""
     mesh = mesh or make_mesh()
     sp, tp = mesh.shape["sp"], mesh.shape["tp"]
     shard_size(cfg.batch, tp, "batch")
@@ -179,19 +199,65 @@ def train(steps: int = 50, collectives: str = "pk", cfg: Config = Config(),
         times.append(time.perf_counter() - start)
         if step % 10 == 0 or step == 1:
             log(f"step {step:4d}  loss {losses[-1]:.4f}")
+    step_ms = float(1e3 * np.mean(times[1:])) if steps > 1 else float("nan")
     if steps > 1:
-        log(f"mean step time {1e3 * np.mean(times[1:]):.1f} ms (steps 2-{steps}; step 1 "
+        log(f"mean step time {step_ms:.1f} ms (steps 2-{steps}; step 1 "
             f"with compilation: {times[0]:.1f} s)")
-    return losses
+    return losses, step_ms
+
+
+def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str) -> None:
+    """Train with pk and with xla collectives; print (and with `save` record)
+    the step times and whether the losses agree."""
+    runs = {c: train_timed(steps, c, cfg, mesh) for c in ("pk", "xla")}
+    (pk_loss, pk_ms), (xla_loss, xla_ms) = runs["pk"], runs["xla"]
+    agree = float(np.max(np.abs(np.array(pk_loss) - np.array(xla_loss)) /
+                      np.maximum(np.abs(np.array(xla_loss)), 1e-6)))
+    print(f"step time: pk {pk_ms:.1f} ms, xla {xla_ms:.1f} ms: {xla_ms / pk_ms:.2f}x; "
+          f"largest relative loss difference {agree:.1e}")
+    if not save:
+        return
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "benchmarks"))
+    from common import markdown_table, write_results
+    shape = (f"d_model {cfg.d_model}, {cfg.num_layers} layers, heads {cfg.num_heads}/"
+             f"{cfg.num_kv_heads} x {cfg.head_dim}, hidden {cfg.hidden}, batch {cfg.batch} x "
+             f"{cfg.seq_len} tokens, {cfg.dtype}, mesh sp={mesh.shape['sp']} x "
+             f"tp={mesh.shape['tp']}")
+    rows = [dict(implementation=c, median_ms=ms, steps=steps, final_loss=runs[c][0][-1],
+                 config=dataclasses.asdict(cfg), sp=mesh.shape["sp"], tp=mesh.shape["tp"])
+            for c, ms in (("pk", pk_ms), ("xla", xla_ms))]
+    table = markdown_table(["collectives", "ms/step", "vs xla", "final loss"],
+                           [[r["implementation"], f"{r['median_ms']:.1f}",
+                             f"{xla_ms / r['median_ms']:.2f}x", f"{r['final_loss']:.4f}"]
+                            for r in rows])
+    write_results("flax_transformer", rows,
+                  f"Training step of examples/flax_transformer.py ({shape}); mean over "
+                  f"steps 2-{steps}. Losses of the two runs agree to {agree:.1e}.\n\n{table}",
+                  command)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--collectives", choices=("pk", "xla"), default="pk")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--collectives", choices=("pk", "xla", "both"), default="pk")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default="small")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="computation dtype (default: the preset's)")
+    parser.add_argument("--sp", type=int, default=None, help="sequence-parallel size")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    parser.add_argument("--save", action="store_true",
+                        help="with --collectives both: write benchmarks/RESULTS.md")
     args = parser.parse_args()
-    train(args.steps, args.collectives, Config(dtype=args.dtype))
+    cfg = PRESETS[args.preset]
+    if args.dtype:
+        cfg = dataclasses.replace(cfg, dtype=args.dtype)
+    mesh = make_mesh(args.sp, args.tp)
+    if args.collectives == "both":
+        compare(args.steps, cfg, mesh, args.save,
+                "python examples/flax_transformer.py " + " ".join(sys.argv[1:]))
+    else:
+        train(args.steps, args.collectives, cfg, mesh)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,28 @@ def test_sharded_gradients_equal_one_device():
     assert len(leaves) == len(leaves1) > 0
     for g, g1 in zip(leaves, leaves1):
         assert g.shape == g1.shape and _rel(g, g1) < 1e-4
+
+
+def test_compare_times_both_and_agrees(capsys):
+    example.compare(3, example.Config(), cpu_mesh((4, 2), ("sp", "tp")), save=False,
+                    command="test")
+    out = capsys.readouterr().out
+    assert "step time: pk" in out and "largest relative loss difference" in out
+
+
+def test_gpu_preset_takes_the_fused_kernels():
+    """The GPU preset's shapes are ones the fused ring attention kernel takes
+    on a 2-GPU (sp=1, tp=2) or (sp=2, tp=1) mesh, so its benchmark measures
+    the kernels rather than fallbacks."""
+    import jax.numpy as jnp
+    from pk_jax.ops.ring_attention_primitive import kernel_problem
+    from pk_jax.ops.ring_attention_reference import RingConfig
+    cfg = example.PRESETS["gpu"]
+    assert cfg.dtype == "bfloat16"
+    for sp, tp in ((1, 2), (2, 1)):
+        s_local, heads, kv = cfg.seq_len // sp, cfg.num_heads // tp, cfg.num_kv_heads // tp
+        q = jax.ShapeDtypeStruct((cfg.batch // tp, s_local, heads, cfg.head_dim), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((cfg.batch // tp, s_local, kv, cfg.head_dim), jnp.bfloat16)
+        rc = RingConfig(("sp",), sp, True, 1.0, "contiguous", "copy_engine")
+        assert kernel_problem(q, k, rc) is None
+        assert cfg.d_model % 8 == 0 and (cfg.hidden // tp) % 8 == 0  # TP GEMM kernels
