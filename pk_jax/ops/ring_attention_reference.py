@@ -55,14 +55,20 @@ def _init_state(q5: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return m, jnp.zeros_like(m), jnp.zeros((b, kh, g, s, d), jnp.float32)
 
 
+def _scores(q5, k, q_pos, k_pos, cfg: RingConfig):
+    """Scaled fp32 scores [B, K, G, S, T] of q5 [B, S, K, G, D] against one
+    K block [B, T, K, D], and the causal visibility [S, T] (None if not causal)."""
+    s = jnp.einsum("bskgd,btkd->bkgst", q5, k.astype(jnp.float32),
+                   preferred_element_type=jnp.float32) * cfg.scale
+    return s, (q_pos[:, None] >= k_pos[None, :]) if cfg.causal else None
+
+
 def _block_update(state, q5, k, v, q_pos, k_pos, cfg: RingConfig):
     """Merge attention of q5 [B, S, K, G, D] to one K/V block [B, T, K, D]
     into the running (max, sum, output) state; all in fp32."""
     m, l, acc = state
-    s = jnp.einsum("bskgd,btkd->bkgst", q5, k.astype(jnp.float32),
-                   preferred_element_type=jnp.float32) * cfg.scale
+    s, visible = _scores(q5, k, q_pos, k_pos, cfg)
     if cfg.causal:
-        visible = q_pos[:, None] >= k_pos[None, :]
         s = jnp.where(visible, s, _NEG)
     # The max only stabilizes the exponentials: the result does not depend on it.
     m_new = lax.stop_gradient(jnp.maximum(m, s.max(axis=-1)))
@@ -88,6 +94,31 @@ def _finish(state, out_shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Ar
     return out, lse
 
 
+def _ring_axes(q5, cfg: RingConfig) -> tuple[str, ...]:
+    """Axes the per-device state varies over: the ring's and any other axis q
+    is sharded on (a 2-D mesh), or the scan's carry types would differ."""
+    return tuple(sorted(set(cfg.names) | varying_axes(q5)))
+
+
+def _ring_perm(n: int) -> list[tuple[int, int]]:
+    return [(r, (r + 1) % n) for r in range(n)]
+
+
+def _ring_steps(cfg: RingConfig, moving: tuple, fixed, update):
+    """n steps of `update(moving, fixed, step) -> (moving, fixed)`, passing the
+    arrays of `moving` from rank r to r + 1 between steps (n - 1 hops); at
+    step s a rank holds the blocks that started on rank r - s. Returns the
+    last step's (moving, fixed)."""
+    perm = _ring_perm(cfg.n)
+
+    def body(carry, step):
+        moving, fixed = update(*carry, step)
+        return (tuple(lax.ppermute(x, cfg.names, perm) for x in moving), fixed), None
+
+    carry, _ = lax.scan(body, (moving, fixed), jnp.arange(cfg.n - 1, dtype=jnp.int32))
+    return update(*carry, jnp.int32(cfg.n - 1))
+
+
 def ring_reference(q, k, v, cfg: RingConfig) -> tuple[jax.Array, jax.Array]:
     """The ring: n blockwise updates, the K/V block moving r -> r + 1 between them."""
     b, s_local, hq, d = q.shape
@@ -96,27 +127,16 @@ def ring_reference(q, k, v, cfg: RingConfig) -> tuple[jax.Array, jax.Array]:
     rank = lax.axis_index(cfg.names)
     q5 = q.astype(jnp.float32).reshape(b, s_local, kh, hq // kh, d)
     q_pos = _positions(rank, n, s_local, cfg.layout)
-    perm = [(r, (r + 1) % n) for r in range(n)]
 
-    def update(state, kb, vb, step):
+    def update(blocks, state, step):
+        kb, vb = blocks
         k_pos = _positions((rank - step) % n, n, s_local, cfg.layout)
-        return _block_update(state, q5, kb, vb, q_pos, k_pos, cfg)
+        return blocks, _block_update(state, q5, kb, vb, q_pos, k_pos, cfg)
 
-    def body(carry, step):
-        kb, vb, state = carry
-        state = update(state, kb, vb, step)
-        kb, vb = (lax.ppermute(x, cfg.names, perm) for x in (kb, vb))
-        return (kb, vb, state), None
-
-    # The running state varies like q: over the ring and over any other axis
-    # q is sharded on (a 2-D mesh), or the scan's carry types would differ.
-    axes = tuple(sorted(set(cfg.names) | varying_axes(q5)))
+    axes = _ring_axes(q5, cfg)
     state = tuple(make_varying(x, axes) for x in _init_state(q5))
-    (kb, vb, state), _ = lax.scan(body, (k, v, state), jnp.arange(n - 1, dtype=jnp.int32))
-    state = update(state, kb, vb, jnp.int32(n - 1))
+    _, state = _ring_steps(cfg, (k, v), state, update)
     return _finish(state, q.shape, q.dtype)
-
-
 
 
 def _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg: RingConfig):
@@ -127,10 +147,10 @@ def _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg: RingCon
     dq = scale ds k; dk = scale ds^T q (summed over the group's query heads).
     """
     kf, vf = kb.astype(jnp.float32), vb.astype(jnp.float32)
-    s = jnp.einsum("bskgd,btkd->bkgst", q5, kf, preferred_element_type=jnp.float32) * cfg.scale
+    s, visible = _scores(q5, kf, q_pos, k_pos, cfg)
     p = jnp.exp(s - lse4[..., None])
     if cfg.causal:
-        p = jnp.where(q_pos[:, None] >= k_pos[None, :], p, 0.0)
+        p = jnp.where(visible, p, 0.0)
     dv = jnp.einsum("bkgst,bskgd->btkd", p, do5, preferred_element_type=jnp.float32)
     dp = jnp.einsum("bskgd,btkd->bkgst", do5, vf, preferred_element_type=jnp.float32)
     ds = p * (dp - delta[..., None] + dlse4[..., None]) * cfg.scale
@@ -160,24 +180,17 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     lse4 = lse.astype(f32).reshape(b, kh, g, s_local)
     dlse4 = jnp.zeros_like(lse4) if dlse is None else dlse.astype(f32).reshape(lse4.shape)
     q_pos = _positions(rank, n, s_local, cfg.layout)
-    perm = [(r, (r + 1) % n) for r in range(n)]
-    axes = tuple(sorted(set(cfg.names) | varying_axes(q5)))
 
-    def add(carry, step):
-        kb, vb, dkb, dvb, dq = carry
+    def add(blocks, dq, step):
+        kb, vb, dkb, dvb = blocks
         k_pos = _positions((rank - step) % n, n, s_local, cfg.layout)
         dq_s, dk_s, dv_s = _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg)
-        return kb, vb, dkb + dk_s, dvb + dv_s, dq + dq_s
+        return (kb, vb, dkb + dk_s, dvb + dv_s), dq + dq_s
 
-    def body(carry, step):
-        kb, vb, dkb, dvb, dq = add(carry, step)
-        kb, vb, dkb, dvb = (lax.ppermute(x, cfg.names, perm) for x in (kb, vb, dkb, dvb))
-        return (kb, vb, dkb, dvb, dq), None
-
+    axes = _ring_axes(q5, cfg)
     zeros = lambda shape: make_varying(jnp.zeros(shape, f32), axes)
-    carry = (k, v, zeros(k.shape), zeros(v.shape), zeros(q5.shape))
-    carry, _ = lax.scan(body, carry, jnp.arange(n - 1, dtype=jnp.int32))
-    _, _, dk, dv, dq = add(carry, jnp.int32(n - 1))
+    (_, _, dk, dv), dq = _ring_steps(cfg, (k, v, zeros(k.shape), zeros(v.shape)),
+                                     zeros(q5.shape), add)
     if n > 1:  # the block we hold now belongs to rank r + 1: one hop home
-        dk, dv = (lax.ppermute(x, cfg.names, perm) for x in (dk, dv))
+        dk, dv = (lax.ppermute(x, cfg.names, _ring_perm(n)) for x in (dk, dv))
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
