@@ -19,6 +19,9 @@ inline constexpr int kMaxRanks = 16;
 // ops on different groups (the axes of a 2-D mesh) never share counters.
 inline constexpr int kMaxSlots = 256;
 
+// Most pieces one staged block is posted in (SlotFlags::stamp).
+inline constexpr int kMaxStamps = 8;
+
 // Flags of one channel on one device. Fields indexed by a peer's rank are
 // written only by that peer (single writer), the others only locally.
 // All counters are monotonic epochs: no reset kernel is ever needed.
@@ -28,8 +31,8 @@ struct alignas(128) SlotFlags {
   uint32_t pad0;
   // Copy-engine posts: values a stream copy writes into a peer's posted[]
   // (signals::stamp sets them; one per piece of a staged block).
-  uint64_t stamp[8];
-  uint64_t pad1[6];
+  uint64_t stamp[kMaxStamps];
+  uint64_t pad1[14 - kMaxStamps];
   uint64_t ptr[kMaxRanks];        // peer r: address of its source buffer
   uint64_t posted[kMaxRanks];     // peer r: epoch whose data/pointer is ready
   uint64_t done[kMaxRanks];       // peer r: epoch it finished reading from us
@@ -78,7 +81,7 @@ enum OpId : int32_t {
   kOpMatmulReduceScatter = 3,
   kOpRingAttention = 4,
 };
-enum WaitKind : int32_t { kWaitPosted = 1, kWaitDone = 2, kWaitLine = 3 };
+enum WaitKind : int32_t { kWaitPosted = 1, kWaitDone = 2, kWaitLine = 3, kWaitPiece = 4 };
 enum ErrorCode : int32_t { kErrNone = 0, kErrTimeout = 1 };
 
 // Where a failed wait is reported. `record` is mapped host memory; `claim`

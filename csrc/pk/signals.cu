@@ -71,7 +71,7 @@ cudaError_t finish(const Channel& ch, cudaStream_t stream) {
 }
 
 cudaError_t stamp(const Channel& ch, int pieces, cudaStream_t stream) {
-  if (pieces < 1 || pieces > 8) return cudaErrorInvalidValue;
+  if (pieces < 1 || pieces > kMaxStamps) return cudaErrorInvalidValue;
   stamp_kernel<<<1, kThreads, 0, stream>>>(ch, pieces);
   return cudaGetLastError();
 }

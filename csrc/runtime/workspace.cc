@@ -195,13 +195,13 @@ std::string describe(const ErrorRecord& r, int ordinal) {
   static const char* kOps[] = {"?", "all_gather", "all_gather_matmul",
                                "matmul_reduce_scatter", "ring_attention"};
   const char* op = (r.op > 0 && r.op < int(std::size(kOps))) ? kOps[r.op] : "?";
+  const char* what = r.what == kWaitPosted ? "post its address for epoch "
+                     : r.what == kWaitLine ? "send its data lines for epoch "
+                     : r.what == kWaitPiece ? "post a piece of its K/V block, stamp "
+                                            : "finish its transfer for epoch ";
   return std::string("pk_jax.") + op + " timed out on device " + std::to_string(ordinal) +
          " (rank " + std::to_string(r.rank) + "): waited for peer rank " +
-         std::to_string(r.peer) + " to " +
-         (r.what == kWaitPosted ? "post its address"
-          : r.what == kWaitLine ? "send its data lines"
-                                : "finish its transfer") +
-         " for epoch " + std::to_string(r.expected) + " but saw " +
+         std::to_string(r.peer) + " to " + what + std::to_string(r.expected) + " but saw " +
          std::to_string(r.observed) +
          ". The peer is missing, hung, or ran a different program; the outputs of that "
          "call are undefined. pk_jax.check_errors() clears this state.";

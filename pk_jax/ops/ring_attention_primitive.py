@@ -29,7 +29,7 @@ ring_attention_p.multiple_results = True
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
 TILE_Q = 128  # query rows per CTA (csrc/kernels/ring_attention/ring_attention.h)
-MAX_PIECES = 8
+MAX_PIECES = 8  # one stamp each: kMaxStamps in csrc/pk/layout.h
 PIECE_BYTES = 4 << 20  # a peer's block is posted in pieces of about this size
 
 
@@ -51,7 +51,7 @@ def kernel_problem(q, k, cfg: RingConfig) -> str | None:
     return None
 
 
-def pieces(q_shape, k_shape) -> int:
+def pieces(k_shape) -> int:
     """Pieces a peer's K (or V) block is posted in: ~PIECE_BYTES each, at most
     MAX_PIECES, dividing S_local. Fixed per channel (it is part of the key)."""
     b, s_local, hkv, d = k_shape
@@ -83,9 +83,9 @@ def _cuda(ctx, q, k, v, *, cfg: RingConfig):
     # The kernel needs CUTLASS like the GEMMs: the same build check.
     if kernels_missing("ring_attention", need_gemm=True):
         return _reference(ctx, q, k, v, cfg=cfg)
-    q_aval, k_aval, _ = ctx.avals_in
+    _, k_aval, _ = ctx.avals_in
     _, table = group_table(ctx, "ring_attention", cfg.names, cfg.n)
-    n_pieces = pieces(q_aval.shape, k_aval.shape)
+    n_pieces = pieces(k_aval.shape)
     ch = runtime.channel(("ring_attention", table.tobytes(), n_pieces),
                          region_bytes(cfg.n, k_aval.shape))
     return jax.ffi.ffi_lowering("pk_ring_attention")(

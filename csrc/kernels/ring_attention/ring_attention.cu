@@ -25,18 +25,23 @@ cudaError_t launch(const Params& p, const KernelArgs& a) {
 }
 #endif
 
+// Where V's peer blocks start in a region (K's start at 0): both halves are
+// n - 1 blocks.
+size_t v_offset(const Params& p) {
+  return size_t(p.geo.n - 1) * block_bytes(p.batch, p.geo.s_local, p.kv_heads, p.head_dim);
+}
+
 // Push our K and V blocks to every peer on the side stream, posting each
 // piece with a stream copy of its stamp (see ring_attention.h).
 cudaError_t push_blocks(const Params& p) {
   const Geometry& g = p.geo;
   const size_t row_bytes = block_bytes(1, g.s_local, p.kv_heads, p.head_dim);  // one batch
-  const size_t region_half = region_bytes(g.n, p.batch, g.s_local, p.kv_heads, p.head_dim) / 2;
   const size_t piece_bytes = row_bytes / p.pieces;
   for (int k = 1; k < g.n; ++k) {
     const int q = (g.rank + k) % g.n;
     // Our block is slot k - 1 of q's region; batch b's rows sit n - 1 blocks apart.
     char* k_dst = p.region[q] + size_t(k - 1) * row_bytes;
-    char* v_dst = k_dst + region_half;
+    char* v_dst = k_dst + v_offset(p);
     const size_t pitch = size_t(g.n - 1) * row_bytes;
     for (int i = 0; i < p.pieces; ++i) {
       const size_t off = size_t(i) * piece_bytes;
@@ -75,8 +80,7 @@ cudaError_t run(const Params& p) {
 #ifdef PK_HAVE_CUTLASS
   if (!supported(p)) return cudaErrorNotSupported;
   const Geometry& g = p.geo;
-  const size_t half = region_bytes(g.n, p.batch, g.s_local, p.kv_heads, p.head_dim) / 2;
-  KernelArgs a{&p, p.region[g.rank], p.region[g.rank] + half};
+  KernelArgs a{&p, p.region[g.rank], p.region[g.rank] + v_offset(p)};
   if (g.n > 1) {
     PK_CUDA_TRY(signals::wait_credit(p.ch, p.stream));
     PK_CUDA_TRY(signals::stamp(p.ch, p.pieces, p.stream));

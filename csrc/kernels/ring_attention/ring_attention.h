@@ -35,8 +35,8 @@ enum class DType : int32_t { kBF16 = 0, kF16 = 1 };
 
 // Query rows per CTA tile; a tile never straddles a zigzag chunk.
 inline constexpr int kTileQ = 128;
-// Most pieces a staged block is posted in (SlotFlags::stamp).
-inline constexpr int kMaxPieces = 8;
+// Most pieces a peer's block is posted in: one stamp each.
+inline constexpr int kMaxPieces = kMaxStamps;
 
 struct Params {
   const void* q = nullptr;  // [B, s_local, Hq, D]

@@ -207,7 +207,7 @@ struct RingMainloop
         if (t.step > 0 && (t.step != waited_step || piece > waited_piece)) {
           const int src = (g.rank - t.step + g.n) % g.n;
           const uint64_t target = (epoch - 1) * uint64_t(p.ring.pieces) + piece + 1;
-          wait_geq(p.ring.posted + src, target, p.ring.wait, src, kWaitPosted);
+          wait_geq(p.ring.posted + src, target, p.ring.wait, src, kWaitPiece);
           // The copy engine wrote the rows; TMA reads them through the async proxy.
           asm volatile("fence.proxy.async.global;" ::: "memory");
           waited_step = t.step;
