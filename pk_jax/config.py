@@ -1,4 +1,4 @@
-"""User-settable knobs: workspace size, wait timeout, ring piece order.
+"""User-settable knobs: workspace size and wait timeout.
 
 Each knob has an environment variable (read once, at import) and a
 `pk_jax.configure(...)` keyword. The workspace is allocated when the first
@@ -11,7 +11,6 @@ import dataclasses
 import os
 
 _MIB = 1 << 20
-RING_PIECE_ORDERS = ("heads", "rows")
 
 
 def _env(name: str, default, parse):
@@ -36,26 +35,16 @@ class Config:
       timeout_s: bound of every cross-GPU wait inside a kernel. A wait that
         exceeds it records an error instead of hanging the GPU.
         Env: PK_JAX_TIMEOUT_S. Default 5 s.
-      ring_piece_order: how the fused ring attention cuts each K/V block it
-        pushes to a peer into posted pieces: "heads" (head groups first, so
-        the heads the first CTAs compute arrive first; the copy engines
-        transpose the block to head-major on the way) or "rows" (row ranges
-        of every head; plain strided copies). Applies to ops lowered
-        afterwards. Env: PK_JAX_RING_PIECE_ORDER. Default "heads".
     """
 
     workspace_bytes: int = 1024 * _MIB
     timeout_s: float = 5.0
-    ring_piece_order: str = "heads"
 
     def __post_init__(self):
         if self.workspace_bytes < 0:
             raise ValueError(f"workspace_bytes must be >= 0, got {self.workspace_bytes}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.ring_piece_order not in RING_PIECE_ORDERS:
-            raise ValueError(f"ring_piece_order must be one of {RING_PIECE_ORDERS}, "
-                             f"got {self.ring_piece_order!r}")
 
     @property
     def timeout_ns(self) -> int:
@@ -65,7 +54,6 @@ class Config:
 _config = Config(
     workspace_bytes=_env("PK_JAX_WORKSPACE_BYTES", Config.workspace_bytes, int),
     timeout_s=_env("PK_JAX_TIMEOUT_S", Config.timeout_s, float),
-    ring_piece_order=_env("PK_JAX_RING_PIECE_ORDER", Config.ring_piece_order, str),
 )
 
 
@@ -74,14 +62,12 @@ def get_config() -> Config:
     return _config
 
 
-def configure(*, workspace_bytes: int | None = None, timeout_s: float | None = None,
-              ring_piece_order: str | None = None) -> Config:
+def configure(*, workspace_bytes: int | None = None, timeout_s: float | None = None) -> Config:
     """Change pk_jax's settings; returns the new settings.
 
     `workspace_bytes` can only change before the first pk_jax kernel is
     lowered (the workspace is allocated then). `timeout_s` applies to ops
-    lowered afterwards (it is baked into each compiled call), as does
-    `ring_piece_order`.
+    lowered afterwards (it is baked into each compiled call).
     """
     global _config
     from pk_jax import runtime  # late: runtime imports this module
@@ -91,8 +77,6 @@ def configure(*, workspace_bytes: int | None = None, timeout_s: float | None = N
         changes["workspace_bytes"] = int(workspace_bytes)
     if timeout_s is not None:
         changes["timeout_s"] = float(timeout_s)
-    if ring_piece_order is not None:
-        changes["ring_piece_order"] = str(ring_piece_order)
     new = dataclasses.replace(_config, **changes)  # validates
     if new.workspace_bytes != _config.workspace_bytes and runtime.initialized():
         raise RuntimeError(

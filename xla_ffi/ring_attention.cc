@@ -28,7 +28,7 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Span<const int64_t> group_ids, int64_t group_size,
                              int64_t slot, int64_t data_offset, int64_t timeout_ns,
                              int32_t skip_post_rank, float scale, bool causal, bool zigzag,
-                             int64_t pieces, bool pieces_by_heads) {
+                             int64_t pieces) {
   ffi_common::GroupContext ctx;
   if (ffi::Error e = ffi_common::make_group_context(kOp, kOpRingAttention, ordinal, group_ids,
                                                     group_size, timeout_ns, &ctx);
@@ -63,7 +63,6 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.scale = scale;
   p.geo = ring_attention::Geometry{g.rank, g.n, int(qd[1]), zigzag, causal};
   p.pieces = int(pieces);
-  p.by_heads = pieces_by_heads;
   p.skip_post = skip_post_rank == g.rank;
   if (!ring_attention::supported(p)) return invalid("unsupported shape (the Python checks missed it)");
   if (g.n > 1) {
@@ -108,8 +107,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("scale")
         .Attr<bool>("causal")
         .Attr<bool>("zigzag")
-        .Attr<int64_t>("pieces")
-        .Attr<bool>("pieces_by_heads"),
+        .Attr<int64_t>("pieces"),
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

@@ -20,7 +20,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import runtime
-from pk_jax.config import get_config
 from pk_jax.ops._lowering import channel_attrs, group_table, kernels_missing
 from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference
 
@@ -52,14 +51,12 @@ def kernel_problem(q, k, cfg: RingConfig) -> str | None:
     return None
 
 
-def pieces(k_shape, by_heads: bool) -> int:
+def pieces(k_shape) -> int:
     """Pieces a peer's K (or V) block is posted in: ~PIECE_BYTES each, at most
-    MAX_PIECES, dividing the block's units (rows, or (head, row) pairs when
-    cut by heads; kv_walk.cuh's PiecePlan). Fixed per channel (part of its key)."""
+    MAX_PIECES, dividing S_local. Fixed per channel (it is part of the key)."""
     b, s_local, hkv, d = k_shape
-    units = s_local * hkv if by_heads else s_local
     p = int(np.clip((b * s_local * hkv * d * 2) // PIECE_BYTES, 1, MAX_PIECES))
-    while units % p:
+    while s_local % p:
         p -= 1
     return p
 
@@ -88,14 +85,12 @@ def _cuda(ctx, q, k, v, *, cfg: RingConfig):
         return _reference(ctx, q, k, v, cfg=cfg)
     _, k_aval, _ = ctx.avals_in
     _, table = group_table(ctx, "ring_attention", cfg.names, cfg.n)
-    by_heads = get_config().ring_piece_order == "heads"
-    n_pieces = pieces(k_aval.shape, by_heads)
-    ch = runtime.channel(("ring_attention", table.tobytes(), n_pieces, by_heads),
+    n_pieces = pieces(k_aval.shape)
+    ch = runtime.channel(("ring_attention", table.tobytes(), n_pieces),
                          region_bytes(cfg.n, k_aval.shape))
     return jax.ffi.ffi_lowering("pk_ring_attention")(
         ctx, q, k, v, scale=np.float32(cfg.scale), causal=bool(cfg.causal),
-        zigzag=cfg.layout == "zigzag", pieces=np.int64(n_pieces), pieces_by_heads=by_heads,
-        **channel_attrs(table, ch))
+        zigzag=cfg.layout == "zigzag", pieces=np.int64(n_pieces), **channel_attrs(table, ch))
 
 
 ring_attention_p.def_abstract_eval(_abstract)

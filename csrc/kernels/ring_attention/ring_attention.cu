@@ -31,53 +31,26 @@ size_t v_offset(const Params& p) {
   return size_t(p.geo.n - 1) * block_bytes(p.batch, p.geo.s_local, p.kv_heads, p.head_dim);
 }
 
-// Piece `i` of our block `src` (K or V, [B, s_local, Hkv, D]) into slot
-// `slot` of a peer's region half `dst` (K's or V's), in the layout the plan
-// says (ring_attention.h).
-cudaError_t copy_piece(const Params& p, char* dst, const void* src, int slot, int i,
-                       cudaStream_t stream) {
-  const Geometry& g = p.geo;
-  const PiecePlan plan = p.plan();
-  const size_t line = size_t(p.head_dim) * 2;               // one head of one row
-  const size_t block = size_t(g.s_local) * p.kv_heads * line;  // one batch's block
-  const char* from = static_cast<const char*>(src);
-  if (!plan.by_heads) {
-    // Row-major slots: batch b's rows sit n - 1 blocks apart; one 2-D copy.
-    const size_t piece = block / plan.pieces, off = size_t(i) * piece;
-    return cudaMemcpy2DAsync(dst + size_t(slot) * block + off, size_t(g.n - 1) * block,
-                             from + off, block, piece, p.batch, cudaMemcpyDeviceToDevice, stream);
-  }
-  // Head-major region [B, Hkv, (n - 1) * s_local, D]: for each head the piece
-  // touches, one 3-D copy (lines of D elements; rows; batches) gathers that
-  // head's rows out of our row-major block.
-  for (int h = plan.first_head(i); h <= plan.last_head(i); ++h) {
-    int r0, r1;
-    plan.rows(i, h, r0, r1);
-    const size_t peer_rows = size_t(g.n - 1) * g.s_local;
-    cudaMemcpy3DParms c{};
-    c.srcPtr = make_cudaPitchedPtr(const_cast<char*>(from) + (size_t(r0) * p.kv_heads + h) * line,
-                                   p.kv_heads * line, line, g.s_local);
-    c.dstPtr = make_cudaPitchedPtr(dst + (h * peer_rows + size_t(slot) * g.s_local + r0) * line,
-                                   line, line, p.kv_heads * peer_rows);
-    c.extent = make_cudaExtent(line, r1 - r0, p.batch);
-    c.kind = cudaMemcpyDefault;  // a peer's address: let unified addressing place it
-    PK_CUDA_TRY(cudaMemcpy3DAsync(&c, stream));
-  }
-  return cudaSuccess;
-}
-
 // Push our K and V blocks to every peer on the side stream, posting each
 // piece with a stream copy of its stamp (see ring_attention.h).
 cudaError_t push_blocks(const Params& p) {
   const Geometry& g = p.geo;
+  const size_t row_bytes = block_bytes(1, g.s_local, p.kv_heads, p.head_dim);  // one batch
+  const size_t piece_bytes = row_bytes / p.pieces;
   for (int k = 1; k < g.n; ++k) {
     const int q = (g.rank + k) % g.n;
-    // Our block is slot k - 1 of q's region.
-    char* k_half = p.region[q];
-    char* v_half = k_half + v_offset(p);
+    // Our block is slot k - 1 of q's region; batch b's rows sit n - 1 blocks apart.
+    char* k_dst = p.region[q] + size_t(k - 1) * row_bytes;
+    char* v_dst = k_dst + v_offset(p);
+    const size_t pitch = size_t(g.n - 1) * row_bytes;
     for (int i = 0; i < p.pieces; ++i) {
-      PK_CUDA_TRY(copy_piece(p, k_half, p.k, k - 1, i, p.side_stream));
-      PK_CUDA_TRY(copy_piece(p, v_half, p.v, k - 1, i, p.copy_stream));
+      const size_t off = size_t(i) * piece_bytes;
+      PK_CUDA_TRY(cudaMemcpy2DAsync(k_dst + off, pitch, static_cast<const char*>(p.k) + off,
+                                    row_bytes, piece_bytes, p.batch, cudaMemcpyDeviceToDevice,
+                                    p.side_stream));
+      PK_CUDA_TRY(cudaMemcpy2DAsync(v_dst + off, pitch, static_cast<const char*>(p.v) + off,
+                                    row_bytes, piece_bytes, p.batch, cudaMemcpyDeviceToDevice,
+                                    p.copy_stream));
       // Reusing one event is safe: each wait binds to the record before it.
       PK_CUDA_TRY(cudaEventRecord(p.copy_done, p.copy_stream));
       PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.copy_done, 0));
@@ -99,7 +72,8 @@ bool supported(const Params& p) {
   const int tile_k = p.head_dim == 64 ? 64 : 128;
   return available() && (p.head_dim == 64 || p.head_dim == 128) && p.kv_heads > 0 &&
          p.q_heads % p.kv_heads == 0 && g.s_local > 0 && g.chunk_rows() % kTileQ == 0 &&
-         g.chunk_rows() % tile_k == 0 && p.pieces <= kMaxPieces && p.plan().valid();
+         g.chunk_rows() % tile_k == 0 && p.pieces >= 1 && p.pieces <= kMaxPieces &&
+         g.s_local % p.pieces == 0;
 }
 
 cudaError_t run(const Params& p) {

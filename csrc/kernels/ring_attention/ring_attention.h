@@ -14,8 +14,7 @@
 //          all steps in registers; O and the log-sum-exp are written once;
 //          join the side stream; finish (done[r] = e to every peer).
 // The region holds n - 1 peer blocks, K then V: [B, (n - 1) * s_local, Hkv, D]
-// each when pieces are cut by rows, [B, Hkv, (n - 1) * s_local, D] when they
-// are cut by heads (the copy engines transpose on the way). (A ring would forward blocks hop by hop through a double buffer; on
+// each. (A ring would forward blocks hop by hop through a double buffer; on
 // NVLink switches every pair has full bandwidth, so direct pushes move the
 // same bytes per link without the forwarding chain, for (n - 1) blocks of
 // memory instead of 2.)
@@ -50,7 +49,6 @@ struct Params {
   float scale = 1.0f;
   Geometry geo{};
   int pieces = 1;           // pieces each peer's block is posted in (fixed per channel)
-  bool by_heads = false;    // pieces cut head-major units, else rows (kv_walk.cuh)
   bool skip_post = false;   // testing: push the data but never post it
   Channel ch{};
   char* region[kMaxRanks] = {};
@@ -61,8 +59,6 @@ struct Params {
   cudaEvent_t join = nullptr;
   cudaStream_t copy_stream = nullptr;  // V's copies, beside K's on side_stream
   cudaEvent_t copy_done = nullptr;
-
-  PiecePlan plan() const { return {pieces, by_heads, kv_heads, geo.s_local}; }
 };
 
 // Bytes of one rank's K (or V) block.
