@@ -14,7 +14,8 @@ def test_extension_built_when_nvcc_present():
     assert runtime.extension() is not None, runtime.extension_error()
     ext = runtime.extension()
     assert set(ext.registrations()) == {"pk_all_gather", "pk_all_gather_matmul",
-                                        "pk_matmul_reduce_scatter", "pk_ring_attention"}
+                                        "pk_matmul_reduce_scatter", "pk_ring_attention",
+                                        "pk_attention_block_bwd"}
     assert ext.max_ranks >= 8
 
 

@@ -9,5 +9,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGather);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllGatherMatmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(MatmulReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAttention);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionBlockBwd);
 
 }  // namespace pk::ffi_handlers

@@ -35,6 +35,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_all_gather_matmul"] = as_capsule(pk::ffi_handlers::AllGatherMatmul);
     d["pk_matmul_reduce_scatter"] = as_capsule(pk::ffi_handlers::MatmulReduceScatter);
     d["pk_ring_attention"] = as_capsule(pk::ffi_handlers::RingAttention);
+    d["pk_attention_block_bwd"] = as_capsule(pk::ffi_handlers::AttentionBlockBwd);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/all_gather/all_gather.h"
+#include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/ring_attention/ring_attention.h"
 #include "kernels/tp_matmul/tp_matmul.h"
 #include "pk/signals.h"
@@ -84,6 +85,7 @@ std::string init_device(DeviceState& d, size_t bytes) {
   PK_RT_TRY(tp_matmul::load_kernels(), d.ordinal);
   PK_RT_TRY(gemm::load_kernels(), d.ordinal);
   PK_RT_TRY(ring_attention::load_kernels(), d.ordinal);
+  PK_RT_TRY(attention_bwd::load_kernels(), d.ordinal);
   PK_RT_TRY(all_gather::load_ll_kernels(), d.ordinal);
   PK_RT_TRY(cudaDeviceSynchronize(), d.ordinal);
   return "";

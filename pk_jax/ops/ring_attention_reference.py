@@ -1,6 +1,7 @@
 """The pure-JAX ring attention: the reference every kernel is checked against
 and the path taken where no kernel runs (other platforms, shapes the kernel
-does not take, mechanism="xla", and the backward pass for now).
+does not take, mechanism="xla") and the backward ring (whose per-step block
+gradients run as a kernel for mechanism="copy_engine" on GPUs).
 
 The K/V blocks travel around the ring with `lax.ppermute` (rank r sends to
 r + 1 mod n); at each of the n steps a device attends its queries to the
@@ -180,11 +181,23 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     lse4 = lse.astype(f32).reshape(b, kh, g, s_local)
     dlse4 = jnp.zeros_like(lse4) if dlse is None else dlse.astype(f32).reshape(lse4.shape)
     q_pos = _positions(rank, n, s_local, cfg.layout)
+    # The fused mechanism runs each step's block gradients as one kernel
+    # (pk_attention_block_bwd; _block_grads wherever it lowers elsewhere).
+    from pk_jax.ops import attention_bwd_primitive as block_bwd  # imports this module
+    kernel = (cfg.mechanism == "copy_engine" and dout.dtype == q.dtype
+              and block_bwd.kernel_problem(q, k, cfg) is None)
+    if kernel:
+        lse3, delta3 = lse.astype(f32), (delta - dlse4).reshape(b, hq, s_local)
 
     def add(blocks, dq, step):
         kb, vb, dkb, dvb = blocks
-        k_pos = _positions((rank - step) % n, n, s_local, cfg.layout)
-        dq_s, dk_s, dv_s = _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg)
+        if kernel:
+            dq_s, dk_s, dv_s = block_bwd.pk_attention_block_bwd(
+                q, dout, lse3, delta3, kb, vb, rank, (rank - step) % n, cfg)
+            dq_s = dq_s.reshape(q5.shape)
+        else:
+            k_pos = _positions((rank - step) % n, n, s_local, cfg.layout)
+            dq_s, dk_s, dv_s = _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg)
         return (kb, vb, dkb + dk_s, dvb + dv_s), dq + dq_s
 
     axes = _ring_axes(q5, cfg)

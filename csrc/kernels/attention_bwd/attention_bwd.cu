@@ -1,0 +1,55 @@
+// Host side of the block backward: checks and the dispatch to the kernel
+// instantiations (attention_bwd_sm90.cuh).
+//
+// Launch: cudaMemsetAsync(dq, 0) then one kernel on the caller's stream;
+// no workspace (dq itself is the fp32 accumulator of the TMA reduce-adds).
+#include "kernels/attention_bwd/attention_bwd.h"
+
+#include "kernels/gemm/gemm.h"
+#include "pk/cuda_check.h"
+
+#ifdef PK_HAVE_CUTLASS
+#include <cutlass/numeric_types.h>
+#endif
+
+namespace pk::attention_bwd {
+
+// The kernel needs the CUTLASS headers, like the GEMM: one build switch.
+bool available() { return gemm::available(); }
+
+bool supported(const Params& p) {
+  if (!available() || (p.head_dim != 64 && p.head_dim != 128)) return false;
+  if (p.batch <= 0 || p.kv_heads <= 0 || p.q_heads % p.kv_heads != 0 || p.n < 1) return false;
+  // A tile's rows are consecutive tokens: zigzag tiles stay inside a chunk.
+  const int chunks = p.zigzag ? 2 : 1;
+  const int tq = tile_q(p.head_dim) * chunks, tkv = kTileKv * chunks;
+  return p.s_q > 0 && p.s_kv > 0 && p.s_q % tq == 0 && p.s_kv % tkv == 0;
+}
+
+cudaError_t run(const Params& p) {
+#ifdef PK_HAVE_CUTLASS
+  if (!supported(p)) return cudaErrorNotSupported;
+  using BF16 = cutlass::bfloat16_t;
+  using F16 = cutlass::half_t;
+  PK_CUDA_TRY(cudaMemsetAsync(p.dq, 0, size_t(p.batch) * p.s_q * p.q_heads * p.head_dim * sizeof(float),
+                              p.stream));
+  const bool bf16 = p.dtype == DType::kBF16;
+  if (p.head_dim == 128) return bf16 ? launch_bwd<BF16, 128>(p) : launch_bwd<F16, 128>(p);
+  return bf16 ? launch_bwd<BF16, 64>(p) : launch_bwd<F16, 64>(p);
+#else
+  (void)p;
+  return cudaErrorNotSupported;
+#endif
+}
+
+cudaError_t load_kernels() {
+#ifdef PK_HAVE_CUTLASS
+  PK_CUDA_TRY((load_bwd<cutlass::bfloat16_t, 128>()));
+  PK_CUDA_TRY((load_bwd<cutlass::bfloat16_t, 64>()));
+  PK_CUDA_TRY((load_bwd<cutlass::half_t, 128>()));
+  PK_CUDA_TRY((load_bwd<cutlass::half_t, 64>()));
+#endif
+  return cudaSuccess;
+}
+
+}  // namespace pk::attention_bwd

@@ -1,0 +1,181 @@
+// The block backward kernel for one (element type, head dim): the FMHA
+// kernel skeleton of CUTLASS's Hopper example (one producer warpgroup, two
+// cooperative math warpgroups) around BwdMainloop, with our scheduler and an
+// fp32 dK/dV epilogue.
+//
+// Launch config: one CTA per (128-row K/V tile, batch, K/V head), 384
+// threads, K/V tiles in ascending order (causal: the earliest keys see the
+// most queries, so the longest CTAs start first); dynamic shared memory
+// Kernel::SharedStorageSize (about 200 KiB).
+// Arguments: attention_bwd.h's Params, turned into Kernel::Arguments below.
+// Roles: warpgroup 0: warp 0 adds dQ tiles into global dq (TMA reduce-add),
+//   warp 1 loads K/V once and Q, lse, dO, delta' per visible query tile;
+//   warpgroups 1 and 2 each own 64 K/V rows: S, dP, P, dS, dV and dK
+//   (registers), warpgroup 2 also dQ over the CTA's 128 rows.
+// Entry point: launch_bwd<Element, D>(Params) (PK_ATTENTION_BWD_INSTANTIATE).
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/device_kernel.h>
+#include <cutlass/kernel_hardware_info.h>
+#include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include "kernel/fmha_kernel_tma_warpspecialized.hpp"
+
+#include "kernels/attention_bwd/attention_bwd.h"
+#include "kernels/attention_bwd/bwd_mainloop.cuh"
+#include "pk/cuda_check.h"
+
+namespace pk::attention_bwd {
+
+// One CTA per (K/V tile, batch, K/V head): x the K/V tiles, y the batch, z
+// the head. Block coordinates as the example's backward: (_, K/V tile, (b, h)).
+struct KvTileScheduler {
+  struct Params {
+    dim3 grid;
+  };
+  bool valid = true;
+
+  CUTLASS_DEVICE explicit KvTileScheduler(Params const&) {}
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem, cutlass::KernelHardwareInfo,
+                                        ClusterShape const&, TileShape const& tile) {
+    const int kv_tiles = cute::ceil_div(cute::get<3>(problem), cute::get<1>(tile));
+    return Params{dim3(kv_tiles, cute::get<0>(problem), cute::get<1>(problem))};
+  }
+  static dim3 get_grid_shape(Params const& p) { return p.grid; }
+  CUTLASS_DEVICE bool is_valid() const { return valid; }
+  CUTLASS_DEVICE auto get_block_coord() const {
+    return cute::make_coord(cute::_0{}, int(blockIdx.x),
+                            cute::make_coord(int(blockIdx.y), int(blockIdx.z)));
+  }
+  CUTLASS_DEVICE KvTileScheduler& operator++() {
+    valid = false;
+    return *this;
+  }
+};
+
+// dK and dV of one math warpgroup's 64 rows, fp32, straight from the
+// accumulators into [B, T, Hkv, D] (each CTA owns its rows: plain stores,
+// two adjacent columns per 8-byte store). No shared memory, no pipeline.
+template <class TileShapeND>
+struct KvGradEpilogue {
+  struct Arguments {
+    float* dk;
+    float* dv;
+  };
+  struct Params {
+    float* dk;
+    float* dv;
+  };
+  struct TensorStorage {};
+  using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
+  using PipelineStorage = typename LoadPipeline::SharedStorage;
+  static constexpr int TmaTransactionBytes = 0;
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
+    return Params{a.dk, a.dv};
+  }
+
+  template <class TileShape, class BlkCoord, class Result, class TiledMma, class ProblemShape>
+  CUTLASS_DEVICE void operator()(TileShape const&, BlkCoord const& wg_coord, Result const& result,
+                                 TiledMma const& mma, ProblemShape const& problem,
+                                 Params const& p, LoadPipeline, TensorStorage&) {
+    using namespace cute;
+    const int t_rows = get<3>(problem), heads = get<1>(problem);
+    constexpr int kRows = get<0>(TileShapeND{});
+    constexpr int kDim = get<1>(TileShapeND{});
+    const int b = get<2, 0>(wg_coord), h = get<2, 1>(wg_coord);
+    const int row0 = int(get<1>(wg_coord)) * kRows;
+    auto thr = mma.get_thread_slice(int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup);
+    Tensor coords = thr.partition_C(make_identity_tensor(make_shape(Int<kRows>{}, Int<kDim>{})));
+    auto store = [&](auto const& acc, float* base) {
+      static_assert(size(decltype(acc){}) % 2 == 0);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc); i += 2) {
+        auto c = coords(i);  // accumulator pairs are adjacent columns
+        const int row = row0 + int(get<0>(c));
+        float* dst = base + ((size_t(b) * t_rows + row) * heads + h) * kDim + int(get<1>(c));
+        *reinterpret_cast<float2*>(dst) = make_float2(acc(i), acc(i + 1));
+      }
+    };
+    store(get<0>(result), p.dk);
+    store(get<1>(result), p.dv);
+  }
+};
+
+// Tiles as CUTLASS's example picks them for its backward: (query rows, K/V
+// rows, head dim).
+template <int kHeadDim>
+struct BwdTiles;
+template <>
+struct BwdTiles<128> {
+  using Shape = cute::Shape<cute::_64, cute::_128, cute::_128>;
+};
+template <>
+struct BwdTiles<64> {
+  using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+};
+
+template <typename Element, int kHeadDim>
+struct BwdKernel {
+  using TileShape = typename BwdTiles<kHeadDim>::Shape;
+  using Mainloop = BwdMainloop<Element, TileShape>;
+  using Epilogue = KvGradEpilogue<typename Mainloop::TileShapeND>;
+  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, KvTileScheduler>;
+  static_assert(cute::get<0>(TileShape{}) == tile_q(kHeadDim), "host checks use tile_q()");
+  static_assert(cute::get<1>(TileShape{}) == kTileKv, "host checks use kTileKv");
+  static_assert(Kernel::SharedStorageSize <= 227 * 1024, "shared memory of one SM");
+
+  // (batch, head, row, 1) strides of [B, rows, heads, D].
+  static typename Mainloop::Stride4 stride(int rows, int heads) {
+    return {rows * heads * kHeadDim, kHeadDim, heads * kHeadDim, cute::_1{}};
+  }
+
+  static cudaError_t launch(const Params& p) {
+    const int group = p.q_heads / p.kv_heads;
+    BwdArgs bwd{p.n, p.s_q, p.s_kv, p.zigzag, p.causal, group, p.scale, p.q_rank, p.k_rank};
+    typename Kernel::Arguments args{
+        {p.batch, p.kv_heads, p.s_q, p.s_kv, kHeadDim},
+        {static_cast<const Element*>(p.q), stride(p.s_q, p.q_heads),
+         static_cast<const Element*>(p.k), stride(p.s_kv, p.kv_heads),
+         static_cast<const Element*>(p.v), static_cast<const Element*>(p.dout), p.lse,
+         typename Mainloop::Stride3{p.q_heads * p.s_q, p.s_q, cute::_1{}}, p.delta, p.dq,
+         stride(p.s_q, p.q_heads), bwd},
+        {p.dk, p.dv},
+        cutlass::KernelHardwareInfo{}};
+    if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
+    auto params = Kernel::to_underlying_arguments(args, nullptr);
+    constexpr int smem = Kernel::SharedStorageSize;
+    PK_CUDA_TRY(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cutlass::device_kernel<Kernel>
+        <<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), smem, p.stream>>>(params);
+    return cudaGetLastError();
+  }
+
+  static cudaError_t load() {
+    cudaFuncAttributes attr;
+    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>));
+    return cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
+                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                int(Kernel::SharedStorageSize));
+  }
+};
+
+}  // namespace pk::attention_bwd
+
+// One instantiation per file keeps each compile unit's time in bounds.
+#define PK_ATTENTION_BWD_INSTANTIATE(ELEMENT, HEAD_DIM)                 \
+  namespace pk::attention_bwd {                                        \
+  template <>                                                          \
+  cudaError_t launch_bwd<ELEMENT, HEAD_DIM>(const Params& p) {         \
+    return BwdKernel<ELEMENT, HEAD_DIM>::launch(p);                    \
+  }                                                                    \
+  template <>                                                          \
+  cudaError_t load_bwd<ELEMENT, HEAD_DIM>() {                          \
+    return BwdKernel<ELEMENT, HEAD_DIM>::load();                       \
+  }                                                                    \
+  }

@@ -1,0 +1,122 @@
+"""The primitive of the flash-attention backward of one ring step.
+
+`pk_attention_block_bwd`: the gradient contributions of one K/V block to the
+queries of this rank, with the probabilities recomputed from the forward's
+log-sum-exp (what `ring_attention_reference._block_grads` computes):
+
+    q, dout [B, S, Hq, D]; lse, delta' [B, Hq, S] float32, where
+    delta' = rowsum(dout * out) - dlse; k, v [B, T, Hkv, D]; q_rank, k_rank
+    int32 scalars (the ranks owning the query block and the K/V block: the
+    ring step is a scan variable, so k_rank is traced)
+    -> dq [B, S, Hq, D], dk, dv [B, T, Hkv, D], all float32
+       (dk, dv summed over the query heads of each GQA group).
+
+Causal masks compare global token positions (`_positions`: contiguous or
+zigzag over a ring of `cfg.n`). Lowering: on CUDA with the extension built
+with CUTLASS, the FFI kernel of xla_ffi/attention_bwd.cc (a Hopper FMHA
+backward; tiles the mask hides wholly are skipped); anywhere else
+`_block_grads`. Which shapes the kernel takes is decided before binding
+(`kernel_problem`). Determinism: dk and dv are; dq is summed over K/V tiles
+with fp32 reduce-adds in arrival order, so it can differ in the last bits
+from run to run.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from pk_jax import runtime
+from pk_jax._compat import make_varying, varying_axes
+from pk_jax.ops._lowering import kernels_missing
+from pk_jax.ops.ring_attention_reference import RingConfig, _block_grads, _positions
+
+attention_block_bwd_p = Primitive("pk_attention_block_bwd")
+attention_block_bwd_p.multiple_results = True
+
+HEAD_DIMS = (64, 128)
+DTYPES = (jnp.bfloat16, jnp.float16)
+TILE_KV = 128  # K/V rows per CTA (csrc/kernels/attention_bwd/attention_bwd.h)
+
+
+def tile_q(head_dim: int) -> int:
+    """Query rows per inner tile (attention_bwd.h: tile_q)."""
+    return 64 if head_dim == 128 else 128
+
+
+def kernel_problem(q, k, cfg: RingConfig) -> str | None:
+    """None when the kernel takes this block pair, else why it does not."""
+    if q.dtype not in DTYPES:
+        return f"dtype {q.dtype} (the kernel takes bfloat16 and float16)"
+    if k.dtype != q.dtype:
+        return f"q is {q.dtype} but k/v are {k.dtype} (the kernel needs one dtype)"
+    d = q.shape[3]
+    if d not in HEAD_DIMS or k.shape[3] != d:
+        return f"head_dim {d} (the kernel takes {HEAD_DIMS})"
+    hq, hkv = q.shape[2], k.shape[2]
+    if hkv == 0 or hq % hkv:
+        return f"{hq} query heads are not a multiple of {hkv} K/V heads"
+    chunks = 2 if cfg.layout == "zigzag" else 1
+    per = " (each zigzag chunk: half the rows)" if chunks == 2 else ""
+    for what, rows, tile in (("S", q.shape[1], tile_q(d)), ("T", k.shape[1], TILE_KV)):
+        if rows == 0 or rows % (chunks * tile):
+            return (f"{what}={rows}: must be a multiple of {chunks * tile} for head_dim {d}"
+                    f"{per}")
+    return None
+
+
+def pk_attention_block_bwd(q, dout, lse, delta, k, v, q_rank, k_rank, cfg: RingConfig):
+    """(dq, dk, dv) float32 of one block pair; see the module docstring."""
+    args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), k, v,
+            jnp.asarray(q_rank, jnp.int32), jnp.asarray(k_rank, jnp.int32))
+    # One varying-axes type for all operands (shard_map's check_vma), as the
+    # outputs take q's and k's.
+    axes = tuple(sorted(set().union(*(varying_axes(x) for x in args))))
+    if axes:
+        args = tuple(make_varying(x, axes) for x in args)
+    return attention_block_bwd_p.bind(*args, cfg=cfg)
+
+
+# ---- abstract evaluation ------------------------------------------------------
+def _abstract(q, dout, lse, delta, k, v, q_rank, k_rank, *, cfg: RingConfig):
+    f32 = jnp.float32
+    return q.update(dtype=f32), k.update(dtype=f32), v.update(dtype=f32)
+
+
+# ---- reference lowering (every platform but CUDA) ------------------------------
+def _block_reference(q, dout, lse, delta, k, v, q_rank, k_rank, cfg: RingConfig):
+    b, s, hq, d = q.shape
+    t, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    f32 = jnp.float32
+    q5, do5 = (x.astype(f32).reshape(b, s, hkv, g, d) for x in (q, dout))
+    lse4, delta4 = (x.reshape(b, hkv, g, s) for x in (lse, delta))
+    q_pos = _positions(q_rank, cfg.n, s, cfg.layout)
+    k_pos = _positions(k_rank, cfg.n, t, cfg.layout)
+    dq, dk, dv = _block_grads(q5, do5, delta4, lse4, jnp.zeros_like(lse4), k, v,
+                              q_pos, k_pos, cfg)
+    return dq.reshape(b, s, hq, d), dk, dv
+
+
+def _reference(ctx, *args, cfg: RingConfig):
+    fn = lambda *a: _block_reference(*a, cfg)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+# ---- CUDA lowering -----------------------------------------------------------
+def _cuda(ctx, *args, cfg: RingConfig):
+    # The kernel needs CUTLASS like the GEMMs: the same build check.
+    if kernels_missing("attention_block_bwd", need_gemm=True):
+        return _reference(ctx, *args, cfg=cfg)
+    runtime.ensure_ready()  # registers the FFI targets
+    return jax.ffi.ffi_lowering("pk_attention_block_bwd")(
+        ctx, *args, scale=np.float32(cfg.scale), causal=bool(cfg.causal),
+        zigzag=cfg.layout == "zigzag", n=np.int64(cfg.n))
+
+
+attention_block_bwd_p.def_abstract_eval(_abstract)
+mlir.register_lowering(attention_block_bwd_p, _reference)
+mlir.register_lowering(attention_block_bwd_p, _cuda, platform="cuda")

@@ -1,0 +1,275 @@
+"""The block backward kernel (pk_attention_block_bwd) on a GPU against
+`_block_grads` (the reference the ring backward uses per step off CUDA) on
+the float32-upcast inputs, with tolerances set by the same computation in the
+kernel's precision (bf16/fp16 operands, P and dS rounded to the input type,
+fp32 accumulation: what any flash-attention backward can reach). Masks by
+global positions: non-causal, causal contiguous with the K/V block before,
+equal to and after the query block, zigzag on rings of 2 and 4 for every
+(query rank, K/V rank) pair; GQA groups 1, 4, 8 and MQA; head dims 64 and
+128; bf16 and fp16; B > 1; S != T. Plus jax.grad through
+pk_jax.ring_attention (mechanism copy_engine) on 1 and 2 GPUs against
+jax.grad of jax.nn.dot_product_attention in float32. Skipped with a reason
+without GPUs or without the kernel.
+
+Inputs are fresh every run (a seed drawn from numpy's default_rng, named in
+failure messages); freed device memory is filled with 0xFF (NaN in fp32)
+before each call, so an output element the kernel never writes shows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax import runtime
+from pk_jax.ops.attention_bwd_primitive import (_block_reference, kernel_problem,
+                                                pk_attention_block_bwd)
+from pk_jax.ops.ring_attention_reference import RingConfig, _positions
+from conftest import gpu_mesh
+from gpu_util import poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+
+def _need_kernel():
+    mesh = gpu_mesh(1)
+    if not runtime.available() or not runtime.extension().has_gemm:
+        pytest.skip("pk_jax extension without CUTLASS kernels (pip install nvidia-cutlass, "
+                    "then reinstall pk_jax)")
+    return mesh
+
+
+def _seed() -> int:
+    return int(np.random.default_rng().integers(1 << 31))
+
+
+def _cfg(n, causal, layout, d):
+    return RingConfig(names=(), n=n, causal=causal, scale=float(d) ** -0.5, layout=layout,
+                      mechanism="copy_engine")
+
+
+def _inputs(seed, b, s, t, hq, hkv, d, dtype):
+    """q, dout [B, S, Hq, D], k, v [B, T, Hkv, D] of `dtype`, and delta'
+    [B, Hq, S] fp32, all random (never zeros)."""
+    keys = jax.random.split(jax.random.key(seed), 6)
+    draw = lambda kk, shape: jax.random.normal(kk, shape, jnp.float32).astype(dtype)
+    q, do = draw(keys[0], (b, s, hq, d)), draw(keys[1], (b, s, hq, d))
+    k, v = draw(keys[2], (b, t, hkv, d)), draw(keys[3], (b, t, hkv, d))
+    delta = jax.random.normal(keys[4], (b, hq, s), jnp.float32)
+    extra = jax.random.uniform(keys[5], (b, hq, s), jnp.float32, 0.0, 2.0)
+    return q, do, k, v, delta, extra
+
+
+def _visible(cfg, s, t, q_rank, k_rank):
+    q_pos = _positions(jnp.int32(q_rank), cfg.n, s, cfg.layout)
+    k_pos = _positions(jnp.int32(k_rank), cfg.n, t, cfg.layout)
+    return q_pos[:, None] >= k_pos[None, :] if cfg.causal else jnp.ones((s, t), bool)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _lse(q, k, visible, scale, extra):
+    """A log-sum-exp as the forward leaves it: this block's (fp32) plus the
+    mass of other blocks (`extra` >= 0), so every p = exp(s - lse) <= 1."""
+    g = q.shape[2] // k.shape[2]
+    kk = jnp.repeat(k.astype(jnp.float32), g, axis=2)
+    sc = jnp.einsum("bshd,bthd->bhst", q.astype(jnp.float32), kk,
+                    precision=lax.Precision.HIGHEST) * scale
+    sc = jnp.where(visible, sc, -jnp.inf)
+    own = jax.nn.logsumexp(sc, axis=-1)
+    return jnp.where(jnp.isfinite(own), jnp.logaddexp(own, extra), extra)
+
+
+@functools.partial(jax.jit, static_argnums=(8,))
+def _exact(q, do, lse, delta, k, v, q_rank, k_rank, cfg):
+    """_block_grads (what the primitive lowers to off CUDA) on the float32
+    inputs, full-precision matmuls (no TF32)."""
+    with jax.default_matmul_precision("highest"):
+        f32 = lambda x: x.astype(jnp.float32)
+        return _block_reference(f32(q), f32(do), lse, delta, f32(k), f32(v), q_rank, k_rank, cfg)
+
+
+@functools.partial(jax.jit, static_argnums=(7, 8))
+def _same_precision(q, do, lse, delta, k, v, visible, cfg, dtype):
+    """(dq, dk, dv) fp32 of one block pair with each matmul's operands in
+    `dtype` (P and dS rounded as a flash-attention backward does) and fp32
+    accumulation: the error any such kernel makes."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    f32 = jnp.float32
+    c = lambda x: x.astype(dtype)
+    mm = functools.partial(jnp.einsum, preferred_element_type=f32,
+                           precision=lax.Precision.HIGHEST)
+    q5, do5 = (c(x).reshape(b, s, hkv, g, d) for x in (q, do))
+    kc, vc = c(k), c(v)
+    sc = mm("bskgd,btkd->bkgst", q5, kc) * cfg.scale
+    p = jnp.where(visible, jnp.exp(sc - lse.reshape(b, hkv, g, s)[..., None]), 0.0)
+    dv = mm("bkgst,bskgd->btkd", c(p), do5)
+    dp = mm("bskgd,btkd->bkgst", do5, vc)
+    ds = p * (dp - delta.reshape(b, hkv, g, s)[..., None]) * cfg.scale
+    dq = mm("bkgst,btkd->bskgd", c(ds), kc).reshape(b, s, hq, d)
+    dk = mm("bkgst,bskgd->btkd", c(ds), q5)
+    return dq, dk, dv
+
+
+_kernel = jax.jit(lambda q, do, lse, delta, k, v, qr, kr, cfg:
+                  pk_attention_block_bwd(q, do, lse, delta, k, v, qr, kr, cfg),
+                  static_argnums=(8,))
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    nb = np.linalg.norm(b)
+    return float(np.linalg.norm(a - b) / nb) if nb > 0 else float(np.linalg.norm(a))
+
+
+def _check_pair(mesh, seed, cfg, dims, dtype, q_rank, k_rank, data=None):
+    b, s, t, hq, hkv, d = dims
+    q, do, k, v, delta, extra = data or _inputs(seed, *dims, dtype)
+    visible = _visible(cfg, s, t, q_rank, k_rank)
+    lse = _lse(q, k, visible, cfg.scale, extra)
+    what = (f"n={cfg.n} {cfg.layout} causal={cfg.causal} q_rank={q_rank} k_rank={k_rank} "
+            f"dims={dims} {jnp.dtype(dtype).name} (seed {seed})")
+    assert kernel_problem(q, k, cfg) is None, what
+    poison_allocator(mesh, 4 * (q.size + 2 * k.size) + 4096)
+    got = _kernel(q, do, lse, delta, k, v, jnp.int32(q_rank), jnp.int32(k_rank), cfg)
+    got = [np.asarray(x) for x in got]
+    ranks = jnp.int32(q_rank), jnp.int32(k_rank)
+    exact = [np.asarray(x) for x in _exact(q, do, lse, delta, k, v, *ranks, cfg)]
+    same = _same_precision(q, do, lse, delta, k, v, visible, cfg, dtype)
+    for name, g, e, h in zip(("dq", "dk", "dv"), got, exact, same):
+        assert g.dtype == np.float32 and g.shape == e.shape, f"{name} {g.shape} {g.dtype}: {what}"
+        assert np.all(np.isfinite(g)), f"{name}: non-finite (unwritten?) elements: {what}"
+        # Rows the mask hides wholly are exact zeros: so must the kernel's be.
+        zero = e == 0
+        assert np.all(g[zero] == 0), f"{name}: nonzero where the mask hides everything: {what}"
+        err, base = _rel(g, e), _rel(h, e)
+        assert err <= 1.5 * base + 2e-3, (
+            f"{name}: rel err {err:.3g} against fp32, same-precision {base:.3g}: {what}")
+    pk_jax.check_errors()
+
+
+DTYPES = [jnp.bfloat16, jnp.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_non_causal(dtype, d, group):
+    mesh = _need_kernel()
+    dims = (2, 256, 384, 8, 8 // group, d)  # S != T
+    _check_pair(mesh, _seed(), _cfg(1, False, "contiguous", d), dims, dtype, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_causal_contiguous_before_equal_after(dtype, d):
+    """Rank 2 of 4: the K/V block of rank 1 is wholly visible, rank 2's is the
+    diagonal, rank 3's wholly hidden (every tile skipped: all zeros)."""
+    mesh = _need_kernel()
+    seed, dims = _seed(), (2, 256, 256, 8, 2, d)
+    data = _inputs(seed, *dims, dtype)
+    for k_rank in (1, 2, 3):
+        _check_pair(mesh, seed, _cfg(4, True, "contiguous", d), dims, dtype, 2, k_rank, data)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 128])
+def test_zigzag_every_rank_pair(n, dtype, d):
+    mesh = _need_kernel()
+    seed, dims = _seed(), (2, 512, 512, 8, 2, d)
+    data = _inputs(seed, *dims, dtype)
+    for q_rank in range(n):
+        for k_rank in range(n):
+            _check_pair(mesh, seed, _cfg(n, True, "zigzag", d), dims, dtype, q_rank, k_rank, data)
+
+
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2), (8, 1), (16, 1)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_gqa_groups_and_mqa(hq, hkv, d):
+    mesh = _need_kernel()
+    seed, dims = _seed(), (2, 256, 256, hq, hkv, d)
+    data = _inputs(seed, *dims, jnp.bfloat16)
+    for q_rank, k_rank in ((0, 0), (1, 0), (1, 1)):
+        _check_pair(mesh, seed, _cfg(2, True, "zigzag", d), dims, jnp.bfloat16, q_rank, k_rank,
+                    data)
+
+
+@pytest.mark.parametrize("causal,layout,n,b,s,t,d", [
+    (False, "contiguous", 1, 3, 128, 128, 64),
+    (False, "contiguous", 1, 1, 64, 1024, 128),
+    (True, "contiguous", 2, 2, 512, 256, 128),   # S != T, causal by global positions
+    (True, "contiguous", 2, 1, 1024, 1024, 64),
+    (True, "zigzag", 2, 1, 2048, 2048, 128),
+])
+def test_sizes(causal, layout, n, b, s, t, d):
+    mesh = _need_kernel()
+    seed, dims = _seed(), (b, s, t, 4, 2, d)
+    data = _inputs(seed, *dims, jnp.bfloat16)
+    for q_rank in range(n):
+        for k_rank in range(n):
+            _check_pair(mesh, seed, _cfg(n, causal, layout, d), dims, jnp.bfloat16, q_rank,
+                        k_rank, data)
+
+
+# ---- end to end: gradients of the ring ---------------------------------------------
+SEQ = P(None, "sp")
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("causal,layout", [(True, "zigzag"), (True, "contiguous"),
+                                           (False, "contiguous")])
+def test_ring_attention_grads(n, causal, layout):
+    """jax.grad through pk_jax.ring_attention (copy_engine: fused forward,
+    ring backward with the block kernel per step) against jax.grad of
+    jax.nn.dot_product_attention on the whole sequence in float32."""
+    _need_kernel()
+    mesh = gpu_mesh(n, "sp")
+    seed = _seed()
+    b, s, hq, hkv, d, dtype = 2, n * 512, 8, 2, 128, jnp.bfloat16
+    keys = jax.random.split(jax.random.key(seed), 4)
+    draw = lambda kk, h: jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype)
+    q, k, v = draw(keys[0], hq), draw(keys[1], hkv), draw(keys[2], hkv)
+    w = jax.random.normal(keys[3], (b, s, hq, d), jnp.float32)  # the output's cotangent
+
+    ring = jax.shard_map(
+        lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal, layout=layout,
+                                              mechanism="copy_engine"),
+        mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    shard = (lambda x: pk_jax.zigzag_shard(x, n)) if layout == "zigzag" else (lambda x: x)
+    sharding = NamedSharding(mesh, SEQ)
+
+    def ring_loss(q, k, v):
+        return jnp.sum(ring(q, k, v).astype(jnp.float32) * shard(w))
+
+    def ref_loss(q, k, v):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=causal)
+        return jnp.sum(out.astype(jnp.float32) * w)
+
+    grad = jax.jit(jax.grad(ring_loss, (0, 1, 2)))
+    args = [jax.device_put(shard(x), sharding) for x in (q, k, v)]
+    assert "pk_attention_block_bwd" in grad.lower(*args).as_text(), "no block kernel in the program"
+    poison_allocator(mesh, 4 * q.size + 4096)
+    got = [jax.device_put(pk_jax.zigzag_unshard(g, n) if layout == "zigzag" else g,
+                          mesh.devices.flat[0]) for g in grad(*args)]
+    pk_jax.check_errors()
+    ref = jax.jit(jax.grad(ref_loss, (0, 1, 2)))
+    with jax.default_matmul_precision("highest"):
+        exact = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
+    same = ref(q, k, v)
+    for name, g, e, h in zip(("dq", "dk", "dv"), got, exact, same):
+        assert g.shape == e.shape and g.dtype == dtype, f"{name}: {g.shape} {g.dtype}"
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{name}: non-finite (seed {seed})"
+        err, base = _rel(g, e), _rel(h, e)
+        assert err <= 2 * base + 5e-3, (
+            f"{name} n={n} causal={causal} {layout}: rel err {err:.3g} against fp32, "
+            f"same-precision XLA {base:.3g} (seed {seed})")

@@ -1,0 +1,120 @@
+"""The ring backward's block kernel (pk_attention_block_bwd), checked on a
+CPU-only machine: cross-lowered for CUDA the ring's steps call the kernel
+with their attributes and traced ranks; the CPU lowering is _block_grads;
+kernel_problem names what the kernel does not take."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax.ops.attention_bwd_primitive import kernel_problem, pk_attention_block_bwd
+from pk_jax.ops.ring_attention_reference import RingConfig, _block_grads, _positions
+from conftest import cpu_mesh
+from test_lowering_cpu import _attr, cuda_lowering  # noqa: F401 (fixture)
+
+
+def _block_calls(hlo):
+    """(attributes, operand and result types) of each kernel call."""
+    return re.findall(r"custom_call @pk_attention_block_bwd\(.*?\{(.*?)\}, operand_layouts.*"
+                      r"\} : (\(.*)$", hlo, flags=re.M)
+
+
+def _grad_hlo(mechanism, layout, shape=(1, 2 * 512, 8, 128), n=2):
+    mesh = cpu_mesh((n,), ("sp",))
+    spec = P(None, "sp")
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    kv = jax.ShapeDtypeStruct(shape[:2] + (2, shape[3]), jnp.bfloat16,
+                              sharding=NamedSharding(mesh, spec))
+
+    def loss(q, k, v):
+        f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(
+            q, k, v, "sp", causal=True, layout=layout, scale=0.25, mechanism=mechanism),
+            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return jnp.sum(f(q, k, v).astype(jnp.float32))
+
+    grad = jax.jit(jax.grad(loss, (0, 1, 2)))
+    return grad.trace(x, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_backward_calls_the_block_kernel(cuda_lowering, layout):
+    """copy_engine's backward: each ring step is one pk_attention_block_bwd
+    call (in the scan body, and the last step after it) with the mask, scale
+    and ring size as attributes and both ranks as int32 scalar operands;
+    the ppermute ring stays, and no einsum of the scores is left."""
+    hlo = _grad_hlo("copy_engine", layout)
+    calls = _block_calls(hlo)
+    assert len(calls) == 2, hlo
+    for attrs, types in calls:
+        assert ("zigzag = true" in attrs) == (layout == "zigzag")
+        assert "causal = true" in attrs
+        assert "scale = 2.500000e-01" in attrs
+        assert _attr(attrs, "n") == "2"
+        assert "tensor<i32>, tensor<i32>) -> (tensor<1x512x8x128xf32>" in types
+    assert "collective_permute" in hlo
+    # Only delta = rowsum(dO * O) is a dot left outside the kernel.
+    assert hlo.count("dot_general") == 1
+
+
+def test_xla_mechanism_keeps_the_pure_jax_backward(cuda_lowering):
+    hlo = _grad_hlo("xla", "zigzag")
+    assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1)])
+def test_cpu_lowering_is_block_grads(rng, layout, hq, hkv):
+    """On CPU the primitive is _block_grads (delta' = delta - dlse folded)."""
+    n, b, s, d = 4, 2, 256, 64
+    cfg = RingConfig(names=(), n=n, causal=True, scale=0.125, layout=layout,
+                     mechanism="copy_engine")
+    f32 = jnp.float32
+    draw = lambda shape, dt=jnp.bfloat16: jnp.asarray(rng.standard_normal(shape), dt)
+    q, do = draw((b, s, hq, d)), draw((b, s, hq, d))
+    k, v = draw((b, s, hkv, d)), draw((b, s, hkv, d))
+    lse, delta, dlse = (draw((b, hq, s), f32) + 4 for _ in range(3))
+    g = hq // hkv
+    for q_rank, k_rank in ((1, 0), (2, 2), (0, 3)):
+        got = jax.jit(lambda *a: pk_attention_block_bwd(*a, cfg))(
+            q, do, lse, delta - dlse, k, v, jnp.int32(q_rank), jnp.int32(k_rank))
+        r4 = lambda x: x.reshape(b, hkv, g, s)
+        q5, do5 = (x.astype(f32).reshape(b, s, hkv, g, d) for x in (q, do))
+        want = _block_grads(q5, do5, r4(delta), r4(lse), r4(dlse), k, v,
+                            _positions(jnp.int32(q_rank), n, s, layout),
+                            _positions(jnp.int32(k_rank), n, s, layout), cfg)
+        want = (want[0].reshape(b, s, hq, d),) + want[1:]
+        for a, w in zip(got, want):
+            assert a.dtype == jnp.float32 and a.shape == w.shape
+            np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("q_shape,k_shape,dtype,layout,what", [
+    ((1, 256, 4, 64), (1, 256, 4, 64), jnp.float32, "contiguous", "dtype float32"),
+    ((1, 256, 4, 96), (1, 256, 4, 96), jnp.bfloat16, "contiguous", "head_dim 96"),
+    ((1, 256, 6, 64), (1, 256, 4, 64), jnp.bfloat16, "contiguous", "not a multiple"),
+    ((1, 200, 4, 128), (1, 256, 4, 128), jnp.bfloat16, "contiguous", "S=200"),
+    ((1, 256, 4, 64), (1, 192, 4, 64), jnp.float16, "contiguous", "T=192"),
+    ((1, 128, 4, 64), (1, 256, 4, 64), jnp.bfloat16, "zigzag", "S=128"),
+    ((1, 128, 4, 128), (1, 128, 4, 128), jnp.bfloat16, "zigzag", "T=128"),
+])
+def test_kernel_problem_names_the_reason(q_shape, k_shape, dtype, layout, what):
+    cfg = RingConfig(names=(), n=2, causal=True, scale=0.1, layout=layout, mechanism="copy_engine")
+    q, k = jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(k_shape, dtype)
+    assert what in kernel_problem(q, k, cfg)
+
+
+def test_kernel_problem_takes_the_forward_shapes():
+    for d, s, layout in ((128, 64, "contiguous"), (64, 128, "contiguous"), (128, 256, "zigzag"),
+                         (64, 512, "zigzag")):
+        cfg = RingConfig(names=(), n=2, causal=True, scale=0.1, layout=layout,
+                         mechanism="copy_engine")
+        kv = 128 * (2 if layout == "zigzag" else 1)
+        q = jax.ShapeDtypeStruct((2, s, 8, d), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((2, max(kv, s), 1, d), jnp.bfloat16)
+        assert kernel_problem(q, k, cfg) is None
