@@ -240,15 +240,81 @@ struct RingMainloop
   }
 
   // ---- math warpgroups ----------------------------------------------------
+  // 2^x on the special function unit, denormals flushed (scores far below the
+  // row max are zero either way).
+  CUTLASS_DEVICE static float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+  }
+
+  // The online-softmax update for one tile's scores, in place: the running
+  // row max m grows to cover the tile, the scores become exp2(k (s - m))
+  // (k = scale * log2 e), and the running sum l is rescaled and extended.
+  // Returns each row's factor exp2(k (m_old - m)) for O, which the caller
+  // applies once the PV GEMM of the previous tile has let go of O. Rows with
+  // nothing visible yet keep m = -inf and contribute zeros.
+  template <class AccQK, class State>
+  CUTLASS_DEVICE static auto online_softmax(AccQK& acc_qk, State& state, float k) {
+    TiledMmaQK mma_qk;
+    Tensor s = make_tensor(acc_qk.data(), fmha::layout_acc_mn(mma_qk, acc_qk.layout()));
+    auto red = fmha::reduction_target_n(mma_qk);
+    constexpr int kRedRank = decltype(rank(red))::value;
+    auto& m = get<0>(state);
+    auto& l = get<1>(state);
+    Tensor o_scale = make_fragment_like(m);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) {
+      float mx = m(i);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) mx = fmaxf(mx, s(i, j));
+      // The row is spread over the threads of a quad: reduce across them.
+      for_each(make_seq<kRedRank>{}, [&](auto r) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 1; j < shape<r>(red); j *= 2)
+          mx = fmaxf(mx, __shfl_xor_sync(uint32_t(-1), mx, stride<r>(red) * j));
+      });
+      const float base = mx == -INFINITY ? 0.f : mx * k;
+      o_scale(i) = exp2_ftz(m(i) * k - base);  // m(i) = -inf on a row's first visible tile: 0
+      m(i) = mx;
+      float sum = 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        s(i, j) = exp2_ftz(s(i, j) * k - base);
+        sum += s(i, j);
+      }
+      l(i) = l(i) * o_scale(i) + sum;
+    }
+    return o_scale;
+  }
+
+  template <class AccPV, class Scale>
+  CUTLASS_DEVICE static void rescale(AccPV& acc_pv, Scale const& o_scale) {
+    TiledMmaPV mma_pv;
+    Tensor o = make_tensor(acc_pv.data(), fmha::layout_acc_mn(mma_pv, acc_pv.layout()));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(o); ++i)
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(o); ++j) o(i, j) *= o_scale(i);
+  }
+
+  // Software-pipelined per warpgroup: while the tensor cores run the PV GEMM
+  // of tile t - 1 (asynchronous wgmma), the warpgroup computes the softmax
+  // of tile t, whose QK GEMM was issued just before it. K and V stages
+  // alternate in the shared pipeline; K_t is consumed before V_{t-1}, so each
+  // has its own read state (two stages per tile).
   template <class BlkCoord, class ProblemShape, class PipelineReducer, class StateReducer,
             class OrderBarrier>
   CUTLASS_DEVICE auto compute(BlkCoord const& blk, BlkCoord const& wg_coord, Params const& p,
-                              ProblemShape const& problem, MainloopPipeline& pipeline,
+                              ProblemShape const&, MainloopPipeline& pipeline,
                               PipelineState& read, MainloopPipelineQ& pipeline_q,
                               PipelineStateQ& read_q, PipelineReducer&, StateReducer&,
                               SharedStorage& storage, OrderBarrier& order) {
     const int thread_idx = int(threadIdx.x);
-    PipelineState release = read;
+    PipelineState read_k = read;
+    PipelineState read_v = read;
+    ++read_v;
+    auto next_tile = [](PipelineState& st) { ++st, ++st; };
 
     TiledMmaQK mma_qk;
     auto thr_qk = mma_qk.get_thread_slice(thread_idx);
@@ -268,75 +334,81 @@ struct RingMainloop
     tPcP.data() = tPcP.data() + E<0>{} * wg_row0;
     const Geometry& g = p.ring.geo;
     const int q_shift = g.token(g.rank, wg_row0) - wg_row0;  // row -> global token
+    const float k2 = p.scale_softmax_log2;
 
     Tensor acc_pv = partition_fragment_C(mma_pv, take<0, 2>(TileShapePV{}));
     cutlass::fmha::collective::CollectiveSoftmax<float, cutlass::fmha::collective::DefaultFusion,
                                                  Params>
-        softmax{p};
+        softmax{p};  // its tail() normalizes O and forms the log-sum-exp
     auto state = softmax.init(acc_pv, mma_pv);
+    fill(get<0>(state), -INFINITY);
+    fill(get<1>(state), 0.f);
+    clear(acc_pv);
+
+    // S = Q K^T of the next K stage, issued asynchronously.
+    auto issue_qk = [&](auto& acc_qk) {
+      pipeline.consumer_wait(read_k);
+      warpgroup_fence_operand(acc_qk);
+      warpgroup_arrive();
+      fmha::gemm_zero_acc(mma_qk, tSrQ(_, _, _, read_q.index()), tSrK(_, _, _, read_k.index()),
+                          acc_qk);
+      warpgroup_commit_batch();
+    };
 
     KvWalk walk = make_walk(blk, p);
     KvTile t;
     walk.next(t);  // never empty: the query tile's own chunk is visible
     pipeline_q.consumer_wait(read_q);
 
-    {  // First tile: initialises the running max and sum.
-      Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
-      pipeline.consumer_wait(read);
-      order.wait();
-      warpgroup_fence_operand(acc_qk);
-      warpgroup_arrive();
-      fmha::gemm_zero_acc(mma_qk, tSrQ(_, _, _, read_q.index()), tSrK(_, _, _, read.index()), acc_qk);
-      warpgroup_commit_batch();
-      order.arrive();
-      ++read;
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_qk);
-      if (t.masked) mask_future(acc_qk, tPcP, q_shift, t.token);
-      softmax.step(acc_qk, mma_qk, tPcP, state, problem);
-      Tensor p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
-      pipeline.consumer_wait(read);
+    // Tile 0: scores and probabilities; its PV GEMM waits for the loop.
+    Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
+    order.wait();
+    issue_qk(acc_qk);
+    order.arrive();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_qk);
+    pipeline.consumer_release(read_k);
+    next_tile(read_k);
+    if (t.masked) mask_future(acc_qk, tPcP, q_shift, t.token);
+    online_softmax(acc_qk, state, k2);
+    Tensor p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
+
+    // O += P V of the previous tile.
+    auto issue_pv = [&]() {
+      pipeline.consumer_wait(read_v);
       warpgroup_fence_operand(acc_pv);
       warpgroup_fence_operand(p_op);
       warpgroup_arrive();
-      fmha::gemm_zero_acc(mma_pv, p_op, tOrV(_, _, _, read.index()), acc_pv);
+      cute::gemm(mma_pv, p_op, tOrV(_, _, _, read_v.index()), acc_pv);
       warpgroup_commit_batch();
-      pipeline.consumer_release(release);  // K of the first tile
-      ++release;
-      ++read;
-    }
+    };
 
     CUTLASS_PRAGMA_NO_UNROLL
     while (walk.next(t)) {
       Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
-      pipeline.consumer_wait(read);
+      issue_qk(acc_qk);
+      issue_pv();
+      warpgroup_wait<1>();  // this tile's QK (the older batch) is done
       warpgroup_fence_operand(acc_qk);
-      warpgroup_arrive();
-      fmha::gemm_zero_acc(mma_qk, tSrQ(_, _, _, read_q.index()), tSrK(_, _, _, read.index()), acc_qk);
-      warpgroup_commit_batch();
-      ++read;
-      auto token = pipeline.consumer_try_wait(read);
-      warpgroup_wait<0>();  // this QK and the previous PV
-      warpgroup_fence_operand(acc_qk);
-      warpgroup_fence_operand(acc_pv);
+      pipeline.consumer_release(read_k);
+      next_tile(read_k);
       if (t.masked) mask_future(acc_qk, tPcP, q_shift, t.token);
-      softmax.template step<false>(acc_qk, mma_qk, tPcP, state, acc_pv, mma_pv, problem);
-      Tensor p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
-      pipeline.consumer_wait(read, token);
+      auto o_scale = online_softmax(acc_qk, state, k2);
+      warpgroup_wait<0>();  // the previous tile's PV: O and P are free
       warpgroup_fence_operand(acc_pv);
-      warpgroup_fence_operand(p_op);
-      warpgroup_arrive();
-      cute::gemm(mma_pv, p_op, tOrV(_, _, _, read.index()), acc_pv);
-      warpgroup_commit_batch();
-      pipeline.consumer_release(release);  // V of the previous tile
-      ++release;
-      pipeline.consumer_release(release);  // K of this tile
-      ++release;
-      ++read;
+      pipeline.consumer_release(read_v);
+      next_tile(read_v);
+      rescale(acc_pv, o_scale);
+      p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
     }
 
+    issue_pv();  // the last tile's
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_pv);
+    pipeline.consumer_release(read_v);
+    next_tile(read_v);
+    read = read_v;  // past every stage this CTA consumed
+
     Tensor lse = softmax.tail(state, acc_pv, mma_pv);
     return make_tuple(acc_pv, lse);
   }
