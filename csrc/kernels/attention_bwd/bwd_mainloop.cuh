@@ -5,7 +5,7 @@
 // 64 rows) of one K/V head and walks the query tiles of every query head of
 // that head's GQA group, so dK/dV sum over the group in registers. What
 // differs from the example:
-//   * the inner walk (BwdWalk) runs over (query head of the group, query
+//   * the inner walk (BwdWalk, bwd_walk.cuh) runs over (query head of the group, query
 //     tile) and skips, in the producer, both math warpgroups and the dQ
 //     reducer alike, every tile the causal mask hides wholly; tiles that
 //     cross the diagonal are masked by global token positions (kv_walk.cuh's
@@ -28,65 +28,12 @@
 #include "collective/fmha_collective_bwd_tma_warpspecialized.hpp"
 #include "collective/fmha_fusion.hpp"
 
-#include "kernels/ring_attention/kv_walk.cuh"
+#include "kernels/attention_bwd/bwd_walk.cuh"
 
 namespace pk::attention_bwd {
 
 using namespace cute;
 namespace fmha = cutlass::fmha::collective;
-using ring_attention::Geometry;
-
-// Everything about the block pair the mainloop needs besides the tensors.
-struct BwdArgs {
-  int n = 1;            // ring size
-  int s_q = 0;          // query rows (this rank's block)
-  int s_kv = 0;         // K/V rows (the visiting block)
-  bool zigzag = false;
-  bool causal = false;
-  int group = 1;        // query heads per K/V head
-  float scale = 1.0f;
-  const int32_t* q_rank = nullptr;  // device scalars
-  const int32_t* k_rank = nullptr;
-};
-
-// The query tiles one CTA visits: (query head of the group, query tile),
-// heads outer, skipping the tiles the causal mask hides wholly. Every role
-// of the CTA runs its own copy, so they agree on the sequence.
-class BwdWalk {
- public:
-  CUTLASS_DEVICE BwdWalk(BwdArgs const& a, int kv_tile, int tile_q, int tile_kv)
-      : causal_(a.causal), tile_q_(tile_q), tiles_q_(a.s_q / tile_q), total_(a.group * (a.s_q / tile_q)) {
-    q_geo_ = Geometry{__ldg(a.q_rank), a.n, a.s_q, a.zigzag, a.causal};
-    const Geometry k_geo{__ldg(a.k_rank), a.n, a.s_kv, a.zigzag, a.causal};
-    k_first_ = k_geo.token(k_geo.rank, kv_tile * tile_kv);  // a tile never straddles a chunk
-    k_last_ = k_first_ + tile_kv - 1;
-  }
-
-  // Global token of the K/V tile's first row.
-  CUTLASS_DEVICE int k_first() const { return k_first_; }
-
-  // The next visible tile: head in the group, query tile, global token of
-  // its first query, whether some key comes after some query. False at the end.
-  CUTLASS_DEVICE bool next(int& head, int& q_tile, int& q_first, bool& masked) {
-    while (i_ < total_) {
-      const int i = i_++;
-      head = i / tiles_q_;
-      q_tile = i % tiles_q_;
-      q_first = q_geo_.token(q_geo_.rank, q_tile * tile_q_);
-      if (causal_ && q_first + tile_q_ - 1 < k_first_) continue;  // wholly masked: skip
-      masked = causal_ && k_last_ > q_first;
-      return true;
-    }
-    return false;
-  }
-
- private:
-  Geometry q_geo_;
-  bool causal_;
-  int tile_q_, tiles_q_, total_;
-  int k_first_ = 0, k_last_ = 0;
-  int i_ = 0;
-};
 
 template <class Element, class TileShape>
 struct BwdMainloop
@@ -212,7 +159,8 @@ struct BwdMainloop
 
   template <class BlkCoord>
   CUTLASS_DEVICE static BwdWalk make_walk(BlkCoord const& blk, Params const& p) {
-    return BwdWalk(p.bwd, int(get<1>(blk)), kTileQ, kTileKv);
+    return BwdWalk(p.bwd, __ldg(p.bwd.q_rank), __ldg(p.bwd.k_rank), int(get<1>(blk)), kTileQ,
+                   kTileKv);
   }
 
   // ---- producer warp ------------------------------------------------------
