@@ -1,4 +1,4 @@
-"""User-settable knobs: workspace size and wait timeout.
+"""User-settable knobs: workspace size, wait timeout, ring backward kernel.
 
 Each knob has an environment variable (read once, at import) and a
 `pk_jax.configure(...)` keyword. The workspace is allocated when the first
@@ -13,6 +13,16 @@ import os
 _MIB = 1 << 20
 
 
+def _flag(raw: str) -> bool:
+    """An environment switch: 1/true/yes/on or 0/false/no/off."""
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
+
+
 def _env(name: str, default, parse):
     """An environment variable parsed with `parse` (int or float), or `default`."""
     raw = os.environ.get(name)
@@ -21,7 +31,8 @@ def _env(name: str, default, parse):
     try:
         return parse(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
+        kind = "switch (0 or 1)" if parse is _flag else parse.__name__
+        raise ValueError(f"{name}={raw!r} is not a valid {kind}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +46,17 @@ class Config:
       timeout_s: bound of every cross-GPU wait inside a kernel. A wait that
         exceeds it records an error instead of hanging the GPU.
         Env: PK_JAX_TIMEOUT_S. Default 5 s.
+      ring_backward_kernel: run each step of ring attention's backward ring
+        (mechanism "copy_engine", or "auto" where it takes the kernel) as the
+        fused block-backward kernel instead of the pure-JAX block gradients.
+        Off by default until the kernel's GPU test suite has run in full (see
+        README status). Read when the backward is traced.
+        Env: PK_JAX_RING_BACKWARD_KERNEL=1. Default False.
     """
 
     workspace_bytes: int = 1024 * _MIB
     timeout_s: float = 5.0
+    ring_backward_kernel: bool = False
 
     def __post_init__(self):
         if self.workspace_bytes < 0:
@@ -54,6 +72,7 @@ class Config:
 _config = Config(
     workspace_bytes=_env("PK_JAX_WORKSPACE_BYTES", Config.workspace_bytes, int),
     timeout_s=_env("PK_JAX_TIMEOUT_S", Config.timeout_s, float),
+    ring_backward_kernel=_env("PK_JAX_RING_BACKWARD_KERNEL", Config.ring_backward_kernel, _flag),
 )
 
 
@@ -62,12 +81,14 @@ def get_config() -> Config:
     return _config
 
 
-def configure(*, workspace_bytes: int | None = None, timeout_s: float | None = None) -> Config:
+def configure(*, workspace_bytes: int | None = None, timeout_s: float | None = None,
+              ring_backward_kernel: bool | None = None) -> Config:
     """Change pk_jax's settings; returns the new settings.
 
     `workspace_bytes` can only change before the first pk_jax kernel is
     lowered (the workspace is allocated then). `timeout_s` applies to ops
-    lowered afterwards (it is baked into each compiled call).
+    lowered afterwards (it is baked into each compiled call);
+    `ring_backward_kernel` to backward passes traced afterwards.
     """
     global _config
     from pk_jax import runtime  # late: runtime imports this module
@@ -77,6 +98,8 @@ def configure(*, workspace_bytes: int | None = None, timeout_s: float | None = N
         changes["workspace_bytes"] = int(workspace_bytes)
     if timeout_s is not None:
         changes["timeout_s"] = float(timeout_s)
+    if ring_backward_kernel is not None:
+        changes["ring_backward_kernel"] = bool(ring_backward_kernel)
     new = dataclasses.replace(_config, **changes)  # validates
     if new.workspace_bytes != _config.workspace_bytes and runtime.initialized():
         raise RuntimeError(

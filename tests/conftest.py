@@ -41,3 +41,13 @@ def gpu_mesh(n: int, name: str = "x") -> Mesh:
 def rng():
     # Fresh inputs every run: a kernel tuned to fixed data cannot pass.
     return np.random.default_rng()
+
+
+@pytest.fixture
+def backward_kernel():
+    """pk_jax.configure(ring_backward_kernel=True) for one test."""
+    import pk_jax
+    saved = pk_jax.get_config().ring_backward_kernel
+    pk_jax.configure(ring_backward_kernel=True)
+    yield
+    pk_jax.configure(ring_backward_kernel=saved)

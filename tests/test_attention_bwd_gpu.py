@@ -228,7 +228,7 @@ SEQ = P(None, "sp")
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("causal,layout", [(True, "zigzag"), (True, "contiguous"),
                                            (False, "contiguous")])
-def test_ring_attention_grads(n, causal, layout):
+def test_ring_attention_grads(backward_kernel, n, causal, layout):
     """jax.grad through pk_jax.ring_attention (copy_engine: fused forward,
     ring backward with the block kernel per step) against jax.grad of
     jax.nn.dot_product_attention on the whole sequence in float32."""

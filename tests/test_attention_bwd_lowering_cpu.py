@@ -43,8 +43,9 @@ def _grad_hlo(mechanism, layout, shape=(1, 2 * 512, 8, 128), n=2):
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_ring_backward_calls_the_block_kernel(cuda_lowering, layout):
-    """copy_engine's backward: each ring step is one pk_attention_block_bwd
+def test_ring_backward_calls_the_block_kernel(cuda_lowering, backward_kernel, layout):
+    """copy_engine's backward with ring_backward_kernel on: each ring step is
+    one pk_attention_block_bwd
     call (in the scan body, and the last step after it) with the mask, scale
     and ring size as attributes and both ranks as int32 scalar operands;
     the ppermute ring stays, and no einsum of the scores is left."""
@@ -62,8 +63,17 @@ def test_ring_backward_calls_the_block_kernel(cuda_lowering, layout):
     assert hlo.count("dot_general") == 1
 
 
-def test_xla_mechanism_keeps_the_pure_jax_backward(cuda_lowering):
+def test_xla_mechanism_keeps_the_pure_jax_backward(cuda_lowering, backward_kernel):
     hlo = _grad_hlo("xla", "zigzag")
+    assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
+
+
+def test_backward_kernel_is_opt_in(cuda_lowering):
+    """Without pk_jax.configure(ring_backward_kernel=True) the copy_engine
+    backward stays the pure-JAX ring (the kernel's GPU suite has not run in
+    full yet)."""
+    assert not pk_jax.get_config().ring_backward_kernel
+    hlo = _grad_hlo("copy_engine", "zigzag")
     assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
 
 

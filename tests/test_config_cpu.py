@@ -12,11 +12,13 @@ from pk_jax import runtime
 def test_configure_round_trip():
     saved = pk_jax.get_config()
     try:
-        cfg = pk_jax.configure(timeout_s=0.5)
+        cfg = pk_jax.configure(timeout_s=0.5, ring_backward_kernel=True)
         assert cfg.timeout_s == 0.5 and cfg.timeout_ns == 500_000_000
+        assert cfg.ring_backward_kernel is True
         assert pk_jax.get_config() == cfg
     finally:
-        pk_jax.configure(timeout_s=saved.timeout_s)
+        pk_jax.configure(timeout_s=saved.timeout_s,
+                         ring_backward_kernel=saved.ring_backward_kernel)
 
 
 def test_workspace_size_only_before_allocation():
@@ -40,19 +42,23 @@ def test_configure_rejects_bad_values(kwargs, match):
 
 
 def _config_in_subprocess(env):
-    code = "import pk_jax; c = pk_jax.get_config(); print(c.workspace_bytes, c.timeout_s)"
+    code = ("import pk_jax; c = pk_jax.get_config(); "
+            "print(c.workspace_bytes, c.timeout_s, c.ring_backward_kernel)")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
 
 def test_environment_variables(monkeypatch):
     import os
-    env = dict(os.environ, PK_JAX_WORKSPACE_BYTES="4096", PK_JAX_TIMEOUT_S="2.5")
+    env = dict(os.environ, PK_JAX_WORKSPACE_BYTES="4096", PK_JAX_TIMEOUT_S="2.5",
+               PK_JAX_RING_BACKWARD_KERNEL="1")
     proc = _config_in_subprocess(env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["4096", "2.5"]
+    assert proc.stdout.split() == ["4096", "2.5", "True"]
 
 
-def test_bad_environment_variable_is_named():
+@pytest.mark.parametrize("name,raw", [("PK_JAX_TIMEOUT_S", "soon"),
+                                      ("PK_JAX_RING_BACKWARD_KERNEL", "maybe")])
+def test_bad_environment_variable_is_named(name, raw):
     import os
-    proc = _config_in_subprocess(dict(os.environ, PK_JAX_TIMEOUT_S="soon"))
-    assert proc.returncode != 0 and "PK_JAX_TIMEOUT_S" in proc.stderr
+    proc = _config_in_subprocess(dict(os.environ, **{name: raw}))
+    assert proc.returncode != 0 and name in proc.stderr

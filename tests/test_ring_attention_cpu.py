@@ -335,10 +335,15 @@ def test_other_mesh_axes_keep_their_varying_type(rng):
 
 
 # ---- the fused path's plumbing (primitive + custom_vjp; CPU lowers it to the ring)
+@pytest.mark.parametrize("bwd_kernel", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_copy_engine_path_values_and_grads(rng, layout):
+def test_copy_engine_path_values_and_grads(rng, request, layout, bwd_kernel):
     """mechanism="copy_engine" binds the kernel primitive (on CPU it lowers to
-    the reference ring); values, lse and gradients match plain attention."""
+    the reference ring); values, lse and gradients match plain attention,
+    with the backward's block gradients as einsums or as the block-kernel
+    primitive (whose CPU lowering is the same einsums)."""
+    if bwd_kernel:
+        request.getfixturevalue("backward_kernel")
     n, s = 2, 2 * 256
     q, k, v = _qkv(rng, 1, s, 4, 2, 64, jnp.bfloat16)
     ring = _sharded(cpu_mesh((n,), ("sp",)), layout, return_lse=True, causal=True,

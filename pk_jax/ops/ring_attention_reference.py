@@ -1,7 +1,8 @@
 """The pure-JAX ring attention: the reference every kernel is checked against
 and the path taken where no kernel runs (other platforms, shapes the kernel
 does not take, mechanism="xla") and the backward ring (whose per-step block
-gradients run as a kernel for mechanism="copy_engine" on GPUs).
+gradients can run as a kernel for mechanism="copy_engine" on GPUs:
+`pk_jax.configure(ring_backward_kernel=True)`).
 
 The K/V blocks travel around the ring with `lax.ppermute` (rank r sends to
 r + 1 mod n); at each of the n steps a device attends its queries to the
@@ -181,11 +182,13 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     lse4 = lse.astype(f32).reshape(b, kh, g, s_local)
     dlse4 = jnp.zeros_like(lse4) if dlse is None else dlse.astype(f32).reshape(lse4.shape)
     q_pos = _positions(rank, n, s_local, cfg.layout)
-    # The fused mechanism runs each step's block gradients as one kernel
-    # (pk_attention_block_bwd; _block_grads wherever it lowers elsewhere).
+    # The fused mechanism can run each step's block gradients as one kernel
+    # (pk_attention_block_bwd; _block_grads wherever it lowers elsewhere),
+    # opt-in through pk_jax.configure(ring_backward_kernel=True).
+    from pk_jax.config import get_config
     from pk_jax.ops import attention_bwd_primitive as block_bwd  # imports this module
-    kernel = (cfg.mechanism == "copy_engine" and dout.dtype == q.dtype
-              and block_bwd.kernel_problem(q, k, cfg) is None)
+    kernel = (get_config().ring_backward_kernel and cfg.mechanism == "copy_engine"
+              and dout.dtype == q.dtype and block_bwd.kernel_problem(q, k, cfg) is None)
     if kernel:
         lse3, delta3 = lse.astype(f32), (delta - dlse4).reshape(b, hq, s_local)
 
