@@ -8,9 +8,7 @@
 #include "kernels/gemm/gemm.h"
 #include "pk/cuda_check.h"
 
-#ifdef PK_HAVE_CUTLASS
-#include <cutlass/numeric_types.h>
-#endif
+#include "kernels/common/attention_variants.cuh"
 
 namespace pk::attention_bwd {
 
@@ -29,13 +27,9 @@ bool supported(const Params& p) {
 cudaError_t run(const Params& p) {
 #ifdef PK_HAVE_CUTLASS
   if (!supported(p)) return cudaErrorNotSupported;
-  using BF16 = cutlass::bfloat16_t;
-  using F16 = cutlass::half_t;
   PK_CUDA_TRY(cudaMemsetAsync(p.dq, 0, size_t(p.batch) * p.s_q * p.q_heads * p.head_dim * sizeof(float),
                               p.stream));
-  const bool bf16 = p.dtype == DType::kBF16;
-  if (p.head_dim == 128) return bf16 ? launch_bwd<BF16, 128>(p) : launch_bwd<F16, 128>(p);
-  return bf16 ? launch_bwd<BF16, 64>(p) : launch_bwd<F16, 64>(p);
+  return attention_variants::launch<BwdVariants>(p.dtype == DType::kBF16, p.head_dim, p);
 #else
   (void)p;
   return cudaErrorNotSupported;
@@ -44,12 +38,10 @@ cudaError_t run(const Params& p) {
 
 cudaError_t load_kernels() {
 #ifdef PK_HAVE_CUTLASS
-  PK_CUDA_TRY((load_bwd<cutlass::bfloat16_t, 128>()));
-  PK_CUDA_TRY((load_bwd<cutlass::bfloat16_t, 64>()));
-  PK_CUDA_TRY((load_bwd<cutlass::half_t, 128>()));
-  PK_CUDA_TRY((load_bwd<cutlass::half_t, 64>()));
-#endif
+  return attention_variants::load_all<BwdVariants>();
+#else
   return cudaSuccess;
+#endif
 }
 
 }  // namespace pk::attention_bwd

@@ -60,10 +60,13 @@ bool supported(const Params& p);
 cudaError_t run(const Params& p);
 cudaError_t load_kernels();
 
-// The instantiations (bwd_<type>_d<D>.cu).
-template <typename Element, int kHeadDim>
-cudaError_t launch_bwd(const Params& p);
-template <typename Element, int kHeadDim>
-cudaError_t load_bwd();
+// The variants (bwd_<type>_d<D>.cu specialize them; see
+// kernels/common/attention_variants.cuh).
+struct BwdVariants {
+  template <typename Element, int kHeadDim>
+  static cudaError_t launch(const Params& p);
+  template <typename Element, int kHeadDim>
+  static cudaError_t load();
+};
 
 }  // namespace pk::attention_bwd

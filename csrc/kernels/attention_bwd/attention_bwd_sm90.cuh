@@ -16,7 +16,6 @@
 #pragma once
 
 #include <cutlass/cutlass.h>
-#include <cutlass/device_kernel.h>
 #include <cutlass/kernel_hardware_info.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
@@ -24,7 +23,7 @@
 
 #include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/attention_bwd/bwd_mainloop.cuh"
-#include "pk/cuda_check.h"
+#include "kernels/common/attention_variants.cuh"
 
 namespace pk::attention_bwd {
 
@@ -147,35 +146,13 @@ struct BwdKernel {
         {p.dk, p.dv},
         cutlass::KernelHardwareInfo{}};
     if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
-    auto params = Kernel::to_underlying_arguments(args, nullptr);
-    constexpr int smem = Kernel::SharedStorageSize;
-    PK_CUDA_TRY(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    cutlass::device_kernel<Kernel>
-        <<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), smem, p.stream>>>(params);
-    return cudaGetLastError();
-  }
-
-  static cudaError_t load() {
-    cudaFuncAttributes attr;
-    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>));
-    return cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                int(Kernel::SharedStorageSize));
+    return attention_variants::launch_kernel<Kernel>(Kernel::to_underlying_arguments(args, nullptr),
+                                              p.stream);
   }
 };
 
 }  // namespace pk::attention_bwd
 
-// One instantiation per file keeps each compile unit's time in bounds.
-#define PK_ATTENTION_BWD_INSTANTIATE(ELEMENT, HEAD_DIM)                 \
-  namespace pk::attention_bwd {                                        \
-  template <>                                                          \
-  cudaError_t launch_bwd<ELEMENT, HEAD_DIM>(const Params& p) {         \
-    return BwdKernel<ELEMENT, HEAD_DIM>::launch(p);                    \
-  }                                                                    \
-  template <>                                                          \
-  cudaError_t load_bwd<ELEMENT, HEAD_DIM>() {                          \
-    return BwdKernel<ELEMENT, HEAD_DIM>::load();                       \
-  }                                                                    \
-  }
+// One variant per file (attention_variants.cuh).
+#define PK_ATTENTION_BWD_INSTANTIATE(ELEMENT, HEAD_DIM) \
+  PK_ATTENTION_VARIANT(pk::attention_bwd, BwdVariants, BwdKernel, const Params&, ELEMENT, HEAD_DIM)

@@ -11,14 +11,13 @@
 #pragma once
 
 #include <cutlass/cutlass.h>
-#include <cutlass/device_kernel.h>
 
 #include "collective/fmha_epilogue.hpp"
 #include "kernel/fmha_kernel_tma_warpspecialized.hpp"
 
 #include "kernels/ring_attention/ring_attention.h"
 #include "kernels/ring_attention/ring_mainloop.cuh"
-#include "pk/cuda_check.h"
+#include "kernels/common/attention_variants.cuh"
 
 namespace pk::ring_attention {
 
@@ -100,35 +99,13 @@ struct AttentionKernel {
          cute::make_tuple(cute::_1{}, cute::make_tuple(p.q_heads * g.s_local, g.s_local))},
         cutlass::KernelHardwareInfo{0, p.sm_count}};
     if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
-    auto params = Kernel::to_underlying_arguments(args, nullptr);
-    constexpr int smem = Kernel::SharedStorageSize;
-    PK_CUDA_TRY(cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    cutlass::device_kernel<Kernel>
-        <<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), smem, p.stream>>>(params);
-    return cudaGetLastError();
-  }
-
-  static cudaError_t load() {
-    cudaFuncAttributes attr;
-    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>));
-    return cudaFuncSetAttribute(cutlass::device_kernel<Kernel>,
-                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                int(Kernel::SharedStorageSize));
+    return attention_variants::launch_kernel<Kernel>(Kernel::to_underlying_arguments(args, nullptr),
+                                              p.stream);
   }
 };
 
 }  // namespace pk::ring_attention
 
-// One instantiation per file keeps each compile unit's time in bounds.
-#define PK_RING_ATTENTION_INSTANTIATE(ELEMENT, HEAD_DIM)                              \
-  namespace pk::ring_attention {                                                     \
-  template <>                                                                        \
-  cudaError_t launch_attention<ELEMENT, HEAD_DIM>(const KernelArgs& a) {             \
-    return AttentionKernel<ELEMENT, HEAD_DIM>::launch(a);                            \
-  }                                                                                  \
-  template <>                                                                        \
-  cudaError_t load_attention<ELEMENT, HEAD_DIM>() {                                  \
-    return AttentionKernel<ELEMENT, HEAD_DIM>::load();                               \
-  }                                                                                  \
-  }
+// One variant per file (attention_variants.cuh).
+#define PK_RING_ATTENTION_INSTANTIATE(ELEMENT, HEAD_DIM) \
+  PK_ATTENTION_VARIANT(pk::ring_attention, AttentionVariants, AttentionKernel, const KernelArgs&, ELEMENT, HEAD_DIM)

@@ -6,24 +6,10 @@
 #include "pk/cuda_check.h"
 #include "pk/signals.h"
 
-#ifdef PK_HAVE_CUTLASS
-#include <cutlass/numeric_types.h>
-#endif
+#include "kernels/common/attention_variants.cuh"
 
 namespace pk::ring_attention {
 namespace {
-
-#ifdef PK_HAVE_CUTLASS
-using BF16 = cutlass::bfloat16_t;
-using F16 = cutlass::half_t;
-
-cudaError_t launch(const Params& p, const KernelArgs& a) {
-  const bool bf16 = p.dtype == DType::kBF16;
-  if (p.head_dim == 128) return bf16 ? launch_attention<BF16, 128>(a) : launch_attention<F16, 128>(a);
-  if (p.head_dim == 64) return bf16 ? launch_attention<BF16, 64>(a) : launch_attention<F16, 64>(a);
-  return cudaErrorNotSupported;
-}
-#endif
 
 // Where V's peer blocks start in a region (K's start at 0): both halves are
 // n - 1 blocks.
@@ -89,7 +75,7 @@ cudaError_t run(const Params& p) {
     PK_CUDA_TRY(cudaStreamWaitEvent(p.copy_stream, p.fork, 0));
     PK_CUDA_TRY(push_blocks(p));
   }
-  PK_CUDA_TRY(launch(p, a));
+  PK_CUDA_TRY(attention_variants::launch<AttentionVariants>(p.dtype == DType::kBF16, p.head_dim, a));
   if (g.n == 1) return cudaSuccess;
   // The side stream waited for the copy stream's last piece: joining it joins both.
   PK_CUDA_TRY(cudaEventRecord(p.join, p.side_stream));
@@ -103,12 +89,10 @@ cudaError_t run(const Params& p) {
 
 cudaError_t load_kernels() {
 #ifdef PK_HAVE_CUTLASS
-  PK_CUDA_TRY((load_attention<BF16, 128>()));
-  PK_CUDA_TRY((load_attention<BF16, 64>()));
-  PK_CUDA_TRY((load_attention<F16, 128>()));
-  PK_CUDA_TRY((load_attention<F16, 64>()));
-#endif
+  return attention_variants::load_all<AttentionVariants>();
+#else
   return cudaSuccess;
+#endif
 }
 
 }  // namespace pk::ring_attention

@@ -82,9 +82,13 @@ struct KernelArgs {
   const void* k_peers;
   const void* v_peers;
 };
-template <typename Element, int kHeadDim>
-cudaError_t launch_attention(const KernelArgs& a);
-template <typename Element, int kHeadDim>
-cudaError_t load_attention();
+// The variants (attention_<type>_d<D>.cu specialize them; see
+// kernels/common/attention_variants.cuh).
+struct AttentionVariants {
+  template <typename Element, int kHeadDim>
+  static cudaError_t launch(const KernelArgs& a);
+  template <typename Element, int kHeadDim>
+  static cudaError_t load();
+};
 
 }  // namespace pk::ring_attention
