@@ -21,6 +21,7 @@ import pk_jax
 import pk_jax._warnings as pk_warnings
 import pk_jax.flax  # the drop-ins (flax is optional, not imported by pk_jax)
 from conftest import cpu_mesh
+from flax_util import sharded_apply
 from pk_jax.partitioning import record_routes
 
 _COLLECTIVE = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|"
@@ -247,27 +248,10 @@ class _Attention(nnx.Module):
         return self.attn(x, mask=mask, is_causal=mask is None)
 
 
-def _sharded_apply(model_fn, specs, mesh, x_spec, out_spec, **call_kw):
-    """Global state laid out by `specs` (path suffix -> PartitionSpec) and a
-    jitted apply(state, x) of the model."""
-    graphdef, state = nnx.split(model_fn())
-
-    def place(path, a):
-        key = "/".join(str(p.key) for p in path if hasattr(p, "key"))  # no ".value"
-        spec = next((s for suffix, s in specs.items() if key.endswith(suffix)), P())
-        return jax.device_put(a, NamedSharding(mesh, spec))
-
-    state = jax.tree_util.tree_map_with_path(place, state)
-    apply = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x, **call_kw),
-                    in_shardings=(None, NamedSharding(mesh, x_spec)),
-                    out_shardings=NamedSharding(mesh, out_spec))
-    return apply, state
-
-
 def _compare_models(build, specs, mesh, x, x_spec, out_spec, **call_kw):
     """pk-injected vs plain model on the same state: outputs and gradients;
     returns the routes of the pk model's compilations."""
-    applies = [_sharded_apply(lambda pk=pk: build(pk), specs, mesh, x_spec, out_spec,
+    applies = [sharded_apply(lambda pk=pk: build(pk), specs, mesh, x_spec, out_spec,
                               **call_kw) for pk in (True, False)]
     (pk_apply, state), (ref_apply, _) = applies
     jax.clear_caches()

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: build + install, GPU and CPU tests, benchmarks,
 # and a short summary last. Usage: tools/gpu_check.sh [pytest args...]
-# PK_GPU_STAGES picks what runs after the build (default: all, ~15 min on 2 GPUs;
-# one device call is capped at 10 min, so split it, e.g. "tests" then
-# "bench flax" then "ring"):
-#   tests  every test (GPU and CPU)
+# PK_GPU_STAGES picks what runs after the build (default: all, ~20 min on 2 GPUs;
+# one device call is capped at 10 min, so split it, e.g. "tests" then "bwd flax"
+# then "ring bench"):
+#   tests  every test (GPU and CPU), one line per test in $OUT/pytest.log
+#   bwd    the block backward kernel's GPU tests, then ring attention
+#          forward+backward with the kernel on (PK_JAX_RING_BACKWARD_KERNEL=1)
 #   bench  all_gather and tp_matmul benchmarks
-#   ring   ring attention forward (16k-64k) and forward+backward (16k, 32k)
-#   flax   the Flax example's step time (GPU preset), pk against xla
+#   ring   ring attention forward (16k-64k)
+#   flax   the Flax example's step time (GPU preset), pk (backward kernel on) against xla
+# Logs land in $OUT (results JSON and RESULTS.md too: benchmarks/common.py), so a run
+# cut short keeps what it did.
 set -uo pipefail
 # NVLink multicast must stay off on shared hosts (NCCL, NVSHMEM, PyTorch).
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -29,14 +33,28 @@ t0=$(date +%s)
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 || exit 1
 echo "build: $(( $(date +%s) - t0 )) s"
 
-STAGES=${PK_GPU_STAGES:-tests bench ring flax}
+STAGES=${PK_GPU_STAGES:-tests bwd bench ring flax}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 test_rc=0
 
 if stage tests; then
   echo "== tests"
-  python3 -m pytest -q -rs tests "$@" 2>&1 | tee "$OUT/pytest.log" | tail -40
-  test_rc=${PIPESTATUS[0]}
+  python3 -m pytest -v -rs tests "$@" > "$OUT/pytest.log" 2>&1
+  test_rc=$?
+  grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -20
+  tail -3 "$OUT/pytest.log"
+fi
+
+if stage bwd; then
+  echo "== block backward kernel: GPU tests, then ring attention fwd+bwd with it"
+  timeout 240 python3 -m pytest -v -rs tests/test_attention_bwd_gpu.py > "$OUT/pytest_bwd.log" 2>&1
+  bwd_rc=$?
+  [ $bwd_rc -ne 0 ] && test_rc=$bwd_rc
+  grep -E "FAILED|ERROR" "$OUT/pytest_bwd.log" | head -20
+  tail -2 "$OUT/pytest_bwd.log"
+  (cd benchmarks && PK_JAX_RING_BACKWARD_KERNEL=1 timeout 240 python3 ring_attention.py \
+    --seqs 16384,32768 --backward --ws1-seq 8192) 2>&1 | tee "$OUT/ring_attention_bwd.log" \
+    | grep -E "^(!!!!|--|total)" | tail -12
 fi
 
 if stage bench; then
@@ -46,25 +64,25 @@ if stage bench; then
   done
 fi
 
-# Ring attention, ~2 min forward and ~3 min forward+backward on 2 GPUs (mostly compiles);
-# results are saved after every group, so a timeout keeps what was measured.
+# Ring attention forward, ~2.5 min on 2 GPUs (mostly compiles); results are saved
+# after every group, so a timeout keeps what was measured.
 if stage ring; then
   echo "== ring attention (pk against the cuDNN ring, the einsum ring and the one-GPU ideal)"
-  (cd benchmarks && timeout 200 python3 ring_attention.py --seqs 16384,32768,65536) 2>&1 \
+  (cd benchmarks && timeout 300 python3 ring_attention.py --seqs 16384,32768,65536) 2>&1 \
     | tee "$OUT/ring_attention.log" | grep -E "^(!!!!|--|total)" | tail -12
-  (cd benchmarks && timeout 240 python3 ring_attention.py --seqs 16384,32768 --backward \
-    --ws1-seq 8192) 2>&1 | tee "$OUT/ring_attention_bwd.log" | grep -E "^(!!!!|--|total)" | tail -12
 fi
 
 if stage flax; then
   echo "== flax example (step time, pk against xla)"
   # The GPU preset (bf16, head dim 128, 8k tokens) on every GPU; results go to RESULTS.md.
-  timeout 400 python3 examples/flax_transformer.py --preset gpu --steps 20 --collectives both \
-    --save 2>&1 | tee "$OUT/flax.log" | tail -3
+  PK_JAX_RING_BACKWARD_KERNEL=1 timeout 400 python3 examples/flax_transformer.py --preset gpu \
+    --steps 20 --collectives both --save 2>&1 | tee "$OUT/flax.log" | tail -3
 fi
 
 echo "== summary"
-[ -f "$OUT/pytest.log" ] && grep -E "passed|failed" "$OUT/pytest.log" | tail -1
+for log in pytest pytest_bwd; do
+  [ -f "$OUT/$log.log" ] && echo "$log: $(grep -E "passed|failed" "$OUT/$log.log" | tail -1)"
+done
 python3 - <<'PY'
 import json, os, sys
 sys.path.insert(0, "benchmarks")
