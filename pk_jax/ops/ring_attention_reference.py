@@ -187,7 +187,7 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     # opt-in through pk_jax.configure(ring_backward_kernel=True).
     from pk_jax.config import get_config
     from pk_jax.ops import attention_bwd_primitive as block_bwd  # imports this module
-    kernel = (get_config().ring_backward_kernel and cfg.mechanism == "copy_engine"
+    kernel = (get_config().ring_backward_kernel and cfg.mechanism != "xla"
               and dout.dtype == q.dtype and block_bwd.kernel_problem(q, k, cfg) is None)
     if kernel:
         lse3, delta3 = lse.astype(f32), (delta - dlse4).reshape(b, hq, s_local)
