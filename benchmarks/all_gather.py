@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from common import markdown_table, one_axis_mesh, time_ms, write_results
+from common import bench_setup, markdown_table, time_ms, write_results
 
 IMPLS = {
     # No communication: the cost of the loop, slice and add alone (the floor).
@@ -93,10 +93,8 @@ def main() -> int:
     ap.add_argument("--sweep-blocks", default="", help="e.g. 32,66,132,264: grid sweep at the largest size")
     args = ap.parse_args()
 
-    devices = jax.devices()
+    devices, mesh, rng = bench_setup()
     n = len(devices)
-    mesh = one_axis_mesh(devices)
-    rng = np.random.default_rng()
     rows, table = [], []
     for per_rank in map(parse_size, args.sizes.split(",")):
         elems = per_rank // 2

@@ -44,6 +44,13 @@ def one_axis_mesh(devices, name: str = "x") -> Mesh:
     return Mesh(np.array(devices), (name,), axis_types=(AxisType.Auto,))
 
 
+def bench_setup(name: str = "x") -> tuple[list, Mesh, np.random.Generator]:
+    """Every visible device, a one-axis mesh over them, and a fresh generator
+    (fresh random inputs every run)."""
+    devices = jax.devices()
+    return devices, one_axis_mesh(devices, name), np.random.default_rng()
+
+
 def machine() -> dict[str, Any]:
     devs = jax.devices()
     return {"gpu_model": devs[0].device_kind, "gpu_count": len(devs),

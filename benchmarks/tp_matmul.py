@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from common import markdown_table, one_axis_mesh, time_ms, write_results
+from common import bench_setup, markdown_table, one_axis_mesh, time_ms, write_results
 
 # Global M x K x N, as in ../shared/notes/baselines-h200.md.
 AG_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 28672)]
@@ -74,10 +74,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the first shape of each op only")
     args = ap.parse_args()
-    devices = jax.devices()
+    devices, mesh, rng = bench_setup()
     n = len(devices)
-    mesh = one_axis_mesh(devices)
-    rng = np.random.default_rng()
     rows, table = [], []
 
     def record(op, shape, times, flops, gpus=n):
