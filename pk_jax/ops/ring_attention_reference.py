@@ -35,7 +35,10 @@ class RingConfig:
     causal: bool
     scale: float
     layout: str
-    mechanism: str  # "xla" or "copy_engine" after validation
+    mechanism: str  # "xla" or a fused mechanism ("copy_engine", ...) after validation
+    # Backward block gradients as pure-JAX einsums in the ring's fixed order
+    # (never the block kernel, whose dq reduce-adds land in arrival order).
+    deterministic: bool = False
 
 
 # ---- positions -----------------------------------------------------------------
@@ -166,7 +169,10 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     log-sum-exp, as a ring: each K/V block travels r -> r + 1 with its partial
     dK/dV, every rank adds its queries' share, and after n steps one more hop
     takes dK/dV home. dq stays local. Memory: one block's scores at a time (no
-    per-step residuals), and a fixed summation order (deterministic).
+    per-step residuals). The ring sums in a fixed order; each step's block
+    gradients are einsums (deterministic) or, with
+    `pk_jax.configure(ring_backward_kernel=True)` and not `cfg.deterministic`,
+    the block kernel (whose dq reduce-adds land in arrival order).
 
     `out` [B, S, Hq, D], `lse` [B, Hq, S] as the forward returned them;
     `dout`, `dlse` their cotangents (dlse may be None).
@@ -187,7 +193,7 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     # opt-in through pk_jax.configure(ring_backward_kernel=True).
     from pk_jax.config import get_config
     from pk_jax.ops import attention_bwd_primitive as block_bwd  # imports this module
-    kernel = (get_config().ring_backward_kernel and cfg.mechanism != "xla"
+    kernel = (get_config().ring_backward_kernel and cfg.mechanism != "xla" and not cfg.deterministic
               and dout.dtype == q.dtype and block_bwd.kernel_problem(q, k, cfg) is None)
     if kernel:
         lse3, delta3 = lse.astype(f32), (delta - dlse4).reshape(b, hq, s_local)
