@@ -3,8 +3,11 @@ pk_jax.ring_attention against baselines measured in the same run.
 
 Implementations, bf16, global sequence S split over n = device count:
   * pk: `pk_jax.ring_attention` inside shard_map (`--mechanism`, default
-    "auto"). Non-causal: layout "contiguous"; causal: layout "zigzag" (inputs
-    reordered with `pk_jax.zigzag_shard` before sharding) and "contiguous".
+    "auto"; or `--mechanisms copy_engine,ld_st,ld_st:8` to time several in one
+    run, rows pk_<layout>_<mechanism>, "ld_st:C" forcing C communicator CTAs,
+    row suffix ld_stC). Non-causal: layout "contiguous"; causal: layout
+    "zigzag" (inputs reordered with `pk_jax.zigzag_shard` before sharding) and
+    "contiguous".
   * cudnn_ring: the Transformer Engine approach. A ppermute ring inside
     shard_map; each step runs cuDNN flash attention on the visiting K/V block
     and merges with the log-sum-exp. Causal zigzag follows TE's recipe (step
@@ -498,6 +501,7 @@ class Group:
         self.times: dict[str, float] = {}
         self.status: dict[str, tuple[str, str]] = {}  # name -> (status, reason)
         self.layouts: dict[str, str] = {}
+        self.mechanisms: dict[str, str] = {}  # pk rows: the mechanism (":C" for forced CTAs)
 
     def fail(self, name: str, status: str, reason: str) -> None:
         self.status[name] = (status, reason)
@@ -533,7 +537,7 @@ class Group:
                 "implementation": name, "layout": self.layouts.get(name), "status": status,
                 "reason": reason, "batch": d.batch, "heads": d.heads, "kv_heads": d.kv_heads,
                 "head_dim": d.head_dim, "dtype": jnp.dtype(d.dtype).name,
-                "mechanism": self.b.args.mechanism if name.startswith("pk") else None,
+                "mechanism": self.mechanisms.get(name),
                 "median_ms": ms, "tflops_per_gpu": flops / (ms * 1e-3) / 1e12 if ms else None,
                 "ideal_ms": ideal, "baseline": "best cudnn_ring" if n > 1 else "cudnn",
                 "baseline_median_ms": best, "cudnn_ring_same_layout_ms": same,
@@ -603,9 +607,21 @@ class Bench:
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
     def pk(self, mesh, causal: bool, layout: str, mechanism: str) -> Callable:
+        """`mechanism` may be "ld_st:C" (C communicator CTAs)."""
+        mechanism, _, ctas = mechanism.partition(":")
+        kw = dict(num_comm_ctas=int(ctas)) if ctas else {}
         return self.sharded(mesh, lambda q, k, v: pk_jax.ring_attention(
             q, k, v, AXIS, causal=causal, scale=self.dims.scale, layout=layout,
-            mechanism=mechanism))
+            mechanism=mechanism, **kw))
+
+    def pk_rows(self, n: int, layout: str) -> list[tuple[str, str]]:
+        """(row name, mechanism) of the pk rows: one row named pk_<layout>
+        (n = 1: pk) for --mechanism, or pk_<layout>_<mechanism> for each of
+        --mechanisms."""
+        base = f"pk_{layout}" if n > 1 else "pk"
+        if not self.args.mechanisms:
+            return [(base, self.args.mechanism)]
+        return [(f"{base}_{m.replace(':', '')}", m) for m in self.args.mechanisms.split(",")]
 
     def ring(self, mesh, causal: bool, layout: str) -> Callable:
         spec = RingSpec(mesh.size, causal, layout, self.dims.scale)
@@ -657,8 +673,9 @@ class Bench:
         cands: dict[str, tuple[str, Callable, tuple]] = {}
         for lay in layouts:
             ins = by_layout[lay][: 4 if backward else 3]
-            cands[f"pk_{lay}" if n > 1 else "pk"] = (lay, self.pk(mesh, causal, lay,
-                                                                  args.mechanism), ins)
+            for name, mech in self.pk_rows(n, lay):
+                cands[name] = (lay, self.pk(mesh, causal, lay, mech), ins)
+                g.mechanisms[name] = mech
             if n == 1:
                 if self.blocks is not None:
                     cands["cudnn"] = (lay, self.one_gpu(causal), tuple(whole1[: 4 if backward
@@ -711,8 +728,9 @@ class Bench:
                 if not (l2 <= TOL_L2 and row <= TOL_ROW):
                     g.fail(name, "FAILED", f"output differs from fp32 attention on {len(rows)} "
                            f"sampled rows: rel {l2:.3g}, worst row {row:.3g} (seed {seed})")
-        for lay in layouts:  # pk against the cuDNN ring on the same inputs, whole output
-            pk_name, ring_name = ("pk", "cudnn") if n == 1 else (f"pk_{lay}", f"cudnn_ring_{lay}")
+        pk_pairs = [(pk_name, "cudnn" if n == 1 else f"cudnn_ring_{lay}")
+                    for lay in layouts for pk_name, _ in self.pk_rows(n, lay)]
+        for pk_name, ring_name in pk_pairs:  # pk against the cuDNN ring, same inputs, whole output
             if pk_name in results and ring_name in results and not any(
                     g.status.get(x, ("",))[0] == "FAILED" for x in (pk_name, ring_name)):
                 checked.update((pk_name, ring_name))
@@ -753,6 +771,10 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=0, help="K/V heads (default: --heads)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--mechanism", default="auto", help="pk_jax.ring_attention mechanism")
+    ap.add_argument("--mechanisms", default="",
+                    help="time several pk mechanisms, comma-separated (e.g. copy_engine,ld_st,"
+                    "ld_st:8; ld_st:C forces C communicator CTAs); rows pk_<layout>_<mechanism>; "
+                    "overrides --mechanism")
     ap.add_argument("--backward", action="store_true",
                     help="time value_and_grad of a weighted sum of the output instead")
     ap.add_argument("--masks", default="none,causal", help="subset of none,causal")
@@ -777,7 +799,8 @@ def main() -> int:
     n = len(bench.devices)
     masks = [m.strip() for m in args.masks.split(",")]
     print(f"ring_attention: {n} x {bench.devices[0].device_kind}, {bench.dims}, "
-          f"mechanism={args.mechanism}, {'fwd+bwd' if args.backward else 'fwd'}", flush=True)
+          f"mechanism={args.mechanisms or args.mechanism}, "
+          f"{'fwd+bwd' if args.backward else 'fwd'}", flush=True)
     rows: list[dict[str, Any]] = []
     plan = [(n, int(s), m == "causal") for s in args.seqs.split(",") for m in masks]
     if args.ws1_seq:
@@ -812,7 +835,8 @@ def _markdown(bench: Bench, rows: list[dict[str, Any]]) -> str:
     args = bench.args
     md = (f"b{bench.dims.batch} h{bench.dims.heads} kv{bench.dims.kv_heads} d{bench.dims.head_dim} "
           f"bf16, sequence parallel over n GPUs (1-D mesh \"sp\"), pk mechanism "
-          f"`{args.mechanism}`. Columns: time per call (ms); per-GPU TFLOP/s (causal: unmasked "
+          f"`{args.mechanisms or args.mechanism}`. Columns: time per call (ms); per-GPU "
+          f"TFLOP/s (causal: unmasked "
           f"work only; fwd+bwd: 3.5x the forward); fraction of the no-communication ideal "
           f"(one-GPU cuDNN with the same per-GPU work); speedup over the best cuDNN ring of "
           f"the same mask (Transformer Engine's approach; n=1: over one-GPU cuDNN). "

@@ -7,6 +7,8 @@ here; a user can force any mechanism.
 
 from __future__ import annotations
 
+import math
+
 # all_gather on 2 x H200 (NV18): per-rank message bytes at and above which the
 # copy engine beats the ld/st kernels. None: an ld/st kernel was fastest at
 # every size measured, 8 KiB to 256 MiB (benchmarks/RESULTS.md).
@@ -27,3 +29,30 @@ def all_gather_mechanism(per_rank_bytes: int, group_size: int, workspace_bytes: 
     if ll_eligible:
         return "ld_st_ll"
     return "ld_st_push"
+
+
+# ring_attention (fused kernel): (ring size n, S_local, causal) -> the kernel
+# mechanism that was fastest there. Only "copy_engine" has been measured so far
+# (2 x H200, b1 h16 kv16 d128 bf16, benchmarks/RESULTS.md "ring_attention");
+# "ld_st" (communicator CTAs) has not run on a GPU yet. A later session fills
+# in both from `python benchmarks/ring_attention.py --mechanisms
+# copy_engine,ld_st` (rows pk_<layout>_<mechanism>), one entry per measured
+# point, the faster mechanism as the value.
+RING_ATTENTION_MEASURED: dict[tuple[int, int, bool], str] = {
+    (2, 8192, False): "copy_engine",
+    (2, 8192, True): "copy_engine",
+    (2, 16384, False): "copy_engine",
+    (2, 16384, True): "copy_engine",
+    (2, 32768, False): "copy_engine",
+    (2, 32768, True): "copy_engine",
+}
+RING_ATTENTION_DEFAULT = "copy_engine"  # where nothing with this (n, causal) was measured
+
+
+def ring_attention_mechanism(n: int, s_local: int, causal: bool) -> str:
+    """The kernel mechanism `mechanism="auto"` takes: the measured entry of
+    the same ring size and mask whose S_local is nearest (ratio), else the
+    default."""
+    rows = [(abs(math.log2(s / max(s_local, 1))), mech)
+            for (nn, s, c), mech in RING_ATTENTION_MEASURED.items() if nn == n and c == causal]
+    return min(rows)[1] if rows else RING_ATTENTION_DEFAULT

@@ -2,7 +2,9 @@
 compiled for the host and run on every geometry class the kernel takes: it
 must visit exactly the tiles with a visible key, once each, in posting order,
 mask every tile that needs it, and place tokens exactly where the reference
-ring (pk_jax/ops/ring_attention_reference.py) does."""
+ring (pk_jax/ops/ring_attention_reference.py) does. The same checker runs the
+push layout (PushLayout: where both mechanisms write a block in the peers'
+regions) against the rows the walk reads."""
 
 from __future__ import annotations
 
@@ -67,3 +69,22 @@ def test_checker_catches_a_broken_walk(checker, tmp_path):
                    check=True)
     res = subprocess.run([exe, "2", "256", "1", "1", "128", "128"], capture_output=True, text=True)
     assert res.returncode == 1 and "mask missing" in res.stdout
+
+
+def test_checker_catches_a_misplaced_push(tmp_path):
+    """The push-layout check must fail when a sender writes the wrong slot."""
+    src = open(os.path.join(ROOT, "csrc", "kernels", "ring_attention", "kv_walk.cuh")).read()
+    broken = src.replace("return size_t(k - 1) * row_bytes +", "return size_t(k % (n - 1)) * row_bytes +")
+    assert broken != src
+    inc = tmp_path / "kernels" / "ring_attention"
+    inc.mkdir(parents=True)
+    (inc / "kv_walk.cuh").write_text(broken)
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to build the walk checker")
+    exe = str(tmp_path / "broken")
+    subprocess.run([cxx, "-std=c++17", "-I", str(tmp_path),
+                    os.path.join(ROOT, "tests", "native", "kv_walk_check.cc"), "-o", exe],
+                   check=True)
+    res = subprocess.run([exe, "3", "256", "0", "0", "128", "128"], capture_output=True, text=True)
+    assert res.returncode == 1 and "pushed row misplaced" in res.stdout

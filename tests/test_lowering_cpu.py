@@ -212,3 +212,40 @@ def test_ring_attention_pieces_and_backward(cuda_lowering):
     bwd = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert len(_ring_calls(bwd)) == 1 and "collective_permute" in bwd
     assert _collectives(bwd) == []
+
+
+@pytest.mark.parametrize("mechanism,comm,want_mech,want_comm", [
+    ("copy_engine", None, "0", "0"), ("auto", None, "0", "0"),  # auto: copy_engine (tuning.py)
+    ("ld_st", None, "1", "16"), ("ld_st", 5, "1", "5")])
+def test_ring_attention_mechanism_attrs(cuda_lowering, mechanism, comm, want_mech, want_comm):
+    """The custom call names its mechanism (0 copy_engine, 1 ld_st) and the
+    ld_st communicator CTAs (default 16, forced by num_comm_ctas)."""
+    mesh = cpu_mesh((2,), ("sp",))
+    kw = {} if comm is None else dict(num_comm_ctas=comm)
+    hlo = cuda_lowering(lambda q: pk_jax.ring_attention(q, q, q, "sp", causal=True,
+                                                        mechanism=mechanism, **kw),
+                        mesh, P(None, "sp"), (1, 1024, 4, 128), jnp.bfloat16)
+    assert "collective_permute" not in hlo
+    call, = _ring_calls(hlo)
+    assert _attr(call, "mechanism") == want_mech
+    assert _attr(call, "num_comm_ctas") == want_comm
+
+
+def test_ring_attention_mechanisms_get_their_own_channels(cuda_lowering):
+    """copy_engine and ld_st calls on the same group never share a channel
+    (ld_st's arrival counters assume a fixed CTA count per channel), nor do
+    ld_st calls with different CTA counts; the same call twice does."""
+    mesh = cpu_mesh((2,), ("sp",))
+
+    def body(q):
+        a = pk_jax.ring_attention(q, q, q, "sp", mechanism="copy_engine")
+        b = pk_jax.ring_attention(a, q, q, "sp", mechanism="ld_st")
+        c = pk_jax.ring_attention(b, q, q, "sp", mechanism="ld_st", num_comm_ctas=8)
+        return pk_jax.ring_attention(c, q, q, "sp", mechanism="ld_st")
+
+    calls = _ring_calls(cuda_lowering(body, mesh, P(None, "sp"), (1, 1024, 4, 128),
+                                      jnp.bfloat16))
+    slots = [_attr(c, "slot") for c in calls]
+    offsets = [int(_attr(c, "data_offset")) for c in calls]
+    assert len(calls) == 4 and len(set(slots[:3])) == 3 and slots[3] == slots[1]
+    assert len(set(offsets[:3])) == 3 and offsets[3] == offsets[1]

@@ -309,6 +309,17 @@ Q, KV = (2, 16, 8, 64), (2, 16, 2, 64)
                                            "heads \\(3\\)"),
     ((Q, KV), dict(layout="striped"), ValueError, "layout must be one of"),
     ((Q, KV), dict(mechanism="cuda"), ValueError, "mechanism must be one of"),
+    ((Q, KV), dict(mechanism="cuda"), ValueError, "'copy_engine', 'ld_st', 'xla'"),
+    ((Q, KV), dict(mechanism="ld_st", num_comm_ctas=0), ValueError,
+     "num_comm_ctas must be 1..32, got 0"),
+    ((Q, KV), dict(mechanism="ld_st", num_comm_ctas=33), ValueError,
+     "num_comm_ctas must be 1..32"),
+    ((Q, KV), dict(mechanism="ld_st", num_comm_ctas=4.0), TypeError,
+     "num_comm_ctas must be an int"),
+    ((Q, KV), dict(mechanism="ld_st", num_comm_ctas=True), TypeError,
+     "num_comm_ctas must be an int"),
+    ((Q, KV), dict(mechanism="copy_engine", num_comm_ctas=8), ValueError,
+     "num_comm_ctas applies to mechanism='ld_st'"),
     (((2, 6, 8, 64), (2, 6, 2, 64)), dict(layout="zigzag"), ValueError,
      "needs an even seq_local.*got 3"),
     ((Q, KV), dict(dtypes=(jnp.int32, jnp.float32, jnp.float32)), TypeError,
@@ -356,6 +367,59 @@ def test_copy_engine_path_values_and_grads(rng, request, layout, bwd_kernel):
     refs = jax.jit(jax.grad(loss(lambda *x: (_reference(*x, True),)), (0, 1, 2)))(q, k, v)
     for a, b in zip(ours, refs):
         assert _rel(a, b) < 3e-2
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ld_st_path_values_and_grads(rng, layout):
+    """mechanism="ld_st" binds the same kernel primitive with its
+    communicator CTA count (on CPU it lowers to the reference ring): on 8
+    devices values, lse and gradients match plain attention."""
+    n, s = 8, 8 * 256
+    q, k, v = _qkv(rng, 1, s, 4, 2, 64, jnp.bfloat16)
+    ring = _sharded(cpu_mesh((n,), ("sp",)), layout, return_lse=True, causal=True,
+                    mechanism="ld_st", num_comm_ctas=4)
+    out, lse = jax.jit(ring)(q, k, v)
+    assert _rel(out, _reference(q, k, v, True)) < 2e-2
+    assert _rel(lse, _reference_lse(q, k, v, True)) < 1e-2
+    loss = lambda f: (lambda *x: jnp.sum(f(*x)[0].astype(jnp.float32) ** 2))
+    ours = jax.jit(jax.grad(loss(ring), (0, 1, 2)))(q, k, v)
+    refs = jax.jit(jax.grad(loss(lambda *x: (_reference(*x, True),)), (0, 1, 2)))(q, k, v)
+    for a, b in zip(ours, refs):
+        assert _rel(a, b) < 3e-2
+
+
+@pytest.mark.parametrize("mechanism,kw,want", [
+    ("ld_st", {}, ("ld_st", 16)), ("ld_st", dict(num_comm_ctas=3), ("ld_st", 3)),
+    ("copy_engine", {}, ("copy_engine", 0)), ("auto", {}, ("copy_engine", 0))])
+def test_kernel_primitive_params(mechanism, kw, want):
+    """The primitive carries the resolved mechanism and the communicator CTA
+    count (0 unless ld_st); "auto" resolves through pk_jax/tuning.py."""
+    f = jax.shard_map(lambda q: ring_attention(q, q, q, "sp", mechanism=mechanism, **kw),
+                      mesh=cpu_mesh((2,), ("sp",)), in_specs=SEQ, out_specs=SEQ,
+                      check_vma=False)
+    def find(jaxpr):  # the primitive's equations, at any nesting depth
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pk_ring_attention":
+                yield e
+            for sub in e.params.values():
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from find(sub)
+
+    jaxpr = jax.make_jaxpr(f)(jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16))
+    (eqn,) = find(jaxpr.jaxpr)
+    assert (eqn.params["cfg"].mechanism, eqn.params["num_comm_ctas"]) == want
+
+
+def test_auto_table_names_kernel_mechanisms():
+    """Every measured entry of the ring attention table is a kernel mechanism;
+    the lookup takes the nearest S_local of the same ring size and mask."""
+    from pk_jax import tuning
+    from pk_jax.ops.ring_attention_primitive import KERNEL_MECHANISMS
+    assert set(tuning.RING_ATTENTION_MEASURED.values()) <= set(KERNEL_MECHANISMS)
+    assert tuning.RING_ATTENTION_DEFAULT in KERNEL_MECHANISMS
+    for n, s, causal in [(2, 100, True), (2, 1 << 20, False), (8, 4096, True)]:
+        assert tuning.ring_attention_mechanism(n, s, causal) in KERNEL_MECHANISMS
 
 
 def test_copy_engine_lowers_to_kernel_primitive():

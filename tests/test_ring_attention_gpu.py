@@ -1,5 +1,5 @@
-"""pk_jax.ring_attention on GPUs (mechanisms "auto" and "copy_engine")
-against jax.nn.dot_product_attention on the gathered sequence computed in
+"""pk_jax.ring_attention on GPUs (mechanisms "auto", "copy_engine" and
+"ld_st") against jax.nn.dot_product_attention on the gathered sequence computed in
 float32 from the upcast inputs, with a tolerance set by the same attention
 computed from the bf16/fp16 inputs (what any correct half-precision
 implementation can reach). Causal and not, zigzag and contiguous layouts,
@@ -37,7 +37,7 @@ pytestmark = pytest.mark.gpu
 
 SEQ = P(None, "sp")
 LSE = P(None, None, "sp")
-MECHANISMS = ["auto", "copy_engine"]
+MECHANISMS = ["auto", "copy_engine", "ld_st"]
 FULL_CHECK_MAX_S = 4096  # above: check sampled query rows against the whole sequence
 
 
@@ -131,13 +131,15 @@ def _check(out, q, k, v, causal, what, seed, n=2, lse=None):
 
 
 # ---- the op under test -----------------------------------------------------------
-def _ring(mesh, *, causal: bool, layout: str, mechanism: str, return_lse: bool = False):
+def _ring(mesh, *, causal: bool, layout: str, mechanism: str, return_lse: bool = False,
+          num_comm_ctas: int | None = None):
     """Global natural-order (q, k, v) -> natural-order output (and lse) through
     pk_jax.ring_attention on `mesh` (axis "sp")."""
     n = mesh.size
     f = jax.jit(jax.shard_map(
         lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal, layout=layout,
-                                              return_lse=return_lse, mechanism=mechanism),
+                                              return_lse=return_lse, mechanism=mechanism,
+                                              num_comm_ctas=num_comm_ctas),
         mesh=mesh, in_specs=(SEQ,) * 3, out_specs=(SEQ, LSE) if return_lse else SEQ))
     sharding = NamedSharding(mesh, SEQ)
 
@@ -192,6 +194,7 @@ def test_gqa_and_head_dim(mechanism, group, d):
     ("auto", True, "zigzag", 2, 4096, 16, 2),
     ("copy_engine", True, "contiguous", 1, 8192, 16, 16),
     ("auto", False, "contiguous", 1, 16384, 8, 8),
+    ("ld_st", True, "zigzag", 1, 16384, 16, 4),
     ("copy_engine", True, "zigzag", 1, 65536, 8, 1),
     ("auto", False, "contiguous", 1, 65536, 4, 4),
 ])
@@ -282,12 +285,13 @@ def test_unsupported_auto_falls_back(fresh_warnings, dtype, d, _):
     pk_jax.check_errors()
 
 
+@pytest.mark.parametrize("mechanism", ["copy_engine", "ld_st"])
 @pytest.mark.parametrize("dtype,d,words", UNSUPPORTED)
-def test_unsupported_copy_engine_raises(dtype, d, words):
+def test_unsupported_kernel_mechanism_raises(dtype, d, words, mechanism):
     mesh = gpu_mesh(2, "sp")
     q, k, v = _qkv(_seed(), 1, 512, 4, 2, d, dtype)
-    with pytest.raises(ValueError, match="copy_engine") as info:
-        _ring(mesh, causal=True, layout="zigzag", mechanism="copy_engine")(q, k, v)
+    with pytest.raises(ValueError, match=mechanism) as info:
+        _ring(mesh, causal=True, layout="zigzag", mechanism=mechanism)(q, k, v)
     missing = [w for w in words if not re.search(rf"\b{w}\b", str(info.value))]
     assert not missing, f"the error should name {missing}: {info.value}"
 
@@ -304,10 +308,12 @@ def test_supported_auto_takes_the_kernel(fresh_warnings):
     pk_jax.check_errors()
 
 
-def test_timeout_raises_and_recovers():
-    """A peer that never posts its K/V: the waiting rank's kernel gives up
-    after the timeout (later CTAs at once), the error names the op and the
-    peer, and after check_errors() the next call is correct again."""
+@pytest.mark.parametrize("mechanism", ["copy_engine", "ld_st"])
+def test_timeout_raises_and_recovers(mechanism):
+    """A peer that never posts its K/V (ld_st: its communicator CTAs push
+    but never post): the waiting rank's kernel gives up after the timeout
+    (later CTAs at once), the error names the op and the peer, and after
+    check_errors() the next call is correct again."""
     from pk_jax import runtime
     mesh = gpu_mesh(2, "sp")
     seed = _seed()
@@ -316,12 +322,27 @@ def test_timeout_raises_and_recovers():
     pk_jax.configure(timeout_s=0.2)
     try:
         with runtime.testing_skip_post(1):
-            ring = _ring(mesh, causal=False, layout="contiguous", mechanism="copy_engine")
+            ring = _ring(mesh, causal=False, layout="contiguous", mechanism=mechanism)
             jax.block_until_ready(ring(q, k, v))
         with pytest.raises(pk_jax.PkJaxTimeoutError, match="ring_attention.*peer rank 1"):
             pk_jax.check_errors()
     finally:
         pk_jax.configure(timeout_s=saved)
-    out = _ring(mesh, causal=True, layout="contiguous", mechanism="copy_engine")(q, k, v)
-    _check(out, q, k, v, True, "after a timeout", seed)
+    out = _ring(mesh, causal=True, layout="contiguous", mechanism=mechanism)(q, k, v)
+    _check(out, q, k, v, True, f"{mechanism} after a timeout", seed)
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("ctas", [1, 7, 32])
+def test_ld_st_comm_ctas(ctas):
+    """ld_st with 1, an odd count and the most communicator CTAs, on a block
+    posted in 4 pieces (16 MiB of K per rank), called twice: every piece is
+    posted once all CTAs pushed their share, and the arrival counters' targets
+    advance with the epoch (the second call must not post early)."""
+    mesh = gpu_mesh(2, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 1, 2 * 8192, 8, 8, 128, jnp.bfloat16)
+    ring = _ring(mesh, causal=True, layout="zigzag", mechanism="ld_st", num_comm_ctas=ctas)
+    for call in ("first", "second"):
+        _check(ring(q, k, v), q, k, v, True, f"ld_st {ctas} CTAs, {call} call", seed)
     pk_jax.check_errors()

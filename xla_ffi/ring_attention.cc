@@ -1,5 +1,5 @@
-// FFI handler for pk_jax.ring_attention (the fused kernel, mechanism
-// "copy_engine"): q, k, v of this rank -> out and the log-sum-exp.
+// FFI handler for pk_jax.ring_attention (the fused kernel, mechanisms
+// "copy_engine" and "ld_st"): q, k, v of this rank -> out and the log-sum-exp.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -28,7 +28,7 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Span<const int64_t> group_ids, int64_t group_size,
                              int64_t slot, int64_t data_offset, int64_t timeout_ns,
                              int32_t skip_post_rank, float scale, bool causal, bool zigzag,
-                             int64_t pieces) {
+                             int64_t pieces, int64_t mechanism, int64_t num_comm_ctas) {
   ffi_common::GroupContext ctx;
   if (ffi::Error e = ffi_common::make_group_context(kOp, kOpRingAttention, ordinal, group_ids,
                                                     group_size, timeout_ns, &ctx);
@@ -64,7 +64,19 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.geo = ring_attention::Geometry{g.rank, g.n, int(qd[1]), zigzag, causal};
   p.pieces = int(pieces);
   p.skip_post = skip_post_rank == g.rank;
-  if (!ring_attention::supported(p)) return invalid("unsupported shape (the Python checks missed it)");
+  if (mechanism == int64_t(ring_attention::Mechanism::kCopyEngine)) {
+    p.mechanism = ring_attention::Mechanism::kCopyEngine;
+  } else if (mechanism == int64_t(ring_attention::Mechanism::kLdSt)) {
+    if (num_comm_ctas < 1 || num_comm_ctas > ring_attention::kMaxCommCtas)
+      return invalid("num_comm_ctas must be 1.." + std::to_string(ring_attention::kMaxCommCtas) +
+                     ", got " + std::to_string(num_comm_ctas));
+    p.mechanism = ring_attention::Mechanism::kLdSt;
+    p.num_comm_ctas = int(num_comm_ctas);
+  } else {
+    return invalid("unknown mechanism " + std::to_string(mechanism));
+  }
+  if (!ring_attention::supported(p))
+    return invalid("unsupported shape (the Python checks missed it), or k/v not 16-byte aligned");
   if (g.n > 1) {
     const size_t need = ring_attention::region_bytes(g.n, p.batch, p.geo.s_local, p.kv_heads,
                                                      p.head_dim);
@@ -107,7 +119,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("scale")
         .Attr<bool>("causal")
         .Attr<bool>("zigzag")
-        .Attr<int64_t>("pieces"),
+        .Attr<int64_t>("pieces")
+        .Attr<int64_t>("mechanism")                   // 0: copy_engine, 1: ld_st
+        .Attr<int64_t>("num_comm_ctas"),              // ld_st: communicator CTAs
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

@@ -36,7 +36,14 @@ struct alignas(128) SlotFlags {
   uint64_t ptr[kMaxRanks];        // peer r: address of its source buffer
   uint64_t posted[kMaxRanks];     // peer r: epoch whose data/pointer is ready
   uint64_t done[kMaxRanks];       // peer r: epoch it finished reading from us
+  // Communicator-CTA posts (local): arrivals of the CTAs that pushed piece i
+  // of our block to the peer k + 1 ranks ahead (ring attention, ld_st). Each
+  // call adds one per CTA, so after call e a counter holds e * CTAs (mod
+  // 2^32; the CTA count is fixed per channel): the CTA whose add reaches
+  // that value posts the piece.
+  uint32_t arrive[kMaxRanks][kMaxStamps];
 };
+static_assert(sizeof(SlotFlags) == 1024, "the flag area's size is part of the layout");
 
 // Per-device words that are not tied to a channel.
 struct alignas(128) DeviceHeader {
@@ -61,6 +68,7 @@ inline constexpr size_t kFlagBytes = kSlotsOffset + sizeof(SlotFlags) * kMaxSlot
 inline constexpr size_t kLlOffset = (kFlagBytes + 4095) / 4096 * 4096;
 inline constexpr size_t kDataOffset = kLlOffset + kLlChannels * kLlChannelBytes;
 static_assert(sizeof(DeviceHeader) <= kSlotsOffset, "header overlaps the slots");
+static_assert(kFlagBytes <= kLlOffset && kLlOffset % 4096 == 0, "LL lines overlap the flags");
 
 // Filled by a kernel whose bounded wait gave up; lives in mapped host memory
 // so the host can read it while the device is still running.

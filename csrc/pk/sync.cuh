@@ -36,6 +36,24 @@ __device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* p) {
   return v;
 }
 
+// Acquire and release at system scope in one fence (fence.acq_rel.sys).
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
+// One CTA's arrival at a counter that `k` CTAs of this GPU add to once per
+// call; call from one thread after __syncthreads(). Releases what the CTA
+// wrote (system scope: peers read it) and returns true in the CTA whose add
+// brings the counter to `target` (the call's k-th add; targets grow with
+// the epoch, compared modulo 2^32, so the counter is never reset). That CTA
+// has then acquired every arriving CTA's writes: a release store it makes
+// next publishes them all.
+__device__ __forceinline__ bool arrive_last(uint32_t* counter, uint32_t target) {
+  fence_acq_rel_sys();
+  const bool last = atomicAdd(counter, 1u) + 1u == target;
+  if (last) fence_acq_rel_sys();
+  return last;
+}
 
 // Fill the error record once per device (the first failed wait wins).
 __device__ inline void record_timeout(const WaitContext& ctx, int32_t peer, int32_t what,

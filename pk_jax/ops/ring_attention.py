@@ -18,11 +18,16 @@ Mechanisms:
     merging all steps in registers. bfloat16/float16, head_dim 64 or 128,
     S_local a multiple of 128 (256 for zigzag). On platforms other than CUDA
     it lowers to the reference.
+  * "ld_st": the same fused kernel and shapes, with `num_comm_ctas`
+    (default 16) communicator CTAs of its own launched first: they push the
+    K/V block to the peers with 16-byte loads/stores over NVLink while the
+    other SMs attend (no copy engines, no side streams).
   * "xla": the pure-JAX ring (ring_attention_reference.py): ppermute of K/V
     blocks with an fp32 online softmax, O(S_local) memory. On a ring of one
     without return_lse: jax.nn.dot_product_attention (XLA's attention).
-  * "auto": "copy_engine" where it applies, else "xla" (with a one-time
-    PkJaxFallbackWarning saying why).
+  * "auto": the kernel mechanism of pk_jax/tuning.py's measured table
+    (today "copy_engine" everywhere) where the kernel applies, else "xla"
+    (with a one-time PkJaxFallbackWarning saying why).
 Gradients: a custom_vjp saving the output and log-sum-exp; the backward is a
 pure-JAX ring (ring_attention_reference.ring_reference_bwd: K/V blocks travel
 with their partial dK/dV and go home at the end, dq stays local, probabilities
@@ -42,13 +47,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pk_jax import groups, runtime
+from pk_jax import groups, runtime, tuning
 from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
-from pk_jax.ops.ring_attention_primitive import kernel_problem, ring_attention_p
+from pk_jax.ops.ring_attention_primitive import (DEFAULT_COMM_CTAS, KERNEL_MECHANISMS,
+                                                 MAX_COMM_CTAS, kernel_problem, ring_attention_p)
 from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference, ring_reference_bwd
 
-MECHANISMS = ("auto", "copy_engine", "xla")
+MECHANISMS = ("auto", "copy_engine", "ld_st", "xla")
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -85,10 +91,35 @@ def _check_scale(scale, head_dim: int) -> float:
     return float(scale)
 
 
-def _validate(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfig:
+def _check_comm_ctas(num_comm_ctas, mechanism: str) -> int:
+    """The ld_st communicator CTA count (None: the default)."""
+    if num_comm_ctas is None:
+        return DEFAULT_COMM_CTAS
+    if mechanism not in ("auto", "ld_st"):
+        raise ValueError(f"pk_jax.ring_attention: num_comm_ctas applies to mechanism='ld_st' "
+                         f"(or 'auto' where it picks ld_st), not {mechanism!r}")
+    if isinstance(num_comm_ctas, (bool, np.bool_)) or not isinstance(num_comm_ctas,
+                                                                     (int, np.integer)):
+        raise TypeError(f"pk_jax.ring_attention: num_comm_ctas must be an int or None, got "
+                        f"{type(num_comm_ctas).__name__}")
+    if not 1 <= num_comm_ctas <= MAX_COMM_CTAS:
+        raise ValueError(f"pk_jax.ring_attention: num_comm_ctas must be 1..{MAX_COMM_CTAS}, "
+                         f"got {num_comm_ctas}")
+    return int(num_comm_ctas)
+
+
+def _validate(q, k, v, axis_name, causal, scale, layout, mechanism,
+              num_comm_ctas) -> tuple[RingConfig, int]:
+    """(config with the mechanism resolved, ld_st communicator CTAs)."""
     if mechanism not in MECHANISMS:
         raise ValueError(f"pk_jax.ring_attention: mechanism must be one of {MECHANISMS}, "
                          f"got {mechanism!r}")
+    comm_ctas = _check_comm_ctas(num_comm_ctas, mechanism)
+    cfg = _config(q, k, v, axis_name, causal, scale, layout, mechanism)
+    return cfg, comm_ctas
+
+
+def _config(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfig:
     if layout not in LAYOUTS:
         raise ValueError(f"pk_jax.ring_attention: layout must be one of {LAYOUTS}, "
                          f"got {layout!r}")
@@ -104,9 +135,11 @@ def _validate(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfi
         return cfg
     why = kernel_problem(q, k, cfg)
     if why is None:
-        return dataclasses.replace(cfg, mechanism="copy_engine")
-    if mechanism == "copy_engine":
-        raise ValueError(f"pk_jax.ring_attention: mechanism='copy_engine' does not take {why}; "
+        if mechanism == "auto":
+            mechanism = tuning.ring_attention_mechanism(cfg.n, q.shape[1], cfg.causal)
+        return dataclasses.replace(cfg, mechanism=mechanism)
+    if mechanism in KERNEL_MECHANISMS:
+        raise ValueError(f"pk_jax.ring_attention: mechanism={mechanism!r} does not take {why}; "
                          "use mechanism='auto' or 'xla' for this call")
     if runtime.available():  # only where the kernel could have run
         warn_once(f"ring_attention-fallback-{why}", f"pk_jax.ring_attention: the fused "
@@ -115,23 +148,24 @@ def _validate(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfi
 
 
 # ---- forward (kernel or reference) and the ring backward ------------------------
-def _forward(q, k, v, cfg: RingConfig):
-    if cfg.mechanism == "copy_engine":
-        return tuple(ring_attention_p.bind(q, k, v, cfg=cfg))
+def _forward(q, k, v, cfg: RingConfig, comm_ctas: int):
+    if cfg.mechanism in KERNEL_MECHANISMS:
+        return tuple(ring_attention_p.bind(
+            q, k, v, cfg=cfg, num_comm_ctas=comm_ctas if cfg.mechanism == "ld_st" else 0))
     return ring_reference(q, k, v, cfg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attend(q, k, v, cfg: RingConfig):
-    return _forward(q, k, v, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _attend(q, k, v, cfg: RingConfig, comm_ctas: int):
+    return _forward(q, k, v, cfg, comm_ctas)
 
 
-def _attend_fwd(q, k, v, cfg: RingConfig):
-    out, lse = _forward(q, k, v, cfg)
+def _attend_fwd(q, k, v, cfg: RingConfig, comm_ctas: int):
+    out, lse = _forward(q, k, v, cfg, comm_ctas)
     return (out, lse), (q, k, v, out, lse)
 
 
-def _attend_bwd(cfg: RingConfig, res, cotangents):
+def _attend_bwd(cfg: RingConfig, comm_ctas: int, res, cotangents):
     # The ring backward from the saved output and log-sum-exp (same for both
     # forwards): no per-step residuals, blocks recomputed one at a time.
     q, k, v, out, lse = res
@@ -146,14 +180,16 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                    axis_name: str | Sequence[str], *, causal: bool = False,
                    scale: float | None = None, layout: str = "contiguous",
-                   return_lse: bool = False, mechanism: str = "auto"):
+                   return_lse: bool = False, mechanism: str = "auto",
+                   num_comm_ctas: int | None = None):
     """Attention over a sequence sharded along `axis_name`; equal to
     `jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)` on
     the whole (unsharded) sequence, this device's rows.
 
     Call inside `jax.shard_map` with the sequence dim sharded over
     `axis_name`. Every device's K/V block reaches every other device (the
-    fused kernel's copy-engine pushes, or the reference's ppermute ring);
+    fused kernel's copy-engine or communicator-CTA pushes, or the
+    reference's ppermute ring);
     scores and the softmax are fp32 whatever the input dtype. Differentiable
     (first order): the backward is a ring too (module docstring).
 
@@ -171,9 +207,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         2n - 1 - r (balanced causal work; S_local must be even; reorder
         global arrays with `zigzag_shard` before sharding).
       return_lse: also return the log-sum-exp of the scaled scores.
-      mechanism: "auto", "copy_engine" (the fused kernel; raises ValueError
-        for shapes it does not take) or "xla" (the pure-JAX ring); see the
-        module docstring.
+      mechanism: "auto", "copy_engine" or "ld_st" (the fused kernel, its
+        K/V pushed by the copy engines or by communicator CTAs; both raise
+        ValueError for shapes it does not take) or "xla" (the pure-JAX
+        ring); see the module docstring.
+      num_comm_ctas: "ld_st" only (or "auto", should it pick ld_st): the
+        communicator CTAs (SMs) pushing K/V, 1..32; None: 16.
 
     Returns:
       out [B, S_local, Hq, D] in q's dtype, and with return_lse also the
@@ -182,14 +221,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       would get output 0 and log-sum-exp -1e30, never NaN).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    cfg = _validate(q, k, v, axis_name, causal, scale, layout, mechanism)
+    cfg, comm_ctas = _validate(q, k, v, axis_name, causal, scale, layout, mechanism,
+                               num_comm_ctas)
     q, k, v = (make_varying(x, cfg.names) for x in (q, k, v))
     if cfg.mechanism == "xla" and cfg.n == 1 and not return_lse:
         # One rank holds the whole sequence in natural order (zigzag with one
         # rank is the identity): XLA's own attention (cuDNN where it applies)
         # is what "xla" means here, and the fair baseline for the kernel.
         return jax.nn.dot_product_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal)
-    out, lse = _attend(q, k, v, cfg)
+    out, lse = _attend(q, k, v, cfg, comm_ctas)
     return (out, lse) if return_lse else out
 
 

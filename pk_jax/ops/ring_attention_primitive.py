@@ -1,11 +1,14 @@
 """The primitive of the fused ring attention forward.
 
 `pk_ring_attention`: q [B, S, Hq, D], k, v [B, S, Hkv, D] (this rank's tokens)
--> (out [B, S, Hq, D], lse [B, Hq, S] float32).
+-> (out [B, S, Hq, D], lse [B, Hq, S] float32). Parameters: `cfg` (its
+mechanism "copy_engine" or "ld_st") and `num_comm_ctas` (ld_st: the
+communicator CTAs; copy_engine: 0).
 
 Lowering: on CUDA with the extension built with CUTLASS, the FFI kernel of
-xla_ffi/ring_attention.cc (copy engines push K/V to every peer while one
-attention kernel walks the whole ring); anywhere else the pure-JAX ring of
+xla_ffi/ring_attention.cc (copy engines, or communicator CTAs inside the
+kernel for "ld_st", push K/V to every peer while one attention kernel walks
+the whole ring); anywhere else the pure-JAX ring of
 ring_attention_reference.py. Which shapes the kernel takes is decided before
 binding (`kernel_problem`), so a bound primitive never falls back silently on
 CUDA except when the extension itself is missing (with a one-time warning).
@@ -31,6 +34,11 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 TILE_Q = 128  # query rows per CTA (csrc/kernels/ring_attention/ring_attention.h)
 MAX_PIECES = 8  # one stamp each: kMaxStamps in csrc/pk/layout.h
 PIECE_BYTES = 4 << 20  # a peer's block is posted in pieces of about this size
+# The kernel's mechanisms, as the FFI attribute `mechanism` spells them
+# (csrc/kernels/ring_attention/ring_attention.h, enum Mechanism).
+KERNEL_MECHANISMS = {"copy_engine": 0, "ld_st": 1}
+DEFAULT_COMM_CTAS = 16  # ld_st communicator CTAs (kDefaultCommCtas)
+MAX_COMM_CTAS = 32      # kMaxCommCtas
 
 
 def kernel_problem(q, k, cfg: RingConfig) -> str | None:
@@ -67,30 +75,35 @@ def region_bytes(n: int, k_shape) -> int:
 
 
 # ---- abstract evaluation ------------------------------------------------------
-def _abstract(q, k, v, *, cfg: RingConfig):
+def _abstract(q, k, v, *, cfg: RingConfig, num_comm_ctas: int = 0):
     b, s, hq, _ = q.shape
     return q.update(), q.update(shape=(b, hq, s), dtype=jnp.float32)
 
 
 # ---- reference lowering (every platform but CUDA) ------------------------------
-def _reference(ctx, q, k, v, *, cfg: RingConfig):
+def _reference(ctx, q, k, v, *, cfg: RingConfig, num_comm_ctas: int = 0):
     fn = lambda a, b, c: ring_reference(a, b, c, cfg)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, q, k, v)
 
 
 # ---- CUDA lowering -----------------------------------------------------------
-def _cuda(ctx, q, k, v, *, cfg: RingConfig):
+def _cuda(ctx, q, k, v, *, cfg: RingConfig, num_comm_ctas: int = 0):
     # The kernel needs CUTLASS like the GEMMs: the same build check.
     if kernels_missing("ring_attention", need_gemm=True):
-        return _reference(ctx, q, k, v, cfg=cfg)
+        return _reference(ctx, q, k, v, cfg=cfg, num_comm_ctas=num_comm_ctas)
+    mechanism = KERNEL_MECHANISMS[cfg.mechanism]
+    comm = int(num_comm_ctas) if cfg.mechanism == "ld_st" else 0
     _, k_aval, _ = ctx.avals_in
     _, table = group_table(ctx, "ring_attention", cfg.names, cfg.n)
     n_pieces = pieces(k_aval.shape)
-    ch = runtime.channel(("ring_attention", table.tobytes(), n_pieces),
+    # Per mechanism: the ld_st arrival counters count `comm` adds per call.
+    ch = runtime.channel(("ring_attention", cfg.mechanism, comm, table.tobytes(), n_pieces),
                          region_bytes(cfg.n, k_aval.shape))
     return jax.ffi.ffi_lowering("pk_ring_attention")(
         ctx, q, k, v, scale=np.float32(cfg.scale), causal=bool(cfg.causal),
-        zigzag=cfg.layout == "zigzag", pieces=np.int64(n_pieces), **channel_attrs(table, ch))
+        zigzag=cfg.layout == "zigzag", pieces=np.int64(n_pieces),
+        mechanism=np.int64(mechanism), num_comm_ctas=np.int64(comm),
+        **channel_attrs(table, ch))
 
 
 ring_attention_p.def_abstract_eval(_abstract)

@@ -2,7 +2,11 @@
 // for every geometry given on the command line it walks every query tile and
 // checks that the walk visits exactly the K/V tiles holding a key some query
 // of the tile may see, each once, in the order the posting protocol assumes,
-// and that every tile it leaves unmasked is wholly visible.
+// and that every tile it leaves unmasked is wholly visible. Then the push
+// layout (PushLayout, shared by both mechanisms' pushes): every rank's block
+// lands, batch by batch and piece by piece, exactly where the receiving
+// rank's walk reads it at the matching ring step, and the senders' slots
+// tile each region once.
 // Usage: kv_walk_check n s_local zigzag causal tile_q tile_k
 // Prints the global token of every row of every rank's block, then "OK", or
 // the first violation (exit code 1).
@@ -10,18 +14,59 @@
 #include <cstdlib>
 #include <set>
 #include <utility>
+#include <vector>
 
 #include "kernels/ring_attention/kv_walk.cuh"
 
 using pk::ring_attention::Geometry;
 using pk::ring_attention::KvTile;
 using pk::ring_attention::KvWalk;
+using pk::ring_attention::PushLayout;
 
 namespace {
 
 int fail(const char* what, int rank, int m, int step, int row) {
   std::printf("FAIL %s: rank %d query tile %d step %d row %d\n", what, rank, m, step, row);
   return 1;
+}
+
+// The push layout for a ring of n, s_local rows of `row` bytes per batch
+// row, `batch` batches, posted in `pieces`.
+int check_push(int n, int s_local, int batch, int pieces) {
+  const size_t row = 256;  // bytes of one token row (e.g. one K/V head of 128 x bf16)
+  const size_t row_bytes = size_t(s_local) * row;
+  const int piece_rows = s_local / pieces;
+  for (int q = 0; q < n; ++q) {  // the receiving rank
+    // How often every token row of q's region (K half, then V half) is written.
+    std::vector<int> hits(2 * size_t(batch) * (n - 1) * s_local, 0);
+    for (int r = 0; r < n; ++r) {  // the sending rank
+      if (r == q) continue;
+      const PushLayout L{r, n, batch, pieces, row_bytes};
+      if (L.v_offset() != size_t(n - 1) * batch * row_bytes) return fail("v offset", r, 0, 0, 0);
+      if (L.piece_bytes() * pieces != row_bytes) return fail("pieces", r, 0, 0, 0);
+      int k = 1;
+      while (L.peer(k) != q) ++k;
+      // q's walk reads r's block at step s with (q - s) mod n == r, from
+      // the peers' tensor [B, (n - 1) * s_local] at rows (s - 1) * s_local + t.
+      const int s = (q - r + n) % n;
+      if (k != s) return fail("slot is not the reader's step", r, q, s, k);
+      for (int b = 0; b < batch; ++b)
+        for (int i = 0; i < pieces; ++i)
+          for (int t = i * piece_rows; t < (i + 1) * piece_rows; ++t) {
+            // The pusher's byte offset of row t (piece i, batch b), in q's region.
+            const size_t at = L.slot(k, b) + size_t(i) * L.piece_bytes() +
+                              size_t(t - i * piece_rows) * row;
+            const size_t want = (size_t(b) * (n - 1) * s_local + size_t(s - 1) * s_local + t) * row;
+            if (at != want) return fail("pushed row misplaced", r, q, s, t);
+            if (t / piece_rows != i) return fail("row in the wrong piece", r, q, s, t);
+            ++hits[at / row];
+            ++hits[(L.v_offset() + at) / row];
+          }
+    }
+    for (size_t j = 0; j < hits.size(); ++j)
+      if (hits[j] != 1) return fail("region row not written exactly once", q, 0, 0, int(j));
+  }
+  return 0;
 }
 
 }  // namespace
@@ -73,6 +118,10 @@ int main(int argc, char** argv) {
       if (seen.empty()) return fail("empty walk", rank, m, 0, 0);
     }
   }
+  for (int batch = 1; batch <= 3; ++batch)
+    for (int pieces = 1; pieces <= 8; ++pieces)
+      if (s_local % pieces == 0)
+        if (int err = check_push(n, s_local, batch, pieces)) return err;
   std::printf("OK\n");
   return 0;
 }

@@ -8,13 +8,19 @@
 // Arguments: see KernelArgs / Params in ring_attention.h.
 // Roles: warp 1 of warpgroup 0 loads Q, K, V (and waits on the posts);
 // warpgroups 1 and 2 run QK, softmax and PV on 64 query rows each.
+// Mechanism ld_st (AttentionKernel<..., true>): a 1-D grid whose first
+// PushArgs::ctas CTAs are communicator CTAs (comm_push.cuh), the compute
+// CTAs after them in the same order (CommFirstScheduler).
 #pragma once
+
+#include <type_traits>
 
 #include <cutlass/cutlass.h>
 
 #include "collective/fmha_epilogue.hpp"
 #include "kernel/fmha_kernel_tma_warpspecialized.hpp"
 
+#include "kernels/ring_attention/comm_push.cuh"
 #include "kernels/ring_attention/ring_attention.h"
 #include "kernels/ring_attention/ring_mainloop.cuh"
 #include "kernels/common/attention_variants.cuh"
@@ -55,6 +61,75 @@ struct HeavyFirstScheduler {
   }
 };
 
+// Mechanism ld_st: the same order on a 1-D grid, after `comm_ctas`
+// communicator CTAs. Linear block i >= comm_ctas is the compute CTA that
+// HeavyFirstScheduler's grid has at linear index i - comm_ctas (x fastest,
+// then y, then z), so the compute CTAs keep their order.
+//
+// Why the communicator CTAs come first: the hardware hands out a grid's
+// CTAs in increasing linear block index as SMs free up. Blocks 0..C-1 are
+// therefore resident before any compute CTA, each on its own SM (the
+// kernel's shared memory allows one CTA per SM), and they start pushing at
+// once. Placed anywhere else they could wait behind a full wave of compute
+// CTAs whose producers spin on posts that the peers' communicator CTAs
+// make, and those peers' compute CTAs in turn wait on ours: the first
+// wave would stall until the bounded waits gave up. Nothing in CUDA
+// promises this order; every GPU we know dispatches so, and the waits stay
+// bounded if one did not. The C SMs return to attention once the pushes end.
+struct CommFirstScheduler {
+  struct Params {
+    int m_blocks = 0, batch = 0, heads = 0;
+    int comm_ctas = 0;  // set by the ld_st launch (WithCommCtas)
+  };
+  Params p;
+  bool valid = true;
+
+  CUTLASS_DEVICE explicit CommFirstScheduler(Params const& params) : p(params) {}
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem, cutlass::KernelHardwareInfo,
+                                        ClusterShape const&, TileShape const& tile) {
+    const int m_blocks = cute::ceil_div(cute::get<2>(problem), cute::get<0>(tile));
+    return Params{m_blocks, cute::get<0>(problem), cute::get<1>(problem), 0};
+  }
+  static dim3 get_grid_shape(Params const& p) {
+    return dim3(unsigned(p.comm_ctas) + unsigned(p.m_blocks) * p.batch * p.heads);
+  }
+  CUTLASS_DEVICE bool is_valid() const { return valid; }
+  CUTLASS_DEVICE auto get_block_coord() const {
+    int i = int(blockIdx.x) - p.comm_ctas;
+    const int m = p.m_blocks - 1 - i % p.m_blocks;
+    i /= p.m_blocks;
+    return cute::make_coord(m, cute::_0{}, cute::make_coord(i % p.batch, i / p.batch));
+  }
+  CUTLASS_DEVICE CommFirstScheduler& operator++() {
+    valid = false;
+    return *this;
+  }
+};
+
+// A CUTLASS kernel (CommFirstScheduler) with PushArgs::ctas communicator
+// CTAs in front; cutlass::device_kernel launches it like the kernel itself.
+template <class Base>
+struct WithCommCtas : Base {
+  struct Params {
+    typename Base::Params base;
+    PushArgs push;
+  };
+  static dim3 get_grid_shape(Params const& p) { return Base::get_grid_shape(p.base); }
+  static Params make_params(typename Base::Params base, PushArgs const& push) {
+    base.tile_scheduler.comm_ctas = push.ctas;
+    return Params{base, push};
+  }
+  CUTLASS_DEVICE void operator()(Params const& p, char* smem) {
+    if (int(blockIdx.x) < p.push.ctas) {
+      push_kv(p.push);
+      return;
+    }
+    Base::operator()(p.base, smem);
+  }
+};
+
 // Tiles as CUTLASS's example picks them for each head dim.
 template <int kHeadDim>
 struct Tiles;
@@ -67,15 +142,18 @@ struct Tiles<64> {
   using Shape = cute::Shape<cute::_128, cute::_64, cute::_64>;
 };
 
-template <typename Element, int kHeadDim>
+// kCommCtas: mechanism ld_st (communicator CTAs in front); false is the
+// copy_engine kernel, unchanged.
+template <typename Element, int kHeadDim, bool kCommCtas = false>
 struct AttentionKernel {
   using Stride = cute::tuple<int, cute::_1, cute::tuple<int, int>>;  // (seq, dim, (batch, head))
   using TileShape = typename Tiles<kHeadDim>::Shape;
   using Mainloop = RingMainloop<Element, TileShape, Stride>;
   using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float,
                                                               typename Mainloop::TileShapePV>;
-  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue, HeavyFirstScheduler>;
+  using Fmha = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
+      Mainloop, Epilogue, std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
+  using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
 
   static Stride stride(int seq_rows_per_batch, int heads) {
@@ -98,14 +176,24 @@ struct AttentionKernel {
         {static_cast<Element*>(p.out), stride(g.s_local, p.q_heads), p.lse,
          cute::make_tuple(cute::_1{}, cute::make_tuple(p.q_heads * g.s_local, g.s_local))},
         cutlass::KernelHardwareInfo{0, p.sm_count}};
-    if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
-    return attention_variants::launch_kernel<Kernel>(Kernel::to_underlying_arguments(args, nullptr),
-                                              p.stream);
+    if (!Fmha::can_implement(args)) return cudaErrorNotSupported;
+    auto params = Fmha::to_underlying_arguments(args, nullptr);
+    if constexpr (kCommCtas)
+      return attention_variants::launch_kernel<Kernel>(Kernel::make_params(params, a.push),
+                                                       p.stream);
+    else
+      return attention_variants::launch_kernel<Kernel>(params, p.stream);
   }
 };
+
+template <typename Element, int kHeadDim>
+using LdStAttentionKernel = AttentionKernel<Element, kHeadDim, true>;
 
 }  // namespace pk::ring_attention
 
 // One variant per file (attention_variants.cuh).
 #define PK_RING_ATTENTION_INSTANTIATE(ELEMENT, HEAD_DIM) \
   PK_ATTENTION_VARIANT(pk::ring_attention, AttentionVariants, AttentionKernel, const KernelArgs&, ELEMENT, HEAD_DIM)
+#define PK_RING_ATTENTION_LD_ST_INSTANTIATE(ELEMENT, HEAD_DIM)                                   \
+  PK_ATTENTION_VARIANT(pk::ring_attention, LdStAttentionVariants, LdStAttentionKernel,         \
+                       const KernelArgs&, ELEMENT, HEAD_DIM)

@@ -14,6 +14,7 @@
 // last token and flag the tiles that cross its first token for masking.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #ifdef __CUDACC__
@@ -44,6 +45,31 @@ struct Geometry {
     const int rows = chunk_rows();
     return chunk_start(src, j / rows) + j % rows;
   }
+};
+
+// Where our K/V block goes in the peers' regions (both mechanisms push the
+// same bytes to the same places). A region holds the n - 1 peer blocks, K
+// then V, each as [B, (n - 1) * s_local, Hkv, D]: the block of the rank k
+// behind the owner is slot k - 1, so batch b of it starts at
+// (b * (n - 1) + k - 1) * row_bytes. Each batch row of a block is posted in
+// `pieces` equal pieces of whole token rows.
+struct PushLayout {
+  int rank = 0;
+  int n = 1;
+  int batch = 1;
+  int pieces = 1;
+  size_t row_bytes = 0;  // one batch of one rank's K (or V) block
+
+  // The rank k ahead of us (k = 1: the nearest, pushed first); we are the
+  // rank k behind it, so our block is its slot k - 1.
+  PK_HD int peer(int k) const { return (rank + k) % n; }
+  // Bytes from one batch of a slot to the next.
+  PK_HD size_t pitch() const { return size_t(n - 1) * row_bytes; }
+  // Where V's half of a region starts.
+  PK_HD size_t v_offset() const { return size_t(batch) * pitch(); }
+  PK_HD size_t piece_bytes() const { return row_bytes / pieces; }
+  // Offset of batch b of our K block in the region of peer(k).
+  PK_HD size_t slot(int k, int b) const { return size_t(k - 1) * row_bytes + size_t(b) * pitch(); }
 };
 
 // One K/V tile of the walk.

@@ -11,24 +11,30 @@
 namespace pk::ring_attention {
 namespace {
 
+// Where our block goes in the peers' regions (kv_walk.cuh).
+PushLayout push_layout(const Params& p) {
+  const Geometry& g = p.geo;
+  return PushLayout{g.rank, g.n, p.batch, p.pieces,
+                    block_bytes(1, g.s_local, p.kv_heads, p.head_dim)};  // one batch
+}
+
 // Where V's peer blocks start in a region (K's start at 0): both halves are
 // n - 1 blocks.
-size_t v_offset(const Params& p) {
-  return size_t(p.geo.n - 1) * block_bytes(p.batch, p.geo.s_local, p.kv_heads, p.head_dim);
-}
+size_t v_offset(const Params& p) { return push_layout(p).v_offset(); }
 
 // Push our K and V blocks to every peer on the side stream, posting each
 // piece with a stream copy of its stamp (see ring_attention.h).
 cudaError_t push_blocks(const Params& p) {
   const Geometry& g = p.geo;
-  const size_t row_bytes = block_bytes(1, g.s_local, p.kv_heads, p.head_dim);  // one batch
-  const size_t piece_bytes = row_bytes / p.pieces;
+  const PushLayout L = push_layout(p);
+  const size_t row_bytes = L.row_bytes;
+  const size_t piece_bytes = L.piece_bytes();
   for (int k = 1; k < g.n; ++k) {
-    const int q = (g.rank + k) % g.n;
+    const int q = L.peer(k);
     // Our block is slot k - 1 of q's region; batch b's rows sit n - 1 blocks apart.
-    char* k_dst = p.region[q] + size_t(k - 1) * row_bytes;
-    char* v_dst = k_dst + v_offset(p);
-    const size_t pitch = size_t(g.n - 1) * row_bytes;
+    char* k_dst = p.region[q] + L.slot(k, 0);
+    char* v_dst = k_dst + L.v_offset();
+    const size_t pitch = L.pitch();
     for (int i = 0; i < p.pieces; ++i) {
       const size_t off = size_t(i) * piece_bytes;
       PK_CUDA_TRY(cudaMemcpy2DAsync(k_dst + off, pitch, static_cast<const char*>(p.k) + off,
@@ -48,6 +54,26 @@ cudaError_t push_blocks(const Params& p) {
   return cudaSuccess;
 }
 
+// Mechanism ld_st: credit, then one kernel whose communicator CTAs push and
+// post (comm_push.cuh), then finish. No side stream.
+cudaError_t run_ld_st(const Params& p, KernelArgs a) {
+  const Geometry& g = p.geo;
+  if (g.n > 1) {
+    PK_CUDA_TRY(signals::wait_credit(p.ch, p.stream));
+    PushArgs& push = a.push;
+    push.k = static_cast<const char*>(p.k);
+    push.v = static_cast<const char*>(p.v);
+    for (int r = 0; r < g.n; ++r) push.region[r] = p.region[r];
+    push.layout = push_layout(p);
+    push.ch = p.ch;
+    push.ctas = p.num_comm_ctas;
+    push.skip_post = p.skip_post;
+  }  // one rank: no communicator CTAs (a.push.ctas == 0)
+  PK_CUDA_TRY(attention_variants::launch<LdStAttentionVariants>(p.dtype == DType::kBF16,
+                                                                p.head_dim, a));
+  return g.n > 1 ? signals::finish(p.ch, p.stream) : cudaSuccess;
+}
+
 }  // namespace
 
 // The kernel needs the CUTLASS headers, like the GEMM: one build switch.
@@ -59,14 +85,20 @@ bool supported(const Params& p) {
   return available() && (p.head_dim == 64 || p.head_dim == 128) && p.kv_heads > 0 &&
          p.q_heads % p.kv_heads == 0 && g.s_local > 0 && g.chunk_rows() % kTileQ == 0 &&
          g.chunk_rows() % tile_k == 0 && p.pieces >= 1 && p.pieces <= kMaxPieces &&
-         g.s_local % p.pieces == 0;
+         g.s_local % p.pieces == 0 &&
+         (p.mechanism == Mechanism::kCopyEngine ||
+          (p.mechanism == Mechanism::kLdSt && p.num_comm_ctas >= 1 &&
+           p.num_comm_ctas <= kMaxCommCtas &&
+           // the communicator CTAs' 16-byte vectors (TMA needs as much)
+           (reinterpret_cast<uintptr_t>(p.k) | reinterpret_cast<uintptr_t>(p.v)) % 16 == 0));
 }
 
 cudaError_t run(const Params& p) {
 #ifdef PK_HAVE_CUTLASS
   if (!supported(p)) return cudaErrorNotSupported;
   const Geometry& g = p.geo;
-  KernelArgs a{&p, p.region[g.rank], p.region[g.rank] + v_offset(p)};
+  KernelArgs a{&p, p.region[g.rank], p.region[g.rank] + v_offset(p), PushArgs{}};
+  if (p.mechanism == Mechanism::kLdSt) return run_ld_st(p, a);
   if (g.n > 1) {
     PK_CUDA_TRY(signals::wait_credit(p.ch, p.stream));
     PK_CUDA_TRY(signals::stamp(p.ch, p.pieces, p.stream));
@@ -89,7 +121,8 @@ cudaError_t run(const Params& p) {
 
 cudaError_t load_kernels() {
 #ifdef PK_HAVE_CUTLASS
-  return attention_variants::load_all<AttentionVariants>();
+  PK_CUDA_TRY(attention_variants::load_all<AttentionVariants>());
+  return attention_variants::load_all<LdStAttentionVariants>();
 #else
   return cudaSuccess;
 #endif

@@ -13,8 +13,15 @@
 //          each peer's block as its pieces are posted (kv_walk.cuh), merging
 //          all steps in registers; O and the log-sum-exp are written once;
 //          join the side stream; finish (done[r] = e to every peer).
+// Mechanism ld_st: no copy engines and no side streams. Main: wait credit,
+// then the attention kernel with `num_comm_ctas` extra CTAs in front of the
+// compute CTAs (comm_push.cuh): they push our K and V block into the same
+// slots with 16-byte loads/stores over NVLink, piece by piece, nearest peer
+// first, and the last CTA to finish a piece posts its stamp value into
+// q's posted[r]; the compute CTAs and their per-piece waits are the same;
+// then finish.
 // The region holds n - 1 peer blocks, K then V: [B, (n - 1) * s_local, Hkv, D]
-// each. (A ring would forward blocks hop by hop through a double buffer; on
+// each (PushLayout, kv_walk.cuh). (A ring would forward blocks hop by hop through a double buffer; on
 // NVLink switches every pair has full bandwidth, so direct pushes move the
 // same bytes per link without the forwarding chain, for (n - 1) blocks of
 // memory instead of 2.)
@@ -32,11 +39,16 @@
 namespace pk::ring_attention {
 
 enum class DType : int32_t { kBF16 = 0, kF16 = 1 };
+// How our K/V block reaches the peers (the FFI attribute `mechanism`).
+enum class Mechanism : int32_t { kCopyEngine = 0, kLdSt = 1 };
 
 // Query rows per CTA tile; a tile never straddles a zigzag chunk.
 inline constexpr int kTileQ = 128;
 // Most pieces a peer's block is posted in: one stamp each.
 inline constexpr int kMaxPieces = kMaxStamps;
+// Communicator CTAs of mechanism ld_st: the default and the most allowed.
+inline constexpr int kDefaultCommCtas = 16;
+inline constexpr int kMaxCommCtas = 32;
 
 struct Params {
   const void* q = nullptr;  // [B, s_local, Hq, D]
@@ -50,6 +62,8 @@ struct Params {
   Geometry geo{};
   int pieces = 1;           // pieces each peer's block is posted in (fixed per channel)
   bool skip_post = false;   // testing: push the data but never post it
+  Mechanism mechanism = Mechanism::kCopyEngine;
+  int num_comm_ctas = kDefaultCommCtas;  // ld_st only: 1..kMaxCommCtas
   Channel ch{};
   char* region[kMaxRanks] = {};
   int sm_count = 0;
@@ -76,15 +90,35 @@ bool supported(const Params& p);
 cudaError_t run(const Params& p);
 cudaError_t load_kernels();
 
-// The attention kernel alone (the instantiations, attention_<type>_d<D>.cu).
+// What the communicator CTAs of mechanism ld_st need (comm_push.cuh).
+struct PushArgs {
+  const char* k = nullptr;  // our blocks [B, s_local, Hkv, D]
+  const char* v = nullptr;
+  char* region[kMaxRanks] = {};  // every rank's channel region (peer mapped)
+  PushLayout layout{};
+  Channel ch{};
+  int ctas = 0;             // the kernel's first `ctas` CTAs push; 0: none (one rank)
+  bool skip_post = false;
+};
+
+// The attention kernel alone (the instantiations, attention_<type>_d<D>*.cu).
 struct KernelArgs {
   const Params* p;
   const void* k_peers;
   const void* v_peers;
+  PushArgs push;  // ld_st only
 };
 // The variants (attention_<type>_d<D>.cu specialize them; see
-// kernels/common/attention_variants.cuh).
+// kernels/common/attention_variants.cuh): mechanism copy_engine.
 struct AttentionVariants {
+  template <typename Element, int kHeadDim>
+  static cudaError_t launch(const KernelArgs& a);
+  template <typename Element, int kHeadDim>
+  static cudaError_t load();
+};
+// The same kernel with communicator CTAs in front: mechanism ld_st
+// (attention_<type>_d<D>_ld_st.cu).
+struct LdStAttentionVariants {
   template <typename Element, int kHeadDim>
   static cudaError_t launch(const KernelArgs& a);
   template <typename Element, int kHeadDim>

@@ -1,0 +1,5 @@
+// Fused ring attention kernel, mechanism ld_st (communicator CTAs), f16 inputs,
+// head dim 64.
+#include "kernels/ring_attention/attention_sm90.cuh"
+
+PK_RING_ATTENTION_LD_ST_INSTANTIATE(cutlass::half_t, 64)
