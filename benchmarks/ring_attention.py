@@ -602,10 +602,22 @@ class Bench:
         loss = lambda q, k, v, w: jnp.sum(f(q, k, v).astype(F32) * w.astype(F32))
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
-    def pk(self, mesh, causal: bool, layout: str, mechanism: str) -> Callable:
-        return self.sharded(mesh, lambda q, k, v: pk_jax.ring_attention(
+    def pk(self, mesh, causal: bool, layout: str, mechanism: str,
+           piece_order: str | None = None) -> Callable:
+        f = self.sharded(mesh, lambda q, k, v: pk_jax.ring_attention(
             q, k, v, AXIS, causal=causal, scale=self.dims.scale, layout=layout,
             mechanism=mechanism))
+        if piece_order is None:
+            return f
+
+        def in_order(*args):  # the order is read when f is lowered (its first call)
+            saved = pk_jax.get_config().ring_piece_order
+            pk_jax.configure(ring_piece_order=piece_order)
+            try:
+                return f(*args)
+            finally:
+                pk_jax.configure(ring_piece_order=saved)
+        return in_order
 
     def ring(self, mesh, causal: bool, layout: str) -> Callable:
         spec = RingSpec(mesh.size, causal, layout, self.dims.scale)
@@ -659,6 +671,9 @@ class Bench:
             ins = by_layout[lay][: 4 if backward else 3]
             cands[f"pk_{lay}" if n > 1 else "pk"] = (lay, self.pk(mesh, causal, lay,
                                                                   args.mechanism), ins)
+            for po in (args.piece_orders.split(",") if n > 1 and args.piece_orders else []):
+                cands[f"pk_{lay}_{po}"] = (lay, self.pk(mesh, causal, lay, args.mechanism, po),
+                                           ins)
             if n == 1:
                 if self.blocks is not None:
                     cands["cudnn"] = (lay, self.one_gpu(causal), tuple(whole1[: 4 if backward
@@ -753,6 +768,9 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=0, help="K/V heads (default: --heads)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--mechanism", default="auto", help="pk_jax.ring_attention mechanism")
+    ap.add_argument("--piece-orders", default="",
+                    help="also time pk with these ring_piece_order values (e.g. heads,rows); "
+                         "rows named pk_<layout>_<order>")
     ap.add_argument("--backward", action="store_true",
                     help="time value_and_grad of a weighted sum of the output instead")
     ap.add_argument("--masks", default="none,causal", help="subset of none,causal")

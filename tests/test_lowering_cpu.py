@@ -192,6 +192,29 @@ def test_ring_attention_forward_is_one_kernel_call(cuda_lowering, layout, causal
     assert _attr(call, "group_ids") == "dense<[0, 4, 1, 5, 2, 6, 3, 7]>"
 
 
+@pytest.mark.parametrize("order,want", [("heads", "5"), ("rows", "4")])
+def test_ring_attention_piece_order(cuda_lowering, order, want):
+    """pk_jax.configure(ring_piece_order=...) reaches the kernel: by heads, K
+    and V go in head-major ([B, Hkv, S, D], one transpose each before the call)
+    and the piece count divides the (head, row) units: a 20 MiB block of 5
+    heads is 5 pieces by heads, but 4 by rows (16384 rows do not split in 5)."""
+    mesh = cpu_mesh((2,), ("sp",))
+    spec = P(None, "sp")
+    saved = pk_jax.get_config().ring_piece_order
+    pk_jax.configure(ring_piece_order=order)
+    try:
+        hlo = cuda_lowering(lambda q: pk_jax.ring_attention(q, q, q, "sp"), mesh, spec,
+                            (1, 2 * 16384, 5, 128), jnp.bfloat16)
+    finally:
+        pk_jax.configure(ring_piece_order=saved)
+    call, = _ring_calls(hlo)
+    assert ("kv_head_major = true" in call) == (order == "heads")
+    assert _attr(call, "pieces") == want
+    operands = re.search(r"custom_call @pk_ring_attention\(.*\} : \((.*?)\) ->", hlo).group(1)
+    kv = "tensor<1x5x16384x128xbf16>" if order == "heads" else "tensor<1x16384x5x128xbf16>"
+    assert operands.split(", ")[1:] == [kv, kv], operands
+
+
 def test_ring_attention_pieces_and_backward(cuda_lowering):
     """A 32 MiB block is posted in 8 pieces; the gradient adds the ppermute
     ring of the backward but never an all-gather of the sequence."""
@@ -209,6 +232,7 @@ def test_ring_attention_pieces_and_backward(cuda_lowering):
     fwd = jax.jit(loss).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     call, = _ring_calls(fwd)
     assert _attr(call, "pieces") == "8"
+    assert "kv_head_major = false" in call  # the default order: rows
     bwd = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert len(_ring_calls(bwd)) == 1 and "collective_permute" in bwd
     assert _collectives(bwd) == []

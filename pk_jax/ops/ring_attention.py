@@ -45,7 +45,7 @@ from jax import lax
 from pk_jax import groups, runtime
 from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
-from pk_jax.ops.ring_attention_primitive import kernel_problem, ring_attention_p
+from pk_jax.ops.ring_attention_primitive import fused_forward, kernel_problem
 from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference, ring_reference_bwd
 
 MECHANISMS = ("auto", "copy_engine", "xla")
@@ -117,7 +117,7 @@ def _validate(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfi
 # ---- forward (kernel or reference) and the ring backward ------------------------
 def _forward(q, k, v, cfg: RingConfig):
     if cfg.mechanism == "copy_engine":
-        return tuple(ring_attention_p.bind(q, k, v, cfg=cfg))
+        return fused_forward(q, k, v, cfg)
     return ring_reference(q, k, v, cfg)
 
 
