@@ -607,12 +607,25 @@ class Bench:
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
     def pk(self, mesh, causal: bool, layout: str, mechanism: str) -> Callable:
-        """`mechanism` may be "ld_st:C" (C communicator CTAs)."""
+        """`mechanism` is "<mechanism>[:C][/<piece order>]": C communicator CTAs
+        (ld_st), a `pk_jax.configure(ring_piece_order=...)` for this row."""
+        mechanism, _, order = mechanism.partition("/")
         mechanism, _, ctas = mechanism.partition(":")
         kw = dict(num_comm_ctas=int(ctas)) if ctas else {}
-        return self.sharded(mesh, lambda q, k, v: pk_jax.ring_attention(
+        f = self.sharded(mesh, lambda q, k, v: pk_jax.ring_attention(
             q, k, v, AXIS, causal=causal, scale=self.dims.scale, layout=layout,
             mechanism=mechanism, **kw))
+        if not order:
+            return f
+
+        def in_order(*args):  # the order is read when f is traced (its first call)
+            saved = pk_jax.get_config().ring_piece_order
+            pk_jax.configure(ring_piece_order=order)
+            try:
+                return f(*args)
+            finally:
+                pk_jax.configure(ring_piece_order=saved)
+        return in_order
 
     def pk_rows(self, n: int, layout: str) -> list[tuple[str, str]]:
         """(row name, mechanism) of the pk rows: one row named pk_<layout>
@@ -621,7 +634,8 @@ class Bench:
         base = f"pk_{layout}" if n > 1 else "pk"
         if not self.args.mechanisms:
             return [(base, self.args.mechanism)]
-        return [(f"{base}_{m.replace(':', '')}", m) for m in self.args.mechanisms.split(",")]
+        return [(f"{base}_{m.replace(':', '').replace('/', '_')}", m)
+                for m in self.args.mechanisms.split(",")]
 
     def ring(self, mesh, causal: bool, layout: str) -> Callable:
         spec = RingSpec(mesh.size, causal, layout, self.dims.scale)
@@ -772,9 +786,10 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--mechanism", default="auto", help="pk_jax.ring_attention mechanism")
     ap.add_argument("--mechanisms", default="",
-                    help="time several pk mechanisms, comma-separated (e.g. copy_engine,ld_st,"
-                    "ld_st:8; ld_st:C forces C communicator CTAs); rows pk_<layout>_<mechanism>; "
-                    "overrides --mechanism")
+                    help="time several pk mechanisms, comma-separated, each "
+                    "<mechanism>[:C][/<ring_piece_order>] (e.g. copy_engine,copy_engine/heads,"
+                    "ld_st,ld_st:8; ld_st:C forces C communicator CTAs); rows "
+                    "pk_<layout>_<mechanism>; overrides --mechanism")
     ap.add_argument("--backward", action="store_true",
                     help="time value_and_grad of a weighted sum of the output instead")
     ap.add_argument("--masks", default="none,causal", help="subset of none,causal")

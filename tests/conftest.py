@@ -2,6 +2,7 @@
 fixtures that give GPU meshes or skip with a reason."""
 
 import os
+import re
 
 # Before JAX initializes its backends: CPU tests run on 8 fake host devices
 # (this also holds on GPU machines, where the CPU backend exists beside CUDA).
@@ -12,9 +13,12 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import AxisType, Mesh  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+
+from pk_jax import runtime  # noqa: E402
 
 
 def gpus() -> list:
@@ -51,3 +55,32 @@ def backward_kernel():
     pk_jax.configure(ring_backward_kernel=True)
     yield
     pk_jax.configure(ring_backward_kernel=saved)
+
+
+class _FakeExtension:
+    """What the CUDA lowering rules read from the native module."""
+
+    max_ranks = 16
+    max_slots = 256
+    ll_max_bytes = 16 << 10
+    ll_channels = 32
+    has_gemm = True
+
+
+@pytest.fixture
+def cuda_lowering(monkeypatch):
+    """Pretend the extension and GPUs exist so the CUDA rule runs."""
+    monkeypatch.setattr(runtime, "available", lambda: True)
+    monkeypatch.setattr(runtime, "ensure_ready", lambda: _FakeExtension())
+    monkeypatch.setattr(runtime, "extension", lambda: _FakeExtension())
+
+    def lower(fn, mesh, spec, shape, dtype=jnp.float32):
+        x = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+        return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    return lower
+
+
+def ffi_attr(call: str, name: str) -> str:
+    """The value of FFI attribute `name` in a lowered custom call's attributes."""
+    return re.search(name + r" = (dense<\[?[-\d, ]*\]?>|[-\d]+)", call).group(1)

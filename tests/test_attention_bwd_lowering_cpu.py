@@ -15,8 +15,7 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from pk_jax.ops.attention_bwd_primitive import kernel_problem, pk_attention_block_bwd
 from pk_jax.ops.ring_attention_reference import RingConfig, _block_grads, _positions
-from conftest import cpu_mesh
-from test_lowering_cpu import _attr, cuda_lowering  # noqa: F401 (fixture)
+from conftest import cpu_mesh, ffi_attr
 
 
 def _block_calls(hlo):
@@ -25,7 +24,7 @@ def _block_calls(hlo):
                       r"\} : (\(.*)$", hlo, flags=re.M)
 
 
-def _grad_hlo(mechanism, layout, shape=(1, 2 * 512, 8, 128), n=2):
+def _grad_hlo(mechanism, layout, shape=(1, 2 * 512, 8, 128), n=2, deterministic=False):
     mesh = cpu_mesh((n,), ("sp",))
     spec = P(None, "sp")
     x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
@@ -34,7 +33,8 @@ def _grad_hlo(mechanism, layout, shape=(1, 2 * 512, 8, 128), n=2):
 
     def loss(q, k, v):
         f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(
-            q, k, v, "sp", causal=True, layout=layout, scale=0.25, mechanism=mechanism),
+            q, k, v, "sp", causal=True, layout=layout, scale=0.25, mechanism=mechanism,
+            deterministic=deterministic),
             mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
         return jnp.sum(f(q, k, v).astype(jnp.float32))
 
@@ -56,7 +56,7 @@ def test_ring_backward_calls_the_block_kernel(cuda_lowering, backward_kernel, la
         assert ("zigzag = true" in attrs) == (layout == "zigzag")
         assert "causal = true" in attrs
         assert "scale = 2.500000e-01" in attrs
-        assert _attr(attrs, "n") == "2"
+        assert ffi_attr(attrs, "n") == "2"
         assert "tensor<i32>, tensor<i32>) -> (tensor<1x512x8x128xf32>" in types
     assert "collective_permute" in hlo
     # Only delta = rowsum(dO * O) is a dot left outside the kernel.
@@ -66,6 +66,21 @@ def test_ring_backward_calls_the_block_kernel(cuda_lowering, backward_kernel, la
 def test_xla_mechanism_keeps_the_pure_jax_backward(cuda_lowering, backward_kernel):
     hlo = _grad_hlo("xla", "zigzag")
     assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
+
+
+def test_deterministic_keeps_the_pure_jax_backward(cuda_lowering, backward_kernel):
+    """deterministic=True: einsum block gradients in the ring's fixed order,
+    even with the block kernel switched on."""
+    hlo = _grad_hlo("copy_engine", "zigzag", deterministic=True)
+    assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
+
+
+def test_deterministic_must_be_a_bool():
+    f = jax.shard_map(lambda q: pk_jax.ring_attention(q, q, q, "sp", deterministic="yes"),
+                      mesh=cpu_mesh((2,), ("sp",)), in_specs=P(None, "sp"),
+                      out_specs=P(None, "sp"), check_vma=False)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        jax.eval_shape(f, jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16))
 
 
 def test_backward_kernel_is_opt_in(cuda_lowering):

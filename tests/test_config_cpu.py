@@ -12,13 +12,16 @@ from pk_jax import runtime
 def test_configure_round_trip():
     saved = pk_jax.get_config()
     try:
-        cfg = pk_jax.configure(timeout_s=0.5, ring_backward_kernel=True)
+        cfg = pk_jax.configure(timeout_s=0.5, ring_backward_kernel=True,
+                               ring_piece_order="heads")
+        assert cfg.ring_piece_order == "heads"
         assert cfg.timeout_s == 0.5 and cfg.timeout_ns == 500_000_000
         assert cfg.ring_backward_kernel is True
         assert pk_jax.get_config() == cfg
     finally:
         pk_jax.configure(timeout_s=saved.timeout_s,
-                         ring_backward_kernel=saved.ring_backward_kernel)
+                         ring_backward_kernel=saved.ring_backward_kernel,
+                         ring_piece_order=saved.ring_piece_order)
 
 
 def test_workspace_size_only_before_allocation():
@@ -35,7 +38,8 @@ def test_workspace_size_only_before_allocation():
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(timeout_s=0), "timeout_s"),
-                                          (dict(workspace_bytes=-1), "workspace_bytes")])
+                                          (dict(workspace_bytes=-1), "workspace_bytes"),
+                                          (dict(ring_piece_order="cols"), "ring_piece_order")])
 def test_configure_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pk_jax.configure(**kwargs)
@@ -43,17 +47,17 @@ def test_configure_rejects_bad_values(kwargs, match):
 
 def _config_in_subprocess(env):
     code = ("import pk_jax; c = pk_jax.get_config(); "
-            "print(c.workspace_bytes, c.timeout_s, c.ring_backward_kernel)")
+            "print(c.workspace_bytes, c.timeout_s, c.ring_backward_kernel, c.ring_piece_order)")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
 
 def test_environment_variables(monkeypatch):
     import os
     env = dict(os.environ, PK_JAX_WORKSPACE_BYTES="4096", PK_JAX_TIMEOUT_S="2.5",
-               PK_JAX_RING_BACKWARD_KERNEL="1")
+               PK_JAX_RING_BACKWARD_KERNEL="1", PK_JAX_RING_PIECE_ORDER="heads")
     proc = _config_in_subprocess(env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["4096", "2.5", "True"]
+    assert proc.stdout.split() == ["4096", "2.5", "True", "heads"]
 
 
 @pytest.mark.parametrize("name,raw", [("PK_JAX_TIMEOUT_S", "soon"),

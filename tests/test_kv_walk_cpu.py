@@ -53,28 +53,11 @@ def test_walk(checker, n, zigzag, causal, s_local, tile_k):
         np.testing.assert_array_equal(got, want)
 
 
-def test_checker_catches_a_broken_walk(checker, tmp_path):
-    """The checker must fail when the walk is wrong: rebuild it against a walk
-    that forgets the mask flag."""
+def _broken_run(tmp_path, old: str, new: str, args=("2", "256", "1", "1")):
+    """The checker built against a kv_walk.cuh with `old` replaced by `new`,
+    run on one geometry (n, s_local, zigzag, causal; 128-row tiles)."""
     src = open(os.path.join(ROOT, "csrc", "kernels", "ring_attention", "kv_walk.cuh")).read()
-    broken = src.replace("t.masked = g_.causal &&", "t.masked = false &&")
-    assert broken != src
-    inc = tmp_path / "kernels" / "ring_attention"
-    inc.mkdir(parents=True)
-    (inc / "kv_walk.cuh").write_text(broken)
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    exe = str(tmp_path / "broken")
-    subprocess.run([cxx, "-std=c++17", "-I", str(tmp_path),
-                    os.path.join(ROOT, "tests", "native", "kv_walk_check.cc"), "-o", exe],
-                   check=True)
-    res = subprocess.run([exe, "2", "256", "1", "1", "128", "128"], capture_output=True, text=True)
-    assert res.returncode == 1 and "mask missing" in res.stdout
-
-
-def test_checker_catches_a_misplaced_push(tmp_path):
-    """The push-layout check must fail when a sender writes the wrong slot."""
-    src = open(os.path.join(ROOT, "csrc", "kernels", "ring_attention", "kv_walk.cuh")).read()
-    broken = src.replace("return size_t(k - 1) * row_bytes +", "return size_t(k % (n - 1)) * row_bytes +")
+    broken = src.replace(old, new)
     assert broken != src
     inc = tmp_path / "kernels" / "ring_attention"
     inc.mkdir(parents=True)
@@ -86,5 +69,25 @@ def test_checker_catches_a_misplaced_push(tmp_path):
     subprocess.run([cxx, "-std=c++17", "-I", str(tmp_path),
                     os.path.join(ROOT, "tests", "native", "kv_walk_check.cc"), "-o", exe],
                    check=True)
-    res = subprocess.run([exe, "3", "256", "0", "0", "128", "128"], capture_output=True, text=True)
+    return subprocess.run([exe, *args, "128", "128"], capture_output=True, text=True)
+
+
+def test_checker_catches_a_broken_walk(tmp_path):
+    """The checker must fail when the walk is wrong: a walk that forgets the
+    mask flag."""
+    res = _broken_run(tmp_path, "t.masked = g_.causal &&", "t.masked = false &&")
+    assert res.returncode == 1 and "mask missing" in res.stdout
+
+
+def test_checker_catches_a_misplaced_push(tmp_path):
+    """The push-layout check must fail when a sender writes the wrong slot."""
+    res = _broken_run(tmp_path, "return size_t(k - 1) * row_bytes +",
+                      "return size_t(k % (n - 1)) * row_bytes +", args=("3", "256", "0", "0"))
     assert res.returncode == 1 and "pushed row misplaced" in res.stdout
+
+
+def test_checker_catches_a_broken_piece_plan(tmp_path):
+    """... and when a piece would copy rows another piece is waited for: a
+    plan whose pieces copy to the end of every head."""
+    res = _broken_run(tmp_path, "r1 = u1 < s_local ? u1 : s_local;", "r1 = s_local;")
+    assert res.returncode == 1 and "FAIL plan" in res.stdout

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import groups, runtime
-from conftest import cpu_mesh
+from conftest import cpu_mesh, ffi_attr
 
 
 @pytest.mark.parametrize("names", [("x",), ("y",), ("x", "y"), ("y", "x")])
@@ -29,28 +29,6 @@ def test_groups_follow_axis_index(names):
     assert table.shape == (8 // table.shape[1], int(np.prod([mesh.shape[a] for a in names])))
 
 
-class _FakeExtension:
-    max_ranks = 16
-    max_slots = 256
-    ll_max_bytes = 16 << 10
-    ll_channels = 32
-    has_gemm = True
-
-
-@pytest.fixture
-def cuda_lowering(monkeypatch):
-    """Pretend the extension and GPUs exist so the CUDA rule runs."""
-    monkeypatch.setattr(runtime, "available", lambda: True)
-    monkeypatch.setattr(runtime, "ensure_ready", lambda: _FakeExtension())
-    monkeypatch.setattr(runtime, "extension", lambda: _FakeExtension())
-
-    def lower(fn, mesh, spec, shape, dtype=jnp.float32):
-        x = jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
-        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
-        return f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    return lower
-
-
 def _collectives(hlo: str) -> list[str]:
     """XLA collectives left in a lowered module (StableHLO spelling)."""
     return re.findall(r"stablehlo\.(all_gather|reduce_scatter|all_reduce)", hlo)
@@ -60,28 +38,24 @@ def _calls(hlo):
     return re.findall(r"custom_call @pk_all_gather\(.*?\{(.*?)\}, operand_layouts", hlo)
 
 
-def _attr(call, name):
-    return re.search(name + r" = (dense<\[?[-\d, ]*\]?>|[-\d]+)", call).group(1)
-
-
 def test_kernel_call_replaces_xla_all_gather(cuda_lowering):
     mesh = cpu_mesh((2, 4), ("x", "y"))
     hlo = cuda_lowering(lambda a: pk_jax.all_gather(a, "x", axis=1, tiled=True), mesh,
                         P("x", "y"), (8, 12))
     assert "all_gather" not in hlo.replace("pk_all_gather", "") and "all-gather" not in hlo
     call, = _calls(hlo)
-    assert _attr(call, "group_ids") == "dense<[0, 4, 1, 5, 2, 6, 3, 7]>"
-    assert _attr(call, "group_size") == "2"
+    assert ffi_attr(call, "group_ids") == "dense<[0, 4, 1, 5, 2, 6, 3, 7]>"
+    assert ffi_attr(call, "group_size") == "2"
     # local shard [4, 3] f32 gathered along axis 1: 4 rows of 12 bytes
-    assert _attr(call, "rows") == "4" and _attr(call, "row_bytes") == "12"
-    assert _attr(call, "mechanism") == "3"  # auto, 48 bytes: ld_st_ll (pk_jax/tuning.py)
+    assert ffi_attr(call, "rows") == "4" and ffi_attr(call, "row_bytes") == "12"
+    assert ffi_attr(call, "mechanism") == "3"  # auto, 48 bytes: ld_st_ll (pk_jax/tuning.py)
 
 
 def test_auto_takes_push_above_the_low_latency_limit(cuda_lowering):
     mesh = cpu_mesh((2,), ("x",))
     hlo = cuda_lowering(lambda a: pk_jax.all_gather(a, "x"), mesh, P("x"), (2, 8192))
     call, = _calls(hlo)
-    assert _attr(call, "mechanism") == "2"  # 32 KiB per rank: ld_st_push
+    assert ffi_attr(call, "mechanism") == "2"  # 32 KiB per rank: ld_st_push
 
 
 def test_forced_low_latency_too_large_is_an_error(cuda_lowering):
@@ -99,7 +73,7 @@ def test_staged_channels_get_disjoint_regions(cuda_lowering):
         return pk_jax.all_gather(b, "y", tiled=True, mechanism="copy_engine")[: a.shape[0]]
 
     calls = _calls(cuda_lowering(body, mesh, P("x", "y"), (8, 1024)))
-    (o1, o2) = [int(_attr(c, "data_offset")) for c in calls]
+    (o1, o2) = [int(ffi_attr(c, "data_offset")) for c in calls]
     # x: 2 ranks x [4, 256] f32 = 8 KiB staged; regions are 4 KiB aligned.
     assert o2 >= o1 + 2 * 4 * 256 * 4
 
@@ -113,7 +87,7 @@ def test_channels_per_axis(cuda_lowering):
         return pk_jax.all_gather(c, "x", tiled=True)[: a.shape[0]]
 
     calls = _calls(cuda_lowering(body, mesh, P("x", "y"), (8, 8)))
-    slots = [_attr(c, "slot") for c in calls]
+    slots = [ffi_attr(c, "slot") for c in calls]
     assert len(calls) == 3 and slots[0] == slots[2] != slots[1]
 
 
@@ -187,9 +161,32 @@ def test_ring_attention_forward_is_one_kernel_call(cuda_lowering, layout, causal
     assert ("zigzag = true" in call) == (layout == "zigzag")
     assert ("causal = true" in call) == causal
     assert "scale = 5.000000e-01" in call
-    assert _attr(call, "pieces") == "1"
-    assert _attr(call, "group_size") == "2"
-    assert _attr(call, "group_ids") == "dense<[0, 4, 1, 5, 2, 6, 3, 7]>"
+    assert ffi_attr(call, "pieces") == "1"
+    assert ffi_attr(call, "group_size") == "2"
+    assert ffi_attr(call, "group_ids") == "dense<[0, 4, 1, 5, 2, 6, 3, 7]>"
+
+
+@pytest.mark.parametrize("order,want", [("heads", "5"), ("rows", "4")])
+def test_ring_attention_piece_order(cuda_lowering, order, want):
+    """pk_jax.configure(ring_piece_order=...) reaches the kernel: by heads, K
+    and V go in head-major ([B, Hkv, S, D], one transpose each before the call)
+    and the piece count divides the (head, row) units: a 20 MiB block of 5
+    heads is 5 pieces by heads, but 4 by rows (16384 rows do not split in 5)."""
+    mesh = cpu_mesh((2,), ("sp",))
+    spec = P(None, "sp")
+    saved = pk_jax.get_config().ring_piece_order
+    pk_jax.configure(ring_piece_order=order)
+    try:
+        hlo = cuda_lowering(lambda q: pk_jax.ring_attention(q, q, q, "sp"), mesh, spec,
+                            (1, 2 * 16384, 5, 128), jnp.bfloat16)
+    finally:
+        pk_jax.configure(ring_piece_order=saved)
+    call, = _ring_calls(hlo)
+    assert ("kv_head_major = true" in call) == (order == "heads")
+    assert ffi_attr(call, "pieces") == want
+    operands = re.search(r"custom_call @pk_ring_attention\(.*\} : \((.*?)\) ->", hlo).group(1)
+    kv = "tensor<1x5x16384x128xbf16>" if order == "heads" else "tensor<1x16384x5x128xbf16>"
+    assert operands.split(", ")[1:] == [kv, kv], operands
 
 
 def test_ring_attention_pieces_and_backward(cuda_lowering):
@@ -208,7 +205,8 @@ def test_ring_attention_pieces_and_backward(cuda_lowering):
 
     fwd = jax.jit(loss).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     call, = _ring_calls(fwd)
-    assert _attr(call, "pieces") == "8"
+    assert ffi_attr(call, "pieces") == "8"
+    assert "kv_head_major = false" in call  # the default order: rows
     bwd = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert len(_ring_calls(bwd)) == 1 and "collective_permute" in bwd
     assert _collectives(bwd) == []
@@ -227,8 +225,8 @@ def test_ring_attention_mechanism_attrs(cuda_lowering, mechanism, comm, want_mec
                         mesh, P(None, "sp"), (1, 1024, 4, 128), jnp.bfloat16)
     assert "collective_permute" not in hlo
     call, = _ring_calls(hlo)
-    assert _attr(call, "mechanism") == want_mech
-    assert _attr(call, "num_comm_ctas") == want_comm
+    assert ffi_attr(call, "mechanism") == want_mech
+    assert ffi_attr(call, "num_comm_ctas") == want_comm
 
 
 def test_ring_attention_mechanisms_get_their_own_channels(cuda_lowering):
@@ -245,7 +243,7 @@ def test_ring_attention_mechanisms_get_their_own_channels(cuda_lowering):
 
     calls = _ring_calls(cuda_lowering(body, mesh, P(None, "sp"), (1, 1024, 4, 128),
                                       jnp.bfloat16))
-    slots = [_attr(c, "slot") for c in calls]
-    offsets = [int(_attr(c, "data_offset")) for c in calls]
+    slots = [ffi_attr(c, "slot") for c in calls]
+    offsets = [int(ffi_attr(c, "data_offset")) for c in calls]
     assert len(calls) == 4 and len(set(slots[:3])) == 3 and slots[3] == slots[1]
     assert len(set(offsets[:3])) == 3 and offsets[3] == offsets[1]

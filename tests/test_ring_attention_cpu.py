@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh
+import pk_jax
 from pk_jax.ops import ring_attention_reference as ra
 from pk_jax.ops.ring_attention import ring_attention, zigzag_shard, zigzag_unshard
 
@@ -420,6 +421,28 @@ def test_auto_table_names_kernel_mechanisms():
     assert tuning.RING_ATTENTION_DEFAULT in KERNEL_MECHANISMS
     for n, s, causal in [(2, 100, True), (2, 1 << 20, False), (8, 4096, True)]:
         assert tuning.ring_attention_mechanism(n, s, causal) in KERNEL_MECHANISMS
+
+
+def test_head_major_piece_order_is_the_same_attention(rng):
+    """ring_piece_order="heads" hands the primitive K/V head-major; on CPU its
+    lowering transposes them back: outputs and gradients equal the row order's."""
+    n, s = 2, 2 * 256
+    q, k, v = _qkv(rng, 2, s, 4, 2, 64, jnp.bfloat16)
+    results = []
+    saved = pk_jax.get_config().ring_piece_order
+    try:
+        for order in ("rows", "heads"):
+            pk_jax.configure(ring_piece_order=order)
+            ring = _sharded(cpu_mesh((n,), ("sp",)), "zigzag", causal=True,
+                            mechanism="copy_engine")
+            loss = lambda *x: jnp.sum(ring(*x).astype(jnp.float32) ** 2)
+            results.append((jax.jit(ring)(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)))
+    finally:
+        pk_jax.configure(ring_piece_order=saved)
+    (out_r, g_r), (out_h, g_h) = results
+    np.testing.assert_array_equal(np.asarray(out_h, np.float32), np.asarray(out_r, np.float32))
+    for a, b in zip(g_h, g_r):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_copy_engine_lowers_to_kernel_primitive():

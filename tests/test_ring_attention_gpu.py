@@ -203,6 +203,30 @@ def test_sequence_lengths(mechanism, causal, layout, b, s_local, hq, hkv):
                    f"{mechanism} causal={causal} {layout} b={b} s_local={s_local}")
 
 
+# Small pieces (8 per block) on small blocks, in both piece orders: pieces that
+# split a head's rows (MQA, 2 K/V heads), that hold several heads (8 K/V
+# heads), that start and end inside heads (3 K/V heads), batches > 1 (one 2-D
+# copy per batch by heads), both layouts.
+@pytest.mark.parametrize("order", ["heads", "rows"])
+@pytest.mark.parametrize("causal,layout,b,s_local,hq,hkv,d", [
+    (True, "zigzag", 2, 1024, 8, 1, 128),
+    (False, "contiguous", 1, 2048, 16, 2, 64),
+    (True, "contiguous", 3, 512, 8, 8, 128),
+    (False, "zigzag", 2, 1024, 16, 8, 64),
+    (True, "contiguous", 1, 1024, 6, 3, 128),  # pieces start and end inside heads
+])
+def test_piece_orders(monkeypatch, order, causal, layout, b, s_local, hq, hkv, d):
+    from pk_jax.ops import ring_attention_primitive as prim
+    monkeypatch.setattr(prim, "PIECE_BYTES", 1024)  # always the most pieces
+    saved = pk_jax.get_config().ring_piece_order
+    pk_jax.configure(ring_piece_order=order)
+    try:
+        _run_and_check(2, "copy_engine", causal, layout, b, s_local, hq, hkv, d, jnp.bfloat16,
+                       f"pieces by {order}, causal={causal} {layout} b={b} hkv={hkv} d={d}")
+    finally:
+        pk_jax.configure(ring_piece_order=saved)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("causal,layout", CASES[:3])

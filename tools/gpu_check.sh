@@ -68,7 +68,8 @@ fi
 # after every group, so a timeout keeps what was measured.
 if stage ring; then
   echo "== ring attention (pk against the cuDNN ring, the einsum ring and the one-GPU ideal)"
-  (cd benchmarks && timeout 300 python3 ring_attention.py --seqs 16384,32768,65536) 2>&1 \
+  (cd benchmarks && timeout 330 python3 ring_attention.py --seqs 16384,32768,65536 \
+    --mechanisms copy_engine,copy_engine/heads,ld_st) 2>&1 \
     | tee "$OUT/ring_attention.log" | grep -E "^(!!!!|--|total)" | tail -12
 fi
 

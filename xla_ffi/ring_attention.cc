@@ -28,7 +28,8 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Span<const int64_t> group_ids, int64_t group_size,
                              int64_t slot, int64_t data_offset, int64_t timeout_ns,
                              int32_t skip_post_rank, float scale, bool causal, bool zigzag,
-                             int64_t pieces, int64_t mechanism, int64_t num_comm_ctas) {
+                             int64_t pieces, bool kv_head_major, int64_t mechanism,
+                             int64_t num_comm_ctas) {
   ffi_common::GroupContext ctx;
   if (ffi::Error e = ffi_common::make_group_context(kOp, kOpRingAttention, ordinal, group_ids,
                                                     group_size, timeout_ns, &ctx);
@@ -42,10 +43,13 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
       v.element_type() != t || out->element_type() != t)
     return invalid("q, k, v and out must all be bfloat16 or all float16");
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  // k, v: [B, S, Hkv, D], or [B, Hkv, S, D] when head-major.
+  const int seq_dim = kv_head_major ? 2 : 1, head_dim_k = kv_head_major ? 1 : 2;
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] ||
-      qd[1] != kd[1] || qd[3] != kd[3] || vd[0] != kd[0] || vd[1] != kd[1] ||
+      qd[1] != kd[seq_dim] || qd[3] != kd[3] || vd[0] != kd[0] || vd[1] != kd[1] ||
       vd[2] != kd[2] || vd[3] != kd[3])
-    return invalid("expected q [B, S, Hq, D] and k, v [B, S, Hkv, D]");
+    return invalid(kv_head_major ? "expected q [B, S, Hq, D] and k, v [B, Hkv, S, D]"
+                                 : "expected q [B, S, Hq, D] and k, v [B, S, Hkv, D]");
 
   ring_attention::Params p;
   const ffi_common::Group& g = ctx.group;
@@ -57,12 +61,13 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.lse = lse->typed_data();
   p.batch = int(qd[0]);
   p.q_heads = int(qd[2]);
-  p.kv_heads = int(kd[2]);
+  p.kv_heads = int(kd[head_dim_k]);
   p.head_dim = int(qd[3]);
   p.dtype = t == ffi::DataType::BF16 ? ring_attention::DType::kBF16 : ring_attention::DType::kF16;
   p.scale = scale;
   p.geo = ring_attention::Geometry{g.rank, g.n, int(qd[1]), zigzag, causal};
   p.pieces = int(pieces);
+  p.by_heads = kv_head_major;
   p.skip_post = skip_post_rank == g.rank;
   if (mechanism == int64_t(ring_attention::Mechanism::kCopyEngine)) {
     p.mechanism = ring_attention::Mechanism::kCopyEngine;
@@ -120,6 +125,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("causal")
         .Attr<bool>("zigzag")
         .Attr<int64_t>("pieces")
+        .Attr<bool>("kv_head_major")                  // k, v [B, Hkv, S, D], pieces by heads
         .Attr<int64_t>("mechanism")                   // 0: copy_engine, 1: ld_st
         .Attr<int64_t>("num_comm_ctas"),              // ld_st: communicator CTAs
     {ffi::Traits::kCmdBufferCompatible});

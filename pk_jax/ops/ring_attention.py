@@ -51,7 +51,7 @@ from pk_jax import groups, runtime, tuning
 from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
 from pk_jax.ops.ring_attention_primitive import (DEFAULT_COMM_CTAS, KERNEL_MECHANISMS,
-                                                 MAX_COMM_CTAS, kernel_problem, ring_attention_p)
+                                                 MAX_COMM_CTAS, fused_forward, kernel_problem)
 from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference, ring_reference_bwd
 
 MECHANISMS = ("auto", "copy_engine", "ld_st", "xla")
@@ -150,8 +150,7 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfig:
 # ---- forward (kernel or reference) and the ring backward ------------------------
 def _forward(q, k, v, cfg: RingConfig, comm_ctas: int):
     if cfg.mechanism in KERNEL_MECHANISMS:
-        return tuple(ring_attention_p.bind(
-            q, k, v, cfg=cfg, num_comm_ctas=comm_ctas if cfg.mechanism == "ld_st" else 0))
+        return fused_forward(q, k, v, cfg, comm_ctas if cfg.mechanism == "ld_st" else 0)
     return ring_reference(q, k, v, cfg)
 
 
@@ -181,7 +180,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                    axis_name: str | Sequence[str], *, causal: bool = False,
                    scale: float | None = None, layout: str = "contiguous",
                    return_lse: bool = False, mechanism: str = "auto",
-                   num_comm_ctas: int | None = None):
+                   num_comm_ctas: int | None = None, deterministic: bool = False):
     """Attention over a sequence sharded along `axis_name`; equal to
     `jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)` on
     the whole (unsharded) sequence, this device's rows.
@@ -213,6 +212,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         ring); see the module docstring.
       num_comm_ctas: "ld_st" only (or "auto", should it pick ld_st): the
         communicator CTAs (SMs) pushing K/V, 1..32; None: 16.
+      deterministic: bitwise-reproducible gradients: the backward's block
+        gradients are computed as einsums in the ring's fixed order, never by
+        the block-backward kernel (whose dq reduce-adds land in arrival
+        order; see `pk_jax.configure(ring_backward_kernel=...)`). The
+        forward is deterministic either way.
 
     Returns:
       out [B, S_local, Hq, D] in q's dtype, and with return_lse also the
@@ -223,11 +227,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     cfg, comm_ctas = _validate(q, k, v, axis_name, causal, scale, layout, mechanism,
                                num_comm_ctas)
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"pk_jax.ring_attention: deterministic must be a bool, got "
+                        f"{type(deterministic).__name__}")
+    cfg = dataclasses.replace(cfg, deterministic=bool(deterministic))
     q, k, v = (make_varying(x, cfg.names) for x in (q, k, v))
     if cfg.mechanism == "xla" and cfg.n == 1 and not return_lse:
         # One rank holds the whole sequence in natural order (zigzag with one
-        # rank is the identity): XLA's own attention (cuDNN where it applies)
-        # is what "xla" means here, and the fair baseline for the kernel.
+        # rank is the identity): XLA's own attention (jax.nn's default
+        # implementation, not cuDNN) is what "xla" means here.
         return jax.nn.dot_product_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal)
     out, lse = _attend(q, k, v, cfg, comm_ctas)
     return (out, lse) if return_lse else out

@@ -1,9 +1,10 @@
 """The primitive of the fused ring attention forward.
 
-`pk_ring_attention`: q [B, S, Hq, D], k, v [B, S, Hkv, D] (this rank's tokens)
--> (out [B, S, Hq, D], lse [B, Hq, S] float32). Parameters: `cfg` (its
-mechanism "copy_engine" or "ld_st") and `num_comm_ctas` (ld_st: the
-communicator CTAs; copy_engine: 0).
+`pk_ring_attention`: q [B, S, Hq, D], k, v [B, S, Hkv, D] (this rank's tokens;
+[B, Hkv, S, D] with kv_head_major) -> (out [B, S, Hq, D], lse [B, Hq, S] float32).
+Parameters: `cfg` (its mechanism "copy_engine" or "ld_st"), `num_comm_ctas`
+(ld_st: the communicator CTAs; copy_engine: 0) and `kv_head_major` (K/V
+handed head-major, posted in pieces by heads: copy_engine only).
 
 Lowering: on CUDA with the extension built with CUTLASS, the FFI kernel of
 xla_ffi/ring_attention.cc (copy engines, or communicator CTAs inside the
@@ -23,6 +24,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import runtime
+from pk_jax.config import get_config
 from pk_jax.ops._lowering import channel_attrs, group_table, kernels_missing
 from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference
 
@@ -59,12 +61,14 @@ def kernel_problem(q, k, cfg: RingConfig) -> str | None:
     return None
 
 
-def pieces(k_shape) -> int:
+def pieces(k_shape, by_heads: bool) -> int:
     """Pieces a peer's K (or V) block is posted in: ~PIECE_BYTES each, at most
-    MAX_PIECES, dividing S_local. Fixed per channel (it is part of the key)."""
+    MAX_PIECES, dividing the block's units (rows, or (head, row) pairs when
+    cut by heads; kv_walk.cuh's PiecePlan). Fixed per channel (part of its key)."""
     b, s_local, hkv, d = k_shape
+    units = s_local * hkv if by_heads else s_local
     p = int(np.clip((b * s_local * hkv * d * 2) // PIECE_BYTES, 1, MAX_PIECES))
-    while s_local % p:
+    while units % p:
         p -= 1
     return p
 
@@ -74,34 +78,57 @@ def region_bytes(n: int, k_shape) -> int:
     return 2 * (n - 1) * int(np.prod(k_shape)) * 2 if n > 1 else 0
 
 
+def _head_major(x):
+    """[B, S, H, D] <-> [B, H, S, D]."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def fused_forward(q, k, v, cfg: RingConfig, num_comm_ctas: int) -> tuple[jax.Array, jax.Array]:
+    """(out, lse) of the fused kernel for [B, S, H, D] q/k/v. For copy_engine
+    with `pk_jax.configure(ring_piece_order="heads")` K and V go head-major
+    first (one XLA transpose each) so the copy engines post them by head
+    groups."""
+    head_major = (get_config().ring_piece_order == "heads" and cfg.n > 1
+                  and cfg.mechanism == "copy_engine")
+    if head_major:
+        k, v = _head_major(k), _head_major(v)
+    return tuple(ring_attention_p.bind(q, k, v, cfg=cfg, num_comm_ctas=num_comm_ctas,
+                                       kv_head_major=head_major))
+
+
 # ---- abstract evaluation ------------------------------------------------------
-def _abstract(q, k, v, *, cfg: RingConfig, num_comm_ctas: int = 0):
+def _abstract(q, k, v, *, cfg: RingConfig, num_comm_ctas: int, kv_head_major: bool):
     b, s, hq, _ = q.shape
     return q.update(), q.update(shape=(b, hq, s), dtype=jnp.float32)
 
 
 # ---- reference lowering (every platform but CUDA) ------------------------------
-def _reference(ctx, q, k, v, *, cfg: RingConfig, num_comm_ctas: int = 0):
-    fn = lambda a, b, c: ring_reference(a, b, c, cfg)
+def _reference(ctx, q, k, v, *, cfg: RingConfig, num_comm_ctas: int, kv_head_major: bool):
+    def fn(a, b, c):
+        if kv_head_major:
+            b, c = _head_major(b), _head_major(c)
+        return ring_reference(a, b, c, cfg)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, q, k, v)
 
 
 # ---- CUDA lowering -----------------------------------------------------------
-def _cuda(ctx, q, k, v, *, cfg: RingConfig, num_comm_ctas: int = 0):
+def _cuda(ctx, q, k, v, *, cfg: RingConfig, num_comm_ctas: int, kv_head_major: bool):
     # The kernel needs CUTLASS like the GEMMs: the same build check.
     if kernels_missing("ring_attention", need_gemm=True):
-        return _reference(ctx, q, k, v, cfg=cfg, num_comm_ctas=num_comm_ctas)
+        return _reference(ctx, q, k, v, cfg=cfg, num_comm_ctas=num_comm_ctas,
+                          kv_head_major=kv_head_major)
     mechanism = KERNEL_MECHANISMS[cfg.mechanism]
     comm = int(num_comm_ctas) if cfg.mechanism == "ld_st" else 0
-    _, k_aval, _ = ctx.avals_in
+    b, x, y, d = ctx.avals_in[1].shape
+    k_shape = (b, y, x, d) if kv_head_major else (b, x, y, d)  # [B, S, Hkv, D]
     _, table = group_table(ctx, "ring_attention", cfg.names, cfg.n)
-    n_pieces = pieces(k_aval.shape)
+    n_pieces = pieces(k_shape, kv_head_major)
     # Per mechanism: the ld_st arrival counters count `comm` adds per call.
-    ch = runtime.channel(("ring_attention", cfg.mechanism, comm, table.tobytes(), n_pieces),
-                         region_bytes(cfg.n, k_aval.shape))
+    ch = runtime.channel(("ring_attention", cfg.mechanism, comm, table.tobytes(), n_pieces,
+                          kv_head_major), region_bytes(cfg.n, k_shape))
     return jax.ffi.ffi_lowering("pk_ring_attention")(
         ctx, q, k, v, scale=np.float32(cfg.scale), causal=bool(cfg.causal),
-        zigzag=cfg.layout == "zigzag", pieces=np.int64(n_pieces),
+        zigzag=cfg.layout == "zigzag", pieces=np.int64(n_pieces), kv_head_major=kv_head_major,
         mechanism=np.int64(mechanism), num_comm_ctas=np.int64(comm),
         **channel_attrs(table, ch))
 

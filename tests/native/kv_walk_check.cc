@@ -6,7 +6,10 @@
 // layout (PushLayout, shared by both mechanisms' pushes): every rank's block
 // lands, batch by batch and piece by piece, exactly where the receiving
 // rank's walk reads it at the matching ring step, and the senders' slots
-// tile each region once.
+// tile each region once. Last, every piece plan of the block (PiecePlan, by
+// rows and by heads, 1-8 pieces, several K/V head counts): the rows each
+// piece copies are exactly the units piece_of() assigns to it, and every unit
+// is copied once.
 // Usage: kv_walk_check n s_local zigzag causal tile_q tile_k
 // Prints the global token of every row of every rank's block, then "OK", or
 // the first violation (exit code 1).
@@ -22,6 +25,7 @@ using pk::ring_attention::Geometry;
 using pk::ring_attention::KvTile;
 using pk::ring_attention::KvWalk;
 using pk::ring_attention::PushLayout;
+using pk::ring_attention::PiecePlan;
 
 namespace {
 
@@ -66,6 +70,44 @@ int check_push(int n, int s_local, int batch, int pieces) {
     for (size_t j = 0; j < hits.size(); ++j)
       if (hits[j] != 1) return fail("region row not written exactly once", q, 0, 0, int(j));
   }
+  return 0;
+}
+
+// 0 when the plan's copies (first_head/last_head/rows) and its waits
+// (piece_of) agree and cover every unit once.
+int check_plan(const PiecePlan& plan) {
+  std::vector<int> copies(size_t(plan.kv_heads) * plan.s_local, 0);
+  for (int i = 0; i < plan.pieces; ++i) {
+    for (int h = plan.first_head(i); h <= plan.last_head(i); ++h) {
+      int r0, r1;
+      plan.rows(i, h, r0, r1);
+      if (r0 >= r1) return std::printf("FAIL plan: piece %d copies no row of head %d\n", i, h), 1;
+      for (int r = r0; r < r1; ++r) {
+        if (plan.piece_of(h, r) != i)
+          return std::printf("FAIL plan: head %d row %d copied by piece %d, waited as %d\n", h, r,
+                             i, plan.piece_of(h, r)), 1;
+        ++copies[size_t(h) * plan.s_local + r];
+      }
+    }
+  }
+  for (size_t u = 0; u < copies.size(); ++u)
+    if (copies[u] != 1)
+      return std::printf("FAIL plan: head %zu row %zu copied %d times\n", u / plan.s_local,
+                         u % plan.s_local, copies[u]), 1;
+  return 0;
+}
+
+int check_plans(int s_local) {
+  for (int kv_heads : {1, 2, 3, 4, 12, 16})
+    for (int pieces = 1; pieces <= 8; ++pieces)
+      for (bool by_heads : {false, true}) {
+        const PiecePlan plan{pieces, by_heads, kv_heads, s_local};
+        if (!plan.valid()) continue;
+        if (check_plan(plan)) {
+          std::printf("  (kv_heads %d, pieces %d, by_heads %d)\n", kv_heads, pieces, by_heads);
+          return 1;
+        }
+      }
   return 0;
 }
 
@@ -122,6 +164,7 @@ int main(int argc, char** argv) {
     for (int pieces = 1; pieces <= 8; ++pieces)
       if (s_local % pieces == 0)
         if (int err = check_push(n, s_local, batch, pieces)) return err;
+  if (check_plans(s_local)) return 1;
   std::printf("OK\n");
   return 0;
 }

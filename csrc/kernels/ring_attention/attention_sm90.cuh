@@ -156,9 +156,12 @@ struct AttentionKernel {
   using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
 
-  static Stride stride(int seq_rows_per_batch, int heads) {
+  // [B, rows, heads, D] (row-major) or [B, heads, rows, D] (head-major).
+  static Stride stride(int rows, int heads, bool head_major = false) {
+    if (head_major)
+      return Stride{kHeadDim, cute::_1{}, cute::make_tuple(heads * rows * kHeadDim, rows * kHeadDim)};
     return Stride{heads * kHeadDim, cute::_1{},
-                  cute::make_tuple(seq_rows_per_batch * heads * kHeadDim, kHeadDim)};
+                  cute::make_tuple(rows * heads * kHeadDim, kHeadDim)};
   }
 
   static cudaError_t launch(const KernelArgs& a) {
@@ -169,10 +172,10 @@ struct AttentionKernel {
         {p.batch, p.q_heads, g.s_local, g.s_local, kHeadDim},
         {static_cast<const Element*>(p.q), stride(g.s_local, p.q_heads),
          static_cast<const Element*>(p.k), static_cast<const Element*>(p.v),
-         stride(g.s_local, p.kv_heads), static_cast<const Element*>(a.k_peers),
-         static_cast<const Element*>(a.v_peers), stride(peer_rows, p.kv_heads),
+         stride(g.s_local, p.kv_heads, p.by_heads), static_cast<const Element*>(a.k_peers),
+         static_cast<const Element*>(a.v_peers), stride(peer_rows, p.kv_heads, p.by_heads),
          RingArgs{g, p.q_heads / p.kv_heads, p.kv_heads, p.ch.mine()->posted,
-                  &p.ch.mine()->epoch, p.ch.wait, p.scale, p.pieces}},
+                  &p.ch.mine()->epoch, p.ch.wait, p.scale, p.plan()}},
         {static_cast<Element*>(p.out), stride(g.s_local, p.q_heads), p.lse,
          cute::make_tuple(cute::_1{}, cute::make_tuple(p.q_heads * g.s_local, g.s_local))},
         cutlass::KernelHardwareInfo{0, p.sm_count}};

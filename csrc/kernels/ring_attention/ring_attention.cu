@@ -22,27 +22,61 @@ PushLayout push_layout(const Params& p) {
 // n - 1 blocks.
 size_t v_offset(const Params& p) { return push_layout(p).v_offset(); }
 
+// Piece `i` of our block `src` (K or V) into our slot of peer(k)'s region
+// half `dst` (K's or V's), in the layout the plan says (ring_attention.h).
+// Every copy is a plain 2-D copy with rows of at least a head's piece rows:
+// narrow, strided gathers are not pure copy-engine work (they took SMs that a
+// spinning attention kernel never frees; benchmarks/NOTES.md, run 5).
+cudaError_t copy_piece(const Params& p, char* dst, const void* src, int k, int i,
+                       cudaStream_t stream) {
+  const Geometry& g = p.geo;
+  const PiecePlan plan = p.plan();
+  const char* from = static_cast<const char*>(src);
+  if (!plan.by_heads) {
+    // Row-major [B, S, Hkv, D] slots (PushLayout): one 2-D copy, a row per batch.
+    const PushLayout L = push_layout(p);
+    const size_t off = size_t(i) * L.piece_bytes();
+    return cudaMemcpy2DAsync(dst + L.slot(k, 0) + off, L.pitch(), from + off, L.row_bytes,
+                             L.piece_bytes(), p.batch, cudaMemcpyDeviceToDevice, stream);
+  }
+  // Head-major source [B, Hkv, S, D] into the head-major region
+  // [B, Hkv, (n - 1) * S, D]: per batch, one 2-D copy per run of heads whose
+  // rows in this piece are the same (whole heads, or one head's row range).
+  const size_t line = size_t(p.head_dim) * 2;  // one head of one row
+  const size_t src_head = size_t(g.s_local) * line, dst_head = size_t(g.n - 1) * src_head;
+  for (int b = 0; b < p.batch; ++b) {
+    for (int h = plan.first_head(i); h <= plan.last_head(i);) {
+      int r0, r1;
+      plan.rows(i, h, r0, r1);
+      int h_end = h + 1;  // heads [h, h_end) share rows [r0, r1)
+      for (int e0, e1; h_end <= plan.last_head(i); ++h_end) {
+        plan.rows(i, h_end, e0, e1);
+        if (e0 != r0 || e1 != r1) break;
+      }
+      const size_t bh = size_t(b) * p.kv_heads + h;
+      const size_t row = size_t(k - 1) * g.s_local + r0;  // our slot is k - 1
+      PK_CUDA_TRY(cudaMemcpy2DAsync(dst + bh * dst_head + row * line, dst_head,
+                                    from + bh * src_head + size_t(r0) * line, src_head,
+                                    size_t(r1 - r0) * line, h_end - h, cudaMemcpyDeviceToDevice,
+                                    stream));
+      h = h_end;
+    }
+  }
+  return cudaSuccess;
+}
+
 // Push our K and V blocks to every peer on the side stream, posting each
 // piece with a stream copy of its stamp (see ring_attention.h).
 cudaError_t push_blocks(const Params& p) {
   const Geometry& g = p.geo;
   const PushLayout L = push_layout(p);
-  const size_t row_bytes = L.row_bytes;
-  const size_t piece_bytes = L.piece_bytes();
   for (int k = 1; k < g.n; ++k) {
     const int q = L.peer(k);
-    // Our block is slot k - 1 of q's region; batch b's rows sit n - 1 blocks apart.
-    char* k_dst = p.region[q] + L.slot(k, 0);
-    char* v_dst = k_dst + L.v_offset();
-    const size_t pitch = L.pitch();
+    char* k_half = p.region[q];
+    char* v_half = k_half + L.v_offset();
     for (int i = 0; i < p.pieces; ++i) {
-      const size_t off = size_t(i) * piece_bytes;
-      PK_CUDA_TRY(cudaMemcpy2DAsync(k_dst + off, pitch, static_cast<const char*>(p.k) + off,
-                                    row_bytes, piece_bytes, p.batch, cudaMemcpyDeviceToDevice,
-                                    p.side_stream));
-      PK_CUDA_TRY(cudaMemcpy2DAsync(v_dst + off, pitch, static_cast<const char*>(p.v) + off,
-                                    row_bytes, piece_bytes, p.batch, cudaMemcpyDeviceToDevice,
-                                    p.copy_stream));
+      PK_CUDA_TRY(copy_piece(p, k_half, p.k, k, i, p.side_stream));
+      PK_CUDA_TRY(copy_piece(p, v_half, p.v, k, i, p.copy_stream));
       // Reusing one event is safe: each wait binds to the record before it.
       PK_CUDA_TRY(cudaEventRecord(p.copy_done, p.copy_stream));
       PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.copy_done, 0));
@@ -84,10 +118,9 @@ bool supported(const Params& p) {
   const int tile_k = p.head_dim == 64 ? 64 : 128;
   return available() && (p.head_dim == 64 || p.head_dim == 128) && p.kv_heads > 0 &&
          p.q_heads % p.kv_heads == 0 && g.s_local > 0 && g.chunk_rows() % kTileQ == 0 &&
-         g.chunk_rows() % tile_k == 0 && p.pieces >= 1 && p.pieces <= kMaxPieces &&
-         g.s_local % p.pieces == 0 &&
+         g.chunk_rows() % tile_k == 0 && p.pieces <= kMaxPieces && p.plan().valid() &&
          (p.mechanism == Mechanism::kCopyEngine ||
-          (p.mechanism == Mechanism::kLdSt && p.num_comm_ctas >= 1 &&
+          (p.mechanism == Mechanism::kLdSt && !p.by_heads && p.num_comm_ctas >= 1 &&
            p.num_comm_ctas <= kMaxCommCtas &&
            // the communicator CTAs' 16-byte vectors (TMA needs as much)
            (reinterpret_cast<uintptr_t>(p.k) | reinterpret_cast<uintptr_t>(p.v)) % 16 == 0));

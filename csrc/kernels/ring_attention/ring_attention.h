@@ -21,7 +21,10 @@
 // q's posted[r]; the compute CTAs and their per-piece waits are the same;
 // then finish.
 // The region holds n - 1 peer blocks, K then V: [B, (n - 1) * s_local, Hkv, D]
-// each (PushLayout, kv_walk.cuh). (A ring would forward blocks hop by hop through a double buffer; on
+// each (PushLayout, kv_walk.cuh) when pieces are cut by rows, [B, Hkv,
+// (n - 1) * s_local, D] when they are cut by heads (copy_engine only; the
+// caller then hands K and V in head-major too). (A ring would forward blocks
+// hop by hop through a double buffer; on
 // NVLink switches every pair has full bandwidth, so direct pushes move the
 // same bytes per link without the forwarding chain, for (n - 1) blocks of
 // memory instead of 2.)
@@ -52,7 +55,7 @@ inline constexpr int kMaxCommCtas = 32;
 
 struct Params {
   const void* q = nullptr;  // [B, s_local, Hq, D]
-  const void* k = nullptr;  // [B, s_local, Hkv, D]
+  const void* k = nullptr;  // [B, s_local, Hkv, D] (by_heads: [B, Hkv, s_local, D])
   const void* v = nullptr;
   void* out = nullptr;      // [B, s_local, Hq, D]
   float* lse = nullptr;     // [B, Hq, s_local], natural log, scale included
@@ -61,6 +64,8 @@ struct Params {
   float scale = 1.0f;
   Geometry geo{};
   int pieces = 1;           // pieces each peer's block is posted in (fixed per channel)
+  bool by_heads = false;    // k, v are [B, Hkv, S, D] and pieces cut head-major
+                            // units, else [B, S, Hkv, D] and rows (kv_walk.cuh)
   bool skip_post = false;   // testing: push the data but never post it
   Mechanism mechanism = Mechanism::kCopyEngine;
   int num_comm_ctas = kDefaultCommCtas;  // ld_st only: 1..kMaxCommCtas
@@ -73,6 +78,8 @@ struct Params {
   cudaEvent_t join = nullptr;
   cudaStream_t copy_stream = nullptr;  // V's copies, beside K's on side_stream
   cudaEvent_t copy_done = nullptr;
+
+  PiecePlan plan() const { return {pieces, by_heads, kv_heads, geo.s_local}; }
 };
 
 // Bytes of one rank's K (or V) block.

@@ -39,7 +39,7 @@ struct RingArgs {
   const uint64_t* epoch = nullptr;   // our channel's completed-call count
   WaitContext wait{};
   float scale = 1.0f;
-  int pieces = 1;                    // each peer's block is posted in pieces of rows
+  PiecePlan plan{};                  // how each peer's block is cut into posted pieces
 };
 
 template <class Element, class TileShape, class Stride>
@@ -195,18 +195,20 @@ struct RingMainloop
 
     if (lane_predicate) {
       const uint64_t epoch = *reinterpret_cast<const volatile uint64_t*>(p.ring.epoch) + 1;
-      const int piece_rows = g.s_local / p.ring.pieces;
+      const int kv_head = int(get<2, 1>(kv_blk));
+      const int pieces = p.ring.plan.pieces;
       int waited_step = 0, waited_piece = -1;  // the last piece known to be here
       KvWalk walk = make_walk(blk, p);
       KvTile t;
       bool first = true;
       while (walk.next(t)) {
-        // The walk visits a peer's rows in order, so waiting for the piece
-        // of a tile's last row covers the whole tile.
-        const int piece = (t.row + kTileK - 1) / piece_rows;
+        // The walk visits a peer's rows in order and a piece holds
+        // consecutive rows of a head, so waiting for the piece of a tile's
+        // last row covers the whole tile.
+        const int piece = p.ring.plan.piece_of(kv_head, t.row + kTileK - 1);
         if (t.step > 0 && (t.step != waited_step || piece > waited_piece)) {
           const int src = (g.rank - t.step + g.n) % g.n;
-          const uint64_t target = (epoch - 1) * uint64_t(p.ring.pieces) + piece + 1;
+          const uint64_t target = (epoch - 1) * uint64_t(pieces) + piece + 1;
           wait_geq(p.ring.posted + src, target, p.ring.wait, src, kWaitPiece);
           // The copy engine wrote the rows; TMA reads them through the async proxy.
           asm volatile("fence.proxy.async.global;" ::: "memory");
