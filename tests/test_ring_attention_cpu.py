@@ -347,38 +347,22 @@ def test_other_mesh_axes_keep_their_varying_type(rng):
 
 
 # ---- the fused path's plumbing (primitive + custom_vjp; CPU lowers it to the ring)
+@pytest.mark.parametrize("mechanism,n,kw", [("copy_engine", 2, {}),
+                                            ("ld_st", 8, dict(num_comm_ctas=4))])
 @pytest.mark.parametrize("bwd_kernel", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_copy_engine_path_values_and_grads(rng, request, layout, bwd_kernel):
-    """mechanism="copy_engine" binds the kernel primitive (on CPU it lowers to
-    the reference ring); values, lse and gradients match plain attention,
-    with the backward's block gradients as einsums or as the block-kernel
-    primitive (whose CPU lowering is the same einsums)."""
+def test_fused_path_values_and_grads(rng, request, layout, bwd_kernel, mechanism, n, kw):
+    """The fused mechanisms bind the kernel primitive (ld_st with its
+    communicator CTA count; on CPU it lowers to the reference ring): values,
+    lse and gradients match plain attention, with the backward's block
+    gradients as einsums or as the block-kernel primitive (whose CPU lowering
+    is the same einsums)."""
     if bwd_kernel:
         request.getfixturevalue("backward_kernel")
-    n, s = 2, 2 * 256
+    s = n * 256
     q, k, v = _qkv(rng, 1, s, 4, 2, 64, jnp.bfloat16)
     ring = _sharded(cpu_mesh((n,), ("sp",)), layout, return_lse=True, causal=True,
-                    mechanism="copy_engine")
-    out, lse = jax.jit(ring)(q, k, v)
-    assert _rel(out, _reference(q, k, v, True)) < 2e-2
-    assert _rel(lse, _reference_lse(q, k, v, True)) < 1e-2
-    loss = lambda f: (lambda *x: jnp.sum(f(*x)[0].astype(jnp.float32) ** 2))
-    ours = jax.jit(jax.grad(loss(ring), (0, 1, 2)))(q, k, v)
-    refs = jax.jit(jax.grad(loss(lambda *x: (_reference(*x, True),)), (0, 1, 2)))(q, k, v)
-    for a, b in zip(ours, refs):
-        assert _rel(a, b) < 3e-2
-
-
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_ld_st_path_values_and_grads(rng, layout):
-    """mechanism="ld_st" binds the same kernel primitive with its
-    communicator CTA count (on CPU it lowers to the reference ring): on 8
-    devices values, lse and gradients match plain attention."""
-    n, s = 8, 8 * 256
-    q, k, v = _qkv(rng, 1, s, 4, 2, 64, jnp.bfloat16)
-    ring = _sharded(cpu_mesh((n,), ("sp",)), layout, return_lse=True, causal=True,
-                    mechanism="ld_st", num_comm_ctas=4)
+                    mechanism=mechanism, **kw)
     out, lse = jax.jit(ring)(q, k, v)
     assert _rel(out, _reference(q, k, v, True)) < 2e-2
     assert _rel(lse, _reference_lse(q, k, v, True)) < 1e-2

@@ -32,13 +32,12 @@ from jax.interpreters import mlir
 from pk_jax import runtime
 from pk_jax._compat import make_varying, varying_axes
 from pk_jax.ops._lowering import kernels_missing
+from pk_jax.ops.ring_attention_primitive import operand_problem
 from pk_jax.ops.ring_attention_reference import RingConfig, _block_grads, _positions
 
 attention_block_bwd_p = Primitive("pk_attention_block_bwd")
 attention_block_bwd_p.multiple_results = True
 
-HEAD_DIMS = (64, 128)
-DTYPES = (jnp.bfloat16, jnp.float16)
 TILE_KV = 128  # K/V rows per CTA (csrc/kernels/attention_bwd/attention_bwd.h)
 
 
@@ -49,13 +48,9 @@ def tile_q(head_dim: int) -> int:
 
 def kernel_problem(q, k, cfg: RingConfig) -> str | None:
     """None when the kernel takes this block pair, else why it does not."""
-    if q.dtype not in DTYPES:
-        return f"dtype {q.dtype} (the kernel takes bfloat16 and float16)"
-    if k.dtype != q.dtype:
-        return f"q is {q.dtype} but k/v are {k.dtype} (the kernel needs one dtype)"
+    if why := operand_problem(q, k):
+        return why
     d = q.shape[3]
-    if d not in HEAD_DIMS or k.shape[3] != d:
-        return f"head_dim {d} (the kernel takes {HEAD_DIMS})"
     hq, hkv = q.shape[2], k.shape[2]
     if hkv == 0 or hq % hkv:
         return f"{hq} query heads are not a multiple of {hkv} K/V heads"

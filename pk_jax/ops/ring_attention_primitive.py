@@ -43,15 +43,23 @@ DEFAULT_COMM_CTAS = 16  # ld_st communicator CTAs (kDefaultCommCtas)
 MAX_COMM_CTAS = 32      # kMaxCommCtas
 
 
-def kernel_problem(q, k, cfg: RingConfig) -> str | None:
-    """None when the fused kernel takes this call, else why it does not."""
+def operand_problem(q, k) -> str | None:
+    """What the attention kernels (forward and block backward) need of the
+    operands' dtypes and head dim: None, or why they do not take them."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (the kernel takes bfloat16 and float16)"
     if k.dtype != q.dtype:
         return f"q is {q.dtype} but k/v are {k.dtype} (the kernel needs one dtype)"
     d = q.shape[3]
-    if d not in HEAD_DIMS:
+    if d not in HEAD_DIMS or k.shape[3] != d:
         return f"head_dim {d} (the kernel takes {HEAD_DIMS})"
+    return None
+
+
+def kernel_problem(q, k, cfg: RingConfig) -> str | None:
+    """None when the fused kernel takes this call, else why it does not."""
+    if why := operand_problem(q, k):
+        return why
     s_local = q.shape[1]
     rows = s_local // 2 if cfg.layout == "zigzag" else s_local
     if s_local == 0 or rows % TILE_Q:
