@@ -388,7 +388,7 @@ def test_clear_errors():
         pk_jax.dot_general(jnp.ones((4, 5)), jnp.ones((6, 3)), (((1,), (0,)), ((), ())))
     with pytest.raises(ValueError, match="pk_jax.matmul"):
         pk_jax.matmul(jnp.ones((2, 4, 5)), jnp.ones((3, 5, 6)))
-    with pytest.raises(ValueError, match=r"must be \[batch, seq, heads, head_dim\]"):
+    with pytest.raises(ValueError, match=r"must have rank 4 \[batch, seq, heads, head_dim\]"):
         pk_jax.dot_product_attention(jnp.ones((4, 2, 8)), jnp.ones((4, 2, 8)),
                                      jnp.ones((4, 2, 8)))
     with pytest.raises(ValueError, match="multiple of kv heads"):

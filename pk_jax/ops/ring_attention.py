@@ -58,14 +58,20 @@ MECHANISMS = ("auto", "copy_engine", "ld_st", "xla")
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def _check_shapes(q, k, v) -> None:
+def check_qkv_arrays(op: str, seq: str, q, k, v) -> None:
+    """q, k, v are rank-4 [batch, `seq`, heads, head_dim] floating-point arrays
+    (ValueError / TypeError naming `op` otherwise)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim != 4:
-            raise ValueError(f"pk_jax.ring_attention: {name} must have rank 4 "
-                             f"[batch, seq_local, heads, head_dim], got shape {a.shape}")
+            raise ValueError(f"pk_jax.{op}: {name} must have rank 4 "
+                             f"[batch, {seq}, heads, head_dim], got shape {a.shape}")
         if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise TypeError(f"pk_jax.ring_attention: {name} must be floating point "
+            raise TypeError(f"pk_jax.{op}: {name} must be floating point "
                             f"(float32, bfloat16, float16, ...), got {a.dtype}")
+
+
+def _check_shapes(q, k, v) -> None:
+    check_qkv_arrays("ring_attention", "seq_local", q, k, v)
     if k.shape != v.shape:
         raise ValueError(f"pk_jax.ring_attention: k and v must have the same shape "
                          f"[batch, seq_local, kv_heads, head_dim], got k {k.shape} "

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from pk_jax.ops.ring_attention import ring_attention
+from pk_jax.ops.ring_attention import check_qkv_arrays, ring_attention
 from pk_jax.partitioning._attention_plan import AttentionPlan, plan_attention
 from pk_jax.partitioning._specs import Route, dim_axes, named, record
 
@@ -118,13 +118,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _check(q, k, v) -> None:
-    for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.ndim != 4:
-            raise ValueError(f"pk_jax.dot_product_attention: {name} must be [batch, seq, "
-                             f"heads, head_dim], got shape {a.shape}")
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise TypeError(f"pk_jax.dot_product_attention: {name} must be floating point, "
-                            f"got {a.dtype}")
+    check_qkv_arrays("dot_product_attention", "seq", q, k, v)
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"pk_jax.dot_product_attention: expected q [B, S, Hq, D], k "
                          f"[B, T, Hkv, D] and v [B, T, Hkv, Dv], got q {q.shape}, k {k.shape} "
