@@ -619,12 +619,8 @@ class Bench:
             return f
 
         def in_order(*args):  # the order is read when f is traced (its first call)
-            saved = pk_jax.get_config().ring_piece_order
-            pk_jax.configure(ring_piece_order=order)
-            try:
+            with pk_jax.configured(ring_piece_order=order):
                 return f(*args)
-            finally:
-                pk_jax.configure(ring_piece_order=saved)
         return in_order
 
     def pk_rows(self, n: int, layout: str) -> list[tuple[str, str]]:

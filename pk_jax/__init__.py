@@ -8,7 +8,7 @@ that read and write peer GPUs' memory directly; on other platforms (and for
 shapes the kernels do not take) they run their pure-lax reference.
 """
 
-from pk_jax.config import Config, configure, get_config
+from pk_jax.config import Config, configure, configured, get_config
 from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
@@ -28,6 +28,7 @@ __all__ = [
     "all_gather_matmul",
     "check_errors",
     "configure",
+    "configured",
     "dot_general",
     "dot_product_attention",
     "get_config",

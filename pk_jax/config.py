@@ -8,8 +8,10 @@ pk_jax kernel is lowered, so its size can only change before that.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from typing import Iterator
 
 _MIB = 1 << 20
 RING_PIECE_ORDERS = ("rows", "heads")
@@ -126,3 +128,15 @@ def configure(*, workspace_bytes: int | None = None, timeout_s: float | None = N
             f"{_config.workspace_bytes} bytes")
     _config = new
     return _config
+
+
+@contextlib.contextmanager
+def configured(**changes) -> Iterator[Config]:
+    """`configure(**changes)` for the body of a `with` block; the settings it
+    changed go back to their previous values afterwards, also on errors."""
+    previous = {name: getattr(_config, name) for name in changes if hasattr(_config, name)}
+    new = configure(**changes)  # rejects unknown names and bad values
+    try:
+        yield new
+    finally:
+        configure(**previous)

@@ -51,10 +51,8 @@ def rng():
 def backward_kernel():
     """pk_jax.configure(ring_backward_kernel=True) for one test."""
     import pk_jax
-    saved = pk_jax.get_config().ring_backward_kernel
-    pk_jax.configure(ring_backward_kernel=True)
-    yield
-    pk_jax.configure(ring_backward_kernel=saved)
+    with pk_jax.configured(ring_backward_kernel=True):
+        yield
 
 
 class _FakeExtension:

@@ -134,9 +134,7 @@ def test_command_buffers_off():
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_timeout_raises_and_process_recovers(rng, mechanism):
     mesh = gpu_mesh(2)
-    saved = pk_jax.get_config().timeout_s
-    pk_jax.configure(timeout_s=0.2)
-    try:
+    with pk_jax.configured(timeout_s=0.2):
         with runtime.testing_skip_post(1):
             bad = _gather_fn(mesh, pk_jax.all_gather, mechanism=mechanism, tiled=True)
             x = put(mesh, rng.standard_normal((2 * 1000,)).astype(np.float32), jnp.float32)
@@ -144,8 +142,6 @@ def test_timeout_raises_and_process_recovers(rng, mechanism):
         with pytest.raises(pk_jax.PkJaxTimeoutError, match=r"rank 0\).*peer rank 1"):
             pk_jax.check_errors()
         pk_jax.check_errors()  # cleared
-    finally:
-        pk_jax.configure(timeout_s=saved)
     good = _gather_fn(mesh, pk_jax.all_gather, mechanism=mechanism, tiled=True)
     x = put(mesh, rng.standard_normal((2 * 1000,)).astype(np.float32), jnp.float32)
     ref = _gather_fn(mesh, lax.all_gather, tiled=True)(x)
@@ -154,17 +150,15 @@ def test_timeout_raises_and_process_recovers(rng, mechanism):
 
 def test_pending_error_fails_the_next_call(rng):
     mesh = gpu_mesh(2)
-    saved = pk_jax.get_config().timeout_s
-    pk_jax.configure(timeout_s=0.2)
     x = put(mesh, rng.standard_normal((2 * 64,)).astype(np.float32), jnp.float32)
     try:
-        with runtime.testing_skip_post(0):
-            _gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st_push")(x).block_until_ready()
-        nxt = _gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st_push", tiled=True)
-        with pytest.raises(Exception, match="timed out"):
-            nxt(x).block_until_ready()
+        with pk_jax.configured(timeout_s=0.2):
+            with runtime.testing_skip_post(0):
+                _gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st_push")(x).block_until_ready()
+            nxt = _gather_fn(mesh, pk_jax.all_gather, mechanism="ld_st_push", tiled=True)
+            with pytest.raises(Exception, match="timed out"):
+                nxt(x).block_until_ready()
     finally:
-        pk_jax.configure(timeout_s=saved)
         with pytest.raises(pk_jax.PkJaxTimeoutError):
             pk_jax.check_errors()
     np.testing.assert_array_equal(

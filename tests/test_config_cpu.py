@@ -24,6 +24,25 @@ def test_configure_round_trip():
                          ring_piece_order=saved.ring_piece_order)
 
 
+def test_configured_restores_what_it_changed():
+    before = pk_jax.get_config()
+    with pk_jax.configured(timeout_s=0.25, ring_piece_order="heads") as cfg:
+        assert cfg.timeout_s == 0.25 and cfg.ring_piece_order == "heads"
+        assert pk_jax.get_config() == cfg
+    assert pk_jax.get_config() == before
+    with pytest.raises(RuntimeError, match="boom"):
+        with pk_jax.configured(ring_backward_kernel=True):
+            raise RuntimeError("boom")
+    assert pk_jax.get_config() == before
+    with pytest.raises(TypeError):
+        with pk_jax.configured(no_such_setting=1):
+            pass
+    with pytest.raises(ValueError, match="timeout_s"):
+        with pk_jax.configured(timeout_s=0):
+            pass
+    assert pk_jax.get_config() == before
+
+
 def test_workspace_size_only_before_allocation():
     saved = pk_jax.get_config().workspace_bytes
     if runtime.initialized():  # a GPU test ran first in this process

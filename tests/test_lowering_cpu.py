@@ -174,13 +174,9 @@ def test_ring_attention_piece_order(cuda_lowering, order, want):
     heads is 5 pieces by heads, but 4 by rows (16384 rows do not split in 5)."""
     mesh = cpu_mesh((2,), ("sp",))
     spec = P(None, "sp")
-    saved = pk_jax.get_config().ring_piece_order
-    pk_jax.configure(ring_piece_order=order)
-    try:
+    with pk_jax.configured(ring_piece_order=order):
         hlo = cuda_lowering(lambda q: pk_jax.ring_attention(q, q, q, "sp"), mesh, spec,
                             (1, 2 * 16384, 5, 128), jnp.bfloat16)
-    finally:
-        pk_jax.configure(ring_piece_order=saved)
     call, = _ring_calls(hlo)
     assert ("kv_head_major = true" in call) == (order == "heads")
     assert ffi_attr(call, "pieces") == want

@@ -413,16 +413,12 @@ def test_head_major_piece_order_is_the_same_attention(rng):
     n, s = 2, 2 * 256
     q, k, v = _qkv(rng, 2, s, 4, 2, 64, jnp.bfloat16)
     results = []
-    saved = pk_jax.get_config().ring_piece_order
-    try:
-        for order in ("rows", "heads"):
-            pk_jax.configure(ring_piece_order=order)
+    for order in ("rows", "heads"):
+        with pk_jax.configured(ring_piece_order=order):
             ring = _sharded(cpu_mesh((n,), ("sp",)), "zigzag", causal=True,
                             mechanism="copy_engine")
             loss = lambda *x: jnp.sum(ring(*x).astype(jnp.float32) ** 2)
             results.append((jax.jit(ring)(q, k, v), jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)))
-    finally:
-        pk_jax.configure(ring_piece_order=saved)
     (out_r, g_r), (out_h, g_h) = results
     np.testing.assert_array_equal(np.asarray(out_h, np.float32), np.asarray(out_r, np.float32))
     for a, b in zip(g_h, g_r):

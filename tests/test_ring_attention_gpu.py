@@ -218,13 +218,9 @@ def test_sequence_lengths(mechanism, causal, layout, b, s_local, hq, hkv):
 def test_piece_orders(monkeypatch, order, causal, layout, b, s_local, hq, hkv, d):
     from pk_jax.ops import ring_attention_primitive as prim
     monkeypatch.setattr(prim, "PIECE_BYTES", 1024)  # always the most pieces
-    saved = pk_jax.get_config().ring_piece_order
-    pk_jax.configure(ring_piece_order=order)
-    try:
+    with pk_jax.configured(ring_piece_order=order):
         _run_and_check(2, "copy_engine", causal, layout, b, s_local, hq, hkv, d, jnp.bfloat16,
                        f"pieces by {order}, causal={causal} {layout} b={b} hkv={hkv} d={d}")
-    finally:
-        pk_jax.configure(ring_piece_order=saved)
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -342,16 +338,12 @@ def test_timeout_raises_and_recovers(mechanism):
     mesh = gpu_mesh(2, "sp")
     seed = _seed()
     q, k, v = _qkv(seed, 1, 2 * 2048, 8, 2, 128, jnp.bfloat16)
-    saved = pk_jax.get_config().timeout_s
-    pk_jax.configure(timeout_s=0.2)
-    try:
+    with pk_jax.configured(timeout_s=0.2):
         with runtime.testing_skip_post(1):
             ring = _ring(mesh, causal=False, layout="contiguous", mechanism=mechanism)
             jax.block_until_ready(ring(q, k, v))
         with pytest.raises(pk_jax.PkJaxTimeoutError, match="ring_attention.*peer rank 1"):
             pk_jax.check_errors()
-    finally:
-        pk_jax.configure(timeout_s=saved)
     out = _ring(mesh, causal=True, layout="contiguous", mechanism=mechanism)(q, k, v)
     _check(out, q, k, v, True, f"{mechanism} after a timeout", seed)
     pk_jax.check_errors()

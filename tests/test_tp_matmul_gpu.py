@@ -143,14 +143,10 @@ def test_chain_in_fori_loop():
 
 def test_timeout_raises(rng):
     mesh = gpu_mesh(2)
-    saved = pk_jax.get_config().timeout_s
-    pk_jax.configure(timeout_s=0.2)
-    try:
+    with pk_jax.configured(timeout_s=0.2):
         with runtime.testing_skip_post(1):
             x = _put(mesh, jnp.ones((256, 128), jnp.bfloat16), P("x"))
             w = _put(mesh, jnp.ones((128, 256), jnp.bfloat16), P(None, "x"))
             _ag(mesh, "chunked")(x, w).block_until_ready()
         with pytest.raises(pk_jax.PkJaxTimeoutError, match="all_gather_matmul.*peer rank 1"):
             pk_jax.check_errors()
-    finally:
-        pk_jax.configure(timeout_s=saved)
