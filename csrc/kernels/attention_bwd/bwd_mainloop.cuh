@@ -422,6 +422,14 @@ struct BwdMainloop
       cutlass::arch::fence_view_async_shared();
       if (wg == 0) order.arrive();
 
+      // dK += dS^T Q, asynchronously (both warpgroups, each its own 64 K rows).
+      auto issue_dk = [&] {
+        warpgroup_fence_operand(acc_dk);
+        warpgroup_arrive();
+        cute::gemm(TiledMmaND_SS{}, tDKrDSt(_, _, _, wg), tDKrQ(_, _, _, read_q.index()), acc_dk);
+        warpgroup_commit_batch();
+      };
+
       if (wg == 1) {
         order.wait();  // warpgroup 0's dS is in shared memory
         Tensor acc_dq = partition_fragment_C(mma_md, take<0, 2>(TileShapeMD{}));
@@ -430,11 +438,7 @@ struct BwdMainloop
         fmha::gemm_zero_acc(mma_md, tDQrDS(_, _, _, 0), tDQrK(_, _, _, read_k_other.index()), acc_dq);
         cute::gemm(mma_md, tDQrDS(_, _, _, 1), tDQrK(_, _, _, read_k.index()), acc_dq);
         warpgroup_commit_batch();
-
-        warpgroup_fence_operand(acc_dk);
-        warpgroup_arrive();
-        cute::gemm(TiledMmaND_SS{}, tDKrDSt(_, _, _, wg), tDKrQ(_, _, _, read_q.index()), acc_dk);
-        warpgroup_commit_batch();
+        issue_dk();
 
         warpgroup_wait<1>();
         warpgroup_fence_operand(acc_dk);
@@ -454,10 +458,7 @@ struct BwdMainloop
         pipeline_red.producer_commit(write_red);
         ++write_red;
       } else {
-        warpgroup_fence_operand(acc_dk);
-        warpgroup_arrive();
-        cute::gemm(TiledMmaND_SS{}, tDKrDSt(_, _, _, wg), tDKrQ(_, _, _, read_q.index()), acc_dk);
-        warpgroup_commit_batch();
+        issue_dk();
         warpgroup_wait<1>();
         warpgroup_fence_operand(acc_dk);
         // The reducer pipeline counts both warpgroups' arrivals.
