@@ -156,7 +156,7 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfig:
 # ---- forward (kernel or reference) and the ring backward ------------------------
 def _forward(q, k, v, cfg: RingConfig, comm_ctas: int):
     if cfg.mechanism in KERNEL_MECHANISMS:
-        return fused_forward(q, k, v, cfg, comm_ctas if cfg.mechanism == "ld_st" else 0)
+        return fused_forward(q, k, v, cfg, comm_ctas)
     return ring_reference(q, k, v, cfg)
 
 

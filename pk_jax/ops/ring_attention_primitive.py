@@ -92,10 +92,12 @@ def _head_major(x):
 
 
 def fused_forward(q, k, v, cfg: RingConfig, num_comm_ctas: int) -> tuple[jax.Array, jax.Array]:
-    """(out, lse) of the fused kernel for [B, S, H, D] q/k/v. For copy_engine
+    """(out, lse) of the fused kernel for [B, S, H, D] q/k/v; `num_comm_ctas`
+    counts for ld_st only (the primitive carries 0 otherwise). For copy_engine
     with `pk_jax.configure(ring_piece_order="heads")` K and V go head-major
     first (one XLA transpose each) so the copy engines post them by head
     groups."""
+    num_comm_ctas = int(num_comm_ctas) if cfg.mechanism == "ld_st" else 0
     head_major = (get_config().ring_piece_order == "heads" and cfg.n > 1
                   and cfg.mechanism == "copy_engine")
     if head_major:
@@ -126,7 +128,7 @@ def _cuda(ctx, q, k, v, *, cfg: RingConfig, num_comm_ctas: int, kv_head_major: b
         return _reference(ctx, q, k, v, cfg=cfg, num_comm_ctas=num_comm_ctas,
                           kv_head_major=kv_head_major)
     mechanism = KERNEL_MECHANISMS[cfg.mechanism]
-    comm = int(num_comm_ctas) if cfg.mechanism == "ld_st" else 0
+    comm = num_comm_ctas  # 0 unless ld_st (fused_forward)
     b, x, y, d = ctx.avals_in[1].shape
     k_shape = (b, y, x, d) if kv_head_major else (b, x, y, d)  # [B, S, Hkv, D]
     _, table = group_table(ctx, "ring_attention", cfg.names, cfg.n)
