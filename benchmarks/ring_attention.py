@@ -73,6 +73,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+from pk_jax.ops.ring_attention_primitive import region_bytes
 from common import markdown_table, one_axis_mesh, time_ms, write_results
 
 AXIS = "sp"
@@ -808,6 +809,7 @@ def main() -> int:
     t_start = time.perf_counter()
     bench = Bench(args)
     n = len(bench.devices)
+    _size_workspace(bench, n)
     masks = [m.strip() for m in args.masks.split(",")]
     print(f"ring_attention: {n} x {bench.devices[0].device_kind}, {bench.dims}, "
           f"mechanism={args.mechanisms or args.mechanism}, "
@@ -839,6 +841,19 @@ def main() -> int:
             f"S={r['seq']} {r['mask']} {r['implementation']}" for r in failed), flush=True)
         return 1
     return 0
+
+
+def _size_workspace(bench: Bench, n: int) -> None:
+    """Every (mechanism, K/V size) keeps its own staging region for the life
+    of the process (pk_jax/runtime.py: regions are never reused across
+    channels), so a sweep over sizes and mechanisms needs their sum; the
+    default 1 GiB holds one 64k problem, not the whole sweep."""
+    d, args = bench.dims, bench.args
+    kinds = max(1, len((args.mechanisms or args.mechanism).split(",")))
+    need = sum(region_bytes(n, (d.batch, int(s) // n, d.kv_heads, d.head_dim))
+               for s in args.seqs.split(",")) * kinds
+    if need + (64 << 20) > pk_jax.get_config().workspace_bytes:
+        pk_jax.configure(workspace_bytes=need + (64 << 20))
 
 
 def _markdown(bench: Bench, rows: list[dict[str, Any]]) -> str:
