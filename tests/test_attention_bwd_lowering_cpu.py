@@ -63,6 +63,67 @@ def test_ring_backward_calls_the_block_kernel(cuda_lowering, backward_kernel, la
     assert hlo.count("dot_general") == 1
 
 
+def _sub_jaxprs(jaxpr):
+    """Every jaxpr nested in `jaxpr`'s equations (scan bodies, shard_map, pjit,
+    custom_vjp), depth first, `jaxpr` included."""
+    yield jaxpr
+    for eqn in jaxpr.eqns:
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _sub_jaxprs(sub)
+
+
+def _hops_after_kernel(jaxpr) -> tuple[int, int]:
+    """(ppermutes, ppermutes that read a value downstream of a block kernel
+    call) among `jaxpr`'s own equations."""
+    from_kernel, hops, late = set(), 0, 0
+    for eqn in jaxpr.eqns:
+        tainted = eqn.primitive.name == "pk_attention_block_bwd" or any(
+            not isinstance(a, jax.extend.core.Literal) and a in from_kernel for a in eqn.invars)
+        if eqn.primitive.name == "ppermute":
+            hops, late = hops + 1, late + tainted
+        if tainted:
+            from_kernel.update(eqn.outvars)
+    return hops, late
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_backward_hops_overlap_the_block_kernel(cuda_lowering, n):
+    """The backward ring's schedule. A scan carry must be complete at each
+    iteration boundary, so a hop inside the scan body that read the body's
+    block gradients would sit between two kernels. Inside the scan (steps
+    1 .. n-2) every hop (the next K/V block, the incoming partial dK/dV)
+    reads only the step's inputs; steps 0 and n-1 are unrolled (n = 2: no
+    scan), where XLA is free to overlap the hops with the kernels."""
+    mesh = cpu_mesh((n,), ("sp",))
+    spec = P(None, "sp")
+    shape = (1, n * 512, 8, 128)
+    x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    kv = jax.ShapeDtypeStruct(shape[:2] + (2, 128), jnp.bfloat16,
+                              sharding=NamedSharding(mesh, spec))
+    f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(
+        q, k, v, "sp", causal=True, layout="zigzag", mechanism="copy_engine"),
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32))
+    closed = jax.make_jaxpr(jax.grad(loss, (0, 1, 2)))(x, kv, kv)
+    kernel_calls, bodies = 0, []
+    for jaxpr in _sub_jaxprs(closed.jaxpr):
+        for eqn in jaxpr.eqns:
+            kernel_calls += eqn.primitive.name == "pk_attention_block_bwd"
+            if eqn.primitive.name == "scan" and any(
+                    e.primitive.name == "pk_attention_block_bwd"
+                    for e in eqn.params["jaxpr"].jaxpr.eqns):
+                bodies.append(eqn.params["jaxpr"].jaxpr)
+    assert kernel_calls == min(n, 3), f"{kernel_calls} block kernel calls in the jaxpr"
+    assert len(bodies) == (n > 2), f"{len(bodies)} scans around the block kernel"
+    for body in bodies:
+        hops, late = _hops_after_kernel(body)
+        assert hops == 4 and late == 0, (
+            f"scan body: {hops} hops (want K, V, dK, dV), {late} read the block gradients")
+
+
 def test_xla_mechanism_keeps_the_pure_jax_backward(cuda_lowering, backward_kernel):
     hlo = _grad_hlo("xla", "zigzag")
     assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
@@ -83,12 +144,14 @@ def test_deterministic_must_be_a_bool():
         jax.eval_shape(f, jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16))
 
 
-def test_backward_kernel_is_opt_in(cuda_lowering):
-    """Without pk_jax.configure(ring_backward_kernel=True) the copy_engine
-    backward stays the pure-JAX ring (the kernel's GPU suite has not run in
-    full yet)."""
-    assert not pk_jax.get_config().ring_backward_kernel
-    hlo = _grad_hlo("copy_engine", "zigzag")
+def test_backward_kernel_is_the_default(cuda_lowering):
+    """With the default settings the copy_engine backward calls the block
+    kernel; pk_jax.configure(ring_backward_kernel=False) switches back to the
+    pure-JAX block gradients."""
+    assert pk_jax.get_config().ring_backward_kernel
+    assert len(_block_calls(_grad_hlo("copy_engine", "zigzag"))) == 2
+    with pk_jax.configured(ring_backward_kernel=False):
+        hlo = _grad_hlo("copy_engine", "zigzag")
     assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
 
 

@@ -1,8 +1,8 @@
 """The pure-JAX ring attention: the reference every kernel is checked against
 and the path taken where no kernel runs (other platforms, shapes the kernel
 does not take, mechanism="xla") and the backward ring (whose per-step block
-gradients can run as a kernel for mechanism="copy_engine" on GPUs:
-`pk_jax.configure(ring_backward_kernel=True)`).
+gradients run as a kernel on GPUs for the fused mechanisms unless
+`pk_jax.configure(ring_backward_kernel=False)`).
 
 The K/V blocks travel around the ring with `lax.ppermute` (rank r sends to
 r + 1 mod n); at each of the n steps a device attends its queries to the
@@ -164,15 +164,54 @@ def _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg: RingCon
     return dq, dk, dv
 
 
+def _backward_ring(cfg: RingConfig, k, v, grads, axes):
+    """The backward's ring schedule: (dq, dk, dv) fp32 summed over the n
+    blocks, dk/dv back on the rank that owns the block.
+
+    `grads(kb, vb, step)` gives one block's (dq, dk, dv). Step s works on the
+    block that started on rank r - s; its partial dK/dV is the sum of ranks
+    r - s .. r (a fixed order). Both hops of a step are issued before its block
+    gradients and neither is needed until after them: the K/V block of step
+    s + 1 (prefetched), and the partial dK/dV that rank r - 1 finished at step
+    s - 1 (added to ours after our block gradients). So the only hop left on
+    the critical path is the last one, taking dK/dV home.
+    """
+    n = cfg.n
+    hop = lambda xs: tuple(lax.ppermute(x, cfg.names, _ring_perm(n)) for x in xs)
+    vary = lambda xs: tuple(make_varying(x, axes) for x in xs)
+    if n == 1:
+        return vary(grads(k, v, jnp.int32(0)))
+    kv = hop((k, v))  # the block of step 1, in flight during step 0
+    dq, dk, dv = vary(grads(k, v, jnp.int32(0)))
+
+    def step(kv, partial, dq, s, prefetch: bool):
+        """Step s >= 1 on block `kv`: (the block of step s + 1 if `prefetch`,
+        the partial dK/dV of `kv` up to this rank, dq)."""
+        incoming = hop(partial)  # rank r - 1's partial of the block we hold now
+        kv_next = hop(kv) if prefetch else None
+        g = grads(*kv, s)
+        return kv_next, (incoming[0] + g[1], incoming[1] + g[2]), dq + g[0]
+
+    carry = (kv, (dk, dv), dq)
+    if n > 2:  # steps 1 .. n - 2 prefetch the next block; the last one does not
+        carry, _ = lax.scan(lambda c, s: (step(*c, s, prefetch=True), None), carry,
+                            jnp.arange(1, n - 1, dtype=jnp.int32))
+    _, (dk, dv), dq = step(*carry, jnp.int32(n - 1), prefetch=False)
+    # The block we hold now belongs to rank r + 1: one hop home.
+    dk, dv = hop((dk, dv))
+    return dq, dk, dv
+
+
 def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     """Gradients (dq, dk, dv) of ring attention from the forward's output and
-    log-sum-exp, as a ring: each K/V block travels r -> r + 1 with its partial
-    dK/dV, every rank adds its queries' share, and after n steps one more hop
-    takes dK/dV home. dq stays local. Memory: one block's scores at a time (no
+    log-sum-exp, as a ring (`_backward_ring`): each K/V block travels r -> r + 1
+    with its partial dK/dV, every rank adds its queries' share, and after n
+    steps one more hop takes dK/dV home. dq stays local. Memory: one block's scores at a time (no
     per-step residuals). The ring sums in a fixed order; each step's block
-    gradients are einsums (deterministic) or, with
-    `pk_jax.configure(ring_backward_kernel=True)` and not `cfg.deterministic`,
-    the block kernel (whose dq reduce-adds land in arrival order).
+    gradients are the block kernel for the fused mechanisms (whose dq
+    reduce-adds land in arrival order), or einsums (deterministic) for
+    mechanism "xla", `cfg.deterministic`, shapes the kernel does not take and
+    `pk_jax.configure(ring_backward_kernel=False)`.
 
     `out` [B, S, Hq, D], `lse` [B, Hq, S] as the forward returned them;
     `dout`, `dlse` their cotangents (dlse may be None).
@@ -188,9 +227,9 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     lse4 = lse.astype(f32).reshape(b, kh, g, s_local)
     dlse4 = jnp.zeros_like(lse4) if dlse is None else dlse.astype(f32).reshape(lse4.shape)
     q_pos = _positions(rank, n, s_local, cfg.layout)
-    # The fused mechanism can run each step's block gradients as one kernel
-    # (pk_attention_block_bwd; _block_grads wherever it lowers elsewhere),
-    # opt-in through pk_jax.configure(ring_backward_kernel=True).
+    # The fused mechanisms run each step's block gradients as one kernel
+    # (pk_attention_block_bwd; _block_grads wherever it lowers elsewhere)
+    # unless pk_jax.configure(ring_backward_kernel=False).
     from pk_jax.config import get_config
     from pk_jax.ops import attention_bwd_primitive as block_bwd  # imports this module
     kernel = (get_config().ring_backward_kernel and cfg.mechanism != "xla" and not cfg.deterministic
@@ -198,21 +237,15 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     if kernel:
         lse3, delta3 = lse.astype(f32), (delta - dlse4).reshape(b, hq, s_local)
 
-    def add(blocks, dq, step):
-        kb, vb, dkb, dvb = blocks
+    def grads(kb, vb, step):
+        """(dq, dk, dv) fp32 of this rank's queries against the block that
+        started on rank - step."""
         if kernel:
             dq_s, dk_s, dv_s = block_bwd.pk_attention_block_bwd(
                 q, dout, lse3, delta3, kb, vb, rank, (rank - step) % n, cfg)
-            dq_s = dq_s.reshape(q5.shape)
-        else:
-            k_pos = _positions((rank - step) % n, n, s_local, cfg.layout)
-            dq_s, dk_s, dv_s = _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg)
-        return (kb, vb, dkb + dk_s, dvb + dv_s), dq + dq_s
+            return dq_s.reshape(q5.shape), dk_s, dv_s
+        k_pos = _positions((rank - step) % n, n, s_local, cfg.layout)
+        return _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg)
 
-    axes = _ring_axes(q5, cfg)
-    zeros = lambda shape: make_varying(jnp.zeros(shape, f32), axes)
-    (_, _, dk, dv), dq = _ring_steps(cfg, (k, v, zeros(k.shape), zeros(v.shape)),
-                                     zeros(q5.shape), add)
-    if n > 1:  # the block we hold now belongs to rank r + 1: one hop home
-        dk, dv = (lax.ppermute(x, cfg.names, _ring_perm(n)) for x in (dk, dv))
+    dq, dk, dv = _backward_ring(cfg, k, v, grads, _ring_axes(q5, cfg))
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
