@@ -59,17 +59,18 @@ class Config:
         instead of all of it. Read when the forward is traced.
         Env: PK_JAX_RING_PIECE_ORDER. Default "rows".
       ring_backward_kernel: run each step of ring attention's backward ring
-        (mechanism "copy_engine", or "auto" where it takes the kernel) as the
-        fused block-backward kernel instead of the pure-JAX block gradients.
-        Off by default until the kernel's GPU test suite has run in full (see
-        README status). Read when the backward is traced.
-        Env: PK_JAX_RING_BACKWARD_KERNEL=1. Default False.
+        (mechanisms "copy_engine" and "ld_st", or "auto" where it takes the
+        kernel) as the block-backward kernel instead of the pure-JAX block
+        gradients (einsums over a whole block's scores). False keeps the
+        einsums (a fallback, e.g. to rule the kernel out when debugging).
+        Read when the backward is traced.
+        Env: PK_JAX_RING_BACKWARD_KERNEL=0/1. Default True.
     """
 
     workspace_bytes: int = 1024 * _MIB
     timeout_s: float = 5.0
     ring_piece_order: str = "rows"
-    ring_backward_kernel: bool = False
+    ring_backward_kernel: bool = True
 
     def __post_init__(self):
         if self.workspace_bytes < 0:

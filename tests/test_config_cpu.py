@@ -12,11 +12,11 @@ from pk_jax import runtime
 def test_configure_round_trip():
     saved = pk_jax.get_config()
     try:
-        cfg = pk_jax.configure(timeout_s=0.5, ring_backward_kernel=True,
+        cfg = pk_jax.configure(timeout_s=0.5, ring_backward_kernel=False,
                                ring_piece_order="heads")
         assert cfg.ring_piece_order == "heads"
         assert cfg.timeout_s == 0.5 and cfg.timeout_ns == 500_000_000
-        assert cfg.ring_backward_kernel is True
+        assert cfg.ring_backward_kernel is False
         assert pk_jax.get_config() == cfg
     finally:
         pk_jax.configure(timeout_s=saved.timeout_s,
@@ -31,7 +31,7 @@ def test_configured_restores_what_it_changed():
         assert pk_jax.get_config() == cfg
     assert pk_jax.get_config() == before
     with pytest.raises(RuntimeError, match="boom"):
-        with pk_jax.configured(ring_backward_kernel=True):
+        with pk_jax.configured(ring_backward_kernel=False):
             raise RuntimeError("boom")
     assert pk_jax.get_config() == before
     with pytest.raises(TypeError):
@@ -73,10 +73,10 @@ def _config_in_subprocess(env):
 def test_environment_variables(monkeypatch):
     import os
     env = dict(os.environ, PK_JAX_WORKSPACE_BYTES="4096", PK_JAX_TIMEOUT_S="2.5",
-               PK_JAX_RING_BACKWARD_KERNEL="1", PK_JAX_RING_PIECE_ORDER="heads")
+               PK_JAX_RING_BACKWARD_KERNEL="0", PK_JAX_RING_PIECE_ORDER="heads")
     proc = _config_in_subprocess(env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["4096", "2.5", "True", "heads"]
+    assert proc.stdout.split() == ["4096", "2.5", "False", "heads"]
 
 
 @pytest.mark.parametrize("name,raw", [("PK_JAX_TIMEOUT_S", "soon"),

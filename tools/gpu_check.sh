@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One command on a GPU machine: build + install, GPU and CPU tests, benchmarks,
 # and a short summary last. Usage: tools/gpu_check.sh [pytest args...]
-# PK_GPU_STAGES picks what runs after the build (default: all, ~20 min on 2 GPUs;
-# one device call is capped at 10 min, so split it, e.g. "tests" then "bwd flax"
-# then "ring bench"):
-#   tests  every test (GPU and CPU), one line per test in $OUT/pytest.log
-#   bwd    the block backward kernel's GPU tests, then ring attention
-#          forward+backward with the kernel on (PK_JAX_RING_BACKWARD_KERNEL=1)
+# PK_GPU_STAGES picks what runs after the build (default: all, ~40 min on 2 GPUs;
+# one device call is capped at 10 min, so split it; "none" only builds):
+#   tests  pytest -v on the given args (default: the whole tests/ directory, ~25 min
+#          on 2 GPUs: the ring attention GPU file alone is ~120 tests of ~7 s, so
+#          pass a file and -k to fit a call), one line per test in $OUT/pytest.log;
+#          each test is cut at 120 s where pytest-timeout is installed
+#   bwd    the block backward kernel's GPU tests, then ring attention fwd+bwd
 #   bench  all_gather and tp_matmul benchmarks
-#   ring   ring attention forward (16k-64k)
-#   flax   the Flax example's step time (GPU preset), pk (backward kernel on) against xla
+#   ring   ring attention forward (16k-64k), copy_engine, heads order and ld_st
+#   flax   the Flax example's step time (GPU preset), pk against xla
 # Logs land in $OUT (results JSON and RESULTS.md too: benchmarks/common.py), so a run
 # cut short keeps what it did.
 set -uo pipefail
@@ -39,7 +40,9 @@ test_rc=0
 
 if stage tests; then
   echo "== tests"
-  python3 -m pytest -v -rs tests "$@" > "$OUT/pytest.log" 2>&1
+  per_test=()
+  python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120)
+  python3 -m pytest -v -rs "${per_test[@]}" "${@:-tests}" > "$OUT/pytest.log" 2>&1
   test_rc=$?
   grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -20
   tail -3 "$OUT/pytest.log"
@@ -52,7 +55,7 @@ if stage bwd; then
   [ $bwd_rc -ne 0 ] && test_rc=$bwd_rc
   grep -E "FAILED|ERROR" "$OUT/pytest_bwd.log" | head -20
   tail -2 "$OUT/pytest_bwd.log"
-  (cd benchmarks && PK_JAX_RING_BACKWARD_KERNEL=1 timeout 240 python3 ring_attention.py \
+  (cd benchmarks && timeout 240 python3 ring_attention.py \
     --seqs 16384,32768 --backward --ws1-seq 8192) 2>&1 | tee "$OUT/ring_attention_bwd.log" \
     | grep -E "^(!!!!|--|total)" | tail -12
 fi
@@ -76,7 +79,7 @@ fi
 if stage flax; then
   echo "== flax example (step time, pk against xla)"
   # The GPU preset (bf16, head dim 128, 8k tokens) on every GPU; results go to RESULTS.md.
-  PK_JAX_RING_BACKWARD_KERNEL=1 timeout 400 python3 examples/flax_transformer.py --preset gpu \
+  timeout 400 python3 examples/flax_transformer.py --preset gpu \
     --steps 20 --collectives both --save 2>&1 | tee "$OUT/flax.log" | tail -3
 fi
 
