@@ -184,13 +184,13 @@ def _backward_ring(cfg: RingConfig, k, v, grads, axes):
     kv = hop((k, v))  # the block of step 1, in flight during step 0
     dq, dk, dv = vary(grads(k, v, jnp.int32(0)))
 
-    def step(kv, partial, dq, s, prefetch: bool):
-        """Step s >= 1 on block `kv`: (the block of step s + 1 if `prefetch`,
-        the partial dK/dV of `kv` up to this rank, dq)."""
+    def step(block, partial, dq, s, prefetch: bool):
+        """Step s >= 1 on `block` (its K, V): (the block of step s + 1 if
+        `prefetch`, the partial dK/dV of `block` up to this rank, dq)."""
         incoming = hop(partial)  # rank r - 1's partial of the block we hold now
-        kv_next = hop(kv) if prefetch else None
-        g = grads(*kv, s)
-        return kv_next, (incoming[0] + g[1], incoming[1] + g[2]), dq + g[0]
+        block_next = hop(block) if prefetch else None
+        g = grads(*block, s)
+        return block_next, (incoming[0] + g[1], incoming[1] + g[2]), dq + g[0]
 
     carry = (kv, (dk, dv), dq)
     if n > 2:  # steps 1 .. n - 2 prefetch the next block; the last one does not
