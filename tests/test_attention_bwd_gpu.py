@@ -275,6 +275,50 @@ def test_ring_attention_grads(backward_kernel, n, causal, layout):
             f"same-precision XLA {base:.3g} (seed {seed})")
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_grads_through_layers_in_scan(n):
+    """jax.grad through 3 layers of ring attention in one lax.scan (the
+    forward kernel and the backward ring's block kernels, each called once per
+    layer inside the loop) against jax.grad of the same stack of
+    jax.nn.dot_product_attention in float32."""
+    _need_kernel()
+    mesh = gpu_mesh(n, "sp")
+    seed = _seed()
+    layers, b, s, hq, hkv, d, dtype = 3, 1, n * 512, 8, 2, 64, jnp.bfloat16
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.float32).astype(dtype)
+    k, v = (jax.random.normal(kk, (b, s, hkv, d), jnp.float32).astype(dtype)
+            for kk in keys[1:3])
+    w = jax.random.normal(keys[3], (b, s, hq, d), jnp.float32)
+
+    def stack(attend, q, k, v):
+        step = lambda c, _: ((attend(c, k, v) * 4.0).astype(c.dtype), None)
+        return lax.scan(step, q, None, length=layers)[0]
+
+    ring = jax.shard_map(
+        lambda q, k, v: stack(lambda c, k, v: pk_jax.ring_attention(
+            c, k, v, "sp", causal=True, layout="zigzag", mechanism="copy_engine"), q, k, v),
+        mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    plain = functools.partial(stack, lambda c, k, v: jax.nn.dot_product_attention(
+        c, k, v, is_causal=True))
+    wz = pk_jax.zigzag_shard(w, n)
+    grad = jax.jit(jax.grad(lambda *x: jnp.sum(ring(*x).astype(jnp.float32) * wz), (0, 1, 2)))
+    sharding = NamedSharding(mesh, SEQ)
+    args = [jax.device_put(pk_jax.zigzag_shard(x, n), sharding) for x in (q, k, v)]
+    assert "pk_attention_block_bwd" in grad.lower(*args).as_text(), "no block kernel"
+    got = [jax.device_put(pk_jax.zigzag_unshard(g, n), mesh.devices.flat[0]) for g in grad(*args)]
+    pk_jax.check_errors()
+    ref = jax.jit(jax.grad(lambda *x: jnp.sum(plain(*x).astype(jnp.float32) * w), (0, 1, 2)))
+    with jax.default_matmul_precision("highest"):
+        exact = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
+    same = ref(q, k, v)
+    for name, g, e, h in zip(("dq", "dk", "dv"), got, exact, same):
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{name}: non-finite (seed {seed})"
+        err, base = _rel(g, e), _rel(h, e)
+        assert err <= 2 * base + 5e-3, (f"{name} n={n}, {layers} layers in scan: rel err "
+                                        f"{err:.3g}, same-precision XLA {base:.3g} (seed {seed})")
+
+
 def test_deterministic_grads_repeat_bitwise(backward_kernel):
     """deterministic=True on 2 GPUs: two runs give bitwise-identical
     gradients (einsum block gradients in the ring's fixed order), close to
