@@ -29,10 +29,13 @@ Mechanisms:
     (today "copy_engine" everywhere) where the kernel applies, else "xla"
     (with a one-time PkJaxFallbackWarning saying why).
 Gradients: a custom_vjp saving the output and log-sum-exp; the backward is a
-pure-JAX ring (ring_attention_reference.ring_reference_bwd: K/V blocks travel
-with their partial dK/dV and go home at the end, dq stays local, probabilities
-recomputed from the log-sum-exp, fixed summation order). A fused backward
-kernel is future work.
+ring (ring_attention_reference.ring_reference_bwd: K/V blocks travel with their
+partial dK/dV and go home at the end, dq stays local, probabilities recomputed
+from the log-sum-exp, fixed summation order). For the kernel mechanisms each
+step's block gradients are one Hopper flash-attention backward kernel
+(attention_bwd_primitive.py); the hops between steps are XLA collective
+permutes, scheduled to fly while the kernels run. A backward whose transfers
+are fused into the kernel is future work.
 """
 
 from __future__ import annotations
