@@ -24,9 +24,7 @@ namespace ffi = xla::ffi;
 
 constexpr const char* kOp = "attention_block_bwd";
 
-ffi::Error invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string("pk_jax.") + kOp + ": " + what);
-}
+ffi::Error invalid(const std::string& what) { return ffi_common::invalid_argument(kOp, what); }
 
 ffi::Error AttentionBlockBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer dout,
                                  ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
@@ -36,9 +34,7 @@ ffi::Error AttentionBlockBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
                                  ffi::Result<ffi::Buffer<ffi::F32>> dk,
                                  ffi::Result<ffi::Buffer<ffi::F32>> dv, float scale, bool causal,
                                  bool zigzag, int64_t n) {
-  if (!attention_bwd::available())
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string("pk_jax.") + kOp + ": built without CUTLASS");
+  if (!attention_bwd::available()) return ffi_common::built_without_cutlass(kOp);
   const auto t = q.element_type();
   if ((t != ffi::DataType::BF16 && t != ffi::DataType::F16) || dout.element_type() != t ||
       k.element_type() != t || v.element_type() != t)

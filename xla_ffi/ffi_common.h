@@ -23,6 +23,25 @@ inline ffi::Error cuda_error(const char* op, const char* what, cudaError_t e) {
                               cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
+// "pk_jax.<op>: <what>" as an InvalidArgument error.
+inline ffi::Error invalid_argument(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("pk_jax.") + op + ": " + what);
+}
+
+// A staged op's data region (`needed` bytes) must fit in the `available` bytes
+// of the workspace data area after its offset (sized at lowering: runtime.py).
+inline ffi::Error check_region_fits(const char* op, size_t needed, size_t available) {
+  if (needed <= available) return ffi::Error::Success();
+  return invalid_argument(op, "the channel's region does not fit the workspace; raise "
+                              "pk_jax.configure(workspace_bytes=...)");
+}
+
+// The CUTLASS kernels (GEMMs, attention) were left out of this build.
+inline ffi::Error built_without_cutlass(const char* op) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    std::string("pk_jax.") + op + ": built without CUTLASS");
+}
+
 // This device's view of its communication group.
 struct Group {
   int rank = 0;

@@ -17,9 +17,7 @@ namespace ffi = xla::ffi;
 
 constexpr const char* kOp = "ring_attention";
 
-ffi::Error invalid(const std::string& what) {
-  return ffi::Error::InvalidArgument(std::string("pk_jax.") + kOp + ": " + what);
-}
+ffi::Error invalid(const std::string& what) { return ffi_common::invalid_argument(kOp, what); }
 
 ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
                              ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -35,8 +33,7 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                                                     group_size, timeout_ns, &ctx);
       e.failure())
     return e;
-  if (!ring_attention::available())
-    return ffi::Error(ffi::ErrorCode::kUnimplemented, "pk_jax.ring_attention: built without CUTLASS");
+  if (!ring_attention::available()) return ffi_common::built_without_cutlass(kOp);
   if (slot < 0 || slot >= kMaxSlots || data_offset < 0) return invalid("bad channel");
   const auto t = q.element_type();
   if ((t != ffi::DataType::BF16 && t != ffi::DataType::F16) || k.element_type() != t ||
@@ -85,9 +82,10 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (g.n > 1) {
     const size_t need = ring_attention::region_bytes(g.n, p.batch, p.geo.s_local, p.kv_heads,
                                                      p.head_dim);
-    if (need > runtime::Runtime::get().data_bytes() - size_t(data_offset))
-      return invalid("the channel's region does not fit the workspace; raise "
-                     "pk_jax.configure(workspace_bytes=...)");
+    if (ffi::Error e = ffi_common::check_region_fits(
+            kOp, need, runtime::Runtime::get().data_bytes() - size_t(data_offset));
+        e.failure())
+      return e;
   }
   for (int r = 0; r < g.n; ++r) p.region[r] = ctx.workspaces[r] + kDataOffset + data_offset;
   p.ch = ctx.channel(int(slot));

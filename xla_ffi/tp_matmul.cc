@@ -33,14 +33,12 @@ ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t o
                                                     timeout_ns, &ctx);
       e.failure())
     return e;
-  if (!gemm::available())
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string("pk_jax.") + op + ": built without CUTLASS");
+  if (!gemm::available()) return ffi_common::built_without_cutlass(op);
   if (slot < 0 || slot >= kMaxSlots || data_offset < 0)
-    return ffi::Error::InvalidArgument(std::string("pk_jax.") + op + ": bad channel");
+    return ffi_common::invalid_argument(op, "bad channel");
   if (!to_gemm_type(x.element_type(), &p->in) || x.element_type() != w.element_type() ||
       !to_gemm_type(out.element_type(), &p->out_type))
-    return ffi::Error::InvalidArgument(std::string("pk_jax.") + op + ": unsupported dtypes");
+    return ffi_common::invalid_argument(op, "unsupported dtypes");
   const ffi_common::Group& g = ctx.group;
   const runtime::DeviceState& d = *g.self;
   p->rank = g.rank;
@@ -61,10 +59,7 @@ ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t o
 }
 
 ffi::Error check_region(const char* op, size_t needed, const tp_matmul::Params& p) {
-  if (needed <= p.region_bytes) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(std::string("pk_jax.") + op +
-                                     ": the channel's region does not fit the workspace; raise "
-                                     "pk_jax.configure(workspace_bytes=...)");
+  return ffi_common::check_region_fits(op, needed, p.region_bytes);
 }
 
 ffi::Error launched(const char* op, cudaError_t err) {
