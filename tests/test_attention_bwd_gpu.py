@@ -225,6 +225,18 @@ def test_sizes(causal, layout, n, b, s, t, d):
 SEQ = P(None, "sp")
 
 
+def _check_ring_grads(got, exact, same, dtype, what: str) -> None:
+    """(dq, dk, dv) of jax.grad through ring attention: `dtype`, the shapes of
+    the float32 reference `exact`, finite, and within twice the error of the
+    same computation in XLA at the inputs' precision (`same`) plus 5e-3."""
+    for name, g, e, h in zip(("dq", "dk", "dv"), got, exact, same):
+        assert g.shape == e.shape and g.dtype == dtype, f"{name}: {g.shape} {g.dtype}: {what}"
+        assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{name}: non-finite: {what}"
+        err, base = _rel(g, e), _rel(h, e)
+        assert err <= 2 * base + 5e-3, (f"{name}: rel err {err:.3g} against fp32, "
+                                        f"same-precision XLA {base:.3g}: {what}")
+
+
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("causal,layout", [(True, "zigzag"), (True, "contiguous"),
                                            (False, "contiguous")])
@@ -266,13 +278,7 @@ def test_ring_attention_grads(backward_kernel, n, causal, layout):
     with jax.default_matmul_precision("highest"):
         exact = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
     same = ref(q, k, v)
-    for name, g, e, h in zip(("dq", "dk", "dv"), got, exact, same):
-        assert g.shape == e.shape and g.dtype == dtype, f"{name}: {g.shape} {g.dtype}"
-        assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{name}: non-finite (seed {seed})"
-        err, base = _rel(g, e), _rel(h, e)
-        assert err <= 2 * base + 5e-3, (
-            f"{name} n={n} causal={causal} {layout}: rel err {err:.3g} against fp32, "
-            f"same-precision XLA {base:.3g} (seed {seed})")
+    _check_ring_grads(got, exact, same, dtype, f"n={n} causal={causal} {layout} (seed {seed})")
 
 
 @pytest.mark.parametrize("n", [1, 2])
@@ -312,11 +318,7 @@ def test_grads_through_layers_in_scan(n):
     with jax.default_matmul_precision("highest"):
         exact = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
     same = ref(q, k, v)
-    for name, g, e, h in zip(("dq", "dk", "dv"), got, exact, same):
-        assert np.all(np.isfinite(np.asarray(g, np.float32))), f"{name}: non-finite (seed {seed})"
-        err, base = _rel(g, e), _rel(h, e)
-        assert err <= 2 * base + 5e-3, (f"{name} n={n}, {layers} layers in scan: rel err "
-                                        f"{err:.3g}, same-precision XLA {base:.3g} (seed {seed})")
+    _check_ring_grads(got, exact, same, dtype, f"n={n}, {layers} layers in scan (seed {seed})")
 
 
 def test_deterministic_grads_repeat_bitwise(backward_kernel):
