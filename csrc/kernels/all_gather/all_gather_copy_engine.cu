@@ -11,6 +11,7 @@
 //   drain:  CE copies slot q of our region into our output block q.
 //   finish: done[r] = e on every peer (our slots may be reused), epoch = e.
 #include "kernels/all_gather/all_gather.h"
+#include "pk/copy_rows.h"
 #include "pk/cuda_check.h"
 #include "pk/signals.h"
 
@@ -18,12 +19,11 @@ namespace pk::all_gather {
 namespace {
 
 // Output block q: rows of row_bytes at dst + q * row_bytes, pitch n * row_bytes.
+// A copy per row (pk/copy_rows.h), so gathers along a later axis (many short
+// rows) are slow on this path; "auto" never picks it (pk_jax/tuning.py).
 cudaError_t copy_block(const Params& p, int q, const void* src, cudaStream_t s) {
   char* out = static_cast<char*>(p.dst) + size_t(q) * p.row_bytes;
-  if (p.rows == 1)
-    return cudaMemcpyAsync(out, src, p.row_bytes, cudaMemcpyDeviceToDevice, s);
-  return cudaMemcpy2DAsync(out, size_t(p.n) * p.row_bytes, src, p.row_bytes,
-                           p.row_bytes, p.rows, cudaMemcpyDeviceToDevice, s);
+  return copy_rows(out, size_t(p.n) * p.row_bytes, src, p.row_bytes, p.row_bytes, p.rows, s);
 }
 
 }  // namespace

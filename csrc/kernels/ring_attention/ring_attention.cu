@@ -3,6 +3,7 @@
 #include "kernels/ring_attention/ring_attention.h"
 
 #include "kernels/gemm/gemm.h"
+#include "pk/copy_rows.h"
 #include "pk/cuda_check.h"
 #include "pk/signals.h"
 
@@ -24,24 +25,26 @@ size_t v_offset(const Params& p) { return push_layout(p).v_offset(); }
 
 // Piece `i` of our block `src` (K or V) into our slot of peer(k)'s region
 // half `dst` (K's or V's), in the layout the plan says (ring_attention.h).
-// Every copy is a plain 2-D copy with rows of at least a head's piece rows:
-// narrow, strided gathers are not pure copy-engine work (they took SMs that a
-// spinning attention kernel never frees; benchmarks/NOTES.md, run 5).
+// Every copy is a run of 1-D copies (pk/copy_rows.h says why not 2-D) with
+// rows of at least a head's piece rows: narrow, strided gathers are not pure
+// copy-engine work (they took SMs that a spinning attention kernel never
+// frees; benchmarks/NOTES.md, run 5).
 cudaError_t copy_piece(const Params& p, char* dst, const void* src, int k, int i,
                        cudaStream_t stream) {
   const Geometry& g = p.geo;
   const PiecePlan plan = p.plan();
   const char* from = static_cast<const char*>(src);
   if (!plan.by_heads) {
-    // Row-major [B, S, Hkv, D] slots (PushLayout): one 2-D copy, a row per batch.
+    // Row-major [B, S, Hkv, D] slots (PushLayout): a copy per batch.
     const PushLayout L = push_layout(p);
     const size_t off = size_t(i) * L.piece_bytes();
-    return cudaMemcpy2DAsync(dst + L.slot(k, 0) + off, L.pitch(), from + off, L.row_bytes,
-                             L.piece_bytes(), p.batch, cudaMemcpyDeviceToDevice, stream);
+    return copy_rows(dst + L.slot(k, 0) + off, L.pitch(), from + off, L.row_bytes,
+                     L.piece_bytes(), p.batch, stream);
   }
   // Head-major source [B, Hkv, S, D] into the head-major region
-  // [B, Hkv, (n - 1) * S, D]: per batch, one 2-D copy per run of heads whose
-  // rows in this piece are the same (whole heads, or one head's row range).
+  // [B, Hkv, (n - 1) * S, D]: per batch, one copy per head for each run of
+  // heads whose rows in this piece are the same (whole heads, or one head's
+  // row range).
   const size_t line = size_t(p.head_dim) * 2;  // one head of one row
   const size_t src_head = size_t(g.s_local) * line, dst_head = size_t(g.n - 1) * src_head;
   for (int b = 0; b < p.batch; ++b) {
@@ -55,10 +58,9 @@ cudaError_t copy_piece(const Params& p, char* dst, const void* src, int k, int i
       }
       const size_t bh = size_t(b) * p.kv_heads + h;
       const size_t row = size_t(k - 1) * g.s_local + r0;  // our slot is k - 1
-      PK_CUDA_TRY(cudaMemcpy2DAsync(dst + bh * dst_head + row * line, dst_head,
-                                    from + bh * src_head + size_t(r0) * line, src_head,
-                                    size_t(r1 - r0) * line, h_end - h, cudaMemcpyDeviceToDevice,
-                                    stream));
+      PK_CUDA_TRY(copy_rows(dst + bh * dst_head + row * line, dst_head,
+                            from + bh * src_head + size_t(r0) * line, src_head,
+                            size_t(r1 - r0) * line, h_end - h, stream));
       h = h_end;
     }
   }

@@ -1,0 +1,139 @@
+"""Every fused op, compiled once and called again on fresh inputs (new buffer
+addresses), against XLA. Run by tests/test_graph_update_gpu.py in a process
+where XLA puts even a single custom call into a CUDA graph: each new call then
+re-traces our handler and updates the instantiated graph in place, which CUDA
+allows for a limited set of node changes (pk/copy_rows.h)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+
+CALLS = 3
+SEQ = P(None, "sp")
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _fresh_calls(f, draw, check, what):
+    """f compiled once, called CALLS times on new inputs; every earlier result
+    stays alive, so no call gets the previous call's buffers back."""
+    rng = np.random.default_rng()
+    kept = []
+    for i in range(CALLS):
+        args = draw(rng)
+        out = f(*args)
+        kept.append((args, out))
+        check(args, out, f"{what}, call {i}")
+    pk_jax.check_errors()
+
+
+def check_ring(mesh, *, mechanism="copy_engine", order="rows", grad=False):
+    """Causal zigzag ring attention (B = 2, so every piece copy spans two
+    batch rows), its output or its (dq, dk, dv), against fp32 XLA."""
+    n, b, s, hq, hkv, d, bf16 = mesh.size, 2, mesh.size * 512, 8, 2, 128, jnp.bfloat16
+    sharding = NamedSharding(mesh, SEQ)
+    ring = jax.shard_map(
+        lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=True, layout="zigzag",
+                                              mechanism=mechanism),
+        mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    loss = lambda attend, w: lambda q, k, v: jnp.sum(attend(q, k, v).astype(jnp.float32) * w)
+
+    def draw(rng):
+        shapes = [(b, s, h, d) for h in (hq, hkv, hkv)] + [(b, s, hq, d)]
+        q, k, v, w = (rng.standard_normal(sh, np.float32) for sh in shapes)
+        z = lambda a, dt: jax.device_put(pk_jax.zigzag_shard(jnp.asarray(a, dt), n), sharding)
+        return z(q, bf16), z(k, bf16), z(v, bf16), z(w, jnp.float32)
+
+    if grad:
+        f = jax.jit(lambda q, k, v, w: jax.grad(loss(ring, w), argnums=(0, 1, 2))(q, k, v))
+        ref = jax.jit(lambda q, k, v, w: jax.grad(loss(plain, w), argnums=(0, 1, 2))(q, k, v))
+    else:
+        f = jax.jit(lambda q, k, v, w: ring(q, k, v))
+        ref = jax.jit(lambda q, k, v, w: (plain(q, k, v),))
+
+    def check(args, out, what):  # in natural order, on the first GPU
+        natural = lambda a: jax.device_put(pk_jax.zigzag_unshard(a, n), mesh.devices.flat[0])
+        args = [natural(a) for a in args]
+        out = [natural(o) for o in (out if grad else (out,))]
+        exact = ref(*(a.astype(jnp.float32) for a in args[:3]), args[3])
+        same = ref(*args)
+        for g, e, h in zip(out, exact, same):
+            err, base = _rel(g, e), _rel(h, e)
+            assert np.isfinite(err) and err <= 2 * base + 5e-3, f"{what}: {err:.3g} vs {base:.3g}"
+
+    with pk_jax.configured(ring_piece_order=order):
+        _fresh_calls(f, draw, check,
+                     f"ring {mechanism} {order}" + (" grad" if grad else ""))
+
+
+def check_all_gather(mesh, mechanism):
+    """Gather along axis 1 of [4, m] blocks: four rows per rank block."""
+    f = jax.jit(jax.shard_map(
+        lambda x: pk_jax.all_gather(x, "x", axis=1, tiled=True, mechanism=mechanism),
+        mesh=mesh, in_specs=P(None, "x"), out_specs=P(None, "x"), check_vma=False))
+    ref = jax.jit(jax.shard_map(lambda x: lax.all_gather(x, "x", axis=1, tiled=True),
+                                mesh=mesh, in_specs=P(None, "x"), out_specs=P(None, "x"),
+                                check_vma=False))
+    draw = lambda rng: (jax.device_put(
+        rng.integers(0, 2**32, size=(4, mesh.size * 4096), dtype=np.uint32),
+        NamedSharding(mesh, P(None, "x"))),)
+
+    def check(args, out, what):
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref(*args)), err_msg=what)
+
+    _fresh_calls(f, draw, check, f"all_gather {mechanism}")
+
+
+def check_tp(mesh):
+    """all_gather_matmul then matmul_reduce_scatter, against fp32 XLA."""
+    put = lambda a, s: jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(mesh, s))
+    specs = (P("x"), P(None, "x"), P("x", None))
+
+    def body(x, w1, w2):
+        h = pk_jax.all_gather_matmul(x, w1, "x", mechanism="chunked")
+        return pk_jax.matmul_reduce_scatter(h, w2, "x", mechanism="chunked")
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x")))
+    draw = lambda rng: (put(rng.standard_normal((1024, 512)), specs[0]),
+                        put(rng.standard_normal((512, 1024)) / 22, specs[1]),
+                        put(rng.standard_normal((1024, 512)) / 32, specs[2]))
+
+    def check(args, out, what):
+        x, w1, w2 = (np.asarray(a, np.float64) for a in args)
+        exact = (x @ w1) @ w2
+        err = _rel(out, exact)
+        assert err <= 2e-2, f"{what}: rel err {err:.3g}"
+
+    _fresh_calls(f, draw, check, "all_gather_matmul + matmul_reduce_scatter")
+
+
+if __name__ == "__main__":
+    import sys
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from conftest import gpu_mesh
+    mesh, sp = gpu_mesh(2), gpu_mesh(2, "sp")
+    checks = [("ring copy_engine rows", lambda: check_ring(sp)),
+              ("ring copy_engine heads", lambda: check_ring(sp, order="heads")),
+              ("ring ld_st", lambda: check_ring(sp, mechanism="ld_st")),
+              ("ring grad", lambda: check_ring(sp, grad=True)),
+              ("all_gather copy_engine", lambda: check_all_gather(mesh, "copy_engine")),
+              ("all_gather ld_st_push", lambda: check_all_gather(mesh, "ld_st_push")),
+              ("tp matmuls", lambda: check_tp(mesh))]
+    failed = []
+    for name, run in checks:
+        try:
+            run()
+            print(f"OK {name}", flush=True)
+        except Exception as e:  # report every case, then fail
+            failed.append(name)
+            print(f"FAILED {name}: {type(e).__name__}: {str(e)[:600]}", flush=True)
+    print("SUBPROCESS_OK" if not failed else f"SUBPROCESS_FAILED {failed}")
