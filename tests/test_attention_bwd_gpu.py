@@ -93,7 +93,9 @@ def _exact(q, do, lse, delta, k, v, q_rank, k_rank, cfg):
     inputs, full-precision matmuls (no TF32)."""
     with jax.default_matmul_precision("highest"):
         f32 = lambda x: x.astype(jnp.float32)
-        return _block_reference(f32(q), f32(do), lse, delta, f32(k), f32(v), q_rank, k_rank, cfg)
+        dq, dkv = _block_reference(f32(q), f32(do), lse, delta, jnp.stack([f32(k), f32(v)]),
+                                   q_rank, k_rank, cfg)
+        return dq, dkv[0], dkv[1]
 
 
 @functools.partial(jax.jit, static_argnums=(7, 8))

@@ -62,6 +62,17 @@ ffi::Error check_region(const char* op, size_t needed, const tp_matmul::Params& 
   return ffi_common::check_region_fits(op, needed, p.region_bytes);
 }
 
+// w [K, N], or [N, K] when w_transposed (the backward's w^T, not copied).
+bool read_w(ffi::AnyBuffer w, bool w_transposed, int64_t* k, int64_t* n_cols,
+            tp_matmul::Params* p) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 2) return false;
+  *k = w_transposed ? wd[1] : wd[0];
+  *n_cols = w_transposed ? wd[0] : wd[1];
+  p->w_transposed = w_transposed;
+  return true;
+}
+
 ffi::Error launched(const char* op, cudaError_t err) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi_common::cuda_error(op, "launch", err);
@@ -72,19 +83,20 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                ffi::Result<ffi::AnyBuffer> gathered,
                                ffi::Span<const int64_t> group_ids, int64_t group_size,
                                int64_t slot, int64_t data_offset, int64_t timeout_ns,
-                               int32_t skip_post_rank, bool return_gathered) {
+                               int32_t skip_post_rank, bool return_gathered,
+                               bool w_transposed) {
   constexpr const char* kOp = "all_gather_matmul";
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpAllGatherMatmul, stream, ordinal, x, w, *out, group_ids,
                              group_size, slot, data_offset, timeout_ns, skip_post_rank, &p);
       e.failure())
     return e;
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
-    return ffi::Error::InvalidArgument("pk_jax.all_gather_matmul: expected x [m, K], w [K, N]");
+  const auto xd = x.dimensions();
+  int64_t wk = 0;
+  if (xd.size() != 2 || !read_w(w, w_transposed, &wk, &p.n_cols, &p) || xd[1] != wk)
+    return ffi_common::invalid_argument(kOp, "expected x [m, K], w [K, N] (or [N, K] transposed)");
   p.m = xd[0];
   p.k = xd[1];
-  p.n_cols = wd[1];
   p.gathered = return_gathered ? gathered->untyped_data() : nullptr;
   if (p.n > 1)
     if (ffi::Error e = check_region(kOp, tp_matmul::ag_matmul_region_bytes(p.n, p.m, p.k, p.in), p);
@@ -97,7 +109,7 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::An
                                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                    ffi::Span<const int64_t> group_ids, int64_t group_size,
                                    int64_t slot, int64_t data_offset, int64_t timeout_ns,
-                                   int32_t skip_post_rank) {
+                                   int32_t skip_post_rank, bool w_transposed) {
   constexpr const char* kOp = "matmul_reduce_scatter";
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpMatmulReduceScatter, stream, ordinal, x, w, *out,
@@ -105,13 +117,14 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::An
                              skip_post_rank, &p);
       e.failure())
     return e;
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || xd[0] % p.n != 0)
-    return ffi::Error::InvalidArgument(
-        "pk_jax.matmul_reduce_scatter: expected x [M, K], w [K, N], M divisible by the group");
+  const auto xd = x.dimensions();
+  int64_t wk = 0;
+  if (xd.size() != 2 || !read_w(w, w_transposed, &wk, &p.n_cols, &p) || xd[1] != wk ||
+      xd[0] % p.n != 0)
+    return ffi_common::invalid_argument(
+        kOp, "expected x [M, K], w [K, N] (or [N, K] transposed), M divisible by the group");
   p.m = xd[0] / p.n;
   p.k = xd[1];
-  p.n_cols = wd[1];
   if (p.n > 1)
     if (ffi::Error e = check_region(
             kOp, tp_matmul::matmul_rs_region_bytes(p.n, p.m, p.n_cols, p.out_type), p);
@@ -128,7 +141,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::PlatformStream<cudaStream_t>>()
         .Ctx<ffi::DeviceOrdinal>()
         .Arg<ffi::AnyBuffer>()                          // x: this rank's rows [m, K]
-        .Arg<ffi::AnyBuffer>()                          // w: [K, N]
+        .Arg<ffi::AnyBuffer>()                          // w: [K, N] ([N, K] transposed)
         .Ret<ffi::AnyBuffer>()                          // out: [n*m, N]
         .Ret<ffi::AnyBuffer>()                          // gathered x [n*m, K] (or [0])
         .Attr<ffi::Span<const int64_t>>("group_ids")    // device ids, group by group
@@ -137,7 +150,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("data_offset")                   // channel's data region
         .Attr<int64_t>("timeout_ns")                    // bound of every wait
         .Attr<int32_t>("skip_post_rank")                // testing: -1 normally
-        .Attr<bool>("return_gathered"),                 // fill the second result
+        .Attr<bool>("return_gathered")                  // fill the second result
+        .Attr<bool>("w_transposed"),                    // w holds w^T
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -146,14 +160,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<ffi::PlatformStream<cudaStream_t>>()
         .Ctx<ffi::DeviceOrdinal>()
         .Arg<ffi::AnyBuffer>()                          // x: [M, K_local]
-        .Arg<ffi::AnyBuffer>()                          // w: [K_local, N]
+        .Arg<ffi::AnyBuffer>()                          // w: [K_local, N] (or [N, K_local])
         .Ret<ffi::AnyBuffer>()                          // out: our shard [M/n, N]
         .Attr<ffi::Span<const int64_t>>("group_ids")    // device ids, group by group
         .Attr<int64_t>("group_size")                    // ranks per group
         .Attr<int64_t>("slot")                          // workspace channel
         .Attr<int64_t>("data_offset")                   // channel's data region
         .Attr<int64_t>("timeout_ns")                    // bound of every wait
-        .Attr<int32_t>("skip_post_rank"),               // testing: -1 normally
+        .Attr<int32_t>("skip_post_rank")                // testing: -1 normally
+        .Attr<bool>("w_transposed"),                    // w holds w^T
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

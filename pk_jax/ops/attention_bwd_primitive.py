@@ -5,11 +5,14 @@ queries of this rank, with the probabilities recomputed from the forward's
 log-sum-exp (what `ring_attention_reference._block_grads` computes):
 
     q, dout [B, S, Hq, D]; lse, delta' [B, Hq, S] float32, where
-    delta' = rowsum(dout * out) - dlse; k, v [B, T, Hkv, D]; q_rank, k_rank
-    int32 scalars (the ranks owning the query block and the K/V block: the
-    ring step is a scan variable, so k_rank is traced)
-    -> dq [B, S, Hq, D], dk, dv [B, T, Hkv, D], all float32
-       (dk, dv summed over the query heads of each GQA group).
+    delta' = rowsum(dout * out) - dlse; kv [2, B, T, Hkv, D] (K and V
+    stacked, the form the ring passes around: one collective per hop);
+    q_rank, k_rank int32 scalars (the ranks owning the query block and the
+    K/V block: the ring step is a scan variable, so k_rank is traced)
+    -> dq [B, S, Hq, D], dkv [2, B, T, Hkv, D] (dK and dV), float32
+       (dK, dV summed over the query heads of each GQA group).
+
+`pk_attention_block_bwd` is the same with k, v and dk, dv apart.
 
 Causal masks compare global token positions (`_positions`: contiguous or
 zigzag over a ring of `cfg.n`). Lowering: on CUDA with the extension built
@@ -63,37 +66,46 @@ def kernel_problem(q, k, cfg: RingConfig) -> str | None:
     return None
 
 
-def pk_attention_block_bwd(q, dout, lse, delta, k, v, q_rank, k_rank, cfg: RingConfig):
-    """(dq, dk, dv) float32 of one block pair; see the module docstring."""
-    args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), k, v,
+def pk_attention_block_bwd_kv(q, dout, lse, delta, kv, q_rank, k_rank, cfg: RingConfig):
+    """(dq, dkv) float32 of one block pair, K and V stacked in `kv`; see the
+    module docstring."""
+    args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), kv,
             jnp.asarray(q_rank, jnp.int32), jnp.asarray(k_rank, jnp.int32))
     # One varying-axes type for all operands (shard_map's check_vma), as the
-    # outputs take q's and k's.
+    # outputs take q's and kv's.
     axes = tuple(sorted(set().union(*(varying_axes(x) for x in args))))
     if axes:
         args = tuple(make_varying(x, axes) for x in args)
     return attention_block_bwd_p.bind(*args, cfg=cfg)
 
 
+def pk_attention_block_bwd(q, dout, lse, delta, k, v, q_rank, k_rank, cfg: RingConfig):
+    """(dq, dk, dv) float32 of one block pair: `pk_attention_block_bwd_kv`
+    with K and V apart (one stack and one split around the kernel)."""
+    dq, dkv = pk_attention_block_bwd_kv(q, dout, lse, delta, jnp.stack([k, v]), q_rank, k_rank,
+                                        cfg)
+    return dq, dkv[0], dkv[1]
+
+
 # ---- abstract evaluation ------------------------------------------------------
-def _abstract(q, dout, lse, delta, k, v, q_rank, k_rank, *, cfg: RingConfig):
+def _abstract(q, dout, lse, delta, kv, q_rank, k_rank, *, cfg: RingConfig):
     f32 = jnp.float32
-    return q.update(dtype=f32), k.update(dtype=f32), v.update(dtype=f32)
+    return q.update(dtype=f32), kv.update(dtype=f32)
 
 
 # ---- reference lowering (every platform but CUDA) ------------------------------
-def _block_reference(q, dout, lse, delta, k, v, q_rank, k_rank, cfg: RingConfig):
+def _block_reference(q, dout, lse, delta, kv, q_rank, k_rank, cfg: RingConfig):
     b, s, hq, d = q.shape
-    t, hkv = k.shape[1], k.shape[2]
+    t, hkv = kv.shape[2], kv.shape[3]
     g = hq // hkv
     f32 = jnp.float32
     q5, do5 = (x.astype(f32).reshape(b, s, hkv, g, d) for x in (q, dout))
     lse4, delta4 = (x.reshape(b, hkv, g, s) for x in (lse, delta))
     q_pos = _positions(q_rank, cfg.n, s, cfg.layout)
     k_pos = _positions(k_rank, cfg.n, t, cfg.layout)
-    dq, dk, dv = _block_grads(q5, do5, delta4, lse4, jnp.zeros_like(lse4), k, v,
+    dq, dk, dv = _block_grads(q5, do5, delta4, lse4, jnp.zeros_like(lse4), kv[0], kv[1],
                               q_pos, k_pos, cfg)
-    return dq.reshape(b, s, hq, d), dk, dv
+    return dq.reshape(b, s, hq, d), jnp.stack([dk, dv])
 
 
 def _reference(ctx, *args, cfg: RingConfig):

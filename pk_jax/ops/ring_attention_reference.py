@@ -164,42 +164,47 @@ def _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg: RingCon
     return dq, dk, dv
 
 
-def _backward_ring(cfg: RingConfig, k, v, grads, axes):
-    """The backward's ring schedule: (dq, dk, dv) fp32 summed over the n
-    blocks, dk/dv back on the rank that owns the block.
+def _backward_ring(cfg: RingConfig, kv, grads, axes, out_dtype):
+    """The backward's ring schedule: (dq fp32 summed over the n blocks,
+    dkv [2, B, T, Hkv, D] of `out_dtype` on the rank that owns the block).
 
-    `grads(kb, vb, step)` gives one block's (dq, dk, dv). Step s works on the
-    block that started on rank r - s; its partial dK/dV is the sum of ranks
-    r - s .. r (a fixed order). Both hops of a step are issued before its block
-    gradients and neither is needed until after them: the K/V block of step
-    s + 1 (prefetched), and the partial dK/dV that rank r - 1 finished at step
+    `kv` stacks this rank's K and V, so every hop is one collective (XLA's
+    GPU scheduler keeps one collective-permute in flight: a K hop and a V
+    hop would leave one of the two exposed). `grads(kv_block, step)` gives
+    one block's (dq, dkv), fp32. Step s works on the block that started on
+    rank r - s; its partial dK/dV is the sum of ranks r - s .. r (a fixed
+    order). Both hops of a step are issued before its block gradients and
+    neither is needed until after them: the K/V block of step s + 1
+    (prefetched), and the partial dK/dV that rank r - 1 finished at step
     s - 1 (added to ours after our block gradients). So the only hop left on
-    the critical path is the last one, taking dK/dV home.
+    the critical path is the last one, taking dK/dV home; it carries the
+    finished sums already cast to `out_dtype` (casting commutes with a hop:
+    the same result for half the bytes).
     """
     n = cfg.n
-    hop = lambda xs: tuple(lax.ppermute(x, cfg.names, _ring_perm(n)) for x in xs)
+    hop = lambda x: lax.ppermute(x, cfg.names, _ring_perm(n))
     vary = lambda xs: tuple(make_varying(x, axes) for x in xs)
     if n == 1:
-        return vary(grads(k, v, jnp.int32(0)))
-    kv = hop((k, v))  # the block of step 1, in flight during step 0
-    dq, dk, dv = vary(grads(k, v, jnp.int32(0)))
+        dq, dkv = vary(grads(kv, jnp.int32(0)))
+        return dq, dkv.astype(out_dtype)
+    kv_next = hop(kv)  # the block of step 1, in flight during step 0
+    dq, dkv = vary(grads(kv, jnp.int32(0)))
 
     def step(block, partial, dq, s, prefetch: bool):
         """Step s >= 1 on `block` (its K, V): (the block of step s + 1 if
         `prefetch`, the partial dK/dV of `block` up to this rank, dq)."""
         incoming = hop(partial)  # rank r - 1's partial of the block we hold now
         block_next = hop(block) if prefetch else None
-        g = grads(*block, s)
-        return block_next, (incoming[0] + g[1], incoming[1] + g[2]), dq + g[0]
+        g_dq, g_dkv = grads(block, s)
+        return block_next, incoming + g_dkv, dq + g_dq
 
-    carry = (kv, (dk, dv), dq)
+    carry = (kv_next, dkv, dq)
     if n > 2:  # steps 1 .. n - 2 prefetch the next block; the last one does not
         carry, _ = lax.scan(lambda c, s: (step(*c, s, prefetch=True), None), carry,
                             jnp.arange(1, n - 1, dtype=jnp.int32))
-    _, (dk, dv), dq = step(*carry, jnp.int32(n - 1), prefetch=False)
+    _, dkv, dq = step(*carry, jnp.int32(n - 1), prefetch=False)
     # The block we hold now belongs to rank r + 1: one hop home.
-    dk, dv = hop((dk, dv))
-    return dq, dk, dv
+    return dq, hop(dkv.astype(out_dtype))
 
 
 def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
@@ -233,19 +238,25 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     from pk_jax.config import get_config
     from pk_jax.ops import attention_bwd_primitive as block_bwd  # imports this module
     kernel = (get_config().ring_backward_kernel and cfg.mechanism != "xla" and not cfg.deterministic
-              and dout.dtype == q.dtype and block_bwd.kernel_problem(q, k, cfg) is None)
+              and dout.dtype == q.dtype and v.dtype == k.dtype
+              and block_bwd.kernel_problem(q, k, cfg) is None)
     if kernel:
         lse3, delta3 = lse.astype(f32), (delta - dlse4).reshape(b, hq, s_local)
 
-    def grads(kb, vb, step):
-        """(dq, dk, dv) fp32 of this rank's queries against the block that
-        started on rank - step."""
+    def grads(kvb, step):
+        """(dq, dkv) fp32 of this rank's queries against the block (K and V
+        stacked) that started on rank - step."""
         if kernel:
-            dq_s, dk_s, dv_s = block_bwd.pk_attention_block_bwd(
-                q, dout, lse3, delta3, kb, vb, rank, (rank - step) % n, cfg)
-            return dq_s.reshape(q5.shape), dk_s, dv_s
+            dq_s, dkv_s = block_bwd.pk_attention_block_bwd_kv(
+                q, dout, lse3, delta3, kvb, rank, (rank - step) % n, cfg)
+            return dq_s.reshape(q5.shape), dkv_s
         k_pos = _positions((rank - step) % n, n, s_local, cfg.layout)
-        return _block_grads(q5, do5, delta, lse4, dlse4, kb, vb, q_pos, k_pos, cfg)
+        dq_s, dk_s, dv_s = _block_grads(q5, do5, delta, lse4, dlse4, kvb[0], kvb[1], q_pos,
+                                        k_pos, cfg)
+        return dq_s, jnp.stack([dk_s, dv_s])
 
-    dq, dk, dv = _backward_ring(cfg, k, v, grads, _ring_axes(q5, cfg))
-    return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    # K and V travel stacked (jnp.stack promotes mixed dtypes; the home hop
+    # then carries fp32).
+    home = k.dtype if k.dtype == v.dtype else f32
+    dq, dkv = _backward_ring(cfg, jnp.stack([k, v]), grads, _ring_axes(q5, cfg), home)
+    return dq.reshape(q.shape).astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)

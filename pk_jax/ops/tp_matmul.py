@@ -77,19 +77,16 @@ def _kernel_unsupported(x, w, out_dtype) -> str:
     return ""
 
 
-def _t(w):
-    return jnp.swapaxes(w, 0, 1)
-
-
 def _dot_f32(a, b, dtype):
     return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32).astype(dtype)
 
 
 # ---- all_gather_matmul: 2-D core with its VJP ----------------------------------
-def _ag(x, w, cfg: _Config, return_gathered: bool):
+def _ag(x, w, cfg: _Config, return_gathered: bool, transpose_w: bool = False):
     return all_gather_matmul_p.bind(x, w, names=cfg.names, n=cfg.n, out_dtype=cfg.out_dtype,
-                                    return_gathered=return_gathered, mechanism=cfg.mechanism)
+                                    return_gathered=return_gathered, mechanism=cfg.mechanism,
+                                    transpose_w=transpose_w)
 
 
 def _ag_forward(x, w, cfg):
@@ -99,13 +96,14 @@ def _ag_forward(x, w, cfg):
 
 def _ag_backward(cfg: _Config, res, dy, dgathered=None):
     """dx = matmul_reduce_scatter(dy, w^T) (+ the gathered output's share),
-    dw = gathered^T @ dy."""
+    dw = gathered^T @ dy. The kernels read w^T in place (transpose_w)."""
     gathered, w = res
     x_dtype = gathered.dtype
     if dy.dtype == x_dtype and cfg.mechanism == "chunked":
-        dx = _rs(dy, _t(w), dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype)))
+        dx = _rs_bind(dy, w, dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype)),
+                      transpose_w=True)
     else:
-        dx = reference.matmul_reduce_scatter(dy.astype(x_dtype), _t(w).astype(x_dtype),
+        dx = reference.matmul_reduce_scatter(dy.astype(x_dtype), w.T.astype(x_dtype),
                                              cfg.names)
     if dgathered is not None:
         dx = dx + lax.psum_scatter(dgathered, cfg.names, scatter_dimension=0, tiled=True)
@@ -136,10 +134,15 @@ _ag_out_gathered.defvjp(_ag_forward, lambda cfg, res, ct: _ag_backward(cfg, res,
 
 
 # ---- matmul_reduce_scatter: 2-D core with its VJP ------------------------------
+def _rs_bind(x, w, cfg: _Config, transpose_w: bool = False):
+    return matmul_reduce_scatter_p.bind(x, w, names=cfg.names, n=cfg.n,
+                                        out_dtype=cfg.out_dtype, mechanism=cfg.mechanism,
+                                        transpose_w=transpose_w)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _rs(x, w, cfg):
-    return matmul_reduce_scatter_p.bind(x, w, names=cfg.names, n=cfg.n,
-                                        out_dtype=cfg.out_dtype, mechanism=cfg.mechanism)
+    return _rs_bind(x, w, cfg)
 
 
 def _rs_forward(x, w, cfg):
@@ -147,12 +150,14 @@ def _rs_forward(x, w, cfg):
 
 
 def _rs_backward(cfg: _Config, res, dy):
-    """dx, gathered dy = all_gather_matmul(dy, w^T); dw = x^T @ gathered dy."""
+    """dx, gathered dy = all_gather_matmul(dy, w^T); dw = x^T @ gathered dy.
+    The kernels read w^T in place (transpose_w)."""
     x, w = res
     if dy.dtype == x.dtype and cfg.mechanism == "chunked":
-        dx, gathered_dy = _ag(dy, _t(w), dataclasses.replace(cfg, out_dtype=x.dtype), True)
+        dx, gathered_dy = _ag(dy, w, dataclasses.replace(cfg, out_dtype=x.dtype), True,
+                              transpose_w=True)
     else:
-        dx, gathered_dy = reference.all_gather_matmul(dy.astype(x.dtype), _t(w).astype(x.dtype),
+        dx, gathered_dy = reference.all_gather_matmul(dy.astype(x.dtype), w.T.astype(x.dtype),
                                                       cfg.names)
     dw = _dot_f32(x, gathered_dy.astype(x.dtype), w.dtype)
     return sum_to_type_of(dx.astype(x.dtype), x), sum_to_type_of(dw, w)

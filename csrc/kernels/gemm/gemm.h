@@ -1,8 +1,11 @@
-// Dense GEMM on Hopper, row-major: D[m, n] = A[m, k] @ B[k, n], fp32 accumulation.
+// Dense GEMM on Hopper, row-major: D[m, n] = A[m, k] @ B[k, n] (+ C[m, n]),
+// fp32 accumulation.
 //
 // The building block of the tensor-parallel ops: they run it on row chunks as
 // the rows arrive (all_gather_matmul) or point D at a peer's memory so the
-// epilogue's stores travel over NVLink (matmul_reduce_scatter).
+// epilogue's stores travel over NVLink, and add the peer's partial sums as C
+// (matmul_reduce_scatter). The backward passes multiply by w^T: B may be
+// given transposed, so no transposed copy of a weight is ever made.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,8 +23,10 @@ inline size_t itemsize(DType t) { return t == DType::kF32 ? 4 : 2; }
 struct Problem {
   int64_t m = 0, n = 0, k = 0;
   const void* a = nullptr;  // [m, k] row-major
-  const void* b = nullptr;  // [k, n] row-major
+  const void* b = nullptr;  // [k, n] row-major, or [n, k] row-major if b_transposed
+  const void* c = nullptr;  // null, or [m, n] row-major of the output type: D = A @ B + C
   void* d = nullptr;        // [m, n] row-major, may live on a peer GPU
+  bool b_transposed = false;
   DType in = DType::kBF16;  // A and B
   DType out = DType::kBF16;
 };
@@ -37,8 +42,8 @@ struct Device {
 // False when the extension was built without CUTLASS headers.
 bool available();
 
-// Inputs bf16 or f16; output the input type or f32; k and n multiples of 8
-// (16-byte rows for the TMA copies).
+// Inputs bf16 or f16; output the input type or f32 (the input type only when
+// b_transposed); k and n multiples of 8 (16-byte rows for the TMA copies).
 bool supported(const Problem& p);
 
 // Load every instantiation on the current device (no lazy loading later).

@@ -1,6 +1,8 @@
 // The sm90 GEMM: CUTLASS's TMA warp-specialized cooperative kernel with a
 // persistent tile scheduler (128x256x64 tiles, 2x1 clusters), instantiated
-// once per (input, output) type pair in gemm_<in>_<out>.cu.
+// once per (input type, output type, B layout) in gemm_<in>_<out>[_bt].cu
+// (PK_GEMM_INSTANTIATION). B row-major is [k, n]; column-major is B^T stored
+// row-major [n, k] (K-major, wgmma's native operand order).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -15,7 +17,7 @@
 
 namespace pk::gemm {
 
-template <typename In, typename Out>
+template <typename In, typename Out, typename LayoutB>
 struct Sm90Gemm {
   using Row = cutlass::layout::RowMajor;
   // 128x256 output tiles: two consumer warpgroups of 64x256 each; 64-deep K
@@ -30,7 +32,8 @@ struct Sm90Gemm {
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Out, Row, kAlignOut, Out,
       Row, kAlignOut, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, In, Row, kAlignIn, In, Row, kAlignIn,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, In, Row, kAlignIn, In, LayoutB,
+      kAlignIn,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
@@ -44,14 +47,17 @@ struct Sm90Gemm {
     auto* a = static_cast<const In*>(p.a);
     auto* b = static_cast<const In*>(p.b);
     auto* d = static_cast<Out*>(p.d);
+    // With C, beta = 1 and the epilogue loads it (TMA); without, beta = 0 and
+    // CUTLASS skips the load, so C may alias D.
+    auto* c = p.c ? static_cast<const Out*>(p.c) : d;
     cutlass::KernelHardwareInfo hw{dev.ordinal, dev.sm_count};
     typename Adapter::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGemm,
         {m, n, k, 1},
         {a, cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {m, k, 1}), b,
          cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {n, k, 1})},
-        {{1.0f, 0.0f},
-         d,  // C is read only with beta != 0; alias D
+        {{1.0f, p.c ? 1.0f : 0.0f},
+         c,
          cutlass::make_cute_packed_stride(typename Kernel::StrideC{}, {m, n, 1}),
          d,
          cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1})},
@@ -72,3 +78,14 @@ struct Sm90Gemm {
 };
 
 }  // namespace pk::gemm
+
+// The two entry points of one instantiation, gemm.cu's run_<name> and
+// load_<name>: each instantiation is its own translation unit (they compile
+// in parallel).
+#define PK_GEMM_INSTANTIATION(name, In, Out, LayoutB)                                  \
+  namespace pk::gemm {                                                                \
+  cudaError_t run_##name(const Problem& p, const Device& dev, cudaStream_t stream) {  \
+    return Sm90Gemm<In, Out, LayoutB>::run(p, dev, stream);                          \
+  }                                                                                   \
+  cudaError_t load_##name() { return Sm90Gemm<In, Out, LayoutB>::load(); }           \
+  }

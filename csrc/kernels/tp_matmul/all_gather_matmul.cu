@@ -22,6 +22,7 @@ cudaError_t gemm_rows(const Params& p, const void* rows, int q, cudaStream_t s) 
   g.k = p.k;
   g.a = rows;
   g.b = p.w;
+  g.b_transposed = p.w_transposed;
   g.d = static_cast<char*>(p.out) + size_t(q) * p.m * p.n_cols * gemm::itemsize(p.out_type);
   g.in = p.in;
   g.out = p.out_type;

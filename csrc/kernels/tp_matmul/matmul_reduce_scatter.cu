@@ -4,9 +4,11 @@
 //   remote: for each peer q, nearest first: GEMM x[q's rows] @ w with its
 //           output in slot r of q's region (the epilogue's stores cross
 //           NVLink while the next GEMM computes), then post q.
-//   local:  GEMM x[our rows] @ w -> slot r of our region.
-//   reduce: wait posted[q] >= e from every peer; out = sum of the n slots,
-//           accumulated in fp32.
+//   local:  n = 2: wait posted[q] >= e, then GEMM x[our rows] @ w + the
+//           peer's slot (the epilogue's C, summed in fp32) -> out. No sum pass.
+//           n > 2: GEMM x[our rows] @ w -> slot r of our region; wait every
+//           peer; out = sum of the n slots, accumulated in fp32 (one rounding
+//           of each partial, as with n = 2).
 //   finish: done[r] = e to every peer (our slots may be overwritten), epoch = e.
 #include "kernels/tp_matmul/tp_matmul.h"
 #include "pk/cuda_check.h"
@@ -18,13 +20,16 @@ cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s)
 
 namespace {
 
-cudaError_t gemm_into(const Params& p, int rows_of, char* dst, cudaStream_t s) {
+cudaError_t gemm_into(const Params& p, int rows_of, char* dst, cudaStream_t s,
+                      const char* add = nullptr) {
   gemm::Problem g;
   g.m = p.m;
   g.n = p.n_cols;
   g.k = p.k;
   g.a = static_cast<const char*>(p.x) + size_t(rows_of) * p.m * p.k * gemm::itemsize(p.in);
   g.b = p.w;
+  g.b_transposed = p.w_transposed;
+  g.c = add;
   g.d = dst;
   g.in = p.in;
   g.out = p.out_type;
@@ -43,9 +48,16 @@ cudaError_t matmul_reduce_scatter(const Params& p) {
     PK_CUDA_TRY(gemm_into(p, q, p.region[q] + p.rank * slot, s));
     PK_CUDA_TRY(signals::post(p.ch, q, p.skip_post, s));
   }
-  PK_CUDA_TRY(gemm_into(p, p.rank, p.region[p.rank] + p.rank * slot, s));
-  PK_CUDA_TRY(signals::wait_posted(p.ch, signals::kAllPeers, s));
-  PK_CUDA_TRY(launch_sum_slots(p, p.region[p.rank], s));
+  if (p.n == 2) {
+    const int peer = 1 - p.rank;
+    PK_CUDA_TRY(signals::wait_posted(p.ch, peer, s));
+    PK_CUDA_TRY(gemm_into(p, p.rank, static_cast<char*>(p.out), s,
+                          p.region[p.rank] + peer * slot));
+  } else {
+    PK_CUDA_TRY(gemm_into(p, p.rank, p.region[p.rank] + p.rank * slot, s));
+    PK_CUDA_TRY(signals::wait_posted(p.ch, signals::kAllPeers, s));
+    PK_CUDA_TRY(launch_sum_slots(p, p.region[p.rank], s));
+  }
   return signals::finish(p.ch, s);
 }
 

@@ -7,8 +7,9 @@
 //   main stream: GEMM of our own rows, then of each peer's rows as they land.
 // matmul_reduce_scatter: out[m, N] = sum_q (x_q[rows of r] @ w_q)
 //   one stream: the GEMM of peer q's rows stores its tile outputs straight
-//   into slot r of q's region over NVLink; then our own rows locally; then
-//   the sum of the n slots in fp32 gives our shard.
+//   into slot r of q's region over NVLink; then our own rows: with two ranks
+//   their GEMM adds the peer's slot in its epilogue and writes our shard;
+//   with more, it fills our slot and a sum of the n slots in fp32 follows.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,7 +25,8 @@ namespace pk::tp_matmul {
 
 struct Params {
   const void* x = nullptr;
-  const void* w = nullptr;
+  const void* w = nullptr;   // [K, N] row-major, or [N, K] if w_transposed
+  bool w_transposed = false; // the backward passes' w^T, without a copy
   void* out = nullptr;
   void* gathered = nullptr;  // all_gather_matmul: the gathered x, or null
   int64_t m = 0;             // rows per rank (x's for all_gather_matmul, out's for RS)
@@ -45,7 +47,8 @@ struct Params {
   cudaEvent_t join = nullptr;
 };
 
-// Bytes of the channel's data region each op needs: n slots of one rank's block.
+// Bytes of the channel's data region each op needs: n slots of one rank's block
+// (matmul_reduce_scatter with n = 2 leaves our own slot unused).
 inline size_t ag_matmul_region_bytes(int n, int64_t m, int64_t k, gemm::DType in) {
   return size_t(n) * m * k * gemm::itemsize(in);
 }
