@@ -156,7 +156,7 @@ def test_repeated_in_scan(rng):
     w2 = _put(mesh, jnp.asarray(rng.standard_normal((512, 256)) / 22, jnp.bfloat16), P("x", None))
     x = _put(mesh, jnp.asarray(rng.standard_normal((512, 256)), jnp.bfloat16), P("x"))
 
-    def run(mechanism):
+    def run(mechanism, *args):
         def body(x, w1, w2):
             def step(c, _):
                 h = pk_jax.all_gather_matmul(c, w1, "x", mechanism=mechanism)
@@ -165,9 +165,14 @@ def test_repeated_in_scan(rng):
             return lax.scan(step, x, None, length=50)[0]
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(None, "x"),
                                                                  P("x", None)),
-                                     out_specs=P("x")))(x, w1, w2)
-    ours, ref = run("chunked"), run("xla")
-    assert _rel(ours, ref) < 2e-2
+                                     out_specs=P("x")))(*args)
+    # Rounding differences compound over 50 steps: our distance to the fp32
+    # chain may be at most XLA's (bf16) plus a little. (Against XLA's bf16
+    # chain directly, a kernel that rounds less, as the two-rank
+    # reduce-scatter's epilogue sum does, would look wrong.)
+    exact = run("xla", *(a.astype(jnp.float32) for a in (x, w1, w2)))
+    ours, xla = _rel(run("chunked", x, w1, w2), exact), _rel(run("xla", x, w1, w2), exact)
+    assert np.isfinite(ours) and ours <= 1.5 * xla + 1e-2, f"{ours=} {xla=}"
     pk_jax.check_errors()
 
 
