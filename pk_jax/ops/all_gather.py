@@ -55,7 +55,9 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
         kernel writes this rank's block into every peer's output with 16-byte
         stores, zero copy); "ld_st_pull" (the same kernel reads every peer's
         input instead); "copy_engine" (DMA engines move the data, no SMs;
-        stages through the workspace); or "xla" (lax.all_gather).
+        stages through the workspace; one copy per row of the output layout,
+        so slow for gathers along a later axis of many rows); or "xla"
+        (lax.all_gather).
       num_blocks: thread blocks of the ld/st kernels (512 threads each; at most
         what is co-resident, 2 per SM on H200). None: one per SM, the best
         measured on 2 x H200.
