@@ -10,6 +10,8 @@
 #   bench  all_gather and tp_matmul benchmarks
 #   ring   ring attention forward (16k-64k), copy_engine, heads order and ld_st
 #   flax   the Flax example's step time (GPU preset), pk against xla
+#   gemm   (not in the default list) the GEMM's tile configurations and swizzles
+#          on one GPU against XLA's dot, ~3-4 min (tools/gemm_sweep.sh)
 # Logs land in $OUT (results JSON and RESULTS.md too: benchmarks/common.py), so a run
 # cut short keeps what it did.
 set -uo pipefail
@@ -84,6 +86,11 @@ if stage flax; then
   # The GPU preset (bf16, head dim 128, 8k tokens) on every GPU; results go to RESULTS.md.
   timeout 400 python3 examples/flax_transformer.py --preset gpu \
     --steps 20 --collectives both --save 2>&1 | tee "$OUT/flax.log" | tail -3
+fi
+
+if stage gemm; then
+  echo "== gemm tile sweep (one GPU)"
+  timeout 400 tools/gemm_sweep.sh 2>&1 | grep -E "^(best|xla|gemm_sweep built|\| [0-9].*WRONG)"
 fi
 
 echo "== summary"

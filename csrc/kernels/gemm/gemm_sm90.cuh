@@ -1,7 +1,7 @@
-// The sm90 GEMM: CUTLASS's TMA warp-specialized cooperative kernel with a
-// persistent tile scheduler (128x256x64 tiles, 2x1 clusters), instantiated
-// once per (input type, output type, B layout) in gemm_<in>_<out>[_bt].cu
-// (PK_GEMM_INSTANTIATION). B row-major is [k, n]; column-major is B^T stored
+// The sm90 GEMM: CUTLASS's TMA warp-specialized kernel with a persistent tile
+// scheduler, its tiles a template parameter (DefaultTiles for the ops:
+// 128x256x64, 2x1 clusters, cooperative), instantiated once per (input type,
+// output type, B layout) in gemm_<in>_<out>[_bt].cu (PK_GEMM_INSTANTIATION). B row-major is [k, n]; column-major is B^T stored
 // row-major [n, k] (K-major, wgmma's native operand order).
 #pragma once
 
@@ -17,32 +17,52 @@
 
 namespace pk::gemm {
 
-template <typename In, typename Out, typename LayoutB>
+// One tile configuration: CTA tile, cluster, and the kernel schedule with its
+// matching epilogue schedule (cooperative: two consumer warpgroups share a
+// tile; ping-pong: each has its own).
+template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_>
+struct Sm90Tiles {
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
+  using KernelSchedule = KernelSchedule_;
+  using EpilogueSchedule = EpilogueSchedule_;
+};
+
+// What the ops run: 128x256 output tiles (two consumer warpgroups of 64x256
+// each), 64-deep K steps, 2x1 clusters. tools/gemm_sweep times others.
+using DefaultTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_256, cute::_64>,
+                               cute::Shape<cute::_2, cute::_1, cute::_1>,
+                               cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
+
+template <typename In, typename Out, typename LayoutB, typename Tiles = DefaultTiles>
 struct Sm90Gemm {
   using Row = cutlass::layout::RowMajor;
-  // 128x256 output tiles: two consumer warpgroups of 64x256 each; 64-deep K
-  // steps; the stage count fills the shared memory the epilogue leaves.
-  using TileShape = cute::Shape<cute::_128, cute::_256, cute::_64>;
-  using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
+  using TileShape = typename Tiles::TileShape;
+  using ClusterShape = typename Tiles::ClusterShape;
   static constexpr int kAlignIn = 16 / sizeof(In);
   static constexpr int kAlignOut = 16 / sizeof(Out);
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Out, Row, kAlignOut, Out,
-      Row, kAlignOut, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      Row, kAlignOut, typename Tiles::EpilogueSchedule>::CollectiveOp;
+  // The stage count fills the shared memory the epilogue leaves.
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, In, Row, kAlignIn, In, LayoutB,
       kAlignIn,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      typename Tiles::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, cutlass::gemm::PersistentScheduler>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-  static cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
+  // swizzle: the persistent scheduler's tile swizzle (1, 2, 4 or 8 tiles
+  // along the rasterized dimension share L2 for their operands).
+  static cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream,
+                         int swizzle = 1) {
     const int m = int(p.m), n = int(p.n), k = int(p.k);
     auto* a = static_cast<const In*>(p.a);
     auto* b = static_cast<const In*>(p.b);
@@ -62,6 +82,7 @@ struct Sm90Gemm {
          d,
          cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1})},
         hw};
+    args.scheduler.max_swizzle_size = swizzle;
     Adapter gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
     if (Adapter::get_workspace_size(args) > dev.workspace_bytes) return cudaErrorInvalidValue;
