@@ -1,6 +1,9 @@
 // One tile configuration of the sm90 GEMM for tools/gemm_sweep (bf16 in, bf16
 // out, B [k, n] row-major), picked by -DPK_SWEEP_INDEX=i: each configuration
 // is its own translation unit, so they compile in parallel.
+#include <iterator>
+#include <tuple>
+
 #include "kernels/gemm/gemm_sm90.cuh"
 
 #ifndef PK_SWEEP_INDEX
@@ -16,27 +19,22 @@ using CoopEpi = cutlass::epilogue::TmaWarpSpecializedCooperative;
 using PingPong = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
 using PingPongEpi = cutlass::epilogue::TmaWarpSpecialized;
 
-#if PK_SWEEP_INDEX == 0
-constexpr const char* kName = "128x256x64 c2x1 coop (ops)";
-using Tiles = pk::gemm::DefaultTiles;
-#elif PK_SWEEP_INDEX == 1
-constexpr const char* kName = "128x256x64 c1x2 coop";
-using Tiles = Sm90Tiles<Shape<_128, _256, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>;
-#elif PK_SWEEP_INDEX == 2
-constexpr const char* kName = "256x128x64 c1x2 coop";
-using Tiles = Sm90Tiles<Shape<_256, _128, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>;
-#elif PK_SWEEP_INDEX == 3
-constexpr const char* kName = "256x128x64 c2x1 coop";
-using Tiles = Sm90Tiles<Shape<_256, _128, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>;
-#elif PK_SWEEP_INDEX == 4
-constexpr const char* kName = "128x128x64 c2x1 pingpong";
-using Tiles = Sm90Tiles<Shape<_128, _128, _64>, Shape<_2, _1, _1>, PingPong, PingPongEpi>;
-#elif PK_SWEEP_INDEX == 5
-constexpr const char* kName = "128x256x64 c1x1 coop";
-using Tiles = Sm90Tiles<Shape<_128, _256, _64>, Shape<_1, _1, _1>, Coop, CoopEpi>;
-#else
-#error "PK_SWEEP_INDEX out of range"
-#endif
+// The sweep's configurations, in the order main.cu numbers them.
+using Configs = std::tuple<
+    pk::gemm::DefaultTiles,
+    Sm90Tiles<Shape<_128, _256, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>,
+    Sm90Tiles<Shape<_256, _128, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>,
+    Sm90Tiles<Shape<_256, _128, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>,
+    Sm90Tiles<Shape<_128, _128, _64>, Shape<_2, _1, _1>, PingPong, PingPongEpi>,
+    Sm90Tiles<Shape<_128, _256, _64>, Shape<_1, _1, _1>, Coop, CoopEpi>>;
+constexpr const char* kNames[] = {"128x256x64 c2x1 coop (ops)", "128x256x64 c1x2 coop",
+                                  "256x128x64 c1x2 coop",       "256x128x64 c2x1 coop",
+                                  "128x128x64 c2x1 pingpong",   "128x256x64 c1x1 coop"};
+static_assert(std::tuple_size_v<Configs> == std::size(kNames));
+static_assert(PK_SWEEP_INDEX >= 0 && PK_SWEEP_INDEX < std::tuple_size_v<Configs>,
+              "PK_SWEEP_INDEX out of range");
+using Tiles = std::tuple_element_t<PK_SWEEP_INDEX, Configs>;
+constexpr const char* kName = kNames[PK_SWEEP_INDEX];
 
 using Gemm = pk::gemm::Sm90Gemm<cutlass::bfloat16_t, cutlass::bfloat16_t,
                                 cutlass::layout::RowMajor, Tiles>;

@@ -4,23 +4,22 @@
 namespace pk::gemm {
 
 #ifdef PK_HAVE_CUTLASS
-#define PK_GEMM_DECLARE(name)                                              \
+// Every instantiation (gemm_<name>.cu), declared and loaded from this one list.
+#define PK_GEMM_INSTANTIATIONS(X) \
+  X(bf16_bf16) X(bf16_f32) X(f16_f16) X(f16_f32) X(bf16_bf16_bt) X(f16_f16_bt)
+#define PK_GEMM_DECLARE(name)                                          \
   cudaError_t run_##name(const Problem&, const Device&, cudaStream_t); \
   cudaError_t load_##name();
-PK_GEMM_DECLARE(bf16_bf16)
-PK_GEMM_DECLARE(bf16_f32)
-PK_GEMM_DECLARE(f16_f16)
-PK_GEMM_DECLARE(f16_f32)
-PK_GEMM_DECLARE(bf16_bf16_bt)
-PK_GEMM_DECLARE(f16_f16_bt)
+PK_GEMM_INSTANTIATIONS(PK_GEMM_DECLARE)
 #undef PK_GEMM_DECLARE
 #endif
 
 cudaError_t load_kernels() {
 #ifdef PK_HAVE_CUTLASS
-  for (auto load : {load_bf16_bf16, load_bf16_f32, load_f16_f16, load_f16_f32, load_bf16_bf16_bt,
-                    load_f16_f16_bt})
+#define PK_GEMM_LOAD(name) load_##name,
+  for (auto load : {PK_GEMM_INSTANTIATIONS(PK_GEMM_LOAD)})
     if (cudaError_t e = load(); e != cudaSuccess) return e;
+#undef PK_GEMM_LOAD
 #endif
   return cudaSuccess;
 }

@@ -1,8 +1,9 @@
 // The sm90 GEMM: CUTLASS's TMA warp-specialized kernel with a persistent tile
 // scheduler, its tiles a template parameter (DefaultTiles for the ops:
 // 128x256x64, 2x1 clusters, cooperative), instantiated once per (input type,
-// output type, B layout) in gemm_<in>_<out>[_bt].cu (PK_GEMM_INSTANTIATION). B row-major is [k, n]; column-major is B^T stored
-// row-major [n, k] (K-major, wgmma's native operand order).
+// output type, B layout) in gemm_<in>_<out>[_bt].cu (PK_GEMM_INSTANTIATION).
+// B row-major is [k, n]; column-major is B^T stored row-major [n, k]
+// (K-major, wgmma's native operand order).
 #pragma once
 
 #include <cute/tensor.hpp>
