@@ -41,6 +41,12 @@ def gpu_mesh(n: int, name: str = "x") -> Mesh:
     return Mesh(np.array(devices[:n]), (name,), axis_types=(AxisType.Auto,))
 
 
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float64: the relative error the value checks use."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
 @pytest.fixture
 def rng():
     # Fresh inputs every run: a kernel tuned to fixed data cannot pass.

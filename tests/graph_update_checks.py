@@ -12,14 +12,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+from conftest import gpu_mesh, rel_err  # the script runs from tests/ (sys.path[0])
 
 CALLS = 3
 SEQ = P(None, "sp")
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _fresh_calls(f, draw, check, what):
@@ -67,7 +63,7 @@ def check_ring(mesh, *, mechanism="copy_engine", order="rows", grad=False):
         exact = ref(*(a.astype(jnp.float32) for a in args[:3]), args[3])
         same = ref(*args)
         for g, e, h in zip(out, exact, same):
-            err, base = _rel(g, e), _rel(h, e)
+            err, base = rel_err(g, e), rel_err(h, e)
             assert np.isfinite(err) and err <= 2 * base + 5e-3, f"{what}: {err:.3g} vs {base:.3g}"
 
     with pk_jax.configured(ring_piece_order=order):
@@ -110,16 +106,13 @@ def check_tp(mesh):
     def check(args, out, what):
         x, w1, w2 = (np.asarray(a, np.float64) for a in args)
         exact = (x @ w1) @ w2
-        err = _rel(out, exact)
+        err = rel_err(out, exact)
         assert err <= 2e-2, f"{what}: rel err {err:.3g}"
 
     _fresh_calls(f, draw, check, "all_gather_matmul + matmul_reduce_scatter")
 
 
 if __name__ == "__main__":
-    import sys
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from conftest import gpu_mesh
     mesh, sp = gpu_mesh(2), gpu_mesh(2, "sp")
     checks = [("ring copy_engine rows", lambda: check_ring(sp)),
               ("ring copy_engine heads", lambda: check_ring(sp, order="heads")),

@@ -12,18 +12,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from conftest import cpu_mesh
+from conftest import cpu_mesh, rel_err
 
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "flax_transformer.py"
 _spec = importlib.util.spec_from_file_location("flax_transformer", _PATH)
 example = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = example  # dataclasses look the module up
 _spec.loader.exec_module(example)
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_pk_and_xla_train_alike():
@@ -51,7 +46,7 @@ def test_sharded_gradients_equal_one_device():
     leaves, leaves1 = jax.tree.leaves(grads), jax.tree.leaves(grads1)
     assert len(leaves) == len(leaves1) > 0
     for g, g1 in zip(leaves, leaves1):
-        assert g.shape == g1.shape and _rel(g, g1) < 1e-4
+        assert g.shape == g1.shape and rel_err(g, g1) < 1e-4
 
 
 def test_compare_times_both_and_agrees(capsys):

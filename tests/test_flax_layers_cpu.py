@@ -16,16 +16,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from conftest import cpu_mesh
+from conftest import cpu_mesh, rel_err
 from pk_jax.flax import (ColumnParallelLinear, ParallelMLP, RingSelfAttention,
                          RowParallelLinear, init_sharded, partition_specs, shard_size)
 
 F, HIDDEN, HQ, HKV, HD = 16, 32, 4, 2, 8  # features, MLP hidden, heads, kv heads, head dim
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _w(state: nnx.State, *path: str) -> jax.Array:
@@ -120,7 +115,7 @@ def test_values_and_gradients(rng, name, n):
     ref = case.reference(state, x)
     out = apply(state, x)
     assert out.shape == ref.shape and out.dtype == jnp.float32
-    assert _rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
 
     cot = jnp.asarray(rng.standard_normal(ref.shape), jnp.float32)
     grads = jax.jit(jax.grad(lambda st, x: jnp.vdot(apply(st, x), cot), (0, 1)))(state, x)
@@ -128,7 +123,7 @@ def test_values_and_gradients(rng, name, n):
     leaves, ref_leaves = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
     assert len(leaves) == len(ref_leaves) == len(jax.tree.leaves(state)) + 1
     for g, r in zip(leaves, ref_leaves):
-        assert g.shape == r.shape and _rel(g, r) < 1e-4
+        assert g.shape == r.shape and rel_err(g, r) < 1e-4
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -139,7 +134,7 @@ def test_xla_mechanism_matches(rng, name):
     for mechanism in ("auto", "xla"):
         apply, state, x = _setup(case, 4, np.random.default_rng(seed), mechanism)
         outs.append(np.asarray(apply(state, x)))
-    assert _rel(outs[1], outs[0]) < 1e-6
+    assert rel_err(outs[1], outs[0]) < 1e-6
 
 
 def test_zigzag_layout(rng):
@@ -154,7 +149,7 @@ def test_zigzag_layout(rng):
                                   out_specs=P(None, "sp")))
     x = jnp.asarray(rng.standard_normal((2, 32, F)), jnp.float32)
     out = pk_jax.zigzag_unshard(apply(state, pk_jax.zigzag_shard(x, 4)), 4)
-    assert _rel(out, _ref_attention(state, x)) < 1e-5
+    assert rel_err(out, _ref_attention(state, x)) < 1e-5
 
 
 def test_init_does_not_depend_on_mesh():

@@ -12,17 +12,12 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from conftest import cpu_mesh
+from conftest import cpu_mesh, rel_err
 import pk_jax
 from pk_jax.ops import ring_attention_reference as ra
 from pk_jax.ops.ring_attention import ring_attention, zigzag_shard, zigzag_unshard
 
 SEQ = P(None, "sp")
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -80,7 +75,7 @@ def test_values(rng, n, layout, causal):
     q, k, v = _qkv(rng, 2, 8 * n, 8, 2, 64)
     out = jax.jit(_sharded(cpu_mesh((n,), ("sp",)), layout, causal=causal))(q, k, v)
     assert out.shape == q.shape and out.dtype == jnp.float32
-    assert _rel(out, _reference(q, k, v, causal)) < 1e-5
+    assert rel_err(out, _reference(q, k, v, causal)) < 1e-5
 
 
 @pytest.mark.parametrize("hkv", [8, 2, 1])
@@ -88,7 +83,7 @@ def test_values(rng, n, layout, causal):
 def test_gqa_and_head_dim(rng, hkv, d):
     q, k, v = _qkv(rng, 2, 24, 8, hkv, d)
     out = jax.jit(_sharded(cpu_mesh((3,), ("sp",)), "zigzag", causal=True))(q, k, v)
-    assert _rel(out, _reference(q, k, v, True)) < 1e-5
+    assert rel_err(out, _reference(q, k, v, True)) < 1e-5
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -96,20 +91,20 @@ def test_bf16(rng, layout):
     q, k, v = _qkv(rng, 2, 64, 8, 2, 64, jnp.bfloat16)
     out = jax.jit(_sharded(cpu_mesh((4,), ("sp",)), layout, causal=True))(q, k, v)
     assert out.dtype == jnp.bfloat16
-    assert _rel(out, _reference(q, k, v, True)) < 2e-2
+    assert rel_err(out, _reference(q, k, v, True)) < 2e-2
 
 
 def test_scale_mechanism_and_vma_check(rng):
     q, k, v = _qkv(rng, 1, 32, 4, 4, 64)
     f = _sharded(cpu_mesh((4,), ("sp",)), "zigzag", check_vma=True, causal=True, scale=0.3,
                  mechanism="xla")
-    assert _rel(jax.jit(f)(q, k, v), _reference(q, k, v, True, scale=0.3)) < 1e-5
+    assert rel_err(jax.jit(f)(q, k, v), _reference(q, k, v, True, scale=0.3)) < 1e-5
 
 
 def test_long_local_block(rng):
     q, k, v = _qkv(rng, 1, 128, 4, 1, 64)
     out = jax.jit(_sharded(cpu_mesh((2,), ("sp",)), causal=True))(q, k, v)
-    assert _rel(out, _reference(q, k, v, True)) < 1e-5
+    assert rel_err(out, _reference(q, k, v, True)) < 1e-5
 
 
 def test_tuple_axis_name(rng):
@@ -118,7 +113,7 @@ def test_tuple_axis_name(rng):
     q, k, v = _qkv(rng, 2, 32, 4, 2, 64)
     f = jax.shard_map(lambda *x: ring_attention(*x, ("a", "b"), causal=True), mesh=mesh,
                       in_specs=(spec,) * 3, out_specs=spec, check_vma=False)
-    assert _rel(jax.jit(f)(q, k, v), _reference(q, k, v, True)) < 1e-5
+    assert rel_err(jax.jit(f)(q, k, v), _reference(q, k, v, True)) < 1e-5
 
 
 # ---- log-sum-exp ---------------------------------------------------------------
@@ -129,8 +124,8 @@ def test_return_lse(rng, layout, causal):
     out, lse = jax.jit(_sharded(cpu_mesh((3,), ("sp",)), layout, return_lse=True,
                                 causal=causal))(q, k, v)
     assert lse.shape == (2, 8, 48) and lse.dtype == jnp.float32
-    assert _rel(out, _reference(q, k, v, causal)) < 1e-5
-    assert _rel(lse, _reference_lse(q, k, v, causal)) < 1e-5
+    assert rel_err(out, _reference(q, k, v, causal)) < 1e-5
+    assert rel_err(lse, _reference_lse(q, k, v, causal)) < 1e-5
 
 
 # ---- gradients -----------------------------------------------------------------
@@ -145,7 +140,7 @@ def test_gradients(rng, n, layout, causal):
     refs = grad(lambda *x: _reference(*x, causal))
     for a, b in zip(ours, refs):
         assert np.all(np.isfinite(a))
-        assert _rel(a, b) < 1e-4
+        assert rel_err(a, b) < 1e-4
 
 
 @pytest.mark.parametrize("n,layout,causal,hkv", [(1, "zigzag", True, 2), (8, "zigzag", True, 2),
@@ -158,7 +153,7 @@ def test_gradients_gqa(rng, n, layout, causal, hkv):
     ring = _sharded(cpu_mesh((n,), ("sp",)), layout, causal=causal)
     grad = lambda f: jax.jit(jax.grad(lambda *x: jnp.sum(f(*x) * w), (0, 1, 2)))(q, k, v)
     for a, b in zip(grad(ring), grad(lambda *x: _reference(*x, causal))):
-        assert _rel(a, b) < 1e-4
+        assert rel_err(a, b) < 1e-4
 
 
 def test_backward_is_a_ring():
@@ -212,7 +207,7 @@ def test_lse_gradient(rng):
     grad = lambda f: jax.jit(jax.grad(lambda *x: jnp.sum(f(*x)[1] ** 2), (0, 1)))(q, k, v)
     ref = lambda *x: (None, _reference_lse(*x, True))
     for a, b in zip(grad(ring), grad(ref)):
-        assert _rel(a, b) < 1e-4
+        assert rel_err(a, b) < 1e-4
 
 
 def test_fully_masked_block_is_finite(rng):
@@ -250,7 +245,7 @@ def test_repeated_calls_in_scan(rng):
     ref = q
     for _ in range(layers):
         ref = _reference(ref, k, v, True) * 2.0
-    assert _rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
 
 
 # ---- zigzag reordering ---------------------------------------------------------
@@ -364,13 +359,13 @@ def test_fused_path_values_and_grads(rng, request, layout, bwd_kernel, mechanism
     ring = _sharded(cpu_mesh((n,), ("sp",)), layout, return_lse=True, causal=True,
                     mechanism=mechanism, **kw)
     out, lse = jax.jit(ring)(q, k, v)
-    assert _rel(out, _reference(q, k, v, True)) < 2e-2
-    assert _rel(lse, _reference_lse(q, k, v, True)) < 1e-2
+    assert rel_err(out, _reference(q, k, v, True)) < 2e-2
+    assert rel_err(lse, _reference_lse(q, k, v, True)) < 1e-2
     loss = lambda f: (lambda *x: jnp.sum(f(*x)[0].astype(jnp.float32) ** 2))
     ours = jax.jit(jax.grad(loss(ring), (0, 1, 2)))(q, k, v)
     refs = jax.jit(jax.grad(loss(lambda *x: (_reference(*x, True),)), (0, 1, 2)))(q, k, v)
     for a, b in zip(ours, refs):
-        assert _rel(a, b) < 3e-2
+        assert rel_err(a, b) < 3e-2
 
 
 @pytest.mark.parametrize("mechanism,kw,want", [

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import _warnings
-from conftest import gpu_mesh
+from conftest import gpu_mesh, rel_err
 from gpu_util import poison_allocator
 
 pytestmark = pytest.mark.gpu
@@ -91,11 +91,6 @@ def _lse_rows(q, k, rows, causal: bool):
     return jax.nn.logsumexp(s, axis=-1)
 
 
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
 def _worst_row(a, b) -> float:
     """Worst relative error of one token (sequence axis 1) over its heads and dims."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -113,7 +108,7 @@ def _check(out, q, k, v, causal, what, seed, n=2, lse=None):
     exact = _attention_rows(q, k, v, r, causal, jnp.float32, True)
     same_precision = _attention_rows(q, k, v, r, causal, q.dtype, False)
     got = jnp.take(out, r, axis=1)
-    err, base = _rel(got, exact), _rel(same_precision, exact)
+    err, base = rel_err(got, exact), rel_err(same_precision, exact)
     assert out.shape == q.shape and out.dtype == q.dtype, f"{what}: {out.shape} {out.dtype}"
     assert np.all(np.isfinite(np.asarray(got, np.float32))), f"{what}: non-finite (seed {seed})"
     assert err <= 1.5 * base + 2e-3, (
@@ -264,12 +259,12 @@ def test_repeated_in_scan(mechanism, n):
                                                   is_causal=True) * 4.0).astype(dtype)
         return c
     exact, same_precision = reference(jnp.float32, True), reference(q.dtype, False)
-    base = _rel(same_precision, exact)
+    base = rel_err(same_precision, exact)
     outs = []
     for call in ("first", "second"):
         out = jax.device_put(pk_jax.zigzag_unshard(f(*args), n), mesh.devices.flat[0])
         outs.append(np.asarray(out, np.float32))
-        err = _rel(out, exact)
+        err = rel_err(out, exact)
         assert err <= 1.5 * base + 2e-3, (f"scan {mechanism} n={n}, {call} call: {err=:.3g} "
                                           f"{base=:.3g} (seed {seed})")
     # The kernel's summation order is fixed: a second call that differs means

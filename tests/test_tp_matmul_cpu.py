@@ -9,13 +9,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from conftest import cpu_mesh
+from conftest import cpu_mesh, rel_err
 from tp_models import mlp_loss
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -40,7 +35,7 @@ def test_all_gather_matmul_values(rng, n, dtype):
     mesh = cpu_mesh((n,), ("tp",))
     x, w = _normal(rng, (16 * n, 24), dtype), _normal(rng, (24, 8 * n), dtype)
     ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-    assert _rel(_ag_fn(mesh)(x, w), ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
+    assert rel_err(_ag_fn(mesh)(x, w), ref) < (1e-6 if dtype == jnp.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
@@ -49,7 +44,7 @@ def test_matmul_reduce_scatter_values(rng, n):
     x, w = _normal(rng, (8 * n, 16 * n)), _normal(rng, (16 * n, 24))
     out = _rs_fn(mesh)(x, w)
     assert out.shape == (8 * n, 24)
-    assert _rel(out, np.asarray(x) @ np.asarray(w)) < 1e-6
+    assert rel_err(out, np.asarray(x) @ np.asarray(w)) < 1e-6
 
 
 def test_batch_dims_and_gathered(rng):
@@ -62,7 +57,7 @@ def test_batch_dims_and_gathered(rng):
     out, gathered = f(x, w)
     assert out.shape == (8, 3, 32) and gathered.shape == (8, 3, 16)
     np.testing.assert_array_equal(gathered, x)
-    assert _rel(out, np.einsum("bsk,kn->bsn", x, w)) < 1e-6
+    assert rel_err(out, np.einsum("bsk,kn->bsn", x, w)) < 1e-6
 
 
 def test_preferred_element_type(rng):
@@ -78,7 +73,7 @@ def test_mlp_pair_gradients_match_xla(rng):
     grad = lambda pk: jax.jit(jax.grad(lambda *a: mlp_loss(mesh, "tp", pk, *a), (0, 1, 2)))(
         x, w1, w2)
     for ours, ref in zip(grad(True), grad(False)):
-        assert _rel(ours, ref) < 1e-5
+        assert rel_err(ours, ref) < 1e-5
 
 
 def test_gradient_through_gathered_output(rng):
@@ -98,7 +93,7 @@ def test_gradient_through_gathered_output(rng):
 
     for ours, ref in zip(jax.grad(lambda *a: loss(True, *a), (0, 1))(x, w),
                          jax.grad(lambda *a: loss(False, *a), (0, 1))(x, w)):
-        assert _rel(ours, ref) < 1e-5
+        assert rel_err(ours, ref) < 1e-5
 
 
 def test_repeated_calls_in_scan(rng):
@@ -118,7 +113,7 @@ def test_repeated_calls_in_scan(rng):
                                                                  P("tp", None)),
                                      out_specs=P("tp")))
     x = _normal(rng, (16, 16))
-    assert _rel(run(True)(x, w1, w2), run(False)(x, w1, w2)) < 1e-5
+    assert rel_err(run(True)(x, w1, w2), run(False)(x, w1, w2)) < 1e-5
 
 
 @pytest.mark.parametrize("call,match,error", [

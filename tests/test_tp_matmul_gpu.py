@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
-from conftest import gpu_mesh
+from conftest import gpu_mesh, rel_err
 from gpu_chains import check_tp_chain
 from gpu_util import poison_allocator
 from tp_models import mlp_loss
@@ -21,11 +21,6 @@ pytestmark = pytest.mark.gpu
 
 # (rows per rank, K, N per rank): square-ish, non-square, tall-skinny, ragged rows.
 SHAPES = [(256, 512, 1024), (1024, 4096, 512), (4096, 256, 128), (100, 128, 256)]
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def _put(mesh, a, spec):
@@ -47,7 +42,7 @@ def _rs(mesh, mechanism, **kw):
 def _check(ours, xla, exact, what):
     """Our error against fp32 may be at most XLA's same-precision error plus a
     little (different summation order), never NaN."""
-    err, base = _rel(ours, exact), _rel(xla, exact)
+    err, base = rel_err(ours, exact), rel_err(xla, exact)
     assert np.isfinite(err) and err <= 1.5 * base + 1e-3, f"{what}: {err=} {base=}"
 
 
@@ -95,7 +90,7 @@ def test_fp32_output_and_gathered(rng):
     # every device gathered all rows: the per-device copies stack to n x the input
     np.testing.assert_array_equal(np.asarray(gathered[:512]), np.asarray(x))
     exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-    assert _rel(out, exact) < 1e-5  # fp32 output: only the bf16 inputs' rounding is left
+    assert rel_err(out, exact) < 1e-5  # fp32 output: only the bf16 inputs' rounding is left
 
 
 def test_mlp_gradients(rng):
@@ -171,7 +166,7 @@ def test_repeated_in_scan(rng):
     # chain directly, a kernel that rounds less, as the two-rank
     # reduce-scatter's epilogue sum does, would look wrong.)
     exact = run("xla", *(a.astype(jnp.float32) for a in (x, w1, w2)))
-    ours, xla = _rel(run("chunked", x, w1, w2), exact), _rel(run("xla", x, w1, w2), exact)
+    ours, xla = rel_err(run("chunked", x, w1, w2), exact), rel_err(run("xla", x, w1, w2), exact)
     assert np.isfinite(ours) and ours <= 1.5 * xla + 1e-2, f"{ours=} {xla=}"
     pk_jax.check_errors()
 

@@ -211,8 +211,8 @@ def ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg: RingConfig):
     """Gradients (dq, dk, dv) of ring attention from the forward's output and
     log-sum-exp, as a ring (`_backward_ring`): each K/V block travels r -> r + 1
     with its partial dK/dV, every rank adds its queries' share, and after n
-    steps one more hop takes dK/dV home. dq stays local. Memory: one block's scores at a time (no
-    per-step residuals). The ring sums in a fixed order; each step's block
+    steps one more hop takes dK/dV home. dq stays local. Memory: one block's
+    scores at a time (no per-step residuals). The ring sums in a fixed order; each step's block
     gradients are the block kernel for the fused mechanisms (whose dq
     reduce-adds land in arrival order), or einsums (deterministic) for
     mechanism "xla", `cfg.deterministic`, shapes the kernel does not take and
