@@ -109,7 +109,7 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::An
                                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                    ffi::Span<const int64_t> group_ids, int64_t group_size,
                                    int64_t slot, int64_t data_offset, int64_t timeout_ns,
-                                   int32_t skip_post_rank, bool w_transposed) {
+                                   int32_t skip_post_rank, bool w_transposed, bool fused) {
   constexpr const char* kOp = "matmul_reduce_scatter";
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpMatmulReduceScatter, stream, ordinal, x, w, *out,
@@ -125,11 +125,16 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::An
         kOp, "expected x [M, K], w [K, N] (or [N, K] transposed), M divisible by the group");
   p.m = xd[0] / p.n;
   p.k = xd[1];
+  p.fused = fused && p.n > 1;
+  if (p.fused && !tp_matmul::fused_rs_supported(p))
+    return ffi_common::invalid_argument(
+        kOp, "fused: needs an output of the input type (bf16/fp16) and shard rows a "
+             "multiple of 128");
+  const size_t region =
+      p.fused ? tp_matmul::fused_rs_region_bytes(p.n, p.m, p.n_cols, p.out_type)
+              : tp_matmul::matmul_rs_region_bytes(p.n, p.m, p.n_cols, p.out_type);
   if (p.n > 1)
-    if (ffi::Error e = check_region(
-            kOp, tp_matmul::matmul_rs_region_bytes(p.n, p.m, p.n_cols, p.out_type), p);
-        e.failure())
-      return e;
+    if (ffi::Error e = check_region(kOp, region, p); e.failure()) return e;
   return launched(kOp, tp_matmul::matmul_reduce_scatter(p));
 }
 
@@ -168,7 +173,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int64_t>("data_offset")                   // channel's data region
         .Attr<int64_t>("timeout_ns")                    // bound of every wait
         .Attr<int32_t>("skip_post_rank")                // testing: -1 normally
-        .Attr<bool>("w_transposed"),                    // w holds w^T
+        .Attr<bool>("w_transposed")                     // w holds w^T
+        .Attr<bool>("fused"),                           // one GEMM, scattering epilogue
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

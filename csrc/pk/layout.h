@@ -89,7 +89,13 @@ enum OpId : int32_t {
   kOpMatmulReduceScatter = 3,
   kOpRingAttention = 4,
 };
-enum WaitKind : int32_t { kWaitPosted = 1, kWaitDone = 2, kWaitLine = 3, kWaitPiece = 4 };
+enum WaitKind : int32_t {
+  kWaitPosted = 1,
+  kWaitDone = 2,
+  kWaitLine = 3,
+  kWaitPiece = 4,
+  kWaitTile = 5,  // a peer's partial output tile (fused matmul_reduce_scatter)
+};
 enum ErrorCode : int32_t { kErrNone = 0, kErrTimeout = 1 };
 
 // Where a failed wait is reported. `record` is mapped host memory; `claim`

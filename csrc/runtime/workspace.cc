@@ -62,7 +62,9 @@ std::string init_device(DeviceState& d, size_t bytes) {
   void* ws = nullptr;
   PK_RT_TRY(cudaMalloc(&ws, bytes), d.ordinal);
   d.workspace = static_cast<char*>(ws);
-  PK_RT_TRY(cudaMemset(ws, 0, kDataOffset), d.ordinal);  // flags and LL lines
+  // All of it: flags, LL lines, and the data area, where the fused
+  // matmul_reduce_scatter keeps per-tile epoch flags next to its slots.
+  PK_RT_TRY(cudaMemset(ws, 0, bytes), d.ordinal);
   void* host = nullptr;
   PK_RT_TRY(cudaHostAlloc(&host, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable),
             d.ordinal);
@@ -176,7 +178,9 @@ std::string Runtime::reset() {
   for (DeviceState& d : devices_) {
     if (d.ordinal < 0) continue;
     PK_RT_TRY(cudaSetDevice(d.ordinal), d.ordinal);
-    PK_RT_TRY(cudaMemset(d.workspace, 0, kDataOffset), d.ordinal);
+    // Epochs restart at 0: every flag must too, the per-tile flags in the data
+    // area included (a stale flag would let a wait pass on old data).
+    PK_RT_TRY(cudaMemset(d.workspace, 0, kDataOffset + data_bytes_), d.ordinal);
     PK_RT_TRY(cudaDeviceSynchronize(), d.ordinal);
     std::memset(d.error_host, 0, sizeof(ErrorRecord));
   }
@@ -200,6 +204,7 @@ std::string describe(const ErrorRecord& r, int ordinal) {
   const char* what = r.what == kWaitPosted ? "post its address for epoch "
                      : r.what == kWaitLine ? "send its data lines for epoch "
                      : r.what == kWaitPiece ? "post a piece of its K/V block, stamp "
+                     : r.what == kWaitTile ? "write its partial of an output tile for epoch "
                                             : "finish its transfer for epoch ";
   return std::string("pk_jax.") + op + " timed out on device " + std::to_string(ordinal) +
          " (rank " + std::to_string(r.rank) + "): waited for peer rank " +

@@ -23,7 +23,11 @@ from pk_jax._compat import make_varying, sum_to_type_of
 from pk_jax._warnings import warn_once
 from pk_jax.ops.tp_matmul_primitives import all_gather_matmul_p, matmul_reduce_scatter_p
 
-MECHANISMS = ("auto", "chunked", "xla")
+MECHANISMS = ("auto", "chunked", "xla")              # all_gather_matmul
+RS_MECHANISMS = ("auto", "fused", "chunked", "xla")  # matmul_reduce_scatter
+# The fused matmul_reduce_scatter's output tile rows (csrc/kernels/tp_matmul/
+# tp_matmul.h, kFusedTileM): a shard must be whole tiles.
+_FUSED_TILE_M = 128
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -34,12 +38,13 @@ class _Config:
     names: tuple[str, ...]
     n: int
     out_dtype: np.dtype
-    mechanism: str  # "chunked" or "xla" after validation
+    mechanism: str  # "fused", "chunked" or "xla" after validation
 
 
-def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism) -> _Config:
-    if mechanism not in MECHANISMS:
-        raise ValueError(f"pk_jax.{op}: mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism,
+              allowed=MECHANISMS) -> _Config:
+    if mechanism not in allowed:
+        raise ValueError(f"pk_jax.{op}: mechanism must be one of {allowed}, got {mechanism!r}")
     if x.ndim < 2 or w.ndim != 2:
         raise ValueError(f"pk_jax.{op}: expected x [..., rows, K] and w [K, N], got x "
                          f"{x.shape} and w {w.shape}")
@@ -57,12 +62,28 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism) -> _C
     if mechanism != "xla":
         why = _kernel_unsupported(x, w, out_dtype)
         if why:
-            if mechanism == "chunked":
-                raise ValueError(f"pk_jax.{op}(mechanism='chunked'): {why}")
+            if mechanism in ("chunked", "fused"):
+                raise ValueError(f"pk_jax.{op}(mechanism={mechanism!r}): {why}")
             if runtime.available():  # elsewhere the reference is the plan, not a fallback
                 warn_once(f"{op}-{why}", f"pk_jax.{op}: {why}; using the XLA reference path")
         cfg = dataclasses.replace(cfg, mechanism="xla" if why else "chunked")
     return cfg
+
+
+def _rs_kernel(rows: int, n: int, in_dtype, out_dtype, requested: str) -> str:
+    """The kernel mechanism of a matmul_reduce_scatter whose operands the GEMM
+    takes: "fused" (auto and fused) where the fused kernel applies, else
+    "chunked"; forcing "fused" where it cannot run is an error."""
+    why = ""
+    if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
+        why = f"it writes the operands' dtype ({jnp.dtype(in_dtype)}), not {jnp.dtype(out_dtype)}"
+    elif n > 1 and (rows // n) % _FUSED_TILE_M:
+        why = (f"each device's output rows ({rows // n}) must be a multiple of "
+               f"{_FUSED_TILE_M}")
+    if requested == "fused" and why:
+        raise ValueError(f"pk_jax.matmul_reduce_scatter(mechanism='fused'): {why}; "
+                         "mechanism='chunked' takes these shapes")
+    return "chunked" if why or requested == "chunked" or n == 1 else "fused"
 
 
 def _kernel_unsupported(x, w, out_dtype) -> str:
@@ -99,8 +120,9 @@ def _ag_backward(cfg: _Config, res, dy, dgathered=None):
     dw = gathered^T @ dy. The kernels read w^T in place (transpose_w)."""
     gathered, w = res
     x_dtype = gathered.dtype
-    if dy.dtype == x_dtype and cfg.mechanism == "chunked":
-        dx = _rs_bind(dy, w, dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype)),
+    if dy.dtype == x_dtype and cfg.mechanism != "xla":
+        rs = _rs_kernel(dy.shape[0], cfg.n, x_dtype, x_dtype, "auto")
+        dx = _rs_bind(dy, w, dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype), mechanism=rs),
                       transpose_w=True)
     else:
         dx = reference.matmul_reduce_scatter(dy.astype(x_dtype), w.T.astype(x_dtype),
@@ -153,9 +175,10 @@ def _rs_backward(cfg: _Config, res, dy):
     """dx, gathered dy = all_gather_matmul(dy, w^T); dw = x^T @ gathered dy.
     The kernels read w^T in place (transpose_w)."""
     x, w = res
-    if dy.dtype == x.dtype and cfg.mechanism == "chunked":
-        dx, gathered_dy = _ag(dy, w, dataclasses.replace(cfg, out_dtype=x.dtype), True,
-                              transpose_w=True)
+    if dy.dtype == x.dtype and cfg.mechanism != "xla":
+        dx, gathered_dy = _ag(dy, w, dataclasses.replace(cfg, out_dtype=x.dtype,
+                                                         mechanism="chunked"),
+                              True, transpose_w=True)
     else:
         dx, gathered_dy = reference.all_gather_matmul(dy.astype(x.dtype), w.T.astype(x.dtype),
                                                       cfg.names)
@@ -210,18 +233,27 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
       axis_name: mesh axis (or tuple of axes) to reduce-scatter over.
       preferred_element_type: output dtype; None: the operands' dtype. The
         partial products travel in it and are summed in fp32.
-      mechanism: "auto"/"chunked" (each peer's rows are multiplied first and
-        written straight into that peer's memory; bf16/fp16 operands, K and N
-        multiples of 8) or "xla".
+      mechanism: "auto" (fused where it applies, else chunked), "fused" (one
+        GEMM launch whose epilogue writes each tile of a peer's rows into
+        that peer's memory and flags it, and adds the peers' tiles to ours as
+        their flags land; output in the operands' dtype, rows per device a
+        multiple of 128), "chunked" (a GEMM per row chunk, each peer's chunk
+        written into its memory; bf16/fp16 operands, K and N multiples of 8)
+        or "xla".
 
     Returns:
       This device's shard of the sum, [x.shape[0] / n, ..., N].
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
-    cfg = _validate("matmul_reduce_scatter", x, w, axis_name, preferred_element_type, mechanism)
+    cfg = _validate("matmul_reduce_scatter", x, w, axis_name, preferred_element_type, mechanism,
+                    RS_MECHANISMS)
     if x.shape[0] % cfg.n:
         raise ValueError(f"pk_jax.matmul_reduce_scatter: the first dim of x ({x.shape[0]}) "
                          f"must divide by the size of axis {cfg.names} ({cfg.n})")
+    if cfg.mechanism != "xla":
+        rows = x.size // x.shape[-1]
+        cfg = dataclasses.replace(cfg, mechanism=_rs_kernel(rows, cfg.n, x.dtype, cfg.out_dtype,
+                                                            mechanism))
     x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
     w = make_varying(w, cfg.names)
     out = _rs(x2, w, cfg)

@@ -61,6 +61,9 @@ def _rs_reference(ctx, x, w, *, names, n, out_dtype, mechanism, transpose_w):
 
 
 # ---- CUDA lowering -----------------------------------------------------------
+# The fused matmul_reduce_scatter's output tile (csrc/kernels/tp_matmul/tp_matmul.h).
+_FUSED_TILE = (128, 256)
+
 def _region_bytes(n: int, rows: int, cols: int, dtype) -> int:
     return n * rows * cols * np.dtype(dtype).itemsize if n > 1 else 0
 
@@ -80,17 +83,26 @@ def _ag_cuda(ctx, x, w, *, names, n, out_dtype, return_gathered, mechanism, tran
         **channel_attrs(table, ch))
 
 
+def _fused_rs_region_bytes(n: int, rows: int, cols: int, dtype) -> int:
+    """n slots (256-byte aligned), then the per-tile flags: n senders x tiles
+    x 8 bytes (tp_matmul.h, fused_rs_region_bytes)."""
+    slots = -(-_region_bytes(n, rows, cols, dtype) // 256) * 256
+    tiles = rows // _FUSED_TILE[0] * -(-cols // _FUSED_TILE[1])
+    return slots + n * tiles * 8 if n > 1 else 0
+
+
 def _rs_cuda(ctx, x, w, *, names, n, out_dtype, mechanism, transpose_w):
     if mechanism == "xla" or kernels_missing("matmul_reduce_scatter", need_gemm=True):
         return _rs_reference(ctx, x, w, names=names, n=n, out_dtype=out_dtype,
                              mechanism=mechanism, transpose_w=transpose_w)
     x_aval, w_aval = ctx.avals_in
     _, table = group_table(ctx, "matmul_reduce_scatter", names, n)
-    ch = runtime.channel(("matmul_reduce_scatter", table.tobytes()),
-                         _region_bytes(n, x_aval.shape[0] // n, _n_cols(w_aval, transpose_w),
-                                       out_dtype))
+    fused = mechanism == "fused" and n > 1
+    region = _fused_rs_region_bytes if fused else _region_bytes
+    ch = runtime.channel(("matmul_reduce_scatter", mechanism, table.tobytes()),
+                         region(n, x_aval.shape[0] // n, _n_cols(w_aval, transpose_w), out_dtype))
     return jax.ffi.ffi_lowering("pk_matmul_reduce_scatter")(
-        ctx, x, w, w_transposed=bool(transpose_w), **channel_attrs(table, ch))
+        ctx, x, w, w_transposed=bool(transpose_w), fused=fused, **channel_attrs(table, ch))
 
 
 all_gather_matmul_p.def_abstract_eval(_ag_abstract)

@@ -36,26 +36,29 @@ using DefaultTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_256, cute::_64>,
                                cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                cutlass::epilogue::TmaWarpSpecializedCooperative>;
 
+// The mainloop (TMA loads of A [m, k] row-major and B, wgmma, fp32
+// accumulators) for an epilogue that keeps `epilogue_smem` bytes of shared
+// memory: the stage count fills what the epilogue leaves.
+template <typename In, typename LayoutB, typename Tiles, size_t epilogue_smem>
+using Sm90Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, In, cutlass::layout::RowMajor,
+    16 / sizeof(In), In, LayoutB, 16 / sizeof(In), float, typename Tiles::TileShape,
+    typename Tiles::ClusterShape,
+    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(epilogue_smem)>,
+    typename Tiles::KernelSchedule>::CollectiveOp;
+
 template <typename In, typename Out, typename LayoutB, typename Tiles = DefaultTiles>
 struct Sm90Gemm {
   using Row = cutlass::layout::RowMajor;
   using TileShape = typename Tiles::TileShape;
   using ClusterShape = typename Tiles::ClusterShape;
-  static constexpr int kAlignIn = 16 / sizeof(In);
   static constexpr int kAlignOut = 16 / sizeof(Out);
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Out, Row, kAlignOut, Out,
       Row, kAlignOut, typename Tiles::EpilogueSchedule>::CollectiveOp;
-  // The stage count fills the shared memory the epilogue leaves.
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, In, Row, kAlignIn, In, LayoutB,
-      kAlignIn,
-      float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      typename Tiles::KernelSchedule>::CollectiveOp;
+  using Mainloop = Sm90Mainloop<In, LayoutB, Tiles, sizeof(typename Epilogue::SharedStorage)>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, cutlass::gemm::PersistentScheduler>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;

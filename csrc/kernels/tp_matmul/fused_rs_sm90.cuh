@@ -1,0 +1,71 @@
+// The fused matmul_reduce_scatter kernel: CUTLASS's warp-specialized
+// cooperative sm90 GEMM (the ops' DefaultTiles mainloop, persistent tile
+// scheduler) over all n*m rows of x, with ScatterEpilogue deciding where each
+// output tile goes. One launch per call: the peers' tiles cross NVLink from
+// the epilogue while later tiles' mainloops run, and each of our tiles waits
+// only for the same tile of every peer (per-tile flags), not for whole GEMMs.
+// One file per (input type, B layout): fused_rs_<type>[_bt].cu.
+#pragma once
+
+#include <cutlass/epilogue/collective/detail.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include "kernels/gemm/gemm_sm90.cuh"
+#include "kernels/tp_matmul/scatter_epilogue.cuh"
+#include "kernels/tp_matmul/tp_matmul.h"
+
+namespace pk::tp_matmul {
+
+template <typename In, typename LayoutB>
+struct FusedRsGemm {
+  // ---- launch config -----------------------------------------------------------
+  using Tiles = gemm::DefaultTiles;
+  using Epi = ScatterEpilogue<In, typename Tiles::TileShape>;
+  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epi>;
+  using Mainloop = gemm::Sm90Mainloop<In, LayoutB, Tiles, sizeof(typename Epi::SharedStorage)>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
+                                                      Epilogue, cutlass::gemm::PersistentScheduler>;
+  using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  // ---- entry point ---------------------------------------------------------------
+  // x [n*m, K] @ w ([K, N], or [N, K] for a column-major LayoutB).
+  static cudaError_t run(const Params& p, const ScatterTarget& t, cudaStream_t stream) {
+    const int rows = int(p.n * p.m), n = int(p.n_cols), k = int(p.k);
+    cutlass::KernelHardwareInfo hw{p.gemm_dev.ordinal, p.gemm_dev.sm_count};
+    typename Adapter::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {rows, n, k, 1},
+        {static_cast<const In*>(p.x),
+         cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {rows, k, 1}),
+         static_cast<const In*>(p.w),
+         cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {n, k, 1})},
+        {t},
+        hw};
+    Adapter gemm;
+    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+    if (Adapter::get_workspace_size(args) > p.gemm_dev.workspace_bytes) return cudaErrorInvalidValue;
+    if (gemm.initialize(args, p.gemm_dev.workspace, stream) != cutlass::Status::kSuccess)
+      return cudaErrorInvalidValue;
+    if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
+    return cudaGetLastError();
+  }
+
+  static cudaError_t load() {
+    cudaFuncAttributes attr;
+    return cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>);
+  }
+};
+
+}  // namespace pk::tp_matmul
+
+// run_fused_rs_<name> / load_fused_rs_<name>, dispatched by fused_rs.cu.
+#define PK_FUSED_RS_INSTANTIATION(name, In, LayoutB)                                    \
+  namespace pk::tp_matmul {                                                           \
+  cudaError_t run_fused_rs_##name(const Params& p, const ScatterTarget& t,            \
+                                  cudaStream_t s) {                                   \
+    return FusedRsGemm<In, LayoutB>::run(p, t, s);                                    \
+  }                                                                                   \
+  cudaError_t load_fused_rs_##name() { return FusedRsGemm<In, LayoutB>::load(); }     \
+  }
