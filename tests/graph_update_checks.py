@@ -89,14 +89,14 @@ def check_all_gather(mesh, mechanism):
     _fresh_calls(f, draw, check, f"all_gather {mechanism}")
 
 
-def check_tp(mesh):
+def check_tp(mesh, rs_mechanism="chunked"):
     """all_gather_matmul then matmul_reduce_scatter, against fp32 XLA."""
     put = lambda a, s: jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(mesh, s))
     specs = (P("x"), P(None, "x"), P("x", None))
 
     def body(x, w1, w2):
         h = pk_jax.all_gather_matmul(x, w1, "x", mechanism="chunked")
-        return pk_jax.matmul_reduce_scatter(h, w2, "x", mechanism="chunked")
+        return pk_jax.matmul_reduce_scatter(h, w2, "x", mechanism=rs_mechanism)
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x")))
     draw = lambda rng: (put(rng.standard_normal((1024, 512)), specs[0]),
@@ -109,7 +109,7 @@ def check_tp(mesh):
         err = rel_err(out, exact)
         assert err <= 2e-2, f"{what}: rel err {err:.3g}"
 
-    _fresh_calls(f, draw, check, "all_gather_matmul + matmul_reduce_scatter")
+    _fresh_calls(f, draw, check, f"all_gather_matmul + matmul_reduce_scatter {rs_mechanism}")
 
 
 if __name__ == "__main__":
@@ -120,7 +120,8 @@ if __name__ == "__main__":
               ("ring grad", lambda: check_ring(sp, grad=True)),
               ("all_gather copy_engine", lambda: check_all_gather(mesh, "copy_engine")),
               ("all_gather ld_st_push", lambda: check_all_gather(mesh, "ld_st_push")),
-              ("tp matmuls", lambda: check_tp(mesh))]
+              ("tp matmuls", lambda: check_tp(mesh)),
+              ("tp matmuls, fused reduce-scatter", lambda: check_tp(mesh, "fused"))]
     failed = []
     for name, run in checks:
         try:

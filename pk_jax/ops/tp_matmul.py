@@ -72,8 +72,9 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism,
 
 def _rs_kernel(rows: int, n: int, in_dtype, out_dtype, requested: str) -> str:
     """The kernel mechanism of a matmul_reduce_scatter whose operands the GEMM
-    takes: "fused" (auto and fused) where the fused kernel applies, else
-    "chunked"; forcing "fused" where it cannot run is an error."""
+    takes. auto is "chunked": measured faster than "fused" at every benchmark
+    shape on 2 x H200 (benchmarks/RESULTS.md). Forcing "fused" where it
+    cannot run is an error."""
     why = ""
     if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
         why = f"it writes the operands' dtype ({jnp.dtype(in_dtype)}), not {jnp.dtype(out_dtype)}"
@@ -83,7 +84,7 @@ def _rs_kernel(rows: int, n: int, in_dtype, out_dtype, requested: str) -> str:
     if requested == "fused" and why:
         raise ValueError(f"pk_jax.matmul_reduce_scatter(mechanism='fused'): {why}; "
                          "mechanism='chunked' takes these shapes")
-    return "chunked" if why or requested == "chunked" or n == 1 else "fused"
+    return "fused" if requested == "fused" and n > 1 else "chunked"
 
 
 def _kernel_unsupported(x, w, out_dtype) -> str:
@@ -121,9 +122,8 @@ def _ag_backward(cfg: _Config, res, dy, dgathered=None):
     gathered, w = res
     x_dtype = gathered.dtype
     if dy.dtype == x_dtype and cfg.mechanism != "xla":
-        rs = _rs_kernel(dy.shape[0], cfg.n, x_dtype, x_dtype, "auto")
-        dx = _rs_bind(dy, w, dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype), mechanism=rs),
-                      transpose_w=True)
+        dx = _rs_bind(dy, w, dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype),
+                                                 mechanism="chunked"), transpose_w=True)
     else:
         dx = reference.matmul_reduce_scatter(dy.astype(x_dtype), w.T.astype(x_dtype),
                                              cfg.names)
@@ -233,13 +233,13 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
       axis_name: mesh axis (or tuple of axes) to reduce-scatter over.
       preferred_element_type: output dtype; None: the operands' dtype. The
         partial products travel in it and are summed in fp32.
-      mechanism: "auto" (fused where it applies, else chunked), "fused" (one
-        GEMM launch whose epilogue writes each tile of a peer's rows into
-        that peer's memory and flags it, and adds the peers' tiles to ours as
-        their flags land; output in the operands' dtype, rows per device a
-        multiple of 128), "chunked" (a GEMM per row chunk, each peer's chunk
-        written into its memory; bf16/fp16 operands, K and N multiples of 8)
-        or "xla".
+      mechanism: "auto" (today "chunked", measured faster), "chunked" (a
+        GEMM per row chunk, each peer's chunk written into its memory;
+        bf16/fp16 operands, K and N multiples of 8), "fused" (one GEMM launch
+        whose epilogue writes each tile of a peer's rows into that peer's
+        memory and flags it, and adds the peers' tiles to ours as their flags
+        land; output in the operands' dtype, rows per device a multiple of
+        128) or "xla".
 
     Returns:
       This device's shard of the sum, [x.shape[0] / n, ..., N].
