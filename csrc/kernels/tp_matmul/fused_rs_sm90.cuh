@@ -1,9 +1,10 @@
 // The fused matmul_reduce_scatter kernel: CUTLASS's warp-specialized
 // cooperative sm90 GEMM (the ops' DefaultTiles mainloop, persistent tile
 // scheduler) over all n*m rows of x, with ScatterEpilogue deciding where each
-// output tile goes. One launch per call: the peers' tiles cross NVLink from
-// the epilogue while later tiles' mainloops run, and each of our tiles waits
-// only for the same tile of every peer (per-tile flags), not for whole GEMMs.
+// output tile goes, and RotatedTileScheduler walking each rank's peers' rows
+// first. One launch per call: the peers' tiles cross NVLink (bulk copies)
+// while later tiles' mainloops run, and each of our tiles waits only for the
+// same tile of every peer (per-tile flags), not for whole GEMMs.
 // One file per (input type, B layout): fused_rs_<type>[_bt].cu.
 #pragma once
 
@@ -13,6 +14,7 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include "kernels/gemm/gemm_sm90.cuh"
+#include "kernels/tp_matmul/rotated_scheduler.cuh"
 #include "kernels/tp_matmul/scatter_epilogue.cuh"
 #include "kernels/tp_matmul/tp_matmul.h"
 
@@ -22,11 +24,11 @@ template <typename In, typename LayoutB>
 struct FusedRsGemm {
   // ---- launch config -----------------------------------------------------------
   using Tiles = gemm::DefaultTiles;
-  using Epi = ScatterEpilogue<In, typename Tiles::TileShape>;
-  using Epilogue = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<Epi>;
-  using Mainloop = gemm::Sm90Mainloop<In, LayoutB, Tiles, sizeof(typename Epi::SharedStorage)>;
+  using Epilogue = ScatterCollective<In, typename Tiles::TileShape>;
+  using Mainloop =
+      gemm::Sm90Mainloop<In, LayoutB, Tiles, sizeof(typename Epilogue::TensorStorage)>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
-                                                      Epilogue, cutlass::gemm::PersistentScheduler>;
+                                                      Epilogue, RotatedRows>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   // ---- entry point ---------------------------------------------------------------
@@ -43,6 +45,11 @@ struct FusedRsGemm {
          cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {n, k, 1})},
         {t},
         hw};
+    // Tiles along N within a row (the rotation moves whole rows), starting at
+    // the next rank's rows: ours come last.
+    args.scheduler.raster_order =
+        cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
+    args.scheduler.row_shift = int((p.rank + 1) % p.n * (p.m / kFusedTileM));
     Adapter gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
     if (Adapter::get_workspace_size(args) > p.gemm_dev.workspace_bytes) return cudaErrorInvalidValue;

@@ -1,20 +1,27 @@
 // The fused matmul_reduce_scatter's epilogue: plugged into CUTLASS's
 // warp-specialized cooperative GEMM (through its adapter for epilogues
 // without a TMA pipeline), it runs in the two consumer warpgroups after each
-// output tile's mainloop and decides where the tile goes.
+// output tile's mainloop and decides where the tile goes. Each tile passes
+// through shared memory in two halves of 128 columns (rounded to the output
+// type; padded rows, conflict-free for the fragment writes and row reads).
 //
-// Tile of rank q's rows, q != r (a partial for q): rounded to the output
-// type, staged in shared memory and written as 16-byte row vectors into slot
-// r of q's region (stores over NVLink), then, once every thread's stores are
-// fenced, flags[r][tile] = epoch is released on q.
+// Tile of rank q's rows, q != r (a partial for q): each of 128 threads hands
+// one staged row to the bulk-copy engine (cp.async.bulk, shared -> global,
+// straight into slot r of q's region over NVLink), so the consumers go on to
+// the next tile's mainloop while the bytes travel. The tile's flag on q,
+// flags[r][tile] = epoch, is released at the start of this CTA's next tile
+// (or at the end, store_tail) after the copies have completed: a fence per
+// tile would stall the consumers for an NVLink round trip.
 // Tile of our own rows: one thread waits (bounded) for every sender's flag of
-// this tile; the tile, rounded, is summed in fp32 with each sender's slot and
-// written to our shard, rounded once more (as the chunked path's sum pass).
+// this tile; the staged tile is summed in fp32 with each sender's slot and
+// written to our shard as 16-byte vectors, rounded once more (as the chunked
+// path's sum pass).
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/detail.hpp>
 #include <cutlass/numeric_types.h>
 
 #include <cstdint>
@@ -35,9 +42,10 @@ class ScatterEpilogue {
   static constexpr int kPassCols = 128;                  // columns staged per pass
   static constexpr int kPasses = kN / kPassCols;
   static constexpr int kChunks = kPassCols / kVec;       // 16-byte chunks per staged row
+  static constexpr int kStride = kPassCols + kVec;       // padded row: 272 bytes
   static constexpr int kVectorsPerThread = kM * kChunks / kThreads;
   static_assert(sizeof(Out) == 2, "the fused path writes 16-bit outputs");
-  static_assert(kN % kPassCols == 0 && (kM * kChunks) % kThreads == 0);
+  static_assert(kN % kPassCols == 0 && (kM * kChunks) % kThreads == 0 && kM <= kThreads);
   static_assert(kM == kFusedTileM && kN == kFusedTileN, "tp_matmul.h sizes the flags by this tile");
 
   // ---- arguments ---------------------------------------------------------------
@@ -47,12 +55,11 @@ class ScatterEpilogue {
   using StrideC = cute::Stride<int64_t, cute::Int<1>, int64_t>;
   using StrideD = StrideC;
   using ThreadEpilogueOp = void;
-  // One pass: kM rows x kPassCols columns, 16-byte chunks XOR-swizzled by row
-  // so the fragment writes (8 rows x 4 lanes per instruction) and the row
-  // vector reads are both free of bank conflicts. 32 KiB: the mainloop keeps
-  // its 4 stages.
+  // One pass: kM rows x kPassCols columns, each row padded by 16 bytes (68
+  // words: the 8 rows x 4 lanes of a fragment write hit 32 banks) and
+  // contiguous (one bulk copy per row). 34 KiB: the mainloop keeps 4 stages.
   struct SharedStorage {
-    alignas(128) Out tile[kM * kPassCols];
+    alignas(128) Out tile[kM * kStride];
   };
   using TensorStorage = SharedStorage;
   struct Arguments {
@@ -94,7 +101,10 @@ class ScatterEpilogue {
                                  ResidueMNK, int thread_idx, char* smem) {
     using namespace cute;
     const ScatterTarget& t = params_.target;
+    thread_ = thread_idx;
+    release_pending();
     const int64_t row0 = int64_t(get<0>(blk_coord)) * kM;  // in x's n*m rows
+    if (row0 >= t.n * t.m) return;  // a row the cluster shape pads on
     const int owner = int(row0 / t.m);
     const int64_t shard_row0 = row0 - owner * t.m;
     const int64_t col0 = int64_t(get<1>(blk_coord)) * kN;
@@ -113,47 +123,84 @@ class ScatterEpilogue {
 
     auto thr = tiled_mma.get_thread_slice(thread_idx);
     Tensor coord = thr.partition_C(make_identity_tensor(make_shape(Int<kM>{}, Int<kN>{})));
-    Out* dst = own ? static_cast<Out*>(t.out) : reinterpret_cast<Out*>(t.remote[owner]);
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) {
+      // The staging is free once the copy engine has read the last pass's
+      // rows (this CTA's previous tile, or this tile's first half).
+      if (thread_idx < kM) bulk_wait_read();
+      sync_consumers();
       // Fragment -> shared memory, this pass's columns, rounded to Out.
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc); ++i) {
         const int r = get<0>(coord(i));
         const int c = get<1>(coord(i)) - pass * kPassCols;
-        if (c >= 0 && c < kPassCols) staged[swizzled(r, c)] = Out(acc(i));
+        if (c >= 0 && c < kPassCols) staged[r * kStride + c] = Out(acc(i));
       }
+      cutlass::arch::fence_view_async_shared();  // the copy engine reads what we wrote
       sync_consumers();
-      // Shared memory -> global, 16-byte vectors along rows.
-      CUTLASS_PRAGMA_UNROLL
-      for (int k = 0; k < kVectorsPerThread; ++k) {
-        const int v = k * kThreads + thread_idx;
-        const int r = v / kChunks;
-        const int c = (v % kChunks) * kVec;
-        const int64_t col = col0 + pass * kPassCols + c;
-        if (col >= t.n_cols) continue;
-        uint4 val = *reinterpret_cast<const uint4*>(staged + swizzled(r, c));
-        const int64_t at = (shard_row0 + r) * t.n_cols + col;
-        if (own) val = add_partials(val, t, at);
-        *reinterpret_cast<uint4*>(dst + at) = val;
+      const int64_t col = col0 + pass * kPassCols;
+      if (col >= t.n_cols) continue;
+      if (!own) {
+        // One row per thread, the columns that exist (N is a multiple of 8).
+        const int bytes = int(min<int64_t>(kPassCols, t.n_cols - col)) * int(sizeof(Out));
+        if (thread_idx < kM) {
+          Out* dst = reinterpret_cast<Out*>(t.remote[owner]) +
+                     (shard_row0 + thread_idx) * t.n_cols + col;
+          bulk_copy_to_global(dst, staged + thread_idx * kStride, bytes);
+        }
+      } else {
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < kVectorsPerThread; ++k) {
+          const int v = k * kThreads + thread_idx;
+          const int r = v / kChunks;
+          const int c = (v % kChunks) * kVec;
+          if (col + c >= t.n_cols) continue;
+          const int64_t at = (shard_row0 + r) * t.n_cols + col + c;
+          const uint4 ours = *reinterpret_cast<const uint4*>(staged + r * kStride + c);
+          *reinterpret_cast<uint4*>(static_cast<Out*>(t.out) + at) = add_partials(ours, t, at);
+        }
       }
-      sync_consumers();  // the next pass (or tile) overwrites the staging
     }
+    if (!own && !t.skip_post) {
+      pending_flag_ = t.flags_remote[owner] + t.rank * t.tiles + tile;
+      pending_epoch_ = epoch;
+    }
+  }
 
-    // A peer's tile: every thread's stores precede the barrier above; one
-    // thread's system-scope fence then makes them visible before the flag.
-    if (!own && thread_idx == 0 && !t.skip_post) {
+  // After this CTA's last tile (the kernel's consumers call it once).
+  CUTLASS_DEVICE void release_pending() {
+    if (pending_flag_ == nullptr) return;
+    if (thread_ < kM) bulk_wait_complete();  // the row copies have landed on the peer
+    sync_consumers();
+    if (thread_ == 0) {
       fence_acq_rel_sys();
-      store_release_sys(t.flags_remote[owner] + t.rank * t.tiles + tile, epoch);
+      store_release_sys(pending_flag_, pending_epoch_);
     }
+    pending_flag_ = nullptr;
   }
 
  private:
   Params const& params_;
+  // This thread's copy of the collective (every consumer thread has one, all
+  // keep the same state): the flag of the last peer tile, released later.
+  uint64_t* pending_flag_ = nullptr;
+  uint64_t pending_epoch_ = 0;
+  int thread_ = 0;
 
-  CUTLASS_DEVICE static int swizzled(int r, int c) {
-    return r * kPassCols + (((c / kVec) ^ (r & 7)) * kVec) + c % kVec;
+  CUTLASS_DEVICE static void bulk_copy_to_global(Out* dst, const Out* src, int bytes) {
+    const auto s = static_cast<uint32_t>(__cvta_generic_to_shared(src));
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+                 "cp.async.bulk.commit_group;" ::"l"(dst), "r"(s), "r"(bytes) : "memory");
+  }
+  // This thread's bulk copies have read their shared memory source.
+  CUTLASS_DEVICE static void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+  // This thread's bulk copies have written their destination; the proxy fence
+  // orders those (async proxy) writes before the flag's generic release.
+  CUTLASS_DEVICE static void bulk_wait_complete() {
+    asm volatile("cp.async.bulk.wait_group 0;\nfence.proxy.async.global;" ::: "memory");
   }
 
   CUTLASS_DEVICE static void sync_consumers() {
@@ -185,6 +232,25 @@ class ScatterEpilogue {
     CUTLASS_PRAGMA_UNROLL
     for (int j = 0; j < kVec; ++j) o[j] = Out(sum[j]);
     return out;
+  }
+};
+
+// The collective the kernel sees: CUTLASS's adapter around ScatterEpilogue,
+// with a store_tail that releases the flag of the CTA's last peer tile.
+template <typename Out, typename TileShape>
+class ScatterCollective : public cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+                              ScatterEpilogue<Out, TileShape>> {
+  using Base = cutlass::epilogue::collective::detail::Sm90TmaWarpSpecializedAdapter<
+      ScatterEpilogue<Out, TileShape>>;
+
+ public:
+  using Base::Base;
+
+  template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState>
+  CUTLASS_DEVICE auto store_tail(LoadPipeline load_pipeline, LoadState load_state,
+                                 StorePipeline store_pipeline, StoreState store_state) {
+    this->release_pending();
+    return Base::store_tail(load_pipeline, load_state, store_pipeline, store_state);
   }
 };
 
