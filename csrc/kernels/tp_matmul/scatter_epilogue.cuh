@@ -44,8 +44,10 @@ class ScatterEpilogue {
   static constexpr int kChunks = kPassCols / kVec;       // 16-byte chunks per staged row
   static constexpr int kStride = kPassCols + kVec;       // padded row: 272 bytes
   static constexpr int kVectorsPerThread = kM * kChunks / kThreads;
+  static constexpr int kBatch = 2;  // own-row vectors whose partials load together
   static_assert(sizeof(Out) == 2, "the fused path writes 16-bit outputs");
   static_assert(kN % kPassCols == 0 && (kM * kChunks) % kThreads == 0 && kM <= kThreads);
+  static_assert(kVectorsPerThread % kBatch == 0);
   static_assert(kM == kFusedTileM && kN == kFusedTileN, "tp_matmul.h sizes the flags by this tile");
 
   // ---- arguments ---------------------------------------------------------------
@@ -151,15 +153,7 @@ class ScatterEpilogue {
         }
       } else {
         CUTLASS_PRAGMA_UNROLL
-        for (int k = 0; k < kVectorsPerThread; ++k) {
-          const int v = k * kThreads + thread_idx;
-          const int r = v / kChunks;
-          const int c = (v % kChunks) * kVec;
-          if (col + c >= t.n_cols) continue;
-          const int64_t at = (shard_row0 + r) * t.n_cols + col + c;
-          const uint4 ours = *reinterpret_cast<const uint4*>(staged + r * kStride + c);
-          *reinterpret_cast<uint4*>(static_cast<Out*>(t.out) + at) = add_partials(ours, t, at);
-        }
+        for (int k = 0; k < kVectorsPerThread; k += kBatch) add_batch(staged, t, shard_row0, col, k);
       }
     }
     if (!own && !t.skip_post) {
@@ -210,29 +204,50 @@ class ScatterEpilogue {
                                       cutlass::arch::ReservedNamedBarriers::EpilogueBarrier);
   }
 
-  // ours + every sender's partial at element offset `at`, summed in fp32. The
-  // slots were written by peers: read them through L2 (ld.global.cg).
-  CUTLASS_DEVICE static uint4 add_partials(uint4 ours, const ScatterTarget& t, int64_t at) {
-    const Out* mine = reinterpret_cast<const Out*>(&ours);
-    float sum[kVec];
+  // Vectors k .. k+kBatch-1 of this thread in a pass of our rows: the staged
+  // tile plus every sender's partial, summed in fp32, to our shard. Each
+  // sender's kBatch loads are issued together, before any store (a store to
+  // the output could alias a later load as far as the compiler knows, which
+  // would serialize one memory round trip per vector). The slots were written
+  // by peers: read them through L2 (ld.global.cg).
+  CUTLASS_DEVICE void add_batch(const Out* staged, const ScatterTarget& t, int64_t shard_row0,
+                                int64_t col, int k) const {
+    float sum[kBatch][kVec];
+    int64_t at[kBatch];
+    bool in[kBatch];
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kVec; ++j) sum[j] = float(mine[j]);
+    for (int b = 0; b < kBatch; ++b) {
+      const int v = (k + b) * kThreads + thread_;
+      const int r = v / kChunks, c = (v % kChunks) * kVec;
+      in[b] = col + c < t.n_cols;
+      at[b] = (shard_row0 + r) * t.n_cols + col + c;
+      const uint4 ours = *reinterpret_cast<const uint4*>(staged + r * kStride + c);
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kVec; ++j) sum[b][j] = float(reinterpret_cast<const Out*>(&ours)[j]);
+    }
     const size_t slot_elems = size_t(t.m) * t.n_cols;
     for (int s = 0; s < t.n; ++s) {
       if (s == t.rank) continue;
-      const uint4 raw =
-          __ldcg(reinterpret_cast<const uint4*>(reinterpret_cast<const Out*>(t.slots) +
-                                                s * slot_elems + at));
-      const Out* theirs = reinterpret_cast<const Out*>(&raw);
+      const Out* slot = reinterpret_cast<const Out*>(t.slots) + s * slot_elems;
+      uint4 raw[kBatch];
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < kVec; ++j) sum[j] += float(theirs[j]);
+      for (int b = 0; b < kBatch; ++b)
+        raw[b] = in[b] ? __ldcg(reinterpret_cast<const uint4*>(slot + at[b])) : uint4{};
+      CUTLASS_PRAGMA_UNROLL
+      for (int b = 0; b < kBatch; ++b)
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < kVec; ++j) sum[b][j] += float(reinterpret_cast<const Out*>(&raw[b])[j]);
     }
-    uint4 out;
-    Out* o = reinterpret_cast<Out*>(&out);
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kVec; ++j) o[j] = Out(sum[j]);
-    return out;
+    for (int b = 0; b < kBatch; ++b) {
+      if (!in[b]) continue;
+      uint4 out;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < kVec; ++j) reinterpret_cast<Out*>(&out)[j] = Out(sum[b][j]);
+      *reinterpret_cast<uint4*>(static_cast<Out*>(t.out) + at[b]) = out;
+    }
   }
+
 };
 
 // The collective the kernel sees: CUTLASS's adapter around ScatterEpilogue,
