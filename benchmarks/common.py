@@ -59,6 +59,7 @@ def machine() -> dict[str, Any]:
 
 def write_results(op: str, rows: list[dict[str, Any]], table_md: str, command: str) -> None:
     """Write benchmarks/results/<op>.json and replace <op>'s section of RESULTS.md."""
+    command = command.strip()
     RESULTS_DIR.mkdir(exist_ok=True)
     date = datetime.date.today().isoformat()
     info = machine()
