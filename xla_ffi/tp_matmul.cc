@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <utility>
 
 #include "kernels/tp_matmul/tp_matmul.h"
 #include "xla/ffi/api/ffi.h"
@@ -138,41 +139,42 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::An
   return launched(kOp, tp_matmul::matmul_reduce_scatter(p));
 }
 
+// The attributes both handlers take after their buffers (the channel, its
+// region and the waits' bound), in their Impl functions' order.
+template <typename Binding>
+auto with_channel_attrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<ffi::Span<const int64_t>>("group_ids")  // device ids, group by group
+      .template Attr<int64_t>("group_size")                  // ranks per group
+      .template Attr<int64_t>("slot")                        // workspace channel
+      .template Attr<int64_t>("data_offset")                 // channel's data region
+      .template Attr<int64_t>("timeout_ns")                  // bound of every wait
+      .template Attr<int32_t>("skip_post_rank");             // testing: -1 normally
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllGatherMatmul, AllGatherMatmulImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()                          // x: this rank's rows [m, K]
-        .Arg<ffi::AnyBuffer>()                          // w: [K, N] ([N, K] transposed)
-        .Ret<ffi::AnyBuffer>()                          // out: [n*m, N]
-        .Ret<ffi::AnyBuffer>()                          // gathered x [n*m, K] (or [0])
-        .Attr<ffi::Span<const int64_t>>("group_ids")    // device ids, group by group
-        .Attr<int64_t>("group_size")                    // ranks per group
-        .Attr<int64_t>("slot")                          // workspace channel
-        .Attr<int64_t>("data_offset")                   // channel's data region
-        .Attr<int64_t>("timeout_ns")                    // bound of every wait
-        .Attr<int32_t>("skip_post_rank")                // testing: -1 normally
+    with_channel_attrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()   // x: this rank's rows [m, K]
+                           .Arg<ffi::AnyBuffer>()   // w: [K, N] ([N, K] transposed)
+                           .Ret<ffi::AnyBuffer>()   // out: [n*m, N]
+                           .Ret<ffi::AnyBuffer>())  // gathered x [n*m, K] (or [0])
         .Attr<bool>("return_gathered")                  // fill the second result
         .Attr<bool>("w_transposed"),                    // w holds w^T
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MatmulReduceScatter, MatmulReduceScatterImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()                          // x: [M, K_local]
-        .Arg<ffi::AnyBuffer>()                          // w: [K_local, N] (or [N, K_local])
-        .Ret<ffi::AnyBuffer>()                          // out: our shard [M/n, N]
-        .Attr<ffi::Span<const int64_t>>("group_ids")    // device ids, group by group
-        .Attr<int64_t>("group_size")                    // ranks per group
-        .Attr<int64_t>("slot")                          // workspace channel
-        .Attr<int64_t>("data_offset")                   // channel's data region
-        .Attr<int64_t>("timeout_ns")                    // bound of every wait
-        .Attr<int32_t>("skip_post_rank")                // testing: -1 normally
+    with_channel_attrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Ctx<ffi::DeviceOrdinal>()
+                           .Arg<ffi::AnyBuffer>()   // x: [M, K_local]
+                           .Arg<ffi::AnyBuffer>()   // w: [K_local, N] (or [N, K_local])
+                           .Ret<ffi::AnyBuffer>())  // out: our shard [M/n, N]
         .Attr<bool>("w_transposed")                     // w holds w^T
         .Attr<bool>("fused"),                           // one GEMM, scattering epilogue
     {ffi::Traits::kCmdBufferCompatible});

@@ -17,11 +17,11 @@ PK_GEMM_INSTANTIATIONS(PK_GEMM_DECLARE)
 cudaError_t load_kernels() {
 #ifdef PK_HAVE_CUTLASS
 #define PK_GEMM_LOAD(name) load_##name,
-  for (auto load : {PK_GEMM_INSTANTIATIONS(PK_GEMM_LOAD)})
-    if (cudaError_t e = load(); e != cudaSuccess) return e;
+  return gemm::load_each({PK_GEMM_INSTANTIATIONS(PK_GEMM_LOAD)});
 #undef PK_GEMM_LOAD
-#endif
+#else
   return cudaSuccess;
+#endif
 }
 
 bool available() {

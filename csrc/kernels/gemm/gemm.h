@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 namespace pk::gemm {
 
@@ -48,6 +49,13 @@ bool supported(const Problem& p);
 
 // Load every instantiation on the current device (no lazy loading later).
 cudaError_t load_kernels();
+
+// Run each loader (one per instantiation) until one fails.
+inline cudaError_t load_each(std::initializer_list<cudaError_t (*)()> loaders) {
+  for (auto load : loaders)
+    if (cudaError_t e = load(); e != cudaSuccess) return e;
+  return cudaSuccess;
+}
 
 // Returns cudaErrorNotSupported for unsupported problems, cudaErrorInvalidValue
 // when CUTLASS rejects the arguments or needs more scratch.

@@ -47,6 +47,27 @@ using Sm90Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(epilogue_smem)>,
     typename Tiles::KernelSchedule>::CollectiveOp;
 
+// Check, initialize (scratch from `dev`) and launch one CUTLASS kernel
+// through its device adapter.
+template <class Adapter>
+cudaError_t launch(typename Adapter::Arguments const& args, const Device& dev,
+                   cudaStream_t stream) {
+  Adapter gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+  if (Adapter::get_workspace_size(args) > dev.workspace_bytes) return cudaErrorInvalidValue;
+  if (gemm.initialize(args, dev.workspace, stream) != cutlass::Status::kSuccess)
+    return cudaErrorInvalidValue;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
+  return cudaGetLastError();
+}
+
+// Load a kernel's module on the current device (no lazy load later).
+template <class Kernel>
+cudaError_t load_kernel() {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>);
+}
+
 template <typename In, typename Out, typename LayoutB, typename Tiles = DefaultTiles>
 struct Sm90Gemm {
   using Row = cutlass::layout::RowMajor;
@@ -87,19 +108,10 @@ struct Sm90Gemm {
          cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1})},
         hw};
     args.scheduler.max_swizzle_size = swizzle;
-    Adapter gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-    if (Adapter::get_workspace_size(args) > dev.workspace_bytes) return cudaErrorInvalidValue;
-    if (gemm.initialize(args, dev.workspace, stream) != cutlass::Status::kSuccess)
-      return cudaErrorInvalidValue;
-    if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
-    return cudaGetLastError();
+    return launch<Adapter>(args, dev, stream);
   }
 
-  static cudaError_t load() {
-    cudaFuncAttributes attr;
-    return cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>);
-  }
+  static cudaError_t load() { return load_kernel<Kernel>(); }
 };
 
 }  // namespace pk::gemm

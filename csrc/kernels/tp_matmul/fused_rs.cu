@@ -27,11 +27,11 @@ cudaError_t run_fused_rs(const Params& p, const ScatterTarget& t, cudaStream_t s
 cudaError_t load_fused_rs_kernels() {
 #ifdef PK_HAVE_CUTLASS
 #define PK_FUSED_RS_LOAD(name) load_fused_rs_##name,
-  for (auto load : {PK_FUSED_RS_INSTANTIATIONS(PK_FUSED_RS_LOAD)})
-    if (cudaError_t e = load(); e != cudaSuccess) return e;
+  return gemm::load_each({PK_FUSED_RS_INSTANTIATIONS(PK_FUSED_RS_LOAD)});
 #undef PK_FUSED_RS_LOAD
-#endif
+#else
   return cudaSuccess;
+#endif
 }
 
 }  // namespace pk::tp_matmul

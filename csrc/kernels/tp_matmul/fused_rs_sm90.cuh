@@ -50,19 +50,10 @@ struct FusedRsGemm {
     args.scheduler.raster_order =
         cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
     args.scheduler.row_shift = int((p.rank + 1) % p.n * (p.m / kFusedTileM));
-    Adapter gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-    if (Adapter::get_workspace_size(args) > p.gemm_dev.workspace_bytes) return cudaErrorInvalidValue;
-    if (gemm.initialize(args, p.gemm_dev.workspace, stream) != cutlass::Status::kSuccess)
-      return cudaErrorInvalidValue;
-    if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
-    return cudaGetLastError();
+    return gemm::launch<Adapter>(args, p.gemm_dev, stream);
   }
 
-  static cudaError_t load() {
-    cudaFuncAttributes attr;
-    return cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>);
-  }
+  static cudaError_t load() { return gemm::load_kernel<Kernel>(); }
 };
 
 }  // namespace pk::tp_matmul
