@@ -2,11 +2,15 @@
 CPU-only machines), the package imports without it, and the handler sources
 keep to what CUDA graphs can update."""
 
+import pathlib
+import re
 import shutil
 
 import pytest
 
 from pk_jax import runtime
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_extension_built_when_nvcc_present():
@@ -31,10 +35,7 @@ def test_no_multi_dimensional_copies_in_handler_code():
     only 1-D memcpy and memset nodes (csrc/pk/copy_rows.h): a 2-D or 3-D copy
     passes every single-call test and fails the second call of a training
     loop. Strided copies go through pk::copy_rows."""
-    import pathlib
-    import re
-
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = ROOT
     banned = re.compile(r"\b(cudaMemcpy[23]D\w*|cudaMemset[23]D\w*|cuMemcpy[23]D\w*)\s*\(")
     offenders = []
     for path in [*root.glob("csrc/**/*.c*"), *root.glob("csrc/**/*.h"), *root.glob("xla_ffi/*")]:
@@ -43,3 +44,12 @@ def test_no_multi_dimensional_copies_in_handler_code():
             if banned.search(code):
                 offenders.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_fused_tile_agrees_with_the_kernel_header():
+    """Python sizes the fused reduce-scatter's flag region and checks its
+    shapes with FUSED_TILE; the kernel's tile is kFusedTileM/N."""
+    from pk_jax.ops.tp_matmul_primitives import FUSED_TILE
+    header = (ROOT / "csrc/kernels/tp_matmul/tp_matmul.h").read_text()
+    found = tuple(int(re.search(rf"kFusedTile{a} = (\d+);", header).group(1)) for a in "MN")
+    assert found == FUSED_TILE

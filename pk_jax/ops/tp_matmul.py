@@ -21,13 +21,11 @@ from jax import lax
 from pk_jax import groups, reference, runtime
 from pk_jax._compat import make_varying, sum_to_type_of
 from pk_jax._warnings import warn_once
-from pk_jax.ops.tp_matmul_primitives import all_gather_matmul_p, matmul_reduce_scatter_p
+from pk_jax.ops.tp_matmul_primitives import (FUSED_TILE, all_gather_matmul_p,
+                                              matmul_reduce_scatter_p)
 
 MECHANISMS = ("auto", "chunked", "xla")              # all_gather_matmul
 RS_MECHANISMS = ("auto", "fused", "chunked", "xla")  # matmul_reduce_scatter
-# The fused matmul_reduce_scatter's output tile rows (csrc/kernels/tp_matmul/
-# tp_matmul.h, kFusedTileM): a shard must be whole tiles.
-_FUSED_TILE_M = 128
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -78,9 +76,9 @@ def _rs_kernel(rows: int, n: int, in_dtype, out_dtype, requested: str) -> str:
     why = ""
     if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
         why = f"it writes the operands' dtype ({jnp.dtype(in_dtype)}), not {jnp.dtype(out_dtype)}"
-    elif n > 1 and (rows // n) % _FUSED_TILE_M:
+    elif n > 1 and (rows // n) % FUSED_TILE[0]:  # a shard must be whole tiles
         why = (f"each device's output rows ({rows // n}) must be a multiple of "
-               f"{_FUSED_TILE_M}")
+               f"{FUSED_TILE[0]}")
     if requested == "fused" and why:
         raise ValueError(f"pk_jax.matmul_reduce_scatter(mechanism='fused'): {why}; "
                          "mechanism='chunked' takes these shapes")

@@ -61,8 +61,9 @@ def _rs_reference(ctx, x, w, *, names, n, out_dtype, mechanism, transpose_w):
 
 
 # ---- CUDA lowering -----------------------------------------------------------
-# The fused matmul_reduce_scatter's output tile (csrc/kernels/tp_matmul/tp_matmul.h).
-_FUSED_TILE = (128, 256)
+# The fused matmul_reduce_scatter's output tile (rows, columns): kFusedTileM/N in
+# csrc/kernels/tp_matmul/tp_matmul.h (tests/test_build_cpu.py checks they agree).
+FUSED_TILE = (128, 256)
 
 def _region_bytes(n: int, rows: int, cols: int, dtype) -> int:
     return n * rows * cols * np.dtype(dtype).itemsize if n > 1 else 0
@@ -87,7 +88,7 @@ def _fused_rs_region_bytes(n: int, rows: int, cols: int, dtype) -> int:
     """n slots (256-byte aligned), then the per-tile flags: n senders x tiles
     x 8 bytes (tp_matmul.h, fused_rs_region_bytes)."""
     slots = -(-_region_bytes(n, rows, cols, dtype) // 256) * 256
-    tiles = rows // _FUSED_TILE[0] * -(-cols // _FUSED_TILE[1])
+    tiles = rows // FUSED_TILE[0] * -(-cols // FUSED_TILE[1])
     return slots + n * tiles * 8 if n > 1 else 0
 
 
