@@ -73,16 +73,18 @@ def _rs_kernel(rows: int, n: int, in_dtype, out_dtype, requested: str) -> str:
     takes. auto is "chunked": measured faster than "fused" at every benchmark
     shape on 2 x H200 (benchmarks/RESULTS.md). Forcing "fused" where it
     cannot run is an error."""
+    if requested != "fused":
+        return "chunked"
     why = ""
     if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
         why = f"it writes the operands' dtype ({jnp.dtype(in_dtype)}), not {jnp.dtype(out_dtype)}"
     elif n > 1 and (rows // n) % FUSED_TILE[0]:  # a shard must be whole tiles
         why = (f"each device's output rows ({rows // n}) must be a multiple of "
                f"{FUSED_TILE[0]}")
-    if requested == "fused" and why:
+    if why:
         raise ValueError(f"pk_jax.matmul_reduce_scatter(mechanism='fused'): {why}; "
                          "mechanism='chunked' takes these shapes")
-    return "fused" if requested == "fused" and n > 1 else "chunked"
+    return "fused" if n > 1 else "chunked"  # one device: the plain GEMM
 
 
 def _kernel_unsupported(x, w, out_dtype) -> str:

@@ -65,6 +65,7 @@ def _rs_reference(ctx, x, w, *, names, n, out_dtype, mechanism, transpose_w):
 # csrc/kernels/tp_matmul/tp_matmul.h (tests/test_build_cpu.py checks they agree).
 FUSED_TILE = (128, 256)
 
+
 def _region_bytes(n: int, rows: int, cols: int, dtype) -> int:
     return n * rows * cols * np.dtype(dtype).itemsize if n > 1 else 0
 

@@ -57,7 +57,7 @@ ScatterTarget scatter_target(const Params& p) {
   t.m = p.m;
   t.n_cols = p.n_cols;
   t.tiles = fused_rs_tiles(p.m, p.n_cols);
-  t.tiles_n = (p.n_cols + kFusedTileN - 1) / kFusedTileN;
+  t.tiles_n = fused_rs_tiles_n(p.n_cols);
   t.rank = p.rank;
   t.n = p.n;
   t.skip_post = p.skip_post;

@@ -66,8 +66,11 @@ inline size_t matmul_rs_region_bytes(int n, int64_t m, int64_t n_cols, gemm::DTy
 // call in which sender s wrote its partial of our tile t.
 inline constexpr int kFusedTileM = 128;
 inline constexpr int kFusedTileN = 256;
+inline int64_t fused_rs_tiles_n(int64_t n_cols) {
+  return (n_cols + kFusedTileN - 1) / kFusedTileN;
+}
 inline int64_t fused_rs_tiles(int64_t m, int64_t n_cols) {
-  return (m / kFusedTileM) * ((n_cols + kFusedTileN - 1) / kFusedTileN);
+  return (m / kFusedTileM) * fused_rs_tiles_n(n_cols);
 }
 inline size_t fused_rs_flags_offset(int n, int64_t m, int64_t n_cols, gemm::DType out) {
   return (matmul_rs_region_bytes(n, m, n_cols, out) + 255) / 256 * 256;
