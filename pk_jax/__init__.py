@@ -12,7 +12,8 @@ from pk_jax.config import Config, configure, configured, get_config
 from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
-from pk_jax.ops.ring_attention import ring_attention, zigzag_shard, zigzag_unshard
+from pk_jax.ops.ring_attention import ring_attention
+from pk_jax.ops.zigzag import zigzag_shard, zigzag_unshard
 from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
 from pk_jax.partitioning import dot_general, dot_product_attention, matmul
 from pk_jax.runtime import check_errors

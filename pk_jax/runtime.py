@@ -16,8 +16,15 @@ from typing import Any, Hashable, Iterator
 
 import jax
 
-from pk_jax.config import get_config
+from pk_jax import config
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
+
+# Limits of the native layout (csrc/pk/layout.h; tests/test_constants_cpu.py
+# checks every mirrored constant against the headers).
+MAX_RANKS = 16          # kMaxRanks: largest group a kernel handles
+MAX_SLOTS = 256         # kMaxSlots: channels of the workspace
+LL_CHANNELS = 32        # kLlChannels: the first channels carry low-latency lines
+LL_MAX_BYTES = 16 << 10  # kLlMaxBytes: largest low-latency message per rank
 
 _lock = threading.RLock()
 _ext: Any = None
@@ -83,7 +90,8 @@ def ensure_ready() -> Any:
             _registered = True
         if not ext.initialized():
             devices = [(d.id, d.local_hardware_id) for d in gpu_devices()]
-            ext.init_runtime(devices, get_config().workspace_bytes)
+            ext.init_runtime(devices, config.get_config().workspace_bytes)
+            config.workspace_allocated()
     return ext
 
 
@@ -92,7 +100,7 @@ def workspace_data_bytes() -> int:
     ext = _ext
     if ext is not None and ext.initialized():
         return int(ext.data_bytes())
-    return get_config().workspace_bytes
+    return config.get_config().workspace_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,35 +113,40 @@ class Channel:
     data_bytes: int = 0
 
 
-def channel(key: Hashable, data_bytes: int = 0) -> Channel:
-    """The channel of one (op, device group, staging size).
+def channel(key: Hashable, data_bytes: int = 0, ll: bool = False) -> Channel:
+    """The channel of one (op, device group, configuration).
 
     Every distinct key gets its own flags and epoch counter on each device,
-    and its own data region, so staged transfers of different ops or groups
-    never overwrite each other. All ranks of a group lower the same program
-    and compute the same key, so they agree on the channel.
+    and its own data region of `data_bytes`, so staged transfers of
+    different ops or groups never overwrite each other. All ranks of a group
+    lower the same program and compute the same key, so they agree on the
+    channel. Channels that carry low-latency lines (`ll`) take the first
+    LL_CHANNELS slots, the others the rest.
     """
     global _data_used
     with _lock:
-        full_key = (key, int(data_bytes))
+        full_key = (key, int(data_bytes), bool(ll))
         found = _channels.get(full_key)
         if found is not None:
             return found
-        ext = extension()
-        limit = ext.max_slots if ext is not None else 256
-        if len(_channels) >= limit:
-            raise PkJaxError(f"pk_jax: more than {limit} distinct (op, device group, size) "
-                             "channels; this build supports at most that many")
+        first, end = (0, LL_CHANNELS) if ll else (LL_CHANNELS, MAX_SLOTS)
+        used = sum(1 for (_, _, k_ll) in _channels if k_ll == ll)
+        if first + used >= end:
+            kind = "low-latency (small all_gather)" if ll else "other"
+            raise PkJaxError(
+                f"pk_jax: the program needs more than {end - first} distinct {kind} channels "
+                "((op, device group, size) combinations); this build supports at most that "
+                "many" + ("; use all_gather(mechanism='ld_st_push') for some calls" if ll else ""))
         offset = _data_used
-        end = offset + -(-int(data_bytes) // _DATA_ALIGN) * _DATA_ALIGN
-        if end > workspace_data_bytes():
+        region_end = offset + -(-int(data_bytes) // _DATA_ALIGN) * _DATA_ALIGN
+        if region_end > workspace_data_bytes():
             raise PkJaxError(
                 f"pk_jax: the workspace data area is too small: this op needs {data_bytes} "
                 f"bytes, {workspace_data_bytes() - offset} of {workspace_data_bytes()} are "
                 "left; raise pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES "
                 "(before the first op), or pick a mechanism that stages nothing")
-        _data_used = end
-        found = _channels[full_key] = Channel(len(_channels), offset, int(data_bytes))
+        _data_used = region_end
+        found = _channels[full_key] = Channel(first + used, offset, int(data_bytes))
         return found
 
 

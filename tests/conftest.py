@@ -53,21 +53,9 @@ def rng():
     return np.random.default_rng()
 
 
-@pytest.fixture
-def backward_kernel():
-    """pk_jax.configure(ring_backward_kernel=True) for one test."""
-    import pk_jax
-    with pk_jax.configured(ring_backward_kernel=True):
-        yield
-
-
 class _FakeExtension:
     """What the CUDA lowering rules read from the native module."""
 
-    max_ranks = 16
-    max_slots = 256
-    ll_max_bytes = 16 << 10
-    ll_channels = 32
     has_gemm = True
 
 

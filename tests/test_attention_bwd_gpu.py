@@ -1,5 +1,5 @@
 """The block backward kernel (pk_attention_block_bwd) on a GPU against
-`_block_grads` (the reference the ring backward uses per step off CUDA) on
+`reference.attention_block_grads` (what the primitive lowers to off CUDA) on
 the float32-upcast inputs, with tolerances set by the same computation in the
 kernel's precision (bf16/fp16 operands, P and dS rounded to the input type,
 fp32 accumulation: what any flash-attention backward can reach). Masks by
@@ -29,10 +29,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax import runtime
-from pk_jax.ops.attention_bwd_primitive import (_block_reference, kernel_problem,
-                                                pk_attention_block_bwd)
-from pk_jax.ops.ring_attention_reference import RingConfig, _positions
+from pk_jax import reference, runtime
+from pk_jax.ops.attention_bwd_primitive import block_bwd, kernel_problem
+from pk_jax.ops.ring_attention_primitive import RingConfig
 from conftest import gpu_mesh
 from gpu_util import poison_allocator
 
@@ -53,7 +52,7 @@ def _seed() -> int:
 
 def _cfg(n, causal, layout, d):
     return RingConfig(names=(), n=n, causal=causal, scale=float(d) ** -0.5, layout=layout,
-                      mechanism="copy_engine")
+                      mechanism="copy_engine", block_grads="kernel")
 
 
 def _inputs(seed, b, s, t, hq, hkv, d, dtype):
@@ -69,8 +68,8 @@ def _inputs(seed, b, s, t, hq, hkv, d, dtype):
 
 
 def _visible(cfg, s, t, q_rank, k_rank):
-    q_pos = _positions(jnp.int32(q_rank), cfg.n, s, cfg.layout)
-    k_pos = _positions(jnp.int32(k_rank), cfg.n, t, cfg.layout)
+    q_pos = reference.positions(jnp.int32(q_rank), cfg.n, s, cfg.layout)
+    k_pos = reference.positions(jnp.int32(k_rank), cfg.n, t, cfg.layout)
     return q_pos[:, None] >= k_pos[None, :] if cfg.causal else jnp.ones((s, t), bool)
 
 
@@ -89,13 +88,15 @@ def _lse(q, k, visible, scale, extra):
 
 @functools.partial(jax.jit, static_argnums=(8,))
 def _exact(q, do, lse, delta, k, v, q_rank, k_rank, cfg):
-    """_block_grads (what the primitive lowers to off CUDA) on the float32
-    inputs, full-precision matmuls (no TF32)."""
+    """reference.attention_block_grads (what the primitive lowers to off CUDA)
+    on the float32 inputs, full-precision matmuls (no TF32)."""
     with jax.default_matmul_precision("highest"):
         f32 = lambda x: x.astype(jnp.float32)
-        dq, dkv = _block_reference(f32(q), f32(do), lse, delta, jnp.stack([f32(k), f32(v)]),
-                                   q_rank, k_rank, cfg)
-        return dq, dkv[0], dkv[1]
+        return reference.attention_block_grads(
+            f32(q), f32(do), lse, delta, f32(k), f32(v),
+            reference.positions(q_rank, cfg.n, q.shape[1], cfg.layout),
+            reference.positions(k_rank, cfg.n, k.shape[1], cfg.layout),
+            causal=cfg.causal, scale=cfg.scale)
 
 
 @functools.partial(jax.jit, static_argnums=(7, 8))
@@ -122,9 +123,11 @@ def _same_precision(q, do, lse, delta, k, v, visible, cfg, dtype):
     return dq, dk, dv
 
 
-_kernel = jax.jit(lambda q, do, lse, delta, k, v, qr, kr, cfg:
-                  pk_attention_block_bwd(q, do, lse, delta, k, v, qr, kr, cfg),
-                  static_argnums=(8,))
+@functools.partial(jax.jit, static_argnums=(8,))
+def _kernel(q, do, lse, delta, k, v, q_rank, k_rank, cfg):
+    """(dq, dk, dv) of the block kernel (K and V stacked as the ring passes them)."""
+    dq, dkv = block_bwd(q, do, lse, delta, jnp.stack([k, v]), q_rank, k_rank, cfg)
+    return dq, dkv[0], dkv[1]
 
 
 def _rel(a, b) -> float:
@@ -140,7 +143,7 @@ def _check_pair(mesh, seed, cfg, dims, dtype, q_rank, k_rank, data=None):
     lse = _lse(q, k, visible, cfg.scale, extra)
     what = (f"n={cfg.n} {cfg.layout} causal={cfg.causal} q_rank={q_rank} k_rank={k_rank} "
             f"dims={dims} {jnp.dtype(dtype).name} (seed {seed})")
-    assert kernel_problem(q, k, cfg) is None, what
+    assert kernel_problem(q, k, cfg.layout) is None, what
     poison_allocator(mesh, 4 * (q.size + 2 * k.size) + 4096)
     got = _kernel(q, do, lse, delta, k, v, jnp.int32(q_rank), jnp.int32(k_rank), cfg)
     got = [np.asarray(x) for x in got]
@@ -242,7 +245,7 @@ def _check_ring_grads(got, exact, same, dtype, what: str) -> None:
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("causal,layout", [(True, "zigzag"), (True, "contiguous"),
                                            (False, "contiguous")])
-def test_ring_attention_grads(backward_kernel, n, causal, layout):
+def test_ring_attention_grads(n, causal, layout):
     """jax.grad through pk_jax.ring_attention (copy_engine: fused forward,
     ring backward with the block kernel per step) against jax.grad of
     jax.nn.dot_product_attention on the whole sequence in float32."""
@@ -323,7 +326,7 @@ def test_grads_through_layers_in_scan(n):
     _check_ring_grads(got, exact, same, dtype, f"n={n}, {layers} layers in scan (seed {seed})")
 
 
-def test_deterministic_grads_repeat_bitwise(backward_kernel):
+def test_deterministic_grads_repeat_bitwise():
     """deterministic=True on 2 GPUs: two runs give bitwise-identical
     gradients (einsum block gradients in the ring's fixed order), close to
     the block kernel's."""

@@ -1,7 +1,7 @@
 """The ring backward's block kernel (pk_attention_block_bwd), checked on a
 CPU-only machine: cross-lowered for CUDA the ring's steps call the kernel
-with their attributes and traced ranks; the CPU lowering is _block_grads;
-kernel_problem names what the kernel does not take."""
+with their attributes and traced ranks; the CPU lowering is the reference's
+block gradients; kernel_problem names what the kernel does not take."""
 
 import re
 
@@ -13,8 +13,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax.ops.attention_bwd_primitive import kernel_problem, pk_attention_block_bwd
-from pk_jax.ops.ring_attention_reference import RingConfig, _block_grads, _positions
+from pk_jax import reference
+from pk_jax.ops.attention_bwd_primitive import block_bwd, kernel_problem
+from pk_jax.ops.ring_attention_primitive import RingConfig
 from conftest import cpu_mesh, ffi_attr
 
 
@@ -43,9 +44,8 @@ def _grad_hlo(mechanism, layout, shape=(1, 2 * 512, 8, 128), n=2, deterministic=
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_ring_backward_calls_the_block_kernel(cuda_lowering, backward_kernel, layout):
-    """copy_engine's backward with ring_backward_kernel on: each ring step is
-    one pk_attention_block_bwd
+def test_ring_backward_calls_the_block_kernel(cuda_lowering, layout):
+    """copy_engine's backward: each ring step is one pk_attention_block_bwd
     call (in the scan body, and the last step after it) with the mask, scale
     and ring size as attributes and both ranks as int32 scalar operands;
     the ppermute ring stays, and no einsum of the scores is left."""
@@ -127,14 +127,14 @@ def test_backward_hops_overlap_the_block_kernel(cuda_lowering, n):
             "gradients")
 
 
-def test_xla_mechanism_keeps_the_pure_jax_backward(cuda_lowering, backward_kernel):
+def test_xla_mechanism_keeps_the_pure_jax_backward(cuda_lowering):
     hlo = _grad_hlo("xla", "zigzag")
     assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
 
 
-def test_deterministic_keeps_the_pure_jax_backward(cuda_lowering, backward_kernel):
+def test_deterministic_keeps_the_pure_jax_backward(cuda_lowering):
     """deterministic=True: einsum block gradients in the ring's fixed order,
-    even with the block kernel switched on."""
+    never the block kernel."""
     hlo = _grad_hlo("copy_engine", "zigzag", deterministic=True)
     assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
 
@@ -147,40 +147,25 @@ def test_deterministic_must_be_a_bool():
         jax.eval_shape(f, jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16))
 
 
-def test_backward_kernel_is_the_default(cuda_lowering):
-    """With the default settings the copy_engine backward calls the block
-    kernel; pk_jax.configure(ring_backward_kernel=False) switches back to the
-    pure-JAX block gradients."""
-    assert pk_jax.get_config().ring_backward_kernel
-    assert len(_block_calls(_grad_hlo("copy_engine", "zigzag"))) == 2
-    with pk_jax.configured(ring_backward_kernel=False):
-        hlo = _grad_hlo("copy_engine", "zigzag")
-    assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
-
-
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 1)])
 def test_cpu_lowering_is_block_grads(rng, layout, hq, hkv):
-    """On CPU the primitive is _block_grads (delta' = delta - dlse folded)."""
+    """On CPU the primitive is the reference's block gradients."""
     n, b, s, d = 4, 2, 256, 64
     cfg = RingConfig(names=(), n=n, causal=True, scale=0.125, layout=layout,
-                     mechanism="copy_engine")
+                     mechanism="copy_engine", block_grads="kernel")
     f32 = jnp.float32
     draw = lambda shape, dt=jnp.bfloat16: jnp.asarray(rng.standard_normal(shape), dt)
     q, do = draw((b, s, hq, d)), draw((b, s, hq, d))
     k, v = draw((b, s, hkv, d)), draw((b, s, hkv, d))
-    lse, delta, dlse = (draw((b, hq, s), f32) + 4 for _ in range(3))
-    g = hq // hkv
+    lse, delta = (draw((b, hq, s), f32) + 4 for _ in range(2))
     for q_rank, k_rank in ((1, 0), (2, 2), (0, 3)):
-        got = jax.jit(lambda *a: pk_attention_block_bwd(*a, cfg))(
-            q, do, lse, delta - dlse, k, v, jnp.int32(q_rank), jnp.int32(k_rank))
-        r4 = lambda x: x.reshape(b, hkv, g, s)
-        q5, do5 = (x.astype(f32).reshape(b, s, hkv, g, d) for x in (q, do))
-        want = _block_grads(q5, do5, r4(delta), r4(lse), r4(dlse), k, v,
-                            _positions(jnp.int32(q_rank), n, s, layout),
-                            _positions(jnp.int32(k_rank), n, s, layout), cfg)
-        want = (want[0].reshape(b, s, hq, d),) + want[1:]
-        for a, w in zip(got, want):
+        got = jax.jit(lambda *a: block_bwd(*a, cfg))(
+            q, do, lse, delta, jnp.stack([k, v]), jnp.int32(q_rank), jnp.int32(k_rank))
+        dq, dk, dv = reference.attention_block_grads(
+            q, do, lse, delta, k, v, reference.positions(jnp.int32(q_rank), n, s, layout),
+            reference.positions(jnp.int32(k_rank), n, s, layout), causal=True, scale=0.125)
+        for a, w in zip(got, (dq, jnp.stack([dk, dv]))):
             assert a.dtype == jnp.float32 and a.shape == w.shape
             np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-4, atol=2e-4)
 
@@ -195,17 +180,14 @@ def test_cpu_lowering_is_block_grads(rng, layout, hq, hkv):
     ((1, 128, 4, 128), (1, 128, 4, 128), jnp.bfloat16, "zigzag", "T=128"),
 ])
 def test_kernel_problem_names_the_reason(q_shape, k_shape, dtype, layout, what):
-    cfg = RingConfig(names=(), n=2, causal=True, scale=0.1, layout=layout, mechanism="copy_engine")
     q, k = jax.ShapeDtypeStruct(q_shape, dtype), jax.ShapeDtypeStruct(k_shape, dtype)
-    assert what in kernel_problem(q, k, cfg)
+    assert what in kernel_problem(q, k, layout)
 
 
 def test_kernel_problem_takes_the_forward_shapes():
     for d, s, layout in ((128, 64, "contiguous"), (64, 128, "contiguous"), (128, 256, "zigzag"),
                          (64, 512, "zigzag")):
-        cfg = RingConfig(names=(), n=2, causal=True, scale=0.1, layout=layout,
-                         mechanism="copy_engine")
         kv = 128 * (2 if layout == "zigzag" else 1)
         q = jax.ShapeDtypeStruct((2, s, 8, d), jnp.bfloat16)
         k = jax.ShapeDtypeStruct((2, max(kv, s), 1, d), jnp.bfloat16)
-        assert kernel_problem(q, k, cfg) is None
+        assert kernel_problem(q, k, layout) is None

@@ -3,7 +3,7 @@
 K/V tile of every (query rank, K/V rank) pair it must visit exactly the
 (head, query tile) pairs with a visible key, once each, heads outer, flag
 for masking exactly the tiles that are not wholly visible, and place tokens
-where the reference ring's `_positions` does."""
+where the reference ring's `positions` does."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pk_jax.ops.ring_attention_reference import _positions
+from pk_jax.reference import positions as _positions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "tests", "native", "bwd_walk_check.cc")

@@ -12,26 +12,21 @@ from pk_jax import runtime
 def test_configure_round_trip():
     saved = pk_jax.get_config()
     try:
-        cfg = pk_jax.configure(timeout_s=0.5, ring_backward_kernel=False,
-                               ring_piece_order="heads")
-        assert cfg.ring_piece_order == "heads"
+        cfg = pk_jax.configure(timeout_s=0.5)
         assert cfg.timeout_s == 0.5 and cfg.timeout_ns == 500_000_000
-        assert cfg.ring_backward_kernel is False
         assert pk_jax.get_config() == cfg
     finally:
-        pk_jax.configure(timeout_s=saved.timeout_s,
-                         ring_backward_kernel=saved.ring_backward_kernel,
-                         ring_piece_order=saved.ring_piece_order)
+        pk_jax.configure(timeout_s=saved.timeout_s)
 
 
 def test_configured_restores_what_it_changed():
     before = pk_jax.get_config()
-    with pk_jax.configured(timeout_s=0.25, ring_piece_order="heads") as cfg:
-        assert cfg.timeout_s == 0.25 and cfg.ring_piece_order == "heads"
+    with pk_jax.configured(timeout_s=0.25) as cfg:
+        assert cfg.timeout_s == 0.25
         assert pk_jax.get_config() == cfg
     assert pk_jax.get_config() == before
     with pytest.raises(RuntimeError, match="boom"):
-        with pk_jax.configured(ring_backward_kernel=False):
+        with pk_jax.configured(timeout_s=7.0):
             raise RuntimeError("boom")
     assert pk_jax.get_config() == before
     with pytest.raises(TypeError):
@@ -57,8 +52,7 @@ def test_workspace_size_only_before_allocation():
 
 
 @pytest.mark.parametrize("kwargs,match", [(dict(timeout_s=0), "timeout_s"),
-                                          (dict(workspace_bytes=-1), "workspace_bytes"),
-                                          (dict(ring_piece_order="cols"), "ring_piece_order")])
+                                          (dict(workspace_bytes=-1), "workspace_bytes")])
 def test_configure_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pk_jax.configure(**kwargs)
@@ -66,21 +60,20 @@ def test_configure_rejects_bad_values(kwargs, match):
 
 def _config_in_subprocess(env):
     code = ("import pk_jax; c = pk_jax.get_config(); "
-            "print(c.workspace_bytes, c.timeout_s, c.ring_backward_kernel, c.ring_piece_order)")
+            "print(c.workspace_bytes, c.timeout_s)")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
 
 def test_environment_variables(monkeypatch):
     import os
-    env = dict(os.environ, PK_JAX_WORKSPACE_BYTES="4096", PK_JAX_TIMEOUT_S="2.5",
-               PK_JAX_RING_BACKWARD_KERNEL="0", PK_JAX_RING_PIECE_ORDER="heads")
+    env = dict(os.environ, PK_JAX_WORKSPACE_BYTES="4096", PK_JAX_TIMEOUT_S="2.5")
     proc = _config_in_subprocess(env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["4096", "2.5", "False", "heads"]
+    assert proc.stdout.split() == ["4096", "2.5"]
 
 
 @pytest.mark.parametrize("name,raw", [("PK_JAX_TIMEOUT_S", "soon"),
-                                      ("PK_JAX_RING_BACKWARD_KERNEL", "maybe")])
+                                      ("PK_JAX_WORKSPACE_BYTES", "1GB")])
 def test_bad_environment_variable_is_named(name, raw):
     import os
     proc = _config_in_subprocess(dict(os.environ, **{name: raw}))

@@ -2,7 +2,7 @@
 compiled for the host and run on every geometry class the kernel takes: it
 must visit exactly the tiles with a visible key, once each, in posting order,
 mask every tile that needs it, and place tokens exactly where the reference
-ring (pk_jax/ops/ring_attention_reference.py) does. The same checker runs the
+ring (pk_jax/reference.py) does. The same checker runs the
 push layout (PushLayout: where both mechanisms write a block in the peers'
 regions) against the rows the walk reads."""
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pk_jax.ops.ring_attention_reference import _positions
+from pk_jax.reference import positions as _positions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

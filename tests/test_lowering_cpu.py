@@ -145,25 +145,6 @@ def test_mlp_pair_forward_and_backward_use_only_kernels(cuda_lowering):
     flags = sorted(re.search(r"w_transposed = (true|false)", c).group(1) for c in calls)
     assert flags == ["false", "false", "true", "true"], calls
     assert "stablehlo.transpose" not in hlo
-    # auto is the chunked sequence for both reduce-scatters (the forward's and
-    # all_gather_matmul's dx): measured faster than the fused kernel.
-    rs = [c for c in calls if c.startswith("custom_call @pk_matmul_reduce_scatter")]
-    assert [re.search(r"fused = (true|false)", c).group(1) for c in rs] == ["false"] * 2, rs
-
-
-@pytest.mark.parametrize("rows,mechanism,fused", [(256, "fused", "true"), (256, "auto", "false"),
-                                                  (256, "chunked", "false")])
-def test_matmul_reduce_scatter_fused_attribute(cuda_lowering, rows, mechanism, fused):
-    """mechanism="fused" sets the handler's fused attribute; auto does not
-    (the chunked sequence measured faster)."""
-    mesh = cpu_mesh((2,), ("tp",))
-    f = jax.shard_map(lambda x, w: pk_jax.matmul_reduce_scatter(x, w, "tp", mechanism=mechanism),
-                      mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P("tp"))
-    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
-            for s, p in (((rows, 256), P(None, "tp")), ((256, 512), P("tp", None)))]
-    hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    call, = re.findall(r"custom_call @pk_matmul_reduce_scatter\(.*", hlo)
-    assert re.search(r"fused = (true|false)", call).group(1) == fused
 
 
 def _ring_calls(hlo):
@@ -191,25 +172,6 @@ def test_ring_attention_forward_is_one_kernel_call(cuda_lowering, layout, causal
     assert ffi_attr(call, "group_ids") == "dense<[0, 4, 1, 5, 2, 6, 3, 7]>"
 
 
-@pytest.mark.parametrize("order,want", [("heads", "5"), ("rows", "4")])
-def test_ring_attention_piece_order(cuda_lowering, order, want):
-    """pk_jax.configure(ring_piece_order=...) reaches the kernel: by heads, K
-    and V go in head-major ([B, Hkv, S, D], one transpose each before the call)
-    and the piece count divides the (head, row) units: a 20 MiB block of 5
-    heads is 5 pieces by heads, but 4 by rows (16384 rows do not split in 5)."""
-    mesh = cpu_mesh((2,), ("sp",))
-    spec = P(None, "sp")
-    with pk_jax.configured(ring_piece_order=order):
-        hlo = cuda_lowering(lambda q: pk_jax.ring_attention(q, q, q, "sp"), mesh, spec,
-                            (1, 2 * 16384, 5, 128), jnp.bfloat16)
-    call, = _ring_calls(hlo)
-    assert ("kv_head_major = true" in call) == (order == "heads")
-    assert ffi_attr(call, "pieces") == want
-    operands = re.search(r"custom_call @pk_ring_attention\(.*\} : \((.*?)\) ->", hlo).group(1)
-    kv = "tensor<1x5x16384x128xbf16>" if order == "heads" else "tensor<1x16384x5x128xbf16>"
-    assert operands.split(", ")[1:] == [kv, kv], operands
-
-
 def test_ring_attention_pieces_and_backward(cuda_lowering):
     """A 32 MiB block is posted in 8 pieces; the gradient adds the ppermute
     ring of the backward but never an all-gather of the sequence."""
@@ -227,7 +189,6 @@ def test_ring_attention_pieces_and_backward(cuda_lowering):
     fwd = jax.jit(loss).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     call, = _ring_calls(fwd)
     assert ffi_attr(call, "pieces") == "8"
-    assert "kv_head_major = false" in call  # the default order: rows
     bwd = jax.jit(jax.grad(loss)).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert len(_ring_calls(bwd)) == 1 and "collective_permute" in bwd
     assert _collectives(bwd) == []

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.gpu
 
 SEQ = P(None, "sp")
 LSE = P(None, None, "sp")
-MECHANISMS = ["auto", "copy_engine", "ld_st"]
+# The kernel's mechanisms ("auto" resolves to copy_engine: test_supported_auto_takes_the_kernel).
+MECHANISMS = ["copy_engine", "ld_st"]
 FULL_CHECK_MAX_S = 4096  # above: check sampled query rows against the whole sequence
 
 
@@ -198,24 +199,20 @@ def test_sequence_lengths(mechanism, causal, layout, b, s_local, hq, hkv):
                    f"{mechanism} causal={causal} {layout} b={b} s_local={s_local}")
 
 
-# Small pieces (8 per block) on small blocks, in both piece orders: pieces that
-# split a head's rows (MQA, 2 K/V heads), that hold several heads (8 K/V
-# heads), that start and end inside heads (3 K/V heads), batches > 1 (one 2-D
-# copy per batch by heads), both layouts.
-@pytest.mark.parametrize("order", ["heads", "rows"])
+# Small pieces (8 per block) on small blocks: MQA, GQA and MHA blocks, odd
+# head counts, batches > 1 (one copy per batch row per piece), both layouts.
 @pytest.mark.parametrize("causal,layout,b,s_local,hq,hkv,d", [
     (True, "zigzag", 2, 1024, 8, 1, 128),
     (False, "contiguous", 1, 2048, 16, 2, 64),
     (True, "contiguous", 3, 512, 8, 8, 128),
     (False, "zigzag", 2, 1024, 16, 8, 64),
-    (True, "contiguous", 1, 1024, 6, 3, 128),  # pieces start and end inside heads
+    (True, "contiguous", 1, 1024, 6, 3, 128),
 ])
-def test_piece_orders(monkeypatch, order, causal, layout, b, s_local, hq, hkv, d):
+def test_small_pieces(monkeypatch, causal, layout, b, s_local, hq, hkv, d):
     from pk_jax.ops import ring_attention_primitive as prim
     monkeypatch.setattr(prim, "PIECE_BYTES", 1024)  # always the most pieces
-    with pk_jax.configured(ring_piece_order=order):
-        _run_and_check(2, "copy_engine", causal, layout, b, s_local, hq, hkv, d, jnp.bfloat16,
-                       f"pieces by {order}, causal={causal} {layout} b={b} hkv={hkv} d={d}")
+    _run_and_check(2, "copy_engine", causal, layout, b, s_local, hq, hkv, d, jnp.bfloat16,
+                   f"small pieces, causal={causal} {layout} b={b} hkv={hkv} d={d}")
 
 
 @pytest.mark.parametrize("n", [1, 2])

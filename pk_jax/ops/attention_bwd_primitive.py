@@ -2,7 +2,7 @@
 
 `pk_attention_block_bwd`: the gradient contributions of one K/V block to the
 queries of this rank, with the probabilities recomputed from the forward's
-log-sum-exp (what `ring_attention_reference._block_grads` computes):
+log-sum-exp (what `pk_jax.reference.attention_block_grads` computes):
 
     q, dout [B, S, Hq, D]; lse, delta' [B, Hq, S] float32, where
     delta' = rowsum(dout * out) - dlse; kv [2, B, T, Hkv, D] (K and V
@@ -12,16 +12,14 @@ log-sum-exp (what `ring_attention_reference._block_grads` computes):
     -> dq [B, S, Hq, D], dkv [2, B, T, Hkv, D] (dK and dV), float32
        (dK, dV summed over the query heads of each GQA group).
 
-`pk_attention_block_bwd` is the same with k, v and dk, dv apart.
-
-Causal masks compare global token positions (`_positions`: contiguous or
-zigzag over a ring of `cfg.n`). Lowering: on CUDA with the extension built
-with CUTLASS, the FFI kernel of xla_ffi/attention_bwd.cc (a Hopper FMHA
-backward; tiles the mask hides wholly are skipped); anywhere else
-`_block_grads`. Which shapes the kernel takes is decided before binding
-(`kernel_problem`). Determinism: dk and dv are; dq is summed over K/V tiles
-with fp32 reduce-adds in arrival order, so it can differ in the last bits
-from run to run.
+Causal masks compare global token positions (`reference.positions`:
+contiguous or zigzag over a ring of `cfg.n`). Lowering: on CUDA with the
+extension built with CUTLASS, the FFI kernel of xla_ffi/attention_bwd.cc (a
+Hopper FMHA backward; tiles the mask hides wholly are skipped); anywhere else
+`reference.attention_block_grads`. Which shapes the kernel takes is decided
+before binding (`kernel_problem`). Determinism: dk and dv are; dq is summed
+over K/V tiles with fp32 reduce-adds in arrival order, so it can differ in
+the last bits from run to run.
 """
 
 from __future__ import annotations
@@ -32,16 +30,15 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pk_jax import runtime
+from pk_jax import reference, runtime
 from pk_jax._compat import make_varying, varying_axes
 from pk_jax.ops._lowering import kernels_missing
-from pk_jax.ops.ring_attention_primitive import operand_problem
-from pk_jax.ops.ring_attention_reference import RingConfig, _block_grads, _positions
+from pk_jax.ops.ring_attention_primitive import RingConfig, operand_problem
 
 attention_block_bwd_p = Primitive("pk_attention_block_bwd")
 attention_block_bwd_p.multiple_results = True
 
-TILE_KV = 128  # K/V rows per CTA (csrc/kernels/attention_bwd/attention_bwd.h)
+TILE_KV = 128  # K/V rows per CTA: kTileKv (csrc/kernels/attention_bwd/attention_bwd.h)
 
 
 def tile_q(head_dim: int) -> int:
@@ -49,7 +46,7 @@ def tile_q(head_dim: int) -> int:
     return 64 if head_dim == 128 else 128
 
 
-def kernel_problem(q, k, cfg: RingConfig) -> str | None:
+def kernel_problem(q, k, layout: str) -> str | None:
     """None when the kernel takes this block pair, else why it does not."""
     if why := operand_problem(q, k):
         return why
@@ -57,7 +54,7 @@ def kernel_problem(q, k, cfg: RingConfig) -> str | None:
     hq, hkv = q.shape[2], k.shape[2]
     if hkv == 0 or hq % hkv:
         return f"{hq} query heads are not a multiple of {hkv} K/V heads"
-    chunks = 2 if cfg.layout == "zigzag" else 1
+    chunks = 2 if layout == "zigzag" else 1
     per = " (each zigzag chunk: half the rows)" if chunks == 2 else ""
     for what, rows, tile in (("S", q.shape[1], tile_q(d)), ("T", k.shape[1], TILE_KV)):
         if rows == 0 or rows % (chunks * tile):
@@ -66,7 +63,7 @@ def kernel_problem(q, k, cfg: RingConfig) -> str | None:
     return None
 
 
-def pk_attention_block_bwd_kv(q, dout, lse, delta, kv, q_rank, k_rank, cfg: RingConfig):
+def block_bwd(q, dout, lse, delta, kv, q_rank, k_rank, cfg: RingConfig):
     """(dq, dkv) float32 of one block pair, K and V stacked in `kv`; see the
     module docstring."""
     args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), kv,
@@ -79,14 +76,6 @@ def pk_attention_block_bwd_kv(q, dout, lse, delta, kv, q_rank, k_rank, cfg: Ring
     return attention_block_bwd_p.bind(*args, cfg=cfg)
 
 
-def pk_attention_block_bwd(q, dout, lse, delta, k, v, q_rank, k_rank, cfg: RingConfig):
-    """(dq, dk, dv) float32 of one block pair: `pk_attention_block_bwd_kv`
-    with K and V apart (one stack and one split around the kernel)."""
-    dq, dkv = pk_attention_block_bwd_kv(q, dout, lse, delta, jnp.stack([k, v]), q_rank, k_rank,
-                                        cfg)
-    return dq, dkv[0], dkv[1]
-
-
 # ---- abstract evaluation ------------------------------------------------------
 def _abstract(q, dout, lse, delta, kv, q_rank, k_rank, *, cfg: RingConfig):
     f32 = jnp.float32
@@ -94,29 +83,21 @@ def _abstract(q, dout, lse, delta, kv, q_rank, k_rank, *, cfg: RingConfig):
 
 
 # ---- reference lowering (every platform but CUDA) ------------------------------
-def _block_reference(q, dout, lse, delta, kv, q_rank, k_rank, cfg: RingConfig):
-    b, s, hq, d = q.shape
-    t, hkv = kv.shape[2], kv.shape[3]
-    g = hq // hkv
-    f32 = jnp.float32
-    q5, do5 = (x.astype(f32).reshape(b, s, hkv, g, d) for x in (q, dout))
-    lse4, delta4 = (x.reshape(b, hkv, g, s) for x in (lse, delta))
-    q_pos = _positions(q_rank, cfg.n, s, cfg.layout)
-    k_pos = _positions(k_rank, cfg.n, t, cfg.layout)
-    dq, dk, dv = _block_grads(q5, do5, delta4, lse4, jnp.zeros_like(lse4), kv[0], kv[1],
-                              q_pos, k_pos, cfg)
-    return dq.reshape(b, s, hq, d), jnp.stack([dk, dv])
-
-
-def _reference(ctx, *args, cfg: RingConfig):
-    fn = lambda *a: _block_reference(*a, cfg)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+def _reference(ctx, q, dout, lse, delta, kv, q_rank, k_rank, *, cfg: RingConfig):
+    def fn(q, dout, lse, delta, kv, q_rank, k_rank):
+        q_pos = reference.positions(q_rank, cfg.n, q.shape[1], cfg.layout)
+        k_pos = reference.positions(k_rank, cfg.n, kv.shape[2], cfg.layout)
+        dq, dk, dv = reference.attention_block_grads(
+            q, dout, lse, delta, kv[0], kv[1], q_pos, k_pos, causal=cfg.causal, scale=cfg.scale)
+        return dq, jnp.stack([dk, dv])
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, q, dout, lse, delta, kv, q_rank,
+                                                     k_rank)
 
 
 # ---- CUDA lowering -----------------------------------------------------------
 def _cuda(ctx, *args, cfg: RingConfig):
     # The kernel needs CUTLASS like the GEMMs: the same build check.
-    if kernels_missing("attention_block_bwd", need_gemm=True):
+    if kernels_missing("attention_block_bwd", need_cutlass=True):
         return _reference(ctx, *args, cfg=cfg)
     runtime.ensure_ready()  # registers the FFI targets
     return jax.ffi.ffi_lowering("pk_attention_block_bwd")(

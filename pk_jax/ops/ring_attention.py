@@ -1,69 +1,53 @@
 """pk_jax.ring_attention: sequence-parallel attention over a mesh axis.
 
 Every device of `axis_name` holds a slice of the sequence (q, k and v of the
-same tokens); the result equals attention over the whole sequence.
+same tokens); the result equals attention over the whole sequence. Causal
+masks use global token positions, computed from the rank and the layout
+("contiguous" or "zigzag", see `ring_attention`), so both layouts are exact.
 
-Causal masks use global token positions, computed from the rank and the
-layout, so both layouts are exact:
-  * "contiguous": rank r holds tokens [r * S_local, (r + 1) * S_local).
-  * "zigzag": the sequence is cut into 2n chunks of S_local / 2 tokens and
-    rank r holds chunks r and 2n - 1 - r, so every rank has the same causal
-    work. `zigzag_shard` / `zigzag_unshard` reorder global arrays to and from
-    this layout.
-
-Mechanisms:
-  * "copy_engine": the fused kernel (csrc/kernels/ring_attention): the copy
-    engines push this rank's K/V block to every peer while one attention
-    kernel walks its own block and then each peer's block as it lands,
-    merging all steps in registers. bfloat16/float16, head_dim 64 or 128,
-    S_local a multiple of 128 (256 for zigzag). On platforms other than CUDA
-    it lowers to the reference.
-  * "ld_st": the same fused kernel and shapes, with `num_comm_ctas`
-    (default 16) communicator CTAs of its own launched first: they push the
-    K/V block to the peers with 16-byte loads/stores over NVLink while the
-    other SMs attend (no copy engines, no side streams).
-  * "xla": the pure-JAX ring (ring_attention_reference.py): ppermute of K/V
-    blocks with an fp32 online softmax, O(S_local) memory. On a ring of one
-    without return_lse: jax.nn.dot_product_attention (XLA's attention).
-  * "auto": the kernel mechanism of pk_jax/tuning.py's measured table
-    (today "copy_engine" everywhere) where the kernel applies, else "xla"
-    (with a one-time PkJaxFallbackWarning saying why).
-Gradients: a custom_vjp saving the output and log-sum-exp; the backward is a
-ring (ring_attention_reference.ring_reference_bwd: K/V blocks travel with their
-partial dK/dV and go home at the end, dq stays local, probabilities recomputed
-from the log-sum-exp, fixed summation order). For the kernel mechanisms each
-step's block gradients are one Hopper flash-attention backward kernel
-(attention_bwd_primitive.py); the hops between steps are XLA collective
-permutes, scheduled to fly while the kernels run. A backward whose transfers
-are fused into the kernel is future work.
+Validation, the mechanism and the backward's block gradients are decided
+here, once, at trace time, into one frozen `RingConfig`:
+  * "copy_engine" / "ld_st": the fused forward kernel (ring_attention_primitive.py);
+  * "xla": the pure-JAX ring (pk_jax/reference.py);
+  * "auto": the kernel mechanism of pk_jax/tuning.py where the kernel takes
+    the shapes, else "xla" (with a one-time PkJaxFallbackWarning saying why).
+Gradients: a custom_vjp saving the output and log-sum-exp. The backward is a
+ring (`_backward_ring`): K/V blocks travel with their partial dK/dV and go
+home at the end, dq stays local, probabilities are recomputed from the
+log-sum-exp, and the summation order is fixed. Each step's block gradients
+are one Hopper flash-attention backward kernel (attention_bwd_primitive.py)
+for the kernel mechanisms, einsums otherwise or with `deterministic=True`;
+the hops between steps are XLA collective-permutes that fly while the
+kernels run.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pk_jax import groups, runtime, tuning
+from pk_jax import groups, reference, runtime, tuning
 from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
+from pk_jax.ops import attention_bwd_primitive as block_bwd
 from pk_jax.ops.ring_attention_primitive import (DEFAULT_COMM_CTAS, KERNEL_MECHANISMS,
-                                                 MAX_COMM_CTAS, fused_forward, kernel_problem)
-from pk_jax.ops.ring_attention_reference import RingConfig, ring_reference, ring_reference_bwd
+                                                 MAX_COMM_CTAS, RingConfig, kernel_problem,
+                                                 ring_attention_p)
 
 MECHANISMS = ("auto", "copy_engine", "ld_st", "xla")
 LAYOUTS = ("contiguous", "zigzag")
 
 
+# ---- validation ------------------------------------------------------------------
 def check_qkv_arrays(op: str, seq: str, q, k, v) -> None:
     """q, k, v are rank-4 [batch, `seq`, heads, head_dim] floating-point arrays
-    (ValueError / TypeError naming `op` otherwise)."""
+    of one dtype (ValueError / TypeError naming `op` otherwise)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.ndim != 4:
             raise ValueError(f"pk_jax.{op}: {name} must have rank 4 "
@@ -71,6 +55,10 @@ def check_qkv_arrays(op: str, seq: str, q, k, v) -> None:
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"pk_jax.{op}: {name} must be floating point "
                             f"(float32, bfloat16, float16, ...), got {a.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"pk_jax.{op}: q, k and v must have the same dtype (as in "
+                        f"jax.nn.dot_product_attention), got q {q.dtype}, k {k.dtype} and "
+                        f"v {v.dtype}; cast them first")
 
 
 def _check_shapes(q, k, v) -> None:
@@ -83,7 +71,7 @@ def _check_shapes(q, k, v) -> None:
         if q.shape[dim] != k.shape[dim]:
             raise ValueError(f"pk_jax.ring_attention: q and k/v must have the same {what} "
                              f"(dim {dim}), got q {q.shape} and k/v {k.shape}")
-    if q.shape[2] % k.shape[2]:
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
         raise ValueError(f"pk_jax.ring_attention: query heads ({q.shape[2]}) must be a "
                          f"multiple of kv heads ({k.shape[2]}) (MHA, GQA and MQA are "
                          "supported)")
@@ -117,68 +105,145 @@ def _check_comm_ctas(num_comm_ctas, mechanism: str) -> int:
     return int(num_comm_ctas)
 
 
-def _validate(q, k, v, axis_name, causal, scale, layout, mechanism,
-              num_comm_ctas) -> tuple[RingConfig, int]:
-    """(config with the mechanism resolved, ld_st communicator CTAs)."""
-    if mechanism not in MECHANISMS:
-        raise ValueError(f"pk_jax.ring_attention: mechanism must be one of {MECHANISMS}, "
-                         f"got {mechanism!r}")
-    comm_ctas = _check_comm_ctas(num_comm_ctas, mechanism)
-    cfg = _config(q, k, v, axis_name, causal, scale, layout, mechanism)
-    return cfg, comm_ctas
-
-
-def _config(q, k, v, axis_name, causal, scale, layout, mechanism) -> RingConfig:
-    if layout not in LAYOUTS:
-        raise ValueError(f"pk_jax.ring_attention: layout must be one of {LAYOUTS}, "
-                         f"got {layout!r}")
-    _check_shapes(q, k, v)
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"pk_jax.ring_attention: layout='zigzag' needs an even seq_local "
-                         f"(two chunks per rank), got {q.shape[1]}; use "
-                         "layout='contiguous' or pad the sequence")
-    names = groups.axis_names(axis_name)
-    cfg = RingConfig(names, lax.axis_size(names), bool(causal),
-                     _check_scale(scale, q.shape[3]), layout, "xla")
-    if mechanism == "xla":
-        return cfg
-    why = kernel_problem(q, k, cfg)
+def _mechanism(q, k, layout: str, mechanism: str) -> str:
+    """The forward mechanism: a kernel mechanism where the kernel takes the
+    call ("auto" through pk_jax/tuning.py), else "xla"."""
+    if mechanism == "xla" or q.shape[1] == 0:
+        return "xla"
+    why = kernel_problem(q, k, layout)
     if why is None:
-        if mechanism == "auto":
-            mechanism = tuning.ring_attention_mechanism(cfg.n, q.shape[1], cfg.causal)
-        return dataclasses.replace(cfg, mechanism=mechanism)
+        return tuning.RING_ATTENTION_MECHANISM if mechanism == "auto" else mechanism
     if mechanism in KERNEL_MECHANISMS:
         raise ValueError(f"pk_jax.ring_attention: mechanism={mechanism!r} does not take {why}; "
                          "use mechanism='auto' or 'xla' for this call")
     if runtime.available():  # only where the kernel could have run
         warn_once(f"ring_attention-fallback-{why}", f"pk_jax.ring_attention: the fused "
                   f"kernel does not take {why}; using the pure-JAX ring")
-    return cfg
+    return "xla"
 
 
-# ---- forward (kernel or reference) and the ring backward ------------------------
-def _forward(q, k, v, cfg: RingConfig, comm_ctas: int):
+def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
+            deterministic) -> RingConfig:
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"pk_jax.ring_attention: mechanism must be one of {MECHANISMS}, "
+                         f"got {mechanism!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"pk_jax.ring_attention: layout must be one of {LAYOUTS}, "
+                         f"got {layout!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"pk_jax.ring_attention: deterministic must be a bool, got "
+                        f"{type(deterministic).__name__}")
+    comm_ctas = _check_comm_ctas(num_comm_ctas, mechanism)
+    _check_shapes(q, k, v)
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"pk_jax.ring_attention: layout='zigzag' needs an even seq_local "
+                         f"(two chunks per rank), got {q.shape[1]}; use "
+                         "layout='contiguous' or pad the sequence")
+    names = groups.axis_names(axis_name)
+    chosen = _mechanism(q, k, layout, mechanism)
+    kernel_grads = (chosen in KERNEL_MECHANISMS and not deterministic
+                    and block_bwd.kernel_problem(q, k, layout) is None)
+    return RingConfig(names, lax.axis_size(names), bool(causal), _check_scale(scale, q.shape[3]),
+                      layout, chosen, comm_ctas if chosen == "ld_st" else 0,
+                      "kernel" if kernel_grads else "einsum")
+
+
+# ---- forward and the ring backward ---------------------------------------------------
+def _forward(q, k, v, cfg: RingConfig):
     if cfg.mechanism in KERNEL_MECHANISMS:
-        return fused_forward(q, k, v, cfg, comm_ctas)
-    return ring_reference(q, k, v, cfg)
+        return tuple(ring_attention_p.bind(q, k, v, cfg=cfg))
+    return reference.ring_attention(q, k, v, cfg.names, n=cfg.n, causal=cfg.causal,
+                                    scale=cfg.scale, layout=cfg.layout)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _attend(q, k, v, cfg: RingConfig, comm_ctas: int):
-    return _forward(q, k, v, cfg, comm_ctas)
+def _backward_ring(cfg: RingConfig, kv, grads: Callable, axes, out_dtype):
+    """The backward's ring schedule: (dq fp32 summed over the n blocks,
+    dkv [2, B, T, Hkv, D] of `out_dtype` on the rank that owns the block).
+
+    `kv` stacks this rank's K and V, so every hop is one collective (XLA's
+    GPU scheduler keeps one collective-permute in flight: a K hop and a V
+    hop would leave one of the two exposed). `grads(kv_block, step)` gives
+    one block's (dq, dkv), fp32. Step s works on the block that started on
+    rank r - s; its partial dK/dV is the sum of ranks r - s .. r (a fixed
+    order). Both hops of a step are issued before its block gradients and
+    neither is needed until after them: the K/V block of step s + 1
+    (prefetched), and the partial dK/dV that rank r - 1 finished at step
+    s - 1 (added to ours after our block gradients). So the only hop left on
+    the critical path is the last one, taking dK/dV home; it carries the
+    finished sums already cast to `out_dtype` (casting commutes with a hop:
+    the same result for half the bytes). Steps 0 and n - 1 are unrolled
+    around a scan of the others, so no hop that reads a step's block
+    gradients sits at a loop-iteration boundary.
+    """
+    n = cfg.n
+    hop = lambda x: lax.ppermute(x, cfg.names, reference.ring_perm(n))
+    vary = lambda xs: tuple(make_varying(x, axes) for x in xs)
+    if n == 1:
+        dq, dkv = vary(grads(kv, jnp.int32(0)))
+        return dq, dkv.astype(out_dtype)
+    kv_next = hop(kv)  # the block of step 1, in flight during step 0
+    dq, dkv = vary(grads(kv, jnp.int32(0)))
+
+    def step(block, partial, dq, s, prefetch: bool):
+        """Step s >= 1 on `block` (its K, V): (the block of step s + 1 if
+        `prefetch`, the partial dK/dV of `block` up to this rank, dq)."""
+        incoming = hop(partial)  # rank r - 1's partial of the block we hold now
+        block_next = hop(block) if prefetch else None
+        g_dq, g_dkv = grads(block, s)
+        return block_next, incoming + g_dkv, dq + g_dq
+
+    carry = (kv_next, dkv, dq)
+    if n > 2:  # steps 1 .. n - 2 prefetch the next block; the last one does not
+        carry, _ = lax.scan(lambda c, s: (step(*c, s, prefetch=True), None), carry,
+                            jnp.arange(1, n - 1, dtype=jnp.int32))
+    _, dkv, dq = step(*carry, jnp.int32(n - 1), prefetch=False)
+    # The block we hold now belongs to rank r + 1: one hop home.
+    return dq, hop(dkv.astype(out_dtype))
 
 
-def _attend_fwd(q, k, v, cfg: RingConfig, comm_ctas: int):
-    out, lse = _forward(q, k, v, cfg, comm_ctas)
+def _backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse):
+    """(dq, dk, dv) from the forward's output and log-sum-exp (`dlse` may be
+    None): the ring of `_backward_ring`, whose steps run `cfg.block_grads`."""
+    b, s_local, hq, _ = q.shape
+    f32 = jnp.float32
+    rank = lax.axis_index(cfg.names)
+    # delta' = rowsum(dO * O) - dlse: what the softmax's backward subtracts.
+    delta = jnp.einsum("bshd,bshd->bhs", dout.astype(f32), out.astype(f32))
+    if dlse is not None:
+        delta = delta - dlse.astype(f32)
+    lse = lse.astype(f32)
+    q_pos = reference.positions(rank, cfg.n, s_local, cfg.layout)
+
+    def grads(kvb, step):
+        """(dq, dkv) fp32 of this rank's queries against the block (K and V
+        stacked) that started on rank - step."""
+        k_rank = (rank - step) % cfg.n
+        if cfg.block_grads == "kernel":
+            return block_bwd.block_bwd(q, dout, lse, delta, kvb, rank, k_rank, cfg)
+        k_pos = reference.positions(k_rank, cfg.n, kvb.shape[2], cfg.layout)
+        dq_s, dk_s, dv_s = reference.attention_block_grads(
+            q, dout, lse, delta, kvb[0], kvb[1], q_pos, k_pos, causal=cfg.causal,
+            scale=cfg.scale)
+        return dq_s, jnp.stack([dk_s, dv_s])
+
+    axes = reference.ring_axes(cfg.names, q)
+    dq, dkv = _backward_ring(cfg, jnp.stack([k, v]), grads, axes, k.dtype)
+    return dq.astype(q.dtype), dkv[0], dkv[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _attend(q, k, v, cfg: RingConfig):
+    return _forward(q, k, v, cfg)
+
+
+def _attend_fwd(q, k, v, cfg: RingConfig):
+    out, lse = _forward(q, k, v, cfg)
     return (out, lse), (q, k, v, out, lse)
 
 
-def _attend_bwd(cfg: RingConfig, comm_ctas: int, res, cotangents):
-    # The ring backward from the saved output and log-sum-exp (same for both
-    # forwards): no per-step residuals, blocks recomputed one at a time.
-    q, k, v, out, lse = res
+def _attend_bwd(cfg: RingConfig, res, cotangents):
     dout, dlse = cotangents
-    return ring_reference_bwd(q, k, v, out, lse, dout, dlse, cfg)
+    return _backward(cfg, *res, dout, dlse)
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -196,17 +261,21 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
     Call inside `jax.shard_map` with the sequence dim sharded over
     `axis_name`. Every device's K/V block reaches every other device (the
-    fused kernel's copy-engine or communicator-CTA pushes, or the
-    reference's ppermute ring);
-    scores and the softmax are fp32 whatever the input dtype. Differentiable
-    (first order): the backward is a ring too (module docstring).
+    fused kernel's copy-engine or communicator-CTA pushes, or the pure-JAX
+    ring's ppermutes); scores and the softmax are fp32 whatever the input
+    dtype. Differentiable (first order): the backward is a ring too (module
+    docstring).
 
     Args:
       q: this device's queries [B, S_local, Hq, D], floating point.
       k: keys [B, S_local, Hkv, D] of the same tokens; Hq must be a multiple
         of Hkv (query head h uses kv head h // (Hq // Hkv): GQA / MQA).
-      v: values, same shape as k.
+      v: values, same shape as k. q, k and v must have one dtype.
       axis_name: mesh axis (or tuple of axes) the sequence is sharded over.
+        A tuple ranks devices row-major over the axes in the order given
+        (`lax.axis_index(axis_name)`), which must be the order the sequence
+        is sharded in: for a sequence sharded as P(None, ("a", "b")), pass
+        ("a", "b"), not ("b", "a").
       causal: mask keys at later global positions than the query.
       scale: score scale; None: 1 / sqrt(D).
       layout: which global tokens this device holds. "contiguous": rank r
@@ -215,17 +284,19 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         2n - 1 - r (balanced causal work; S_local must be even; reorder
         global arrays with `zigzag_shard` before sharding).
       return_lse: also return the log-sum-exp of the scaled scores.
-      mechanism: "auto", "copy_engine" or "ld_st" (the fused kernel, its
-        K/V pushed by the copy engines or by communicator CTAs; both raise
-        ValueError for shapes it does not take) or "xla" (the pure-JAX
-        ring); see the module docstring.
-      num_comm_ctas: "ld_st" only (or "auto", should it pick ld_st): the
-        communicator CTAs (SMs) pushing K/V, 1..32; None: 16.
+      mechanism: "auto" (the fused kernel where it takes the shapes, with the
+        mechanism of pk_jax/tuning.py, else the pure-JAX ring with a one-time
+        warning), "copy_engine" (the fused kernel; the copy engines push K/V
+        to the peers: bf16/fp16, head dim 64 or 128, S_local a multiple of
+        128, or of 256 for zigzag; ValueError for other shapes), "ld_st" (the
+        same kernel with `num_comm_ctas` communicator CTAs pushing K/V over
+        NVLink instead) or "xla" (the pure-JAX ring).
+      num_comm_ctas: "ld_st" only: the communicator CTAs (SMs) pushing K/V,
+        1..32; None: 16.
       deterministic: bitwise-reproducible gradients: the backward's block
-        gradients are computed as einsums in the ring's fixed order, never by
-        the block-backward kernel (whose dq reduce-adds land in arrival
-        order; see `pk_jax.configure(ring_backward_kernel=...)`). The
-        forward is deterministic either way.
+        gradients are einsums in the ring's fixed order, never the
+        block-backward kernel (whose dq reduce-adds land in arrival order).
+        The forward is deterministic either way.
 
     Returns:
       out [B, S_local, Hq, D] in q's dtype, and with return_lse also the
@@ -234,74 +305,15 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       would get output 0 and log-sum-exp -1e30, never NaN).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    cfg, comm_ctas = _validate(q, k, v, axis_name, causal, scale, layout, mechanism,
-                               num_comm_ctas)
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"pk_jax.ring_attention: deterministic must be a bool, got "
-                        f"{type(deterministic).__name__}")
-    cfg = dataclasses.replace(cfg, deterministic=bool(deterministic))
+    cfg = _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
+                  deterministic)
     q, k, v = (make_varying(x, cfg.names) for x in (q, k, v))
+    if q.shape[1] == 0:  # no tokens: an empty result, as jax.nn.dot_product_attention
+        out, lse = jnp.zeros_like(q), jnp.zeros((q.shape[0], q.shape[2], 0), jnp.float32)
+        return (out, lse) if return_lse else out
     if cfg.mechanism == "xla" and cfg.n == 1 and not return_lse:
         # One rank holds the whole sequence in natural order (zigzag with one
-        # rank is the identity): XLA's own attention (jax.nn's default
-        # implementation, not cuDNN) is what "xla" means here.
+        # rank is the identity): XLA's own attention is what "xla" means here.
         return jax.nn.dot_product_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal)
-    out, lse = _attend(q, k, v, cfg, comm_ctas)
+    out, lse = _attend(q, k, v, cfg)
     return (out, lse) if return_lse else out
-
-
-def _check_zigzag(x: jax.Array, axis_size: int, seq_axis: int, op: str) -> int:
-    """The normalized seq_axis, after checking the arguments."""
-    if isinstance(axis_size, bool) or not isinstance(axis_size, (int, np.integer)) \
-            or axis_size < 1:
-        raise ValueError(f"pk_jax.{op}: axis_size must be a positive int, got {axis_size!r}")
-    if not -x.ndim <= seq_axis < x.ndim:
-        raise ValueError(f"pk_jax.{op}: seq_axis={seq_axis} out of range for a rank-{x.ndim} "
-                         f"array (valid: {-x.ndim}..{x.ndim - 1})")
-    dim = seq_axis % x.ndim
-    if x.shape[dim] % (2 * axis_size):
-        raise ValueError(f"pk_jax.{op}: the sequence length ({x.shape[dim]}, axis {dim}) "
-                         f"must divide by 2 * axis_size ({2 * axis_size})")
-    return dim
-
-
-def zigzag_shard(x: jax.Array, axis_size: int, seq_axis: int = 1) -> jax.Array:
-    """Reorder a global array so that contiguous sharding of `seq_axis` over
-    `axis_size` ranks gives rank r the zigzag chunks r and 2n - 1 - r.
-
-    Args:
-      x: the global array (q, k, v, positions, labels, ...), any rank.
-      axis_size: n, the size of the mesh axis the sequence is sharded over.
-      seq_axis: the sequence axis; its length must divide by 2n.
-
-    Returns:
-      x with its 2n sequence chunks in the order 0, 2n-1, 1, 2n-2, ...
-    """
-    x = jnp.asarray(x)
-    dim = _check_zigzag(x, axis_size, seq_axis, "zigzag_shard")
-    n, shape = axis_size, x.shape
-    # [..., L, ...] -> [..., 2 (halves), n, c, ...]; rank r takes chunk r of the
-    # first half and chunk n - 1 - r of the second (= chunk 2n - 1 - r).
-    halves = x.reshape(shape[:dim] + (2, n, shape[dim] // (2 * n)) + shape[dim + 1:])
-    first, second = jnp.take(halves, 0, axis=dim), jnp.take(halves, 1, axis=dim)
-    return jnp.stack([first, jnp.flip(second, dim)], dim + 1).reshape(shape)
-
-
-def zigzag_unshard(x: jax.Array, axis_size: int, seq_axis: int = 1) -> jax.Array:
-    """Inverse of `zigzag_shard`: back to the natural token order.
-
-    Args:
-      x: a global array in zigzag order (e.g. the gathered ring_attention
-        output of layout="zigzag").
-      axis_size: n, the size of the mesh axis.
-      seq_axis: the sequence axis; its length must divide by 2n.
-
-    Returns:
-      x with its sequence in natural order.
-    """
-    x = jnp.asarray(x)
-    dim = _check_zigzag(x, axis_size, seq_axis, "zigzag_unshard")
-    n, shape = axis_size, x.shape
-    pairs = x.reshape(shape[:dim] + (n, 2, shape[dim] // (2 * n)) + shape[dim + 1:])
-    first, second = jnp.take(pairs, 0, axis=dim + 1), jnp.take(pairs, 1, axis=dim + 1)
-    return jnp.stack([first, jnp.flip(second, dim)], dim).reshape(shape)

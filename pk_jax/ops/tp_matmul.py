@@ -15,34 +15,24 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from pk_jax import groups, reference, runtime
 from pk_jax._compat import make_varying, sum_to_type_of
 from pk_jax._warnings import warn_once
-from pk_jax.ops.tp_matmul_primitives import (FUSED_TILE, all_gather_matmul_p,
-                                              matmul_reduce_scatter_p)
+from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_p,
+                                             matmul_reduce_scatter_p)
 
-MECHANISMS = ("auto", "chunked", "xla")              # all_gather_matmul
-RS_MECHANISMS = ("auto", "fused", "chunked", "xla")  # matmul_reduce_scatter
+MECHANISMS = ("auto", "chunked", "xla")
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Config:
-    """Static part of one call, validated once (hashable: a custom_vjp static)."""
-
-    names: tuple[str, ...]
-    n: int
-    out_dtype: np.dtype
-    mechanism: str  # "fused", "chunked" or "xla" after validation
-
-
-def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism,
-              allowed=MECHANISMS) -> _Config:
-    if mechanism not in allowed:
-        raise ValueError(f"pk_jax.{op}: mechanism must be one of {allowed}, got {mechanism!r}")
+def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism) -> TpConfig:
+    """The call's config, with the mechanism resolved: "chunked" where the
+    kernels take the operands, else "xla" (an error if "chunked" was forced)."""
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"pk_jax.{op}: mechanism must be one of {MECHANISMS}, got "
+                         f"{mechanism!r}")
     if x.ndim < 2 or w.ndim != 2:
         raise ValueError(f"pk_jax.{op}: expected x [..., rows, K] and w [K, N], got x "
                          f"{x.shape} and w {w.shape}")
@@ -56,35 +46,15 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism,
             raise TypeError(f"pk_jax.{op}: {name} must be floating point, got {a.dtype}")
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
     names = groups.axis_names(axis_name)
-    cfg = _Config(names, lax.axis_size(names), out_dtype, mechanism)
-    if mechanism != "xla":
-        why = _kernel_unsupported(x, w, out_dtype)
-        if why:
-            if mechanism in ("chunked", "fused"):
-                raise ValueError(f"pk_jax.{op}(mechanism={mechanism!r}): {why}")
-            if runtime.available():  # elsewhere the reference is the plan, not a fallback
-                warn_once(f"{op}-{why}", f"pk_jax.{op}: {why}; using the XLA reference path")
-        cfg = dataclasses.replace(cfg, mechanism="xla" if why else "chunked")
-    return cfg
-
-
-def _rs_kernel(rows: int, n: int, in_dtype, out_dtype, requested: str) -> str:
-    """The kernel mechanism of a matmul_reduce_scatter whose operands the GEMM
-    takes. auto is "chunked": measured faster than "fused" at every benchmark
-    shape on 2 x H200 (benchmarks/RESULTS.md). Forcing "fused" where it
-    cannot run is an error."""
-    if requested != "fused":
-        return "chunked"
-    why = ""
-    if jnp.dtype(out_dtype) != jnp.dtype(in_dtype):
-        why = f"it writes the operands' dtype ({jnp.dtype(in_dtype)}), not {jnp.dtype(out_dtype)}"
-    elif n > 1 and (rows // n) % FUSED_TILE[0]:  # a shard must be whole tiles
-        why = (f"each device's output rows ({rows // n}) must be a multiple of "
-               f"{FUSED_TILE[0]}")
-    if why:
-        raise ValueError(f"pk_jax.matmul_reduce_scatter(mechanism='fused'): {why}; "
-                         "mechanism='chunked' takes these shapes")
-    return "fused" if n > 1 else "chunked"  # one device: the plain GEMM
+    n = lax.axis_size(names)
+    if mechanism == "xla":
+        return TpConfig(names, n, out_dtype, "xla")
+    why = _kernel_unsupported(x, w, out_dtype)
+    if why and mechanism == "chunked":
+        raise ValueError(f"pk_jax.{op}(mechanism='chunked'): {why}")
+    if why and runtime.available():  # elsewhere the reference is the plan, not a fallback
+        warn_once(f"{op}-{why}", f"pk_jax.{op}: {why}; using the XLA reference path")
+    return TpConfig(names, n, out_dtype, "xla" if why else "chunked")
 
 
 def _kernel_unsupported(x, w, out_dtype) -> str:
@@ -105,9 +75,8 @@ def _dot_f32(a, b, dtype):
 
 
 # ---- all_gather_matmul: 2-D core with its VJP ----------------------------------
-def _ag(x, w, cfg: _Config, return_gathered: bool, transpose_w: bool = False):
-    return all_gather_matmul_p.bind(x, w, names=cfg.names, n=cfg.n, out_dtype=cfg.out_dtype,
-                                    return_gathered=return_gathered, mechanism=cfg.mechanism,
+def _ag(x, w, cfg: TpConfig, return_gathered: bool, transpose_w: bool = False):
+    return all_gather_matmul_p.bind(x, w, cfg=cfg, return_gathered=return_gathered,
                                     transpose_w=transpose_w)
 
 
@@ -116,14 +85,14 @@ def _ag_forward(x, w, cfg):
     return (out, gathered), (gathered, w)
 
 
-def _ag_backward(cfg: _Config, res, dy, dgathered=None):
+def _ag_backward(cfg: TpConfig, res, dy, dgathered=None):
     """dx = matmul_reduce_scatter(dy, w^T) (+ the gathered output's share),
     dw = gathered^T @ dy. The kernels read w^T in place (transpose_w)."""
     gathered, w = res
     x_dtype = gathered.dtype
     if dy.dtype == x_dtype and cfg.mechanism != "xla":
-        dx = _rs_bind(dy, w, dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype),
-                                                 mechanism="chunked"), transpose_w=True)
+        dx = _rs_bind(dy, w, dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype)),
+                      transpose_w=True)
     else:
         dx = reference.matmul_reduce_scatter(dy.astype(x_dtype), w.T.astype(x_dtype),
                                              cfg.names)
@@ -156,10 +125,8 @@ _ag_out_gathered.defvjp(_ag_forward, lambda cfg, res, ct: _ag_backward(cfg, res,
 
 
 # ---- matmul_reduce_scatter: 2-D core with its VJP ------------------------------
-def _rs_bind(x, w, cfg: _Config, transpose_w: bool = False):
-    return matmul_reduce_scatter_p.bind(x, w, names=cfg.names, n=cfg.n,
-                                        out_dtype=cfg.out_dtype, mechanism=cfg.mechanism,
-                                        transpose_w=transpose_w)
+def _rs_bind(x, w, cfg: TpConfig, transpose_w: bool = False):
+    return matmul_reduce_scatter_p.bind(x, w, cfg=cfg, transpose_w=transpose_w)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -171,14 +138,13 @@ def _rs_forward(x, w, cfg):
     return _rs(x, w, cfg), (x, w)
 
 
-def _rs_backward(cfg: _Config, res, dy):
+def _rs_backward(cfg: TpConfig, res, dy):
     """dx, gathered dy = all_gather_matmul(dy, w^T); dw = x^T @ gathered dy.
     The kernels read w^T in place (transpose_w)."""
     x, w = res
     if dy.dtype == x.dtype and cfg.mechanism != "xla":
-        dx, gathered_dy = _ag(dy, w, dataclasses.replace(cfg, out_dtype=x.dtype,
-                                                         mechanism="chunked"),
-                              True, transpose_w=True)
+        dx, gathered_dy = _ag(dy, w, dataclasses.replace(cfg, out_dtype=x.dtype), True,
+                              transpose_w=True)
     else:
         dx, gathered_dy = reference.all_gather_matmul(dy.astype(x.dtype), w.T.astype(x.dtype),
                                                       cfg.names)
@@ -233,27 +199,18 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
       axis_name: mesh axis (or tuple of axes) to reduce-scatter over.
       preferred_element_type: output dtype; None: the operands' dtype. The
         partial products travel in it and are summed in fp32.
-      mechanism: "auto" (today "chunked", measured faster), "chunked" (a
-        GEMM per row chunk, each peer's chunk written into its memory;
-        bf16/fp16 operands, K and N multiples of 8), "fused" (one GEMM launch
-        whose epilogue writes each tile of a peer's rows into that peer's
-        memory and flags it, and adds the peers' tiles to ours as their flags
-        land; output in the operands' dtype, rows per device a multiple of
-        128) or "xla".
+      mechanism: "auto"/"chunked" (a GEMM per row chunk, each peer's chunk
+        written straight into its memory by the GEMM's epilogue; bf16/fp16
+        operands, K and N multiples of 8) or "xla".
 
     Returns:
       This device's shard of the sum, [x.shape[0] / n, ..., N].
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
-    cfg = _validate("matmul_reduce_scatter", x, w, axis_name, preferred_element_type, mechanism,
-                    RS_MECHANISMS)
+    cfg = _validate("matmul_reduce_scatter", x, w, axis_name, preferred_element_type, mechanism)
     if x.shape[0] % cfg.n:
         raise ValueError(f"pk_jax.matmul_reduce_scatter: the first dim of x ({x.shape[0]}) "
                          f"must divide by the size of axis {cfg.names} ({cfg.n})")
-    if cfg.mechanism != "xla":
-        rows = x.size // x.shape[-1]
-        cfg = dataclasses.replace(cfg, mechanism=_rs_kernel(rows, cfg.n, x.dtype, cfg.out_dtype,
-                                                            mechanism))
     x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
     w = make_varying(w, cfg.names)
     out = _rs(x2, w, cfg)

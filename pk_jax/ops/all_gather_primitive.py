@@ -1,0 +1,96 @@
+"""The primitive of `pk_jax.all_gather`.
+
+`pk_all_gather`: x (this rank's shard) -> the gathered array, with the
+static `AllGatherConfig` (mechanism already resolved). Linear: its JVP is
+itself and its transpose is `psum_scatter`, so jax.grad and jax.jvp work on
+every path. Lowering: on CUDA with the extension built, the FFI kernel of
+xla_ffi/all_gather.cc; on any other platform `lax.all_gather`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, mlir
+
+from pk_jax import reference
+from pk_jax.ops._lowering import channel_attr, kernels_missing
+
+# The kernel mechanisms and their ids in the FFI attribute `mechanism`
+# (xla_ffi/all_gather.cc: Mechanism).
+KERNEL_MECHANISMS = {"ld_st_pull": 0, "copy_engine": 1, "ld_st_push": 2, "ld_st_ll": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class AllGatherConfig:
+    """Static part of one call, validated once.
+
+    Attributes:
+      names: the mesh axes gathered over.
+      n: the group size.
+      dim: where the gathered axis goes (normalized).
+      tiled: concatenate along `dim` instead of stacking a new axis.
+      mechanism: a key of KERNEL_MECHANISMS.
+      num_blocks: grid of the ld/st kernels; 0: one block per SM.
+    """
+
+    names: tuple[str, ...]
+    n: int
+    dim: int
+    tiled: bool
+    mechanism: str
+    num_blocks: int = 0
+
+
+all_gather_p = Primitive("pk_all_gather")
+
+
+def layout(shape: tuple[int, ...], dim: int, itemsize: int) -> tuple[int, int]:
+    """(rows, row_bytes) of the kernel's view: every rank's block is `rows`
+    rows of `row_bytes` bytes, interleaved by rank in the output. Stacked and
+    tiled gathers share it."""
+    rows = int(np.prod(shape[:dim], dtype=np.int64))
+    row_bytes = int(np.prod(shape[dim:], dtype=np.int64)) * itemsize
+    return rows, row_bytes
+
+
+def _abstract_eval(x, *, cfg: AllGatherConfig):
+    out = list(x.shape)
+    if cfg.tiled:
+        out[cfg.dim] *= cfg.n
+    else:
+        out.insert(cfg.dim, cfg.n)
+    return x.update(shape=tuple(out))
+
+
+def _transpose(ct, x, *, cfg: AllGatherConfig):
+    return [lax.psum_scatter(ct, cfg.names, scatter_dimension=cfg.dim, tiled=cfg.tiled)]
+
+
+def _reference_lowering(ctx, x, *, cfg: AllGatherConfig):
+    fn = lambda v: reference.all_gather(v, cfg.names, axis=cfg.dim, tiled=cfg.tiled)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x)
+
+
+def _cuda_lowering(ctx, x, *, cfg: AllGatherConfig):
+    if kernels_missing("all_gather"):
+        return _reference_lowering(ctx, x, cfg=cfg)
+    x_aval, = ctx.avals_in
+    rows, row_bytes = layout(x_aval.shape, cfg.dim, np.dtype(x_aval.dtype).itemsize)
+    staged = cfg.n * rows * row_bytes if cfg.mechanism == "copy_engine" else 0
+    attr = channel_attr(ctx, "all_gather", cfg.names, cfg.n, cfg.mechanism, staged,
+                        ll=cfg.mechanism == "ld_st_ll")
+    return jax.ffi.ffi_lowering("pk_all_gather")(
+        ctx, x, rows=np.int64(rows), row_bytes=np.int64(row_bytes),
+        mechanism=np.int32(KERNEL_MECHANISMS[cfg.mechanism]),
+        num_blocks=np.int32(cfg.num_blocks), **attr)
+
+
+all_gather_p.def_abstract_eval(_abstract_eval)
+ad.deflinear2(all_gather_p, _transpose)
+mlir.register_lowering(all_gather_p, _reference_lowering)
+mlir.register_lowering(all_gather_p, _cuda_lowering, platform="cuda")

@@ -1,0 +1,120 @@
+"""Primitives of the tensor-parallel matmuls, on 2-D operands.
+
+`pk_all_gather_matmul`:     x [m, K], w [K, N] -> (all_gather(x) @ w [n*m, N],
+                                                   all_gather(x) [n*m, K] or [0, K])
+`pk_matmul_reduce_scatter`: x [M, K], w [K, N] -> psum_scatter(x @ w) [M/n, N]
+
+Parameters: the op's frozen `TpConfig`, and `transpose_w` (w is given as
+[N, K] and the product is x @ w^T: the backward passes multiply by the
+forward's weight transposed, and the kernels read it in place as a K-major
+operand instead of XLA materializing w^T); all_gather_matmul also
+`return_gathered`.
+
+Lowering: on CUDA with the extension built with CUTLASS and
+`cfg.mechanism == "chunked"`, the FFI kernels of xla_ffi/tp_matmul.cc;
+anywhere else the reference (pk_jax/reference.py). Differentiation lives one
+level up (pk_jax/ops/tp_matmul.py, custom_vjp).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from pk_jax import reference
+from pk_jax.ops._lowering import channel_attr, kernels_missing
+
+
+@dataclasses.dataclass(frozen=True)
+class TpConfig:
+    """Static part of one call, validated once (hashable: a custom_vjp static).
+
+    Attributes:
+      names: the mesh axes of the collective.
+      n: the group size.
+      out_dtype: the result dtype (accumulation is fp32 either way).
+      mechanism: "chunked" (the kernels) or "xla", resolved at trace time.
+    """
+
+    names: tuple[str, ...]
+    n: int
+    out_dtype: np.dtype
+    mechanism: str
+
+
+all_gather_matmul_p = Primitive("pk_all_gather_matmul")
+all_gather_matmul_p.multiple_results = True
+matmul_reduce_scatter_p = Primitive("pk_matmul_reduce_scatter")
+
+
+def _n_cols(w, transpose_w: bool) -> int:
+    return w.shape[0] if transpose_w else w.shape[1]
+
+
+def _region_bytes(n: int, rows: int, cols: int, dtype) -> int:
+    """n slots of one rank's block (tp_matmul.h: ag_matmul_region_bytes,
+    matmul_rs_region_bytes); nothing on one rank."""
+    return n * rows * cols * np.dtype(dtype).itemsize if n > 1 else 0
+
+
+# ---- all_gather_matmul ----------------------------------------------------------
+def _ag_abstract(x, w, *, cfg: TpConfig, return_gathered: bool, transpose_w: bool):
+    m, k = x.shape
+    rows = cfg.n * m if return_gathered else 0
+    return (x.update(shape=(cfg.n * m, _n_cols(w, transpose_w)), dtype=cfg.out_dtype),
+            x.update(shape=(rows, k)))
+
+
+def _ag_reference(ctx, x, w, *, cfg: TpConfig, return_gathered: bool, transpose_w: bool):
+    def fn(a, b):
+        b = b.T if transpose_w else b
+        out, gathered = reference.all_gather_matmul(a, b, cfg.names, out_dtype=cfg.out_dtype)
+        return out, gathered if return_gathered else gathered[:0]
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, x, w)
+
+
+def _ag_cuda(ctx, x, w, *, cfg: TpConfig, return_gathered: bool, transpose_w: bool):
+    if cfg.mechanism == "xla" or kernels_missing("all_gather_matmul", need_cutlass=True):
+        return _ag_reference(ctx, x, w, cfg=cfg, return_gathered=return_gathered,
+                             transpose_w=transpose_w)
+    x_aval = ctx.avals_in[0]
+    m, k = x_aval.shape
+    attr = channel_attr(ctx, "all_gather_matmul", cfg.names, cfg.n, None,
+                        _region_bytes(cfg.n, m, k, x_aval.dtype))
+    return jax.ffi.ffi_lowering("pk_all_gather_matmul")(
+        ctx, x, w, return_gathered=bool(return_gathered), w_transposed=bool(transpose_w), **attr)
+
+
+# ---- matmul_reduce_scatter --------------------------------------------------------
+def _rs_abstract(x, w, *, cfg: TpConfig, transpose_w: bool):
+    return x.update(shape=(x.shape[0] // cfg.n, _n_cols(w, transpose_w)), dtype=cfg.out_dtype)
+
+
+def _rs_reference(ctx, x, w, *, cfg: TpConfig, transpose_w: bool):
+    def fn(a, b):
+        b = b.T if transpose_w else b
+        return reference.matmul_reduce_scatter(a, b, cfg.names, out_dtype=cfg.out_dtype)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x, w)
+
+
+def _rs_cuda(ctx, x, w, *, cfg: TpConfig, transpose_w: bool):
+    if cfg.mechanism == "xla" or kernels_missing("matmul_reduce_scatter", need_cutlass=True):
+        return _rs_reference(ctx, x, w, cfg=cfg, transpose_w=transpose_w)
+    x_aval, w_aval = ctx.avals_in
+    attr = channel_attr(ctx, "matmul_reduce_scatter", cfg.names, cfg.n, None,
+                        _region_bytes(cfg.n, x_aval.shape[0] // cfg.n,
+                                      _n_cols(w_aval, transpose_w), cfg.out_dtype))
+    return jax.ffi.ffi_lowering("pk_matmul_reduce_scatter")(
+        ctx, x, w, w_transposed=bool(transpose_w), **attr)
+
+
+all_gather_matmul_p.def_abstract_eval(_ag_abstract)
+mlir.register_lowering(all_gather_matmul_p, _ag_reference)
+mlir.register_lowering(all_gather_matmul_p, _ag_cuda, platform="cuda")
+matmul_reduce_scatter_p.def_abstract_eval(_rs_abstract)
+mlir.register_lowering(matmul_reduce_scatter_p, _rs_reference)
+mlir.register_lowering(matmul_reduce_scatter_p, _rs_cuda, platform="cuda")

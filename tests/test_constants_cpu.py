@@ -1,0 +1,157 @@
+"""Every constant and enum that Python mirrors from the C++/CUDA headers
+agrees with the headers, and the package has no import cycles."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+from pk_jax import runtime
+from pk_jax.ops import all_gather_primitive, attention_bwd_primitive, ring_attention_primitive
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _source(rel: str) -> str:
+    """A C++ file without comments."""
+    text = (ROOT / rel).read_text()
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def _int_expr(expr: str, names: dict[str, int]) -> int:
+    """An integer constant expression of the headers (literals, <<, *, +, -,
+    parentheses, size_t(...) casts and already known names)."""
+    expr = re.sub(r"\b(?:size_t|int|int64_t|uint64_t)\s*\(", "(", expr)
+    expr = re.sub(r"(\d+)[uUlL]+\b", r"\1", expr)
+    tree = ast.parse(expr.strip(), mode="eval")
+    allowed = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Load,
+               ast.LShift, ast.Mult, ast.Add, ast.Sub, ast.USub, ast.FloorDiv)
+    for node in ast.walk(tree):
+        if not isinstance(node, allowed):
+            raise ValueError(f"not a simple constant expression: {expr!r}")
+    return int(eval(compile(tree, "<header>", "eval"), {"__builtins__": {}}, dict(names)))
+
+
+def cxx_constants(rel: str) -> dict[str, int]:
+    """`constexpr` integer constants of a header, by name."""
+    found: dict[str, int] = {}
+    for name, expr in re.findall(r"constexpr\s+[\w:]+\s+(k\w+)\s*=\s*([^;]+);", _source(rel)):
+        try:
+            found[name] = _int_expr(expr, found)
+        except (ValueError, NameError, SyntaxError):
+            pass  # e.g. sizeof(...): not mirrored
+    return found
+
+
+def cxx_enum(rel: str, enum: str) -> dict[str, int]:
+    """Enumerators of `enum [class] <enum> [: type] { ... }`."""
+    body = re.search(rf"enum\s+(?:class\s+)?{enum}\b[^{{]*\{{([^}}]*)\}}", _source(rel))
+    assert body, f"enum {enum} not found in {rel}"
+    return {k: int(v) for k, v in re.findall(r"(k\w+)\s*=\s*(\d+)", body.group(1))}
+
+
+LAYOUT = "csrc/pk/layout.h"
+RING = "csrc/kernels/ring_attention/ring_attention.h"
+BWD = "csrc/kernels/attention_bwd/attention_bwd.h"
+
+
+@pytest.mark.parametrize("python,header,name", [
+    (runtime.MAX_RANKS, LAYOUT, "kMaxRanks"),
+    (runtime.MAX_SLOTS, LAYOUT, "kMaxSlots"),
+    (runtime.LL_CHANNELS, LAYOUT, "kLlChannels"),
+    (runtime.LL_MAX_BYTES, LAYOUT, "kLlMaxBytes"),
+    (ring_attention_primitive.TILE_Q, RING, "kTileQ"),
+    (ring_attention_primitive.DEFAULT_COMM_CTAS, RING, "kDefaultCommCtas"),
+    (ring_attention_primitive.MAX_COMM_CTAS, RING, "kMaxCommCtas"),
+    (attention_bwd_primitive.TILE_KV, BWD, "kTileKv"),
+])
+def test_constant_matches_header(python, header, name):
+    assert cxx_constants(header)[name] == python, f"{name} in {header}"
+
+
+def test_piece_limit_matches_the_stamps():
+    """Python cuts a block into at most MAX_PIECES pieces; the kernel posts
+    each with one stamp (kMaxPieces = kMaxStamps)."""
+    layout, ring = cxx_constants(LAYOUT), _source(RING)
+    assert re.search(r"kMaxPieces\s*=\s*kMaxStamps\s*;", ring)
+    assert layout["kMaxStamps"] == ring_attention_primitive.MAX_PIECES
+
+
+def test_block_backward_query_tile_matches_header():
+    body = re.search(r"int tile_q\(int head_dim\)\s*\{\s*return head_dim == (\d+) \? (\d+) : "
+                     r"(\d+);", _source(BWD))
+    assert body, "tile_q not found in attention_bwd.h"
+    d, if_d, other = map(int, body.groups())
+    assert attention_bwd_primitive.tile_q(d) == if_d
+    assert attention_bwd_primitive.tile_q(64 if d != 64 else 128) == other
+
+
+def test_ring_attention_mechanism_ids_match_enum():
+    enum = cxx_enum(RING, "Mechanism")
+    assert enum == {"kCopyEngine": ring_attention_primitive.KERNEL_MECHANISMS["copy_engine"],
+                    "kLdSt": ring_attention_primitive.KERNEL_MECHANISMS["ld_st"]}
+
+
+def test_all_gather_mechanism_ids_match_enum():
+    enum = cxx_enum("xla_ffi/all_gather.cc", "Mechanism")
+    want = {"kLdStPull": "ld_st_pull", "kCopyEngine": "copy_engine", "kLdStPush": "ld_st_push",
+            "kLdStLl": "ld_st_ll"}
+    assert {k: v for k, v in enum.items()} == {
+        k: all_gather_primitive.KERNEL_MECHANISMS[v] for k, v in want.items()}
+
+
+def test_ffi_target_names_match_the_module():
+    """The targets Python lowers to are the ones the extension registers."""
+    module = _source("xla_ffi/module.cc")
+    registered = set(re.findall(r'"(pk_\w+)"', module))
+    lowered = set()
+    for path in (ROOT / "pk_jax").rglob("*.py"):
+        lowered |= set(re.findall(r'ffi_lowering\("(pk_\w+)"\)', path.read_text()))
+    assert lowered and lowered == registered
+
+
+def _imports(path: pathlib.Path, package: str) -> set[str]:
+    """The pk_jax modules a module imports at its top level or in functions."""
+    mod = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            base = node.module
+            if node.level:  # relative import
+                parts = mod.split(".")[: -node.level + (path.name == "__init__.py")]
+                base = ".".join(parts + [node.module])
+            if base.startswith(package):
+                out.add(base)
+                out |= {f"{base}.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith(package)}
+    return out
+
+
+def test_no_import_cycles():
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in (ROOT / "pk_jax").rglob("*.py")}
+    graph = {m: {i for i in _imports(p, "pk_jax") if i in files and i != m}
+             for m, p in files.items()}
+    # A package's __init__ importing its submodules is not a cycle of modules:
+    # drop edges from a module to the packages that contain it.
+    for m in graph:
+        graph[m] = {i for i in graph[m] if not m.startswith(i + ".")}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for i in sorted(graph[m]):
+            if state.get(i) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path + [m, i]))
+            if i not in state:
+                visit(i, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
