@@ -1,8 +1,9 @@
 """Shared benchmark plumbing: timing, machine description, result files.
 
-Timing follows ../shared/notes/baselines-h200.md so ratios are comparable:
-a jitted function, warm-up, then the median over batches of host-timed
-back-to-back calls with block_until_ready at the end of each batch.
+Timing is the method the H200 baselines of these machines were measured
+with, so ratios are comparable: a jitted function, warm-up, then the median
+over batches of host-timed back-to-back calls with block_until_ready at the
+end of each batch.
 """
 
 from __future__ import annotations
