@@ -1,8 +1,9 @@
 """Shared benchmark plumbing: timing, machine description, result files.
 
-Timing follows ../shared/notes/baselines-h200.md so ratios are comparable:
-a jitted function, warm-up, then the median over batches of host-timed
-back-to-back calls with block_until_ready at the end of each batch.
+Timing is the method the H200 baselines of these machines were measured
+with, so ratios are comparable: a jitted function, warm-up, then the median
+over batches of host-timed back-to-back calls with block_until_ready at the
+end of each batch.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import pathlib
 import statistics
+import subprocess
 import time
 from typing import Any, Callable
 
@@ -57,18 +59,40 @@ def machine() -> dict[str, Any]:
             "platform": devs[0].platform, "jax": jax.__version__}
 
 
+def commit() -> str | None:
+    """The code measured: $PK_BENCH_COMMIT where set (a copy without .git),
+    else the checkout's short commit, suffixed "-dirty" when tracked files
+    other than the results (which the benchmarks rewrite) differ from it;
+    None when neither is known."""
+    if os.environ.get("PK_BENCH_COMMIT"):
+        return os.environ["PK_BENCH_COMMIT"]
+    git = lambda *a: subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True,
+                                    check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--",
+                    ":(top,exclude)benchmarks/RESULTS.md", ":(top,exclude)benchmarks/results")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("-dirty" if dirty else "")
+
+
 def write_results(op: str, rows: list[dict[str, Any]], table_md: str, command: str) -> None:
-    """Write benchmarks/results/<op>.json and replace <op>'s section of RESULTS.md."""
+    """Write benchmarks/results/<op>.json and replace <op>'s section of RESULTS.md
+    (between its begin/end markers; the section names date, machine, commit
+    and command)."""
     command = command.strip()
     RESULTS_DIR.mkdir(exist_ok=True)
     date = datetime.date.today().isoformat()
     info = machine()
+    code = commit()
     for r in rows:
         r.setdefault("op", op)
-        r.update(date=date, **info)
+        r.update(date=date, commit=code, **info)
     (RESULTS_DIR / f"{op}.json").write_text(json.dumps(rows, indent=1) + "\n")
     section = (f"<!-- {op}:begin -->\n## {op}\n\n{date}, {info['gpu_count']} x {info['gpu_model']}, "
-               f"jax {info['jax']}. Command: `{command}`\n\n{table_md}\n<!-- {op}:end -->")
+               f"jax {info['jax']}, commit {code or 'not recorded'}. Command: `{command}`\n\n"
+               f"{table_md}\n<!-- {op}:end -->")
     text = RESULTS_MD.read_text() if RESULTS_MD.exists() else "# Benchmark results\n"
     begin, end = f"<!-- {op}:begin -->", f"<!-- {op}:end -->"
     if begin in text and end in text:

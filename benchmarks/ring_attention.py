@@ -8,15 +8,12 @@ Implementations, bf16, global sequence S split over n = device count:
     row suffix ld_stC). Non-causal: layout "contiguous"; causal: layout
     "zigzag" (inputs reordered with `pk_jax.zigzag_shard` before sharding) and
     "contiguous".
-  * cudnn_ring: the Transformer Engine approach. A ppermute ring inside
-    shard_map; each step runs cuDNN flash attention on the visiting K/V block
-    and merges with the log-sum-exp. Causal zigzag follows TE's recipe (step
-    0: the local block causal; later steps: a block from an earlier rank is
-    seen by all our queries through its first half only, a block from a later
-    rank only by our second half, both without mask); causal contiguous skips
-    the blocks of later ranks. Its backward (`--backward`) is a custom VJP: a
+  * cudnn_ring: the Transformer Engine approach (baselines/cudnn_ring.py,
+    whose docstring has the recipe): a ppermute ring inside shard_map
+    running cuDNN flash attention on each visiting K/V block, merged with the
+    log-sum-exp; causal zigzag and contiguous; its backward (`--backward`) a
     second ring of cuDNN backward calls fed the global output and
-    log-sum-exp, dK/dV travelling with their block and sent home at the end.
+    log-sum-exp.
   * einsum_ring: a ppermute ring with plain einsum + fp32 softmax, i.e.
     `pk_jax.ring_attention(..., mechanism="xla")` (forward only, up to
     `--einsum-max-seq`: it materializes S_local^2 scores per head).
@@ -26,8 +23,8 @@ Implementations, bf16, global sequence S split over n = device count:
   * world size 1: pk on a 1-GPU mesh against one-GPU cuDNN (`--ws1-seq`).
 
 Per-GPU TFLOP/s: non-causal forward 4*B*(S/n)*S*Hq*D; causal counts only
-the unmasked half; forward+backward counts 3.5x the forward (backward as 2.5x,
-as in ../shared/notes/baselines-h200.md).
+the unmasked half; forward+backward counts 3.5x the forward (the backward as
+2.5x, the convention the cuDNN baselines on these machines were measured with).
 
 Correctness guard before any timing: every output is checked on sampled query
 rows against an fp32 reference of the whole sequence, and pk's output against
@@ -36,13 +33,9 @@ gradients of a weighted sum of the output are checked against one-GPU
 attention on the whole sequence. An implementation outside bf16 tolerance is
 marked FAILED and not timed: the speed of a wrong answer is not reported.
 
-cuDNN block attention: the log-sum-exp comes from jax's cuDNN wrapper with
-return_residual=True (fp32 from `jax._src.cudnn.fused_attention_stablehlo`
-where available; the public `jax.nn.dot_product_attention` rounds it to the
-input dtype). The backward ring binds jax's cuDNN backward primitive with
-the global statistics; its operand list is read from the installed jax and
-checked at start-up on a small case against an fp32 einsum (a mismatch skips
-the cuDNN rows with the reason). Without CUDA GPUs the cuDNN and ideal rows
+cuDNN blocks are probed at start-up on small cases against an fp32 einsum
+(baselines/cudnn_ring.py): a mismatch skips the cuDNN rows, or only the
+backward ring, with the reason. Without CUDA GPUs the cuDNN and ideal rows
 are skipped with a printed reason; `--emulate-cudnn` puts fp32 einsum blocks
 in cuDNN's place to check the ring logic on CPU.
 
@@ -57,41 +50,35 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import inspect
 import math
 import os
 import sys
 import time
 import traceback
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax.ops.ring_attention_primitive import region_bytes
+from baselines.cudnn_ring import (F32, HI, NEG, TOL_GRAD_L2, TOL_L2, Blocks, RingSpec,
+                                  Unavailable, cudnn_blocks, cudnn_ring, einsum_blocks,
+                                  first_line, grouped_scores)
 from common import markdown_table, one_axis_mesh, time_ms, write_results
 
 AXIS = "sp"
 SEQ = P(None, AXIS)
-NEG = -1e30  # log-sum-exp of an empty block: merges as weight 0, never NaN
-F32 = jnp.float32
-HI = lax.Precision.HIGHEST  # fp32 references: no TF32 on GPUs
-# bf16 tolerances: relative L2 error of the whole compared tensor, and the
-# worst single row (token) relative error. bf16 rounding alone gives ~0.3%.
-TOL_L2, TOL_ROW = 2e-2, 5e-2
-TOL_GRAD_L2, TOL_GRAD_ROW = 3e-2, 1e-1
+# bf16 tolerances: relative L2 error of the whole compared tensor (TOL_L2,
+# TOL_GRAD_L2, shared with the cuDNN probe), and the worst single row (token)
+# relative error. bf16 rounding alone gives ~0.3%.
+TOL_ROW, TOL_GRAD_ROW = 5e-2, 1e-1
 BWD_FLOP_FACTOR = 3.5  # forward + backward, backward counted as 2.5x forward
 
 HEADER = ["n", "S", "mask", "pass", "impl", "ms", "TFLOP/s/GPU", "of ideal", "vs cuDNN ring"]
-
-
-class Unavailable(Exception):
-    """A baseline cannot run here; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,323 +96,7 @@ class Dims:
         return 1.0 / math.sqrt(self.head_dim)
 
 
-# ---- block attention: fp32 einsum (CPU checks) and cuDNN ------------------------
-class Blocks(NamedTuple):
-    """One attention block and its backward with given global statistics.
-
-    fwd(q, k, v, causal, scale) -> (out [B,T,Hq,D] in q's dtype, lse [B,Hq,T] f32)
-    bwd(q, k, v, out, lse, dout, causal, scale) -> (dq, dk, dv) in input dtypes,
-        the block's share of the gradient when `out` / `lse` are the final
-        (all-block) output and log-sum-exp of these query rows; None when
-        unavailable (then `bwd_note` says why).
-    whole(q, k, v, causal, scale) -> out: differentiable attention on one device
-        (the ideal and the gradient reference).
-    """
-
-    name: str
-    fwd: Callable
-    bwd: Callable | None
-    whole: Callable
-    note: str
-    bwd_note: str = ""
-
-
-def _grouped_scores(q, k, causal: bool, scale: float):
-    """fp32 scores [B, Hkv, G, T, S] (query head h uses kv head h // G) and
-    the causal mask (top-left aligned) or None."""
-    b, t, hq, d = q.shape
-    hk = k.shape[2]
-    q5 = q.astype(F32).reshape(b, t, hk, hq // hk, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", q5, k.astype(F32), precision=HI) * scale
-    mask = (jnp.arange(t)[:, None] >= jnp.arange(k.shape[1])[None, :]) if causal else None
-    return q5, s, mask
-
-
-def einsum_fwd(q, k, v, causal: bool, scale: float):
-    """Reference block attention in fp32 (same contract as cuDNN's)."""
-    b, t, hq, d = q.shape
-    _, s, mask = _grouped_scores(q, k, causal, scale)
-    if mask is not None:
-        s = jnp.where(mask, s, NEG)
-    lse = jax.nn.logsumexp(s, axis=-1)
-    p = jnp.exp(s - lse[..., None])
-    o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(F32), precision=HI).reshape(b, t, hq, d)
-    return o.astype(q.dtype), lse.reshape(b, hq, t)
-
-
-def einsum_bwd(q, k, v, out, lse, dout, causal: bool, scale: float):
-    """Block backward in fp32 with the given (global) output and log-sum-exp."""
-    b, t, hq, d = q.shape
-    hk = k.shape[2]
-    q5, s, mask = _grouped_scores(q, k, causal, scale)
-    p = jnp.exp(s - lse.reshape(b, hk, hq // hk, t)[..., None])
-    if mask is not None:
-        p = jnp.where(mask, p, 0.0)
-    do5 = dout.astype(F32).reshape(q5.shape)
-    delta = jnp.einsum("btkgd,btkgd->bkgt", do5, out.astype(F32).reshape(q5.shape),
-                       precision=HI)
-    dv = jnp.einsum("bkgts,btkgd->bskd", p, do5, precision=HI)
-    ds = p * (jnp.einsum("btkgd,bskd->bkgts", do5, v.astype(F32), precision=HI) - delta[..., None])
-    dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(F32), precision=HI).reshape(q.shape) * scale
-    dk = jnp.einsum("bkgts,btkgd->bskd", ds, q5, precision=HI) * scale
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-def einsum_blocks() -> Blocks:
-    """fp32 einsum blocks standing in for cuDNN (`--emulate-cudnn`)."""
-    whole = lambda q, k, v, causal, scale: jax.nn.dot_product_attention(
-        q, k, v, scale=scale, is_causal=causal, implementation="xla")
-    return Blocks("einsum (emulating cuDNN)", einsum_fwd, einsum_bwd, whole,
-                  "fp32 einsum blocks in place of cuDNN")
-
-
-def cudnn_blocks() -> Blocks:
-    """cuDNN flash attention blocks; raises Unavailable with the reason."""
-    devs = jax.devices()
-    if devs[0].platform != "gpu":
-        raise Unavailable(f"no CUDA GPU (platform {devs[0].platform}): cuDNN attention needs one")
-    notes = []
-
-    def whole(q, k, v, causal, scale):
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
-                                            implementation="cudnn")
-
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo as fa
-    except ImportError:
-        fa = None
-    if fa is not None and "return_residual" in inspect.signature(fa.dot_product_attention).parameters:
-        def fwd(q, k, v, causal, scale):
-            mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-            out, stats = fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask,
-                                                  qkv_layout="BTNH", return_residual=True)
-            return out, stats.astype(F32)  # [B, Hq, T], fp32 already
-        notes.append("lse: fp32 from jax._src.cudnn (return_residual)")
-    elif "return_residual" in inspect.signature(jax.nn.dot_product_attention).parameters:
-        def fwd(q, k, v, causal, scale):
-            out, res = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
-                                                    implementation="cudnn", return_residual=True)
-            return out, jnp.swapaxes(res, 1, 2).astype(F32)  # [B, T, H] -> [B, H, T]
-        notes.append("lse: jax.nn return_residual (rounded to the input dtype)")
-    else:
-        def fwd(q, k, v, causal, scale):
-            out = whole(q, k, v, causal, scale)
-            _, s, mask = _grouped_scores(q, k, causal, scale)
-            lse = jax.nn.logsumexp(jnp.where(mask, s, NEG) if causal else s, axis=-1)
-            return out, lse.reshape(q.shape[0], q.shape[2], q.shape[1])
-        notes.append("lse: this jax has no return_residual; computed by an fp32 einsum "
-                     "(correct, but slows the cuDNN ring)")
-    bwd, bwd_note = None, ""
-    try:
-        bwd = _cudnn_bwd(fa)
-    except Unavailable as e:
-        bwd_note = str(e)
-    blocks = Blocks("cudnn", fwd, bwd, whole, "; ".join(notes), bwd_note)
-    return _probe(blocks)
-
-
-# Operands of jax's cuDNN backward primitive that the ring leaves empty.
-_UNUSED_OPERANDS = {"bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
-                    "page_table_v"}
-
-
-def _cudnn_bwd(fa) -> Callable:
-    """cuDNN flash-attention backward fed given statistics (what a ring's
-    backward needs: jax's custom VJP would use the block's own). The operand
-    and attribute names are read from the installed jax; unknown ones raise."""
-    if fa is None or not hasattr(fa, "_dot_product_attention_bwd_p_wrapper"):
-        raise Unavailable("jax has no cuDNN backward primitive to bind")
-    names = list(inspect.signature(fa._dot_product_attention_bwd_impl).parameters)
-    if "scale" not in names:
-        raise Unavailable(f"unknown cuDNN backward signature {names}")
-    operands, attrs = names[:names.index("scale")], names[names.index("scale"):]
-    unknown = set(operands) - _UNUSED_OPERANDS - {"query", "key", "value", "activation",
-                                                  "fwd_output", "grad_output"}
-    known_attrs = {"scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
-                   "sliding_window_length"}
-    if unknown or set(attrs) - known_attrs:
-        raise Unavailable(f"unknown cuDNN backward operands/attributes "
-                          f"{sorted(unknown | (set(attrs) - known_attrs))}")
-
-    def bwd(q, k, v, out, lse, dout, causal, scale):
-        empty = jnp.zeros(0, q.dtype)
-        given = {"query": q, "key": k, "value": v, "activation": lse.astype(F32),
-                 "fwd_output": out.astype(q.dtype), "grad_output": dout.astype(q.dtype)}
-        values = dict(scale=float(scale), seed=42, dropout_rate=0.0, variadic_args=(False, False),
-                      mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK,
-                      layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
-        grads = fa._dot_product_attention_bwd_p_wrapper.bind(
-            *(given.get(nm, empty) for nm in operands), **{a: values[a] for a in attrs})
-        return grads[0], grads[1], grads[2]
-    return bwd
-
-
-def _probe(blocks: Blocks) -> Blocks:
-    """Check the cuDNN blocks against fp32 einsum on small cases (GQA, T != S,
-    causal) on one GPU; raise Unavailable, or drop the backward, on mismatch."""
-    key = jax.random.split(jax.random.key(0), 4)
-    dev = jax.devices()[0]
-    bwd, bwd_note = blocks.bwd, blocks.bwd_note
-    for causal, t, s in ((False, 128, 256), (True, 256, 256)):
-        q = jax.device_put(jax.random.normal(key[0], (2, t, 4, 128), jnp.bfloat16), dev)
-        k, v = (jax.device_put(jax.random.normal(kk, (2, s, 2, 128), jnp.bfloat16), dev)
-                for kk in key[1:3])
-        do = jax.device_put(jax.random.normal(key[3], q.shape, jnp.bfloat16), dev)
-        scale = 128 ** -0.5
-        try:
-            out, lse = jax.jit(blocks.fwd, static_argnums=(3, 4))(q, k, v, causal, scale)
-        except Exception as e:  # noqa: BLE001 - any failure means: no cuDNN here
-            raise Unavailable(f"cuDNN block attention failed: {_first_line(e)}") from e
-        ref_out, ref_lse = einsum_fwd(q, k, v, causal, scale)
-        l2, _ = _errors(out, ref_out)
-        lse_err = float(jnp.max(jnp.abs(lse - ref_lse)))
-        if not (l2 <= TOL_L2 and lse_err <= 0.05):
-            raise Unavailable(f"cuDNN block attention disagrees with fp32 einsum (causal={causal}, "
-                              f"T={t}, S={s}): output rel err {l2:.3g}, lse max err {lse_err:.3g}")
-        if bwd is None:
-            continue
-        try:
-            got = jax.jit(bwd, static_argnums=(6, 7))(q, k, v, ref_out, ref_lse, do, causal, scale)
-        except Exception as e:  # noqa: BLE001
-            bwd, bwd_note = None, f"cuDNN backward with given statistics failed: {_first_line(e)}"
-            continue
-        want = einsum_bwd(q, k, v, ref_out, ref_lse, do, causal, scale)
-        errs = [_errors(a, b)[0] for a, b in zip(got, want)]
-        if not max(errs) <= TOL_GRAD_L2:
-            bwd, bwd_note = None, (f"cuDNN backward with given statistics disagrees with fp32 "
-                                   f"einsum (causal={causal}): dq/dk/dv rel err {errs}")
-    return blocks._replace(bwd=bwd, bwd_note=bwd_note)
-
-
-# ---- the cuDNN ring (Transformer Engine style) ---------------------------------
-def _lse_to_bthd(lse):
-    """[B, H, T] -> [B, T, H, 1], to weight outputs [B, T, H, D]."""
-    return jnp.transpose(lse, (0, 2, 1))[..., None]
-
-
-def _merge(state, out, lse):
-    """Merge one block's (output, lse) into the running (fp32 output, lse)."""
-    acc, m = state
-    new = jnp.logaddexp(m, lse)
-    acc = acc * jnp.exp(_lse_to_bthd(m - new)) + out.astype(F32) * jnp.exp(_lse_to_bthd(lse - new))
-    return acc, new
-
-
-def _merge_second_half(state, out, lse, c):
-    """Merge a block that only the second half of our queries (rows c:) sees."""
-    acc, m = state
-    a2, m2 = _merge((acc[:, c:], m[..., c:]), out, lse)
-    return acc.at[:, c:].set(a2), m.at[..., c:].set(m2)
-
-
-@dataclasses.dataclass(frozen=True)
-class RingSpec:
-    """Static description of one ring."""
-
-    n: int
-    causal: bool
-    layout: str  # "contiguous" | "zigzag"
-    scale: float
-
-
-def _ring_forward(q, k, v, spec: RingSpec, blocks: Blocks):
-    """Forward ring of cuDNN blocks; returns (out in q's dtype, lse [B,H,T] f32)."""
-    n, fwd = spec.n, blocks.fwd
-    rank = lax.axis_index(AXIS)
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    c = q.shape[1] // 2
-    out, lse = fwd(q, k, v, spec.causal, spec.scale)  # step 0: our own block
-    state = (out.astype(F32), lse)
-    kb, vb = k, v
-    for step in range(1, n):
-        kb, vb = lax.ppermute(kb, AXIS, perm), lax.ppermute(vb, AXIS, perm)
-        src = (rank - step) % n  # the rank whose block is visiting
-        if not spec.causal:
-            state = _merge(state, *fwd(q, kb, vb, False, spec.scale))
-        elif spec.layout == "contiguous":  # earlier ranks: all visible; later: all masked
-            state = lax.cond(src < rank,
-                             lambda st, kb=kb, vb=vb: _merge(st, *fwd(q, kb, vb, False, spec.scale)),
-                             lambda st: st, state)
-        else:  # zigzag: ours = chunks (rank, 2n-1-rank), visiting = (src, 2n-1-src)
-            state = lax.cond(
-                src < rank,
-                # all our queries see the visiting first chunk, none its second
-                lambda st, kb=kb, vb=vb: _merge(st, *fwd(q, kb[:, :c], vb[:, :c], False,
-                                                         spec.scale)),
-                # only our second chunk sees the visitor, both of its chunks
-                lambda st, kb=kb, vb=vb: _merge_second_half(
-                    st, *fwd(q[:, c:], kb, vb, False, spec.scale), c),
-                state)
-    acc, m = state
-    return acc.astype(q.dtype), m
-
-
-def _ring_backward(q, k, v, out, lse, dout, spec: RingSpec, blocks: Blocks):
-    """Backward ring: dQ stays local; dK/dV (fp32) travel with their K/V
-    block and go home after the last step."""
-    n, bwd = spec.n, blocks.bwd
-    rank = lax.axis_index(AXIS)
-    perm = [(i, (i + 1) % n) for i in range(n)]
-    c = q.shape[1] // 2
-    add = lambda acc, g: acc + g.astype(F32)
-    dq, dk, dv = (g.astype(F32) for g in bwd(q, k, v, out, lse, dout, spec.causal, spec.scale))
-    kb, vb = k, v
-    for step in range(1, n):
-        kb, vb, dk, dv = (lax.ppermute(x, AXIS, perm) for x in (kb, vb, dk, dv))
-        src = (rank - step) % n
-        if not spec.causal:
-            g = bwd(q, kb, vb, out, lse, dout, False, spec.scale)
-            dq, dk, dv = add(dq, g[0]), add(dk, g[1]), add(dv, g[2])
-            continue
-
-        def earlier(acc, kb=kb, vb=vb):
-            dq, dk, dv = acc
-            if spec.layout == "contiguous":
-                g = bwd(q, kb, vb, out, lse, dout, False, spec.scale)
-                return add(dq, g[0]), add(dk, g[1]), add(dv, g[2])
-            g = bwd(q, kb[:, :c], vb[:, :c], out, lse, dout, False, spec.scale)
-            return add(dq, g[0]), dk.at[:, :c].add(g[1].astype(F32)), \
-                dv.at[:, :c].add(g[2].astype(F32))
-
-        def later(acc, kb=kb, vb=vb):
-            if spec.layout == "contiguous":
-                return acc
-            dq, dk, dv = acc
-            g = bwd(q[:, c:], kb, vb, out[:, c:], lse[..., c:], dout[:, c:], False, spec.scale)
-            return dq.at[:, c:].add(g[0].astype(F32)), add(dk, g[1]), add(dv, g[2])
-
-        dq, dk, dv = lax.cond(src < rank, earlier, later, (dq, dk, dv))
-    if n > 1:
-        dk, dv = lax.ppermute(dk, AXIS, perm), lax.ppermute(dv, AXIS, perm)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-def cudnn_ring(spec: RingSpec, blocks: Blocks) -> Callable:
-    """Per-device ring attention (call inside shard_map) with a custom VJP."""
-
-    @jax.custom_vjp
-    def ring(q, k, v):
-        return _ring_forward(q, k, v, spec, blocks)[0]
-
-    def ring_fwd(q, k, v):
-        out, lse = _ring_forward(q, k, v, spec, blocks)
-        return out, (q, k, v, out, lse)
-
-    def ring_bwd(res, dout):
-        if blocks.bwd is None:
-            raise Unavailable(blocks.bwd_note)
-        return _ring_backward(*res, dout, spec, blocks)
-
-    ring.defvjp(ring_fwd, ring_bwd)
-    return ring
-
-
 # ---- helpers -------------------------------------------------------------------
-def _first_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
-
-
 @jax.jit
 def _errors_jit(a, b):
     a, b = a.astype(F32), b.astype(F32)
@@ -476,7 +147,7 @@ def _reference_rows(q, k, v, rows, causal: bool, scale: float):
     """fp32 attention of the natural-order query rows `rows` against the whole
     sequence: [B, R, Hq, D]."""
     qr = jnp.take(q, rows, axis=1)
-    _, s, _ = _grouped_scores(qr, k, False, scale)
+    _, s, _ = grouped_scores(qr, k, False, scale)
     if causal:
         s = jnp.where(rows[:, None] >= jnp.arange(k.shape[1])[None, :], s, NEG)
     p = jax.nn.softmax(s, axis=-1)
@@ -518,7 +189,7 @@ class Group:
         try:
             self.times[name] = _timed(fn) / divide
         except Exception as e:  # noqa: BLE001 - report and go on with the other rows
-            self.fail(name, "error", _first_line(e))
+            self.fail(name, "error", first_line(e))
 
     def rows(self) -> list[dict[str, Any]]:
         """Result rows (JSON) with ratios against this group's baselines."""
@@ -608,21 +279,12 @@ class Bench:
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
     def pk(self, mesh, causal: bool, layout: str, mechanism: str) -> Callable:
-        """`mechanism` is "<mechanism>[:C][/<piece order>]": C communicator CTAs
-        (ld_st), a `pk_jax.configure(ring_piece_order=...)` for this row."""
-        mechanism, _, order = mechanism.partition("/")
+        """`mechanism` is "<mechanism>[:C]": C communicator CTAs (ld_st)."""
         mechanism, _, ctas = mechanism.partition(":")
         kw = dict(num_comm_ctas=int(ctas)) if ctas else {}
-        f = self.sharded(mesh, lambda q, k, v: pk_jax.ring_attention(
+        return self.sharded(mesh, lambda q, k, v: pk_jax.ring_attention(
             q, k, v, AXIS, causal=causal, scale=self.dims.scale, layout=layout,
             mechanism=mechanism, **kw))
-        if not order:
-            return f
-
-        def in_order(*args):  # the order is read when f is traced (its first call)
-            with pk_jax.configured(ring_piece_order=order):
-                return f(*args)
-        return in_order
 
     def pk_rows(self, n: int, layout: str) -> list[tuple[str, str]]:
         """(row name, mechanism) of the pk rows: one row named pk_<layout>
@@ -631,11 +293,11 @@ class Bench:
         base = f"pk_{layout}" if n > 1 else "pk"
         if not self.args.mechanisms:
             return [(base, self.args.mechanism)]
-        return [(f"{base}_{m.replace(':', '').replace('/', '_')}", m)
+        return [(f"{base}_{m.replace(':', '')}", m)
                 for m in self.args.mechanisms.split(",")]
 
     def ring(self, mesh, causal: bool, layout: str) -> Callable:
-        spec = RingSpec(mesh.size, causal, layout, self.dims.scale)
+        spec = RingSpec(mesh.size, causal, layout, self.dims.scale, AXIS)
         return self.sharded(mesh, cudnn_ring(spec, self.blocks), check_vma=False)
 
     def one_gpu(self, causal: bool, reference: bool = False) -> Callable:
@@ -677,7 +339,7 @@ class Bench:
             try:
                 _, ref_grads = self.one_gpu(causal, reference=True)(*whole1)
             except Exception as e:  # noqa: BLE001
-                print(f"-- gradient reference failed ({_first_line(e)}); only pk against the "
+                print(f"-- gradient reference failed ({first_line(e)}); only pk against the "
                       f"cuDNN ring is compared", flush=True)
 
         # candidates: name -> (layout, compiled fn, its inputs)
@@ -712,7 +374,7 @@ class Bench:
             try:
                 results[name] = jax.block_until_ready(fn(*ins))
             except Exception as e:  # noqa: BLE001
-                g.fail(name, "error", _first_line(e))
+                g.fail(name, "error", first_line(e))
                 if args.verbose:
                     traceback.print_exc()
                 continue
@@ -784,9 +446,8 @@ def main() -> int:
     ap.add_argument("--mechanism", default="auto", help="pk_jax.ring_attention mechanism")
     ap.add_argument("--mechanisms", default="",
                     help="time several pk mechanisms, comma-separated, each "
-                    "<mechanism>[:C][/<ring_piece_order>] (e.g. copy_engine,copy_engine/heads,"
-                    "ld_st,ld_st:8; ld_st:C forces C communicator CTAs); rows "
-                    "pk_<layout>_<mechanism>; overrides --mechanism")
+                    "<mechanism>[:C] (e.g. copy_engine,ld_st,ld_st:8; ld_st:C forces C "
+                    "communicator CTAs); rows pk_<layout>_<mechanism>; overrides --mechanism")
     ap.add_argument("--backward", action="store_true",
                     help="time value_and_grad of a weighted sum of the output instead")
     ap.add_argument("--masks", default="none,causal", help="subset of none,causal")

@@ -20,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from common import bench_setup, markdown_table, one_axis_mesh, time_ms, write_results
 
-# Global M x K x N, as in ../shared/notes/baselines-h200.md.
+# Global M x K x N: the shapes XLA's collective matmuls were first measured at on
+# 2 x H200 (a square pair, then an MLP layer's: hidden 8192, ffn 28672).
 AG_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 28672)]
 RS_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 28672, 8192)]
 
@@ -48,9 +49,6 @@ def rs_impls(mesh):
     return {
         "pk": jax.jit(jax.shard_map(lambda x, w: pk_jax.matmul_reduce_scatter(x, w, "x"),
                                     **specs)),
-        # the one-launch kernel with the scattering epilogue (auto: chunked)
-        "pk_fused": jax.jit(jax.shard_map(
-            lambda x, w: pk_jax.matmul_reduce_scatter(x, w, "x", mechanism="fused"), **specs)),
         "xla": jax.jit(jax.shard_map(
             lambda x, w: lax.psum_scatter(x @ w, "x", scatter_dimension=0, tiled=True),
             **specs)),
@@ -89,7 +87,9 @@ def main() -> int:
     n = len(devices)
     rows, table = [], []
     # Every (op, shape, mechanism) keeps its own staging region for the
-    # process's life: this sweep's sum (~1.7 GiB on 2 GPUs) exceeds the default.
+    # process's life (pk_jax/runtime.py): by the region sizes of
+    # pk_jax/ops/tp_matmul_primitives.py this sweep's add up to ~0.8 GiB
+    # whatever the GPU count, close to the default 1 GiB.
     pk_jax.configure(workspace_bytes=3 << 30)
 
     def record(op, shape, times, flops, gpus=n):

@@ -8,7 +8,7 @@
 #          pass a file and -k to fit a call), one line per test in $OUT/pytest.log
 #   bwd    ring attention's end-to-end backward GPU tests, then fwd+bwd rows
 #   bench  all_gather and tp_matmul benchmarks
-#   ring   ring attention forward (16k-64k), copy_engine, heads order and ld_st
+#   ring   ring attention forward (16k-64k), mechanisms copy_engine and ld_st
 #   flax   the Flax example's step time (GPU preset), pk against xla
 #   gemm   (not in the default list) the GEMM's tile configurations and swizzles
 #          on one GPU against XLA's dot, ~3-4 min (tools/gemm_sweep.sh)
@@ -77,7 +77,7 @@ fi
 if stage ring; then
   echo "== ring attention (pk against the cuDNN ring, the einsum ring and the one-GPU ideal)"
   (cd benchmarks && timeout 330 python3 ring_attention.py --seqs 16384,32768,65536 \
-    --mechanisms copy_engine,copy_engine/heads,ld_st) 2>&1 \
+    --mechanisms copy_engine,ld_st) 2>&1 \
     | tee "$OUT/ring_attention.log" | grep -E "^(!!!!|--|total)" | tail -12
 fi
 
