@@ -45,11 +45,3 @@ def test_no_multi_dimensional_copies_in_handler_code():
                 offenders.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
 
-
-def test_fused_tile_agrees_with_the_kernel_header():
-    """Python sizes the fused reduce-scatter's flag region and checks its
-    shapes with FUSED_TILE; the kernel's tile is kFusedTileM/N."""
-    from pk_jax.ops.tp_matmul_primitives import FUSED_TILE
-    header = (ROOT / "csrc/kernels/tp_matmul/tp_matmul.h").read_text()
-    found = tuple(int(re.search(rf"kFusedTile{a} = (\d+);", header).group(1)) for a in "MN")
-    assert found == FUSED_TILE

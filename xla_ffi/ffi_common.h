@@ -1,6 +1,7 @@
 // Shared pieces of every pk_jax FFI handler: CUDA error conversion, finding
 // this device's rank and peers from the static group table, pending errors,
-// and the group setup every collective handler starts with (GroupContext).
+// and the channel setup every collective handler starts with (the `channel`
+// attribute, ChannelAttrs, checked into a GroupContext).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,14 +27,6 @@ inline ffi::Error cuda_error(const char* op, const char* what, cudaError_t e) {
 // "pk_jax.<op>: <what>" as an InvalidArgument error.
 inline ffi::Error invalid_argument(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string("pk_jax.") + op + ": " + what);
-}
-
-// A staged op's data region (`needed` bytes) must fit in the `available` bytes
-// of the workspace data area after its offset (sized at lowering: runtime.py).
-inline ffi::Error check_region_fits(const char* op, size_t needed, size_t available) {
-  if (needed <= available) return ffi::Error::Success();
-  return invalid_argument(op, "the channel's region does not fit the workspace; raise "
-                              "pk_jax.configure(workspace_bytes=...)");
 }
 
 // The CUTLASS kernels (GEMMs, attention) were left out of this build.
@@ -101,37 +94,78 @@ inline WaitContext wait_context(const runtime::DeviceState& d, int32_t op, int r
   return w;
 }
 
-// This device's part in one call of a collective op: its group, every
-// member's workspace, and where its failed waits are reported.
+// The `channel` attribute every collective handler takes (a dictionary,
+// pk_jax/ops/_lowering.py: channel_attrs), set at lowering.
+struct ChannelAttrs {
+  ffi::Span<const int64_t> group_ids;  // device ids of every group of the axis, group after group
+  int64_t group_size;                  // ranks per group
+  int64_t slot;                        // channel index in the workspace flags
+  int64_t data_offset;                 // the channel's region in the data area
+  int64_t data_bytes;                  // bytes reserved for it (0: stages nothing)
+  int64_t timeout_ns;                  // bound of every wait
+  int32_t skip_post_rank;              // testing: this rank never posts; -1 normally
+};
+
+// This device's part in one call of a collective op.
 struct GroupContext {
   Group group;                       // rank, size, this device and the members
   char* workspaces[kMaxRanks] = {};  // member q's workspace base (peer mapped)
-  WaitContext wait{};                // for the op id and timeout given
-
-  // The flags of channel `slot` on every member; check the slot first.
-  Channel channel(int slot) const {
-    return make_channel(workspaces, group.n, group.rank, slot, wait);
-  }
+  char* regions[kMaxRanks] = {};     // member q's channel region (data area + data_offset)
+  Channel channel{};                 // the channel's flags on every member, wait context
+  int slot = 0;
+  bool skip_post = false;            // this rank is skip_post_rank
 };
 
-// The common start of every handler that talks to its group: finds this
-// device's rank and peers in the static group table (resolve_group), refuses
-// to run while a kernel on this device has an error recorded (pending_error),
-// and fills `ctx` (`op` names the op in messages, `op_id` in error records).
-// Still the caller's: checking its slot (0 <= slot < kMaxSlots) and data
-// region (data_offset, region size) with its own messages before
-// ctx->channel(slot) or using the workspaces; buffers, dtypes and shapes;
-// skip_post (skip_post_rank == ctx->group.rank); streams and launch.
+// The common start of every collective handler: finds this device's rank and
+// peers in the group table, refuses to run while a kernel on this device has
+// an error recorded, checks the slot and the channel's region (inside the
+// workspace data area, and `needed` bytes of this call within the
+// `data_bytes` reserved at lowering), and fills `ctx`. `op` names the op in
+// messages, `op_id` in error records. `needed` may be computed from
+// c.group_size before this call: it is looked at only once the group is valid.
 inline ffi::Error make_group_context(const char* op, int32_t op_id, int32_t ordinal,
-                                     ffi::Span<const int64_t> group_ids, int64_t group_size,
-                                     int64_t timeout_ns, GroupContext* ctx) {
+                                     const ChannelAttrs& c, size_t needed, GroupContext* ctx) {
   Group& g = ctx->group;
-  if (ffi::Error e = resolve_group(op, group_ids, group_size, ordinal, &g); e.failure())
+  if (ffi::Error e = resolve_group(op, c.group_ids, c.group_size, ordinal, &g); e.failure())
     return e;
   if (ffi::Error e = pending_error(*g.self); e.failure()) return e;
-  for (int q = 0; q < g.n; ++q) ctx->workspaces[q] = g.members[q]->workspace;
-  ctx->wait = wait_context(*g.self, op_id, g.rank, timeout_ns);
+  if (c.slot < 0 || c.slot >= kMaxSlots)
+    return invalid_argument(op, "channel slot " + std::to_string(c.slot) + " is outside [0, " +
+                                    std::to_string(kMaxSlots) + "): the pk_jax package and its "
+                                    "native extension do not match; reinstall pk_jax");
+  if (c.timeout_ns <= 0)
+    return invalid_argument(op, "timeout_ns must be positive, got " + std::to_string(c.timeout_ns));
+  const uint64_t area = runtime::Runtime::get().data_bytes();
+  if (c.data_offset < 0 || c.data_bytes < 0 || uint64_t(c.data_offset) > area ||
+      uint64_t(c.data_bytes) > area - uint64_t(c.data_offset))
+    return invalid_argument(
+        op, "the channel's region (" + std::to_string(c.data_bytes) + " bytes at offset " +
+                std::to_string(c.data_offset) + ") does not fit the workspace data area of " +
+                std::to_string(area) + " bytes; raise pk_jax.configure(workspace_bytes=...) or "
+                "PK_JAX_WORKSPACE_BYTES before the first pk_jax op");
+  if (needed > uint64_t(c.data_bytes))
+    return invalid_argument(
+        op, "this call stages " + std::to_string(needed) + " bytes but its channel region has " +
+                std::to_string(c.data_bytes) + ": the lowering sized it for other shapes (the "
+                "pk_jax package and its native extension do not match; reinstall pk_jax)");
+  for (int q = 0; q < g.n; ++q) {
+    ctx->workspaces[q] = g.members[q]->workspace;
+    ctx->regions[q] = ctx->workspaces[q] + kDataOffset + c.data_offset;
+  }
+  ctx->slot = int(c.slot);
+  ctx->channel = make_channel(ctx->workspaces, g.n, g.rank, ctx->slot,
+                              wait_context(*g.self, op_id, g.rank, c.timeout_ns));
+  ctx->skip_post = c.skip_post_rank == g.rank;
   return ffi::Error::Success();
 }
 
 }  // namespace pk::ffi_common
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(pk::ffi_common::ChannelAttrs,
+                                      ::xla::ffi::StructMember<::xla::ffi::Span<const int64_t>>("group_ids"),
+                                      ::xla::ffi::StructMember<int64_t>("group_size"),
+                                      ::xla::ffi::StructMember<int64_t>("slot"),
+                                      ::xla::ffi::StructMember<int64_t>("data_offset"),
+                                      ::xla::ffi::StructMember<int64_t>("data_bytes"),
+                                      ::xla::ffi::StructMember<int64_t>("timeout_ns"),
+                                      ::xla::ffi::StructMember<int32_t>("skip_post_rank"));

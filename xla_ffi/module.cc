@@ -6,8 +6,12 @@
 
 #include <stdexcept>
 
+#include "kernels/all_gather/all_gather.h"
+#include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/ring_attention/ring_attention.h"
+#include "kernels/tp_matmul/tp_matmul.h"
+#include "pk/signals.h"
 #include "runtime/workspace.h"
 #include "xla_ffi/handlers.h"
 
@@ -22,6 +26,16 @@ nb::capsule as_capsule(T* fn) {
 
 void raise_if(const std::string& err) {
   if (!err.empty()) throw std::runtime_error(err);
+}
+
+// Every kernel the extension launches, loaded on each device at init.
+const std::vector<pk::runtime::KernelLoader>& kernel_loaders() {
+  static const std::vector<pk::runtime::KernelLoader> loaders = {
+      pk::signals::load_kernels,        pk::all_gather::load_kernels,
+      pk::gemm::load_kernels,           pk::tp_matmul::load_kernels,
+      pk::ring_attention::load_kernels, pk::attention_bwd::load_kernels,
+  };
+  return loaders;
 }
 
 }  // namespace
@@ -41,10 +55,11 @@ NB_MODULE(_pk_jax_ext, m) {
 
   m.def("init_runtime",
         [](const std::vector<std::pair<int64_t, int>>& devices, size_t data_bytes) {
-          raise_if(pk::runtime::Runtime::get().init(devices, data_bytes));
+          raise_if(pk::runtime::Runtime::get().init(devices, data_bytes, kernel_loaders()));
         },
         nb::arg("devices"), nb::arg("data_bytes"),
-        "Allocate and peer-map the workspace of every (global id, local ordinal).");
+        "Allocate and peer-map the workspace of every (global id, local ordinal) and "
+        "load every kernel there.");
 
   m.def("initialized", []() { return pk::runtime::Runtime::get().initialized(); });
   m.def("data_bytes", []() { return pk::runtime::Runtime::get().data_bytes(); });
@@ -57,7 +72,7 @@ NB_MODULE(_pk_jax_ext, m) {
   }, "Descriptions of the errors kernels recorded and nobody cleared yet.");
 
   m.def("reset", []() { raise_if(pk::runtime::Runtime::get().reset()); },
-        "Wait for every device, then zero all flags and error records.");
+        "Wait for every device, then zero every flag, line and error record.");
 
   m.attr("max_ranks") = pk::kMaxRanks;
   m.attr("max_slots") = pk::kMaxSlots;

@@ -23,30 +23,26 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::AnyBuffer k, ffi::AnyBuffer v,
                              ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                             ffi::Span<const int64_t> group_ids, int64_t group_size,
-                             int64_t slot, int64_t data_offset, int64_t timeout_ns,
-                             int32_t skip_post_rank, float scale, bool causal, bool zigzag,
-                             int64_t pieces, bool kv_head_major, int64_t mechanism,
+                             ffi_common::ChannelAttrs channel, float scale, bool causal,
+                             bool zigzag, int64_t pieces, int64_t mechanism,
                              int64_t num_comm_ctas) {
+  // With peers, the region holds n - 1 peer blocks of K and of V (ring_attention.h).
+  const size_t needed =
+      channel.group_size > 1 ? 2 * size_t(channel.group_size - 1) * k.size_bytes() : 0;
   ffi_common::GroupContext ctx;
-  if (ffi::Error e = ffi_common::make_group_context(kOp, kOpRingAttention, ordinal, group_ids,
-                                                    group_size, timeout_ns, &ctx);
+  if (ffi::Error e = ffi_common::make_group_context(kOp, kOpRingAttention, ordinal, channel,
+                                                    needed, &ctx);
       e.failure())
     return e;
   if (!ring_attention::available()) return ffi_common::built_without_cutlass(kOp);
-  if (slot < 0 || slot >= kMaxSlots || data_offset < 0) return invalid("bad channel");
   const auto t = q.element_type();
   if ((t != ffi::DataType::BF16 && t != ffi::DataType::F16) || k.element_type() != t ||
       v.element_type() != t || out->element_type() != t)
     return invalid("q, k, v and out must all be bfloat16 or all float16");
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  // k, v: [B, S, Hkv, D], or [B, Hkv, S, D] when head-major.
-  const int seq_dim = kv_head_major ? 2 : 1, head_dim_k = kv_head_major ? 1 : 2;
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] ||
-      qd[1] != kd[seq_dim] || qd[3] != kd[3] || vd[0] != kd[0] || vd[1] != kd[1] ||
-      vd[2] != kd[2] || vd[3] != kd[3])
-    return invalid(kv_head_major ? "expected q [B, S, Hq, D] and k, v [B, Hkv, S, D]"
-                                 : "expected q [B, S, Hq, D] and k, v [B, S, Hkv, D]");
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] ||
+      qd[3] != kd[3] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3])
+    return invalid("expected q [B, S, Hq, D] and k, v [B, S, Hkv, D]");
 
   ring_attention::Params p;
   const ffi_common::Group& g = ctx.group;
@@ -58,14 +54,13 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.lse = lse->typed_data();
   p.batch = int(qd[0]);
   p.q_heads = int(qd[2]);
-  p.kv_heads = int(kd[head_dim_k]);
+  p.kv_heads = int(kd[2]);
   p.head_dim = int(qd[3]);
   p.dtype = t == ffi::DataType::BF16 ? ring_attention::DType::kBF16 : ring_attention::DType::kF16;
   p.scale = scale;
   p.geo = ring_attention::Geometry{g.rank, g.n, int(qd[1]), zigzag, causal};
   p.pieces = int(pieces);
-  p.by_heads = kv_head_major;
-  p.skip_post = skip_post_rank == g.rank;
+  p.skip_post = ctx.skip_post;
   if (mechanism == int64_t(ring_attention::Mechanism::kCopyEngine)) {
     p.mechanism = ring_attention::Mechanism::kCopyEngine;
   } else if (mechanism == int64_t(ring_attention::Mechanism::kLdSt)) {
@@ -79,16 +74,8 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   }
   if (!ring_attention::supported(p))
     return invalid("unsupported shape (the Python checks missed it), or k/v not 16-byte aligned");
-  if (g.n > 1) {
-    const size_t need = ring_attention::region_bytes(g.n, p.batch, p.geo.s_local, p.kv_heads,
-                                                     p.head_dim);
-    if (ffi::Error e = ffi_common::check_region_fits(
-            kOp, need, runtime::Runtime::get().data_bytes() - size_t(data_offset));
-        e.failure())
-      return e;
-  }
-  for (int r = 0; r < g.n; ++r) p.region[r] = ctx.workspaces[r] + kDataOffset + data_offset;
-  p.ch = ctx.channel(int(slot));
+  for (int r = 0; r < g.n; ++r) p.region[r] = ctx.regions[r];
+  p.ch = ctx.channel;
   p.sm_count = d.sm_count;
   p.stream = stream;
   p.side_stream = d.side_stream;
@@ -113,17 +100,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                        // v [B, S, Hkv, D]
         .Ret<ffi::AnyBuffer>()                        // out [B, S, Hq, D]
         .Ret<ffi::Buffer<ffi::F32>>()                 // lse [B, Hq, S]
-        .Attr<ffi::Span<const int64_t>>("group_ids")  // device ids, group by group
-        .Attr<int64_t>("group_size")
-        .Attr<int64_t>("slot")
-        .Attr<int64_t>("data_offset")
-        .Attr<int64_t>("timeout_ns")
-        .Attr<int32_t>("skip_post_rank")
+        .Attr<ffi_common::ChannelAttrs>("channel")    // group, slot, region, timeout
         .Attr<float>("scale")
         .Attr<bool>("causal")
         .Attr<bool>("zigzag")
         .Attr<int64_t>("pieces")
-        .Attr<bool>("kv_head_major")                  // k, v [B, Hkv, S, D], pieces by heads
         .Attr<int64_t>("mechanism")                   // 0: copy_engine, 1: ld_st
         .Attr<int64_t>("num_comm_ctas"),              // ld_st: communicator CTAs
     {ffi::Traits::kCmdBufferCompatible});

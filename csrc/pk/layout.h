@@ -62,7 +62,9 @@ inline constexpr size_t kLlRankBytes = 2 * kLlMaxBytes;  // lines from one sende
 inline constexpr size_t kLlChannelBytes = 2 * kMaxRanks * kLlRankBytes;
 
 // Workspace = header, channel flags, LL lines, then a data area for staged
-// mechanisms.
+// mechanisms. Bytes [0, kDataOffset) hold every flag and line: they are
+// zeroed at init and by a reset. The data area is never zeroed: staged data
+// is always written before the flag that publishes it.
 inline constexpr size_t kSlotsOffset = 4096;
 inline constexpr size_t kFlagBytes = kSlotsOffset + sizeof(SlotFlags) * kMaxSlots;
 inline constexpr size_t kLlOffset = (kFlagBytes + 4095) / 4096 * 4096;
@@ -94,7 +96,6 @@ enum WaitKind : int32_t {
   kWaitDone = 2,
   kWaitLine = 3,
   kWaitPiece = 4,
-  kWaitTile = 5,  // a peer's partial output tile (fused matmul_reduce_scatter)
 };
 enum ErrorCode : int32_t { kErrNone = 0, kErrTimeout = 1 };
 

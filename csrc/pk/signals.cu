@@ -1,3 +1,4 @@
+// The stream signal kernels of signals.h.
 #include "pk/signals.h"
 
 #include "pk/cuda_check.h"
@@ -7,10 +8,16 @@ namespace pk::signals {
 namespace {
 
 // ---- launch config ---------------------------------------------------------
-constexpr int kThreads = 32;  // one warp; thread q talks to rank q (kMaxRanks <= 32)
+constexpr int kThreads = 32;  // one block of one warp
 static_assert(kMaxRanks <= kThreads, "one thread per rank");
 
-// True for the threads whose rank this call addresses (never our own).
+// ---- arguments -------------------------------------------------------------
+// The channel by value (__grid_constant__) and, for post/wait_posted, the
+// peer addressed (kAllPeers: every peer).
+
+// ---- roles -----------------------------------------------------------------
+// Thread q talks to rank q; true for the threads whose rank this call
+// addresses (never our own).
 __device__ __forceinline__ bool addressed(const Channel& ch, int peer, int q) {
   return q < ch.n && q != ch.rank && (peer == kAllPeers || peer == q);
 }

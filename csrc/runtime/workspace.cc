@@ -7,12 +7,6 @@
 #include <cstring>
 #include <string>
 
-#include "kernels/all_gather/all_gather.h"
-#include "kernels/attention_bwd/attention_bwd.h"
-#include "kernels/ring_attention/ring_attention.h"
-#include "kernels/tp_matmul/tp_matmul.h"
-#include "pk/signals.h"
-
 namespace pk::runtime {
 namespace {
 
@@ -57,14 +51,14 @@ std::string enable_peer(int from, int to) {
   return "";
 }
 
-std::string init_device(DeviceState& d, size_t bytes) {
+std::string init_device(DeviceState& d, size_t bytes,
+                        const std::vector<KernelLoader>& loaders) {
   PK_RT_TRY(cudaSetDevice(d.ordinal), d.ordinal);
   void* ws = nullptr;
   PK_RT_TRY(cudaMalloc(&ws, bytes), d.ordinal);
   d.workspace = static_cast<char*>(ws);
-  // All of it: flags, LL lines, and the data area, where the fused
-  // matmul_reduce_scatter keeps per-tile epoch flags next to its slots.
-  PK_RT_TRY(cudaMemset(ws, 0, bytes), d.ordinal);
+  // Flags and lines only (pk/layout.h): the data area needs no zeroes.
+  PK_RT_TRY(cudaMemset(ws, 0, kDataOffset), d.ordinal);
   void* host = nullptr;
   PK_RT_TRY(cudaHostAlloc(&host, sizeof(ErrorRecord), cudaHostAllocMapped | cudaHostAllocPortable),
             d.ordinal);
@@ -82,13 +76,7 @@ std::string init_device(DeviceState& d, size_t bytes) {
   PK_RT_TRY(cudaEventCreateWithFlags(&d.copy_done, cudaEventDisableTiming), d.ordinal);
   d.gemm_workspace_bytes = kGemmWorkspaceBytes;
   PK_RT_TRY(cudaMalloc(&d.gemm_workspace, d.gemm_workspace_bytes), d.ordinal);
-  PK_RT_TRY(all_gather::load_ld_st_kernels(&d.all_gather_max_blocks), d.ordinal);
-  PK_RT_TRY(signals::load_kernels(), d.ordinal);
-  PK_RT_TRY(tp_matmul::load_kernels(), d.ordinal);
-  PK_RT_TRY(gemm::load_kernels(), d.ordinal);
-  PK_RT_TRY(ring_attention::load_kernels(), d.ordinal);
-  PK_RT_TRY(attention_bwd::load_kernels(), d.ordinal);
-  PK_RT_TRY(all_gather::load_ll_kernels(), d.ordinal);
+  for (KernelLoader load : loaders) PK_RT_TRY(load(), d.ordinal);
   PK_RT_TRY(cudaDeviceSynchronize(), d.ordinal);
   return "";
 }
@@ -101,7 +89,7 @@ Runtime& Runtime::get() {
 }
 
 std::string Runtime::init(const std::vector<std::pair<int64_t, int>>& devices,
-                          size_t data_bytes) {
+                          size_t data_bytes, const std::vector<KernelLoader>& loaders) {
   std::lock_guard<std::mutex> lock(mu_);
   if (ready_) {
     if (data_bytes != data_bytes_)
@@ -123,7 +111,8 @@ std::string Runtime::init(const std::vector<std::pair<int64_t, int>>& devices,
   DeviceGuard guard;
   for (auto& d : table) {
     if (d.ordinal < 0) continue;
-    if (std::string err = init_device(d, kDataOffset + data_bytes); !err.empty()) return err;
+    if (std::string err = init_device(d, kDataOffset + data_bytes, loaders); !err.empty())
+      return err;
   }
   for (auto& a : table)
     for (auto& b : table)
@@ -178,9 +167,9 @@ std::string Runtime::reset() {
   for (DeviceState& d : devices_) {
     if (d.ordinal < 0) continue;
     PK_RT_TRY(cudaSetDevice(d.ordinal), d.ordinal);
-    // Epochs restart at 0: every flag must too, the per-tile flags in the data
-    // area included (a stale flag would let a wait pass on old data).
-    PK_RT_TRY(cudaMemset(d.workspace, 0, kDataOffset + data_bytes_), d.ordinal);
+    // Epochs restart at 0: every flag and line must too (all in [0,
+    // kDataOffset); the data area holds no flags).
+    PK_RT_TRY(cudaMemset(d.workspace, 0, kDataOffset), d.ordinal);
     PK_RT_TRY(cudaDeviceSynchronize(), d.ordinal);
     std::memset(d.error_host, 0, sizeof(ErrorRecord));
   }
@@ -204,7 +193,6 @@ std::string describe(const ErrorRecord& r, int ordinal) {
   const char* what = r.what == kWaitPosted ? "post its address for epoch "
                      : r.what == kWaitLine ? "send its data lines for epoch "
                      : r.what == kWaitPiece ? "post a piece of its K/V block, stamp "
-                     : r.what == kWaitTile ? "write its partial of an output tile for epoch "
                                             : "finish its transfer for epoch ";
   return std::string("pk_jax.") + op + " timed out on device " + std::to_string(ordinal) +
          " (rank " + std::to_string(r.rank) + "): waited for peer rank " +

@@ -23,7 +23,7 @@ namespace pk::runtime {
 struct DeviceState {
   int ordinal = -1;                     // local CUDA ordinal
   int64_t global_id = -1;               // JAX device id
-  char* workspace = nullptr;            // kDataOffset + data_bytes, zeroed
+  char* workspace = nullptr;            // kDataOffset + data_bytes; flags zeroed
   ErrorRecord* error_host = nullptr;    // mapped pinned memory, host view
   ErrorRecord* error_device = nullptr;  // device view of the same record
   int sm_count = 1;                      // multiprocessors
@@ -34,8 +34,11 @@ struct DeviceState {
   cudaEvent_t copy_done = nullptr;      // copy_stream -> side_stream ordering
   void* gemm_workspace = nullptr;       // scratch of the GEMM kernels
   size_t gemm_workspace_bytes = 0;
-  int all_gather_max_blocks = 1;        // co-resident ld/st kernel blocks
 };
+
+// Loads one op's kernels on the current device (no lazy module load later,
+// while a peer spins); may cache per-device launch limits.
+using KernelLoader = cudaError_t (*)();
 
 struct PendingError {
   int ordinal;
@@ -47,11 +50,11 @@ class Runtime {
   static Runtime& get();
 
   // Allocates the workspaces of `devices` ((global id, local ordinal) pairs),
-  // enables peer access between all of them and loads every kernel. Returns
-  // an error message, or "" on success. A second call is a no-op when it asks
-  // for the same devices and size, and an error otherwise.
-  std::string init(const std::vector<std::pair<int64_t, int>>& devices,
-                   size_t data_bytes);
+  // runs every loader on each of them, and enables peer access between all
+  // of them. Returns an error message, or "" on success. A second call is a
+  // no-op when it asks for the same size, and an error otherwise.
+  std::string init(const std::vector<std::pair<int64_t, int>>& devices, size_t data_bytes,
+                   const std::vector<KernelLoader>& loaders);
 
   bool initialized() const;
   size_t data_bytes() const { return data_bytes_; }
@@ -63,8 +66,9 @@ class Runtime {
   // Errors recorded by kernels and not yet cleared.
   std::vector<PendingError> pending_errors() const;
 
-  // Waits for every device, then zeroes all flags and error records. For
-  // recovery after a timeout, when no pk_jax kernel is in flight.
+  // Waits for every device, then zeroes every flag and line ([0,
+  // kDataOffset)) and the error records. For recovery after a timeout, when
+  // no pk_jax kernel is in flight.
   std::string reset();
 
  private:

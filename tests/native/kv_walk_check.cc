@@ -5,11 +5,11 @@
 // and that every tile it leaves unmasked is wholly visible. Then the push
 // layout (PushLayout, shared by both mechanisms' pushes): every rank's block
 // lands, batch by batch and piece by piece, exactly where the receiving
-// rank's walk reads it at the matching ring step, and the senders' slots
-// tile each region once. Last, every piece plan of the block (PiecePlan, by
-// rows and by heads, 1-8 pieces, several K/V head counts): the rows each
-// piece copies are exactly the units piece_of() assigns to it, and every unit
-// is copied once.
+// rank's walk reads it at the matching ring step, in the piece the walk
+// waits for (PiecePlan::piece_of), and the senders' slots tile each region
+// once. Last, every piece plan of the block (PiecePlan, 1-8 pieces): the rows
+// each piece copies are exactly the rows piece_of() assigns to it, and every
+// row is copied once.
 // Usage: kv_walk_check n s_local zigzag causal tile_q tile_k
 // Prints the global token of every row of every rank's block, then "OK", or
 // the first violation (exit code 1).
@@ -40,6 +40,7 @@ int check_push(int n, int s_local, int batch, int pieces) {
   const size_t row = 256;  // bytes of one token row (e.g. one K/V head of 128 x bf16)
   const size_t row_bytes = size_t(s_local) * row;
   const int piece_rows = s_local / pieces;
+  const PiecePlan plan{pieces, s_local};
   for (int q = 0; q < n; ++q) {  // the receiving rank
     // How often every token row of q's region (K half, then V half) is written.
     std::vector<int> hits(2 * size_t(batch) * (n - 1) * s_local, 0);
@@ -62,7 +63,7 @@ int check_push(int n, int s_local, int batch, int pieces) {
                               size_t(t - i * piece_rows) * row;
             const size_t want = (size_t(b) * (n - 1) * s_local + size_t(s - 1) * s_local + t) * row;
             if (at != want) return fail("pushed row misplaced", r, q, s, t);
-            if (t / piece_rows != i) return fail("row in the wrong piece", r, q, s, t);
+            if (plan.piece_of(t) != i) return fail("row in the wrong piece", r, q, s, t);
             ++hits[at / row];
             ++hits[(L.v_offset() + at) / row];
           }
@@ -73,41 +74,36 @@ int check_push(int n, int s_local, int batch, int pieces) {
   return 0;
 }
 
-// 0 when the plan's copies (first_head/last_head/rows) and its waits
-// (piece_of) agree and cover every unit once.
+// 0 when the plan's copies (rows) and its waits (piece_of) agree and cover
+// every row once.
 int check_plan(const PiecePlan& plan) {
-  std::vector<int> copies(size_t(plan.kv_heads) * plan.s_local, 0);
+  std::vector<int> copies(size_t(plan.s_local), 0);
   for (int i = 0; i < plan.pieces; ++i) {
-    for (int h = plan.first_head(i); h <= plan.last_head(i); ++h) {
-      int r0, r1;
-      plan.rows(i, h, r0, r1);
-      if (r0 >= r1) return std::printf("FAIL plan: piece %d copies no row of head %d\n", i, h), 1;
-      for (int r = r0; r < r1; ++r) {
-        if (plan.piece_of(h, r) != i)
-          return std::printf("FAIL plan: head %d row %d copied by piece %d, waited as %d\n", h, r,
-                             i, plan.piece_of(h, r)), 1;
-        ++copies[size_t(h) * plan.s_local + r];
-      }
+    int r0, r1;
+    plan.rows(i, r0, r1);
+    if (r0 >= r1) return std::printf("FAIL plan: piece %d copies no row\n", i), 1;
+    for (int r = r0; r < r1; ++r) {
+      if (plan.piece_of(r) != i)
+        return std::printf("FAIL plan: row %d copied by piece %d, waited as %d\n", r, i,
+                           plan.piece_of(r)), 1;
+      ++copies[size_t(r)];
     }
   }
-  for (size_t u = 0; u < copies.size(); ++u)
-    if (copies[u] != 1)
-      return std::printf("FAIL plan: head %zu row %zu copied %d times\n", u / plan.s_local,
-                         u % plan.s_local, copies[u]), 1;
+  for (size_t r = 0; r < copies.size(); ++r)
+    if (copies[r] != 1)
+      return std::printf("FAIL plan: row %zu copied %d times\n", r, copies[r]), 1;
   return 0;
 }
 
 int check_plans(int s_local) {
-  for (int kv_heads : {1, 2, 3, 4, 12, 16})
-    for (int pieces = 1; pieces <= 8; ++pieces)
-      for (bool by_heads : {false, true}) {
-        const PiecePlan plan{pieces, by_heads, kv_heads, s_local};
-        if (!plan.valid()) continue;
-        if (check_plan(plan)) {
-          std::printf("  (kv_heads %d, pieces %d, by_heads %d)\n", kv_heads, pieces, by_heads);
-          return 1;
-        }
-      }
+  for (int pieces = 1; pieces <= 8; ++pieces) {
+    const PiecePlan plan{pieces, s_local};
+    if (!plan.valid()) continue;
+    if (check_plan(plan)) {
+      std::printf("  (pieces %d)\n", pieces);
+      return 1;
+    }
+  }
   return 0;
 }
 

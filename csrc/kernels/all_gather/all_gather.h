@@ -20,27 +20,26 @@ struct Params {
   void* dst = nullptr;         // this rank's output (XLA buffer)
   uint64_t rows = 0;
   uint64_t row_bytes = 0;
-  int rank = 0;
-  int n = 1;
-  int slot = 0;                // channel index in the workspace
-  char* workspace[kMaxRanks];  // every rank's workspace base (peer mapped)
-  size_t data_offset = 0;      // this channel's region in the data area
-  size_t data_bytes = 0;       // size of each workspace's data area
-  WaitContext wait{};
+  Channel ch{};                // the channel's flags on every rank; rank, n
+  int slot = 0;                // its index (LL lines: the first kLlChannels)
+  char* workspace[kMaxRanks] = {};  // every rank's workspace base (LL lines)
+  char* region[kMaxRanks] = {};     // every rank's data region (copy engine)
   bool skip_post = false;      // testing: this rank never posts (timeout path)
-  int max_blocks = 1;          // co-resident blocks of the pull kernel
+  int device = 0;              // CUDA ordinal (cached launch limits)
+  int num_blocks = 0;          // ld/st grid cap; 0: one block per SM
   cudaStream_t stream = nullptr;
 };
 
-// Bytes of workspace data area the copy-engine mechanism needs.
-inline size_t copy_engine_bytes(const Params& p) {
-  return size_t(p.n) * p.rows * p.row_bytes;
-}
+// Bytes of data region the copy-engine mechanism stages: n blocks of
+// `block_bytes` (one rank's input).
+inline size_t copy_engine_bytes(int n, size_t block_bytes) { return size_t(n) * block_bytes; }
 
 // ld/st, zero copy. Pull: each rank publishes its input address and every
 // rank reads every peer's input straight into its output with 16-byte loads.
 // Push: each rank publishes its output address and writes its input into
-// every peer's output with 16-byte stores.
+// every peer's output with 16-byte stores. Grid: num_blocks, at most the
+// co-resident blocks found at load; by default one block per SM (measured
+// best for large messages).
 cudaError_t launch_ld_st(const Params& p, bool push);
 
 // Copy engine: CE pushes the input into each peer's workspace, tiny kernels
@@ -54,12 +53,12 @@ cudaError_t launch_copy_engine(const Params& p);
 // costs one one-way trip and no handshake.
 cudaError_t launch_ll(const Params& p);
 inline bool ll_supports(const Params& p) {
-  return p.slot < kLlChannels && p.rows * p.row_bytes <= kLlMaxBytes && p.row_bytes % 4 == 0;
+  return p.slot >= 0 && p.slot < kLlChannels && p.rows * p.row_bytes <= kLlMaxBytes &&
+         p.row_bytes % 4 == 0;
 }
 
-// Load the kernels on the current device, so that no lazy module load happens
-// while a peer spins. The ld/st one also returns its co-resident block count.
-cudaError_t load_ld_st_kernels(int* max_blocks);
-cudaError_t load_ll_kernels();
+// Load every all_gather kernel on the current device, so that no lazy module
+// load happens while a peer spins, and cache the device's ld/st grid limits.
+cudaError_t load_kernels();
 
 }  // namespace pk::all_gather

@@ -23,28 +23,27 @@ namespace {
 // rows) are slow on this path; "auto" never picks it (pk_jax/tuning.py).
 cudaError_t copy_block(const Params& p, int q, const void* src, cudaStream_t s) {
   char* out = static_cast<char*>(p.dst) + size_t(q) * p.row_bytes;
-  return copy_rows(out, size_t(p.n) * p.row_bytes, src, p.row_bytes, p.row_bytes, p.rows, s);
+  return copy_rows(out, size_t(p.ch.n) * p.row_bytes, src, p.row_bytes, p.row_bytes, p.rows, s);
 }
 
 }  // namespace
 
 cudaError_t launch_copy_engine(const Params& p) {
-  const Channel ch = make_channel(p.workspace, p.n, p.rank, p.slot, p.wait);
+  const Channel& ch = p.ch;
   const size_t block_bytes = p.rows * p.row_bytes;
   cudaStream_t s = p.stream;
   PK_CUDA_TRY(signals::wait_credit(ch, s));
-  for (int k = 1; k < p.n; ++k) {  // neighbours first, so links are spread
-    const int q = (p.rank + k) % p.n;
-    char* slot = p.workspace[q] + kDataOffset + p.data_offset + size_t(p.rank) * block_bytes;
+  for (int k = 1; k < ch.n; ++k) {  // neighbours first, so links are spread
+    const int q = (ch.rank + k) % ch.n;
+    char* slot = p.region[q] + size_t(ch.rank) * block_bytes;
     PK_CUDA_TRY(cudaMemcpyAsync(slot, p.src, block_bytes, cudaMemcpyDeviceToDevice, s));
   }
-  PK_CUDA_TRY(copy_block(p, p.rank, p.src, s));
+  PK_CUDA_TRY(copy_block(p, ch.rank, p.src, s));
   PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, p.skip_post, s));
   PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, s));
-  for (int q = 0; q < p.n; ++q) {
-    if (q == p.rank) continue;
-    const char* received =
-        p.workspace[p.rank] + kDataOffset + p.data_offset + size_t(q) * block_bytes;
+  for (int q = 0; q < ch.n; ++q) {
+    if (q == ch.rank) continue;
+    const char* received = p.region[ch.rank] + size_t(q) * block_bytes;
     PK_CUDA_TRY(copy_block(p, q, received, s));
   }
   return signals::finish(ch, s);

@@ -17,6 +17,7 @@
 // A rank cannot post epoch e+1 before every peer finished epoch e (step 4),
 // so one set of flags per channel suffices.
 #include <algorithm>
+#include <atomic>
 
 #include "kernels/all_gather/all_gather.h"
 #include "pk/copy.cuh"
@@ -144,7 +145,51 @@ int access_width(const Params& p) {
   return 1;
 }
 
+const void* const kKernels[] = {
+#define PK_AG_KERNELS(V)                                              \
+  reinterpret_cast<const void*>(all_gather_ld_st_kernel<V, kPull>), \
+      reinterpret_cast<const void*>(all_gather_ld_st_kernel<V, kPush>)
+    PK_AG_KERNELS(uint4), PK_AG_KERNELS(uint2), PK_AG_KERNELS(unsigned int),
+    PK_AG_KERNELS(unsigned short), PK_AG_KERNELS(unsigned char)};
+#undef PK_AG_KERNELS
+
+// A device's grid limits: its SMs, and the blocks of every variant that are
+// co-resident (the most a grid may have: blocks spin on their peers).
+struct GridLimits {
+  int sms = 0;
+  int co_resident = 0;
+};
+
+cudaError_t find_limits(int device, GridLimits* out) {
+  int per_sm = 1 << 30;
+  for (const void* k : kKernels) {
+    int n = 0;
+    PK_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kThreads, 0));
+    per_sm = std::min(per_sm, n);
+  }
+  PK_CUDA_TRY(cudaDeviceGetAttribute(&out->sms, cudaDevAttrMultiProcessorCount, device));
+  out->co_resident = std::max(per_sm, 1) * out->sms;
+  return cudaSuccess;
+}
+
+// Filled per device by load_kernels (so launches query nothing); a device
+// beyond the table is queried at each launch (neither call synchronizes).
+constexpr int kCachedDevices = 64;
+std::atomic<int> g_sms[kCachedDevices];
+std::atomic<int> g_co_resident[kCachedDevices];
+
+cudaError_t grid_limits(int device, GridLimits* out) {
+  if (device >= 0 && device < kCachedDevices) {
+    out->sms = g_sms[device].load(std::memory_order_acquire);
+    out->co_resident = g_co_resident[device].load(std::memory_order_relaxed);
+    if (out->sms > 0) return cudaSuccess;
+  }
+  return find_limits(device, out);
+}
+
 }  // namespace
+
+cudaError_t load_ll_kernel();  // all_gather_ll.cu
 
 cudaError_t launch_ld_st(const Params& p, bool push) {
   LdStArgs a{};
@@ -152,14 +197,18 @@ cudaError_t launch_ld_st(const Params& p, bool push) {
   a.dst = p.dst;
   a.rows = p.rows;
   a.row_bytes = p.row_bytes;
-  a.ch = make_channel(p.workspace, p.n, p.rank, p.slot, p.wait);
+  a.ch = p.ch;
   a.skip_post = p.skip_post;
 
-  // One block per chunk (see the kernel), at most max_blocks.
+  // One block per chunk (see the kernel), at most one per SM by default or
+  // num_blocks up to the co-resident limit.
+  GridLimits lim;
+  PK_CUDA_TRY(grid_limits(p.device, &lim));
+  const int cap = p.num_blocks > 0 ? std::min(p.num_blocks, lim.co_resident) : lim.sms;
   const int width = access_width(p);
   const uint64_t chunk_bytes = uint64_t(kThreads) * kCopyUnroll * width;
-  const uint64_t chunks = p.n * ((p.rows * p.row_bytes + chunk_bytes - 1) / chunk_bytes);
-  const int blocks = int(std::clamp<uint64_t>(chunks, 1, uint64_t(p.max_blocks)));
+  const uint64_t chunks = p.ch.n * ((p.rows * p.row_bytes + chunk_bytes - 1) / chunk_bytes);
+  const int blocks = int(std::clamp<uint64_t>(chunks, 1, uint64_t(cap)));
   switch (width) {
     case 16: return launch_typed<uint4>(a, push, blocks, p.stream);
     case 8:  return launch_typed<uint2>(a, push, blocks, p.stream);
@@ -169,26 +218,20 @@ cudaError_t launch_ld_st(const Params& p, bool push) {
   }
 }
 
-cudaError_t load_ld_st_kernels(int* max_blocks) {
-  const void* kernels[] = {
-#define PK_AG_KERNELS(V)                                                        \
-  reinterpret_cast<const void*>(all_gather_ld_st_kernel<V, kPull>),           \
-      reinterpret_cast<const void*>(all_gather_ld_st_kernel<V, kPush>)
-      PK_AG_KERNELS(uint4), PK_AG_KERNELS(uint2), PK_AG_KERNELS(unsigned int),
-      PK_AG_KERNELS(unsigned short), PK_AG_KERNELS(unsigned char)};
-#undef PK_AG_KERNELS
-  int per_sm = 1 << 30;
-  for (const void* k : kernels) {
+cudaError_t load_kernels() {
+  for (const void* k : kKernels) {
     cudaFuncAttributes attr;
     PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-    int n = 0;
-    PK_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kThreads, 0));
-    per_sm = n < per_sm ? n : per_sm;
   }
-  int device = 0, sms = 0;
+  PK_CUDA_TRY(load_ll_kernel());
+  int device = 0;
   PK_CUDA_TRY(cudaGetDevice(&device));
-  PK_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  *max_blocks = per_sm * sms;
+  GridLimits lim;
+  PK_CUDA_TRY(find_limits(device, &lim));
+  if (device < kCachedDevices) {
+    g_co_resident[device].store(lim.co_resident, std::memory_order_relaxed);
+    g_sms[device].store(lim.sms, std::memory_order_release);
+  }
   return cudaSuccess;
 }
 

@@ -107,8 +107,8 @@ cudaError_t launch_ll(const Params& p) {
   a.dst = static_cast<uint32_t*>(p.dst);
   a.rows = p.rows;
   a.row_words = p.row_bytes / 4;
-  a.ch = make_channel(p.workspace, p.n, p.rank, p.slot, p.wait);
-  for (int q = 0; q < p.n; ++q)
+  a.ch = p.ch;
+  for (int q = 0; q < p.ch.n; ++q)
     a.lines[q] = p.workspace[q] + kLlOffset + size_t(p.slot) * kLlChannelBytes;
   a.skip_post = p.skip_post;
   const uint64_t words = p.rows * a.row_words;
@@ -118,7 +118,7 @@ cudaError_t launch_ll(const Params& p) {
   return cudaGetLastError();
 }
 
-cudaError_t load_ll_kernels() {
+cudaError_t load_ll_kernel() {
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(all_gather_ll_kernel));
 }

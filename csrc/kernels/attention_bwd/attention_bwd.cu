@@ -8,9 +8,18 @@
 #include "kernels/gemm/gemm.h"
 #include "pk/cuda_check.h"
 
-#include "kernels/common/attention_variants.cuh"
+#include "kernels/common/variants.h"
 
 namespace pk::attention_bwd {
+namespace {
+
+#ifdef PK_HAVE_CUTLASS
+using Instantiations =
+    variants::Variants<Variant<DType::kBF16, 128>, Variant<DType::kBF16, 64>,
+                       Variant<DType::kF16, 128>, Variant<DType::kF16, 64>>;
+#endif
+
+}  // namespace
 
 // The kernel needs the CUTLASS headers, like the GEMM: one build switch.
 bool available() { return gemm::available(); }
@@ -29,7 +38,7 @@ cudaError_t run(const Params& p) {
   if (!supported(p)) return cudaErrorNotSupported;
   PK_CUDA_TRY(cudaMemsetAsync(p.dq, 0, size_t(p.batch) * p.s_q * p.q_heads * p.head_dim * sizeof(float),
                               p.stream));
-  return attention_variants::launch<BwdVariants>(p.dtype == DType::kBF16, p.head_dim, p);
+  return Instantiations::launch(VariantKey{p.dtype, p.head_dim}, p);
 #else
   (void)p;
   return cudaErrorNotSupported;
@@ -38,7 +47,7 @@ cudaError_t run(const Params& p) {
 
 cudaError_t load_kernels() {
 #ifdef PK_HAVE_CUTLASS
-  return attention_variants::load_all<BwdVariants>();
+  return Instantiations::load();
 #else
   return cudaSuccess;
 #endif

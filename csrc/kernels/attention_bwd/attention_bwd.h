@@ -60,12 +60,19 @@ bool supported(const Params& p);
 cudaError_t run(const Params& p);
 cudaError_t load_kernels();
 
-// The variants (bwd_<type>_d<D>.cu specialize them; see
-// kernels/common/attention_variants.cuh).
-struct BwdVariants {
-  template <typename Element, int kHeadDim>
+// The instantiations (kernels/common/variants.h): one per (element type,
+// head dim), bwd_<type>_d<D>.cu; defined in attention_bwd_sm90.cuh.
+struct VariantKey {
+  DType dtype;
+  int head_dim;
+};
+constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
+  return a.dtype == b.dtype && a.head_dim == b.head_dim;
+}
+template <DType kType, int kHeadDim>
+struct Variant {
+  static constexpr VariantKey key{kType, kHeadDim};
   static cudaError_t launch(const Params& p);
-  template <typename Element, int kHeadDim>
   static cudaError_t load();
 };
 

@@ -12,10 +12,11 @@
 //   warp 1 loads K/V once and Q, lse, dO, delta' per visible query tile;
 //   warpgroups 1 and 2 each own 64 K/V rows: S, dP, P, dS, dV and dK
 //   (registers), warpgroup 2 also dQ over the CTA's 128 rows.
-// Entry point: launch_bwd<Element, D>(Params) (PK_ATTENTION_BWD_INSTANTIATE).
+// Entry point: Variant<type, head dim>::launch (attention_bwd.h).
 #pragma once
 
 #include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
 #include <cutlass/kernel_hardware_info.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
@@ -23,7 +24,7 @@
 
 #include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/attention_bwd/bwd_mainloop.cuh"
-#include "kernels/common/attention_variants.cuh"
+#include "kernels/common/fmha_launch.cuh"
 
 namespace pk::attention_bwd {
 
@@ -146,13 +147,34 @@ struct BwdKernel {
         {p.dk, p.dv},
         cutlass::KernelHardwareInfo{}};
     if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
-    return attention_variants::launch_kernel<Kernel>(Kernel::to_underlying_arguments(args, nullptr),
+    return fmha_launch::launch_kernel<Kernel>(Kernel::to_underlying_arguments(args, nullptr),
                                               p.stream);
   }
 };
 
-}  // namespace pk::attention_bwd
+// The instantiations (attention_bwd.h: Variant).
+template <DType>
+struct Element;
+template <>
+struct Element<DType::kBF16> {
+  using Type = cutlass::bfloat16_t;
+};
+template <>
+struct Element<DType::kF16> {
+  using Type = cutlass::half_t;
+};
 
-// One variant per file (attention_variants.cuh).
-#define PK_ATTENTION_BWD_INSTANTIATE(ELEMENT, HEAD_DIM) \
-  PK_ATTENTION_VARIANT(pk::attention_bwd, BwdVariants, BwdKernel, const Params&, ELEMENT, HEAD_DIM)
+template <DType kType, int kHeadDim>
+using VariantKernel = BwdKernel<typename Element<kType>::Type, kHeadDim>;
+
+template <DType kType, int kHeadDim>
+cudaError_t Variant<kType, kHeadDim>::launch(const Params& p) {
+  return VariantKernel<kType, kHeadDim>::launch(p);
+}
+
+template <DType kType, int kHeadDim>
+cudaError_t Variant<kType, kHeadDim>::load() {
+  return fmha_launch::load_kernel<typename VariantKernel<kType, kHeadDim>::Kernel>();
+}
+
+}  // namespace pk::attention_bwd

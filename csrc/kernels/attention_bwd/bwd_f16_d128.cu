@@ -1,6 +1,6 @@
-// Block backward kernel, f16 inputs, head dim 128.
+// Instantiation: block backward, f16 inputs, head dim 128.
 #ifdef PK_HAVE_CUTLASS
 #include "kernels/attention_bwd/attention_bwd_sm90.cuh"
 
-PK_ATTENTION_BWD_INSTANTIATE(cutlass::half_t, 128)
+template struct pk::attention_bwd::Variant<pk::attention_bwd::DType::kF16, 128>;
 #endif

@@ -1,24 +1,26 @@
-// Dispatch over the instantiations (gemm_<in>_<out>[_bt].cu).
+// Host side of the GEMM: checks and the dispatch to the instantiations.
 #include "kernels/gemm/gemm.h"
 
+#include "kernels/common/variants.h"
+
 namespace pk::gemm {
+namespace {
 
 #ifdef PK_HAVE_CUTLASS
-// Every instantiation (gemm_<name>.cu), declared and loaded from this one list.
-#define PK_GEMM_INSTANTIATIONS(X) \
-  X(bf16_bf16) X(bf16_f32) X(f16_f16) X(f16_f32) X(bf16_bf16_bt) X(f16_f16_bt)
-#define PK_GEMM_DECLARE(name)                                          \
-  cudaError_t run_##name(const Problem&, const Device&, cudaStream_t); \
-  cudaError_t load_##name();
-PK_GEMM_INSTANTIATIONS(PK_GEMM_DECLARE)
-#undef PK_GEMM_DECLARE
+using Instantiations =
+    variants::Variants<Variant<DType::kBF16, DType::kBF16, false>,
+                       Variant<DType::kBF16, DType::kF32, false>,
+                       Variant<DType::kF16, DType::kF16, false>,
+                       Variant<DType::kF16, DType::kF32, false>,
+                       Variant<DType::kBF16, DType::kBF16, true>,
+                       Variant<DType::kF16, DType::kF16, true>>;
 #endif
+
+}  // namespace
 
 cudaError_t load_kernels() {
 #ifdef PK_HAVE_CUTLASS
-#define PK_GEMM_LOAD(name) load_##name,
-  return gemm::load_each({PK_GEMM_INSTANTIATIONS(PK_GEMM_LOAD)});
-#undef PK_GEMM_LOAD
+  return Instantiations::load();
 #else
   return cudaSuccess;
 #endif
@@ -43,10 +45,7 @@ bool supported(const Problem& p) {
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
 #ifdef PK_HAVE_CUTLASS
-  const bool bf16 = p.in == DType::kBF16;
-  if (p.b_transposed) return bf16 ? run_bf16_bf16_bt(p, dev, stream) : run_f16_f16_bt(p, dev, stream);
-  if (p.out == DType::kF32) return bf16 ? run_bf16_f32(p, dev, stream) : run_f16_f32(p, dev, stream);
-  return bf16 ? run_bf16_bf16(p, dev, stream) : run_f16_f16(p, dev, stream);
+  return Instantiations::launch(VariantKey{p.in, p.out, p.b_transposed}, p, dev, stream);
 #else
   return cudaErrorNotSupported;
 #endif

@@ -12,7 +12,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 
 namespace pk::gemm {
 
@@ -50,15 +49,24 @@ bool supported(const Problem& p);
 // Load every instantiation on the current device (no lazy loading later).
 cudaError_t load_kernels();
 
-// Run each loader (one per instantiation) until one fails.
-inline cudaError_t load_each(std::initializer_list<cudaError_t (*)()> loaders) {
-  for (auto load : loaders)
-    if (cudaError_t e = load(); e != cudaSuccess) return e;
-  return cudaSuccess;
-}
-
 // Returns cudaErrorNotSupported for unsupported problems, cudaErrorInvalidValue
 // when CUTLASS rejects the arguments or needs more scratch.
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream);
+
+// The instantiations (kernels/common/variants.h): one per (input type, output
+// type, B layout), gemm_<in>_<out>[_bt].cu; defined in gemm_sm90.cuh.
+struct VariantKey {
+  DType in, out;
+  bool b_transposed;
+};
+constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
+  return a.in == b.in && a.out == b.out && a.b_transposed == b.b_transposed;
+}
+template <DType kIn, DType kOut, bool kBTransposed>
+struct Variant {
+  static constexpr VariantKey key{kIn, kOut, kBTransposed};
+  static cudaError_t launch(const Problem& p, const Device& dev, cudaStream_t stream);
+  static cudaError_t load();
+};
 
 }  // namespace pk::gemm

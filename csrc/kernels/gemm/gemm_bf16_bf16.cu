@@ -1,4 +1,4 @@
 // Instantiation: bf16 inputs, bf16 output.
 #include "kernels/gemm/gemm_sm90.cuh"
 
-PK_GEMM_INSTANTIATION(bf16_bf16, cutlass::bfloat16_t, cutlass::bfloat16_t, cutlass::layout::RowMajor)
+template struct pk::gemm::Variant<pk::gemm::DType::kBF16, pk::gemm::DType::kBF16, false>;

@@ -1,4 +1,4 @@
 // Instantiation: bf16 inputs, f32 output.
 #include "kernels/gemm/gemm_sm90.cuh"
 
-PK_GEMM_INSTANTIATION(bf16_f32, cutlass::bfloat16_t, float, cutlass::layout::RowMajor)
+template struct pk::gemm::Variant<pk::gemm::DType::kBF16, pk::gemm::DType::kF32, false>;

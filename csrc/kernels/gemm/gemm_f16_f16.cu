@@ -1,4 +1,4 @@
 // Instantiation: f16 inputs, f16 output.
 #include "kernels/gemm/gemm_sm90.cuh"
 
-PK_GEMM_INSTANTIATION(f16_f16, cutlass::half_t, cutlass::half_t, cutlass::layout::RowMajor)
+template struct pk::gemm::Variant<pk::gemm::DType::kF16, pk::gemm::DType::kF16, false>;

@@ -1,4 +1,4 @@
 // Instantiation: f16 inputs, f32 output.
 #include "kernels/gemm/gemm_sm90.cuh"
 
-PK_GEMM_INSTANTIATION(f16_f32, cutlass::half_t, float, cutlass::layout::RowMajor)
+template struct pk::gemm::Variant<pk::gemm::DType::kF16, pk::gemm::DType::kF32, false>;

@@ -1,9 +1,14 @@
 // The sm90 GEMM: CUTLASS's TMA warp-specialized kernel with a persistent tile
 // scheduler, its tiles a template parameter (DefaultTiles for the ops:
 // 128x256x64, 2x1 clusters, cooperative), instantiated once per (input type,
-// output type, B layout) in gemm_<in>_<out>[_bt].cu (PK_GEMM_INSTANTIATION).
+// output type, B layout) in gemm_<in>_<out>[_bt].cu (gemm.h: Variant).
 // B row-major is [k, n]; column-major is B^T stored row-major [n, k]
 // (K-major, wgmma's native operand order).
+//
+// Launch config: CUTLASS's (persistent grid of at most one CTA per SM, 2x1
+// clusters). Arguments: gemm.h's Problem. Roles: one producer warpgroup (TMA
+// loads), two consumer warpgroups (wgmma, epilogue). Entry point:
+// Variant<...>::launch.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -13,6 +18,8 @@
 #include <cutlass/gemm/device/gemm_universal_adapter.h>
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
+
+#include <type_traits>
 
 #include "kernels/gemm/gemm.h"
 
@@ -35,17 +42,6 @@ using DefaultTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_256, cute::_64>,
                                cute::Shape<cute::_2, cute::_1, cute::_1>,
                                cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                cutlass::epilogue::TmaWarpSpecializedCooperative>;
-
-// The mainloop (TMA loads of A [m, k] row-major and B, wgmma, fp32
-// accumulators) for an epilogue that keeps `epilogue_smem` bytes of shared
-// memory: the stage count fills what the epilogue leaves.
-template <typename In, typename LayoutB, typename Tiles, size_t epilogue_smem>
-using Sm90Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, In, cutlass::layout::RowMajor,
-    16 / sizeof(In), In, LayoutB, 16 / sizeof(In), float, typename Tiles::TileShape,
-    typename Tiles::ClusterShape,
-    cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(epilogue_smem)>,
-    typename Tiles::KernelSchedule>::CollectiveOp;
 
 // Check, initialize (scratch from `dev`) and launch one CUTLASS kernel
 // through its device adapter.
@@ -79,7 +75,14 @@ struct Sm90Gemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Out, Row, kAlignOut, Out,
       Row, kAlignOut, typename Tiles::EpilogueSchedule>::CollectiveOp;
-  using Mainloop = Sm90Mainloop<In, LayoutB, Tiles, sizeof(typename Epilogue::SharedStorage)>;
+  // TMA loads of A [m, k] row-major and B, wgmma, fp32 accumulators; the
+  // stage count fills the shared memory the epilogue leaves.
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, In, Row, 16 / sizeof(In), In, LayoutB,
+      16 / sizeof(In), float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      typename Tiles::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
                                                       Epilogue, cutlass::gemm::PersistentScheduler>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -114,15 +117,37 @@ struct Sm90Gemm {
   static cudaError_t load() { return load_kernel<Kernel>(); }
 };
 
-}  // namespace pk::gemm
+// The instantiations (gemm.h: Variant) over the types the ops take.
+template <DType>
+struct Element;
+template <>
+struct Element<DType::kBF16> {
+  using Type = cutlass::bfloat16_t;
+};
+template <>
+struct Element<DType::kF16> {
+  using Type = cutlass::half_t;
+};
+template <>
+struct Element<DType::kF32> {
+  using Type = float;
+};
 
-// The two entry points of one instantiation, gemm.cu's run_<name> and
-// load_<name>: each instantiation is its own translation unit (they compile
-// in parallel).
-#define PK_GEMM_INSTANTIATION(name, In, Out, LayoutB)                                  \
-  namespace pk::gemm {                                                                \
-  cudaError_t run_##name(const Problem& p, const Device& dev, cudaStream_t stream) {  \
-    return Sm90Gemm<In, Out, LayoutB>::run(p, dev, stream);                          \
-  }                                                                                   \
-  cudaError_t load_##name() { return Sm90Gemm<In, Out, LayoutB>::load(); }           \
-  }
+// B [k, n] row-major, or transposed: [n, k] row-major, i.e. column-major [k, n].
+template <DType kIn, DType kOut, bool kBTransposed>
+using VariantGemm = Sm90Gemm<typename Element<kIn>::Type, typename Element<kOut>::Type,
+                             std::conditional_t<kBTransposed, cutlass::layout::ColumnMajor,
+                                                cutlass::layout::RowMajor>>;
+
+template <DType kIn, DType kOut, bool kBTransposed>
+cudaError_t Variant<kIn, kOut, kBTransposed>::launch(const Problem& p, const Device& dev,
+                                                     cudaStream_t stream) {
+  return VariantGemm<kIn, kOut, kBTransposed>::run(p, dev, stream);
+}
+
+template <DType kIn, DType kOut, bool kBTransposed>
+cudaError_t Variant<kIn, kOut, kBTransposed>::load() {
+  return VariantGemm<kIn, kOut, kBTransposed>::load();
+}
+
+}  // namespace pk::gemm

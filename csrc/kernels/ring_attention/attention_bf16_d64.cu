@@ -1,4 +1,5 @@
-// Fused ring attention kernel, bf16 inputs, head dim 64.
+// Instantiation: ring attention, bf16 inputs, head dim 64, mechanism copy_engine.
 #include "kernels/ring_attention/attention_sm90.cuh"
 
-PK_RING_ATTENTION_INSTANTIATE(cutlass::bfloat16_t, 64)
+template struct pk::ring_attention::Variant<pk::ring_attention::DType::kBF16, 64,
+                                            pk::ring_attention::Mechanism::kCopyEngine>;

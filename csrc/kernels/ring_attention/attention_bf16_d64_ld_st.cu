@@ -1,5 +1,5 @@
-// Fused ring attention kernel, mechanism ld_st (communicator CTAs), bf16 inputs,
-// head dim 64.
+// Instantiation: ring attention, bf16 inputs, head dim 64, mechanism ld_st.
 #include "kernels/ring_attention/attention_sm90.cuh"
 
-PK_RING_ATTENTION_LD_ST_INSTANTIATE(cutlass::bfloat16_t, 64)
+template struct pk::ring_attention::Variant<pk::ring_attention::DType::kBF16, 64,
+                                            pk::ring_attention::Mechanism::kLdSt>;

@@ -1,4 +1,5 @@
-// Fused ring attention kernel, f16 inputs, head dim 64.
+// Instantiation: ring attention, f16 inputs, head dim 64, mechanism copy_engine.
 #include "kernels/ring_attention/attention_sm90.cuh"
 
-PK_RING_ATTENTION_INSTANTIATE(cutlass::half_t, 64)
+template struct pk::ring_attention::Variant<pk::ring_attention::DType::kF16, 64,
+                                            pk::ring_attention::Mechanism::kCopyEngine>;

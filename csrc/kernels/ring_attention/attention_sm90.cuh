@@ -11,11 +11,13 @@
 // Mechanism ld_st (AttentionKernel<..., true>): a 1-D grid whose first
 // PushArgs::ctas CTAs are communicator CTAs (comm_push.cuh), the compute
 // CTAs after them in the same order (CommFirstScheduler).
+// Entry point: Variant<type, head dim, mechanism>::launch (ring_attention.h).
 #pragma once
 
 #include <type_traits>
 
 #include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
 
 #include "collective/fmha_epilogue.hpp"
 #include "kernel/fmha_kernel_tma_warpspecialized.hpp"
@@ -23,7 +25,7 @@
 #include "kernels/ring_attention/comm_push.cuh"
 #include "kernels/ring_attention/ring_attention.h"
 #include "kernels/ring_attention/ring_mainloop.cuh"
-#include "kernels/common/attention_variants.cuh"
+#include "kernels/common/fmha_launch.cuh"
 
 namespace pk::ring_attention {
 
@@ -156,10 +158,8 @@ struct AttentionKernel {
   using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
 
-  // [B, rows, heads, D] (row-major) or [B, heads, rows, D] (head-major).
-  static Stride stride(int rows, int heads, bool head_major = false) {
-    if (head_major)
-      return Stride{kHeadDim, cute::_1{}, cute::make_tuple(heads * rows * kHeadDim, rows * kHeadDim)};
+  // [B, rows, heads, D], row-major.
+  static Stride stride(int rows, int heads) {
     return Stride{heads * kHeadDim, cute::_1{},
                   cute::make_tuple(rows * heads * kHeadDim, kHeadDim)};
   }
@@ -172,8 +172,8 @@ struct AttentionKernel {
         {p.batch, p.q_heads, g.s_local, g.s_local, kHeadDim},
         {static_cast<const Element*>(p.q), stride(g.s_local, p.q_heads),
          static_cast<const Element*>(p.k), static_cast<const Element*>(p.v),
-         stride(g.s_local, p.kv_heads, p.by_heads), static_cast<const Element*>(a.k_peers),
-         static_cast<const Element*>(a.v_peers), stride(peer_rows, p.kv_heads, p.by_heads),
+         stride(g.s_local, p.kv_heads), static_cast<const Element*>(a.k_peers),
+         static_cast<const Element*>(a.v_peers), stride(peer_rows, p.kv_heads),
          RingArgs{g, p.q_heads / p.kv_heads, p.kv_heads, p.ch.mine()->posted,
                   &p.ch.mine()->epoch, p.ch.wait, p.scale, p.plan()}},
         {static_cast<Element*>(p.out), stride(g.s_local, p.q_heads), p.lse,
@@ -182,21 +182,37 @@ struct AttentionKernel {
     if (!Fmha::can_implement(args)) return cudaErrorNotSupported;
     auto params = Fmha::to_underlying_arguments(args, nullptr);
     if constexpr (kCommCtas)
-      return attention_variants::launch_kernel<Kernel>(Kernel::make_params(params, a.push),
+      return fmha_launch::launch_kernel<Kernel>(Kernel::make_params(params, a.push),
                                                        p.stream);
     else
-      return attention_variants::launch_kernel<Kernel>(params, p.stream);
+      return fmha_launch::launch_kernel<Kernel>(params, p.stream);
   }
 };
 
-template <typename Element, int kHeadDim>
-using LdStAttentionKernel = AttentionKernel<Element, kHeadDim, true>;
+// The instantiations (ring_attention.h: Variant).
+template <DType>
+struct Element;
+template <>
+struct Element<DType::kBF16> {
+  using Type = cutlass::bfloat16_t;
+};
+template <>
+struct Element<DType::kF16> {
+  using Type = cutlass::half_t;
+};
+
+template <DType kType, int kHeadDim, Mechanism kMechanism>
+using VariantKernel =
+    AttentionKernel<typename Element<kType>::Type, kHeadDim, kMechanism == Mechanism::kLdSt>;
+
+template <DType kType, int kHeadDim, Mechanism kMechanism>
+cudaError_t Variant<kType, kHeadDim, kMechanism>::launch(const KernelArgs& a) {
+  return VariantKernel<kType, kHeadDim, kMechanism>::launch(a);
+}
+
+template <DType kType, int kHeadDim, Mechanism kMechanism>
+cudaError_t Variant<kType, kHeadDim, kMechanism>::load() {
+  return fmha_launch::load_kernel<typename VariantKernel<kType, kHeadDim, kMechanism>::Kernel>();
+}
 
 }  // namespace pk::ring_attention
-
-// One variant per file (attention_variants.cuh).
-#define PK_RING_ATTENTION_INSTANTIATE(ELEMENT, HEAD_DIM) \
-  PK_ATTENTION_VARIANT(pk::ring_attention, AttentionVariants, AttentionKernel, const KernelArgs&, ELEMENT, HEAD_DIM)
-#define PK_RING_ATTENTION_LD_ST_INSTANTIATE(ELEMENT, HEAD_DIM)                                   \
-  PK_ATTENTION_VARIANT(pk::ring_attention, LdStAttentionVariants, LdStAttentionKernel,         \
-                       const KernelArgs&, ELEMENT, HEAD_DIM)

@@ -72,39 +72,23 @@ struct PushLayout {
   PK_HD size_t slot(int k, int b) const { return size_t(k - 1) * row_bytes + size_t(b) * pitch(); }
 };
 
-// How a peer's K (or V) block is cut into posted pieces. The block is seen as
-// units: rows (by_heads false) or (K/V head, row) pairs in head-major order
-// (by_heads true; the peer's region then stores the block head-major), and
-// piece i holds units [i, i + 1) * units / pieces. Cut by heads, the heads
-// the first CTAs work on (the launch is heads-outer) land first instead of
-// after the whole block.
+// How a peer's K (or V) block is cut into posted pieces: piece i holds rows
+// [i, i + 1) * s_local / pieces of every K/V head (of every batch: the bytes
+// PushLayout::piece_bytes() at i * piece_bytes() of each batch row).
 struct PiecePlan {
   int pieces = 1;
-  bool by_heads = false;
-  int kv_heads = 1;
   int s_local = 0;
 
-  PK_HD int units() const { return by_heads ? kv_heads * s_local : s_local; }
-  PK_HD int units_per_piece() const { return units() / pieces; }
-  // The piece holding row `row` of K/V head `head`.
-  PK_HD int piece_of(int head, int row) const {
-    return ((by_heads ? head * s_local : 0) + row) / units_per_piece();
-  }
-  // Heads [first, last] that piece `i` touches (all of them when by rows).
-  PK_HD int first_head(int i) const { return by_heads ? i * units_per_piece() / s_local : 0; }
-  PK_HD int last_head(int i) const {
-    return by_heads ? ((i + 1) * units_per_piece() - 1) / s_local : kv_heads - 1;
-  }
-  // Rows [r0, r1) of head `head` that piece `i` holds.
-  PK_HD void rows(int i, int head, int& r0, int& r1) const {
-    const int base = by_heads ? head * s_local : 0;
-    const int u0 = i * units_per_piece() - base, u1 = u0 + units_per_piece();
-    r0 = u0 > 0 ? u0 : 0;
+  PK_HD int rows_per_piece() const { return s_local / pieces; }
+  // The piece holding row `row`.
+  PK_HD int piece_of(int row) const { return row / rows_per_piece(); }
+  // Rows [r0, r1) that piece `i` holds.
+  PK_HD void rows(int i, int& r0, int& r1) const {
+    const int u1 = (i + 1) * rows_per_piece();
+    r0 = i * rows_per_piece();
     r1 = u1 < s_local ? u1 : s_local;
   }
-  PK_HD bool valid() const {
-    return pieces >= 1 && s_local > 0 && kv_heads > 0 && units() % pieces == 0;
-  }
+  PK_HD bool valid() const { return pieces >= 1 && s_local > 0 && s_local % pieces == 0; }
 };
 
 // One K/V tile of the walk.

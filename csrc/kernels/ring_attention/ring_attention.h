@@ -21,13 +21,11 @@
 // q's posted[r]; the compute CTAs and their per-piece waits are the same;
 // then finish.
 // The region holds n - 1 peer blocks, K then V: [B, (n - 1) * s_local, Hkv, D]
-// each (PushLayout, kv_walk.cuh) when pieces are cut by rows, [B, Hkv,
-// (n - 1) * s_local, D] when they are cut by heads (copy_engine only; the
-// caller then hands K and V in head-major too). (A ring would forward blocks
-// hop by hop through a double buffer; on
-// NVLink switches every pair has full bandwidth, so direct pushes move the
-// same bytes per link without the forwarding chain, for (n - 1) blocks of
-// memory instead of 2.)
+// each (PushLayout, kv_walk.cuh), posted in pieces of whole rows (PiecePlan).
+// (A ring would forward blocks hop by hop through a double buffer; on NVLink
+// switches every pair has full bandwidth, so direct pushes move the same
+// bytes per link without the forwarding chain, for (n - 1) blocks of memory
+// instead of 2.)
 #pragma once
 
 #include <cuda_runtime.h>
@@ -55,7 +53,7 @@ inline constexpr int kMaxCommCtas = 32;
 
 struct Params {
   const void* q = nullptr;  // [B, s_local, Hq, D]
-  const void* k = nullptr;  // [B, s_local, Hkv, D] (by_heads: [B, Hkv, s_local, D])
+  const void* k = nullptr;  // [B, s_local, Hkv, D]
   const void* v = nullptr;
   void* out = nullptr;      // [B, s_local, Hq, D]
   float* lse = nullptr;     // [B, Hq, s_local], natural log, scale included
@@ -64,8 +62,6 @@ struct Params {
   float scale = 1.0f;
   Geometry geo{};
   int pieces = 1;           // pieces each peer's block is posted in (fixed per channel)
-  bool by_heads = false;    // k, v are [B, Hkv, S, D] and pieces cut head-major
-                            // units, else [B, S, Hkv, D] and rows (kv_walk.cuh)
   bool skip_post = false;   // testing: push the data but never post it
   Mechanism mechanism = Mechanism::kCopyEngine;
   int num_comm_ctas = kDefaultCommCtas;  // ld_st only: 1..kMaxCommCtas
@@ -79,16 +75,12 @@ struct Params {
   cudaStream_t copy_stream = nullptr;  // V's copies, beside K's on side_stream
   cudaEvent_t copy_done = nullptr;
 
-  PiecePlan plan() const { return {pieces, by_heads, kv_heads, geo.s_local}; }
+  PiecePlan plan() const { return {pieces, geo.s_local}; }
 };
 
 // Bytes of one rank's K (or V) block.
 inline size_t block_bytes(int batch, int s_local, int kv_heads, int head_dim) {
   return size_t(batch) * s_local * kv_heads * head_dim * 2;
-}
-// Bytes of the channel region: n - 1 peer blocks of K and of V.
-inline size_t region_bytes(int n, int batch, int s_local, int kv_heads, int head_dim) {
-  return 2 * size_t(n - 1) * block_bytes(batch, s_local, kv_heads, head_dim);
 }
 // False when the extension was built without CUTLASS.
 bool available();
@@ -115,20 +107,21 @@ struct KernelArgs {
   const void* v_peers;
   PushArgs push;  // ld_st only
 };
-// The variants (attention_<type>_d<D>.cu specialize them; see
-// kernels/common/attention_variants.cuh): mechanism copy_engine.
-struct AttentionVariants {
-  template <typename Element, int kHeadDim>
-  static cudaError_t launch(const KernelArgs& a);
-  template <typename Element, int kHeadDim>
-  static cudaError_t load();
+// The instantiations (kernels/common/variants.h): one per (element type,
+// head dim, mechanism), attention_<type>_d<D>[_ld_st].cu; defined in
+// attention_sm90.cuh.
+struct VariantKey {
+  DType dtype;
+  int head_dim;
+  Mechanism mechanism;
 };
-// The same kernel with communicator CTAs in front: mechanism ld_st
-// (attention_<type>_d<D>_ld_st.cu).
-struct LdStAttentionVariants {
-  template <typename Element, int kHeadDim>
+constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
+  return a.dtype == b.dtype && a.head_dim == b.head_dim && a.mechanism == b.mechanism;
+}
+template <DType kType, int kHeadDim, Mechanism kMechanism>
+struct Variant {
+  static constexpr VariantKey key{kType, kHeadDim, kMechanism};
   static cudaError_t launch(const KernelArgs& a);
-  template <typename Element, int kHeadDim>
   static cudaError_t load();
 };
 

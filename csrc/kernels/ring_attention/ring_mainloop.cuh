@@ -195,7 +195,6 @@ struct RingMainloop
 
     if (lane_predicate) {
       const uint64_t epoch = *reinterpret_cast<const volatile uint64_t*>(p.ring.epoch) + 1;
-      const int kv_head = int(get<2, 1>(kv_blk));
       const int pieces = p.ring.plan.pieces;
       int waited_step = 0, waited_piece = -1;  // the last piece known to be here
       KvWalk walk = make_walk(blk, p);
@@ -203,9 +202,9 @@ struct RingMainloop
       bool first = true;
       while (walk.next(t)) {
         // The walk visits a peer's rows in order and a piece holds
-        // consecutive rows of a head, so waiting for the piece of a tile's
-        // last row covers the whole tile.
-        const int piece = p.ring.plan.piece_of(kv_head, t.row + kTileK - 1);
+        // consecutive rows, so waiting for the piece of a tile's last row
+        // covers the whole tile.
+        const int piece = p.ring.plan.piece_of(t.row + kTileK - 1);
         if (t.step > 0 && (t.step != waited_step || piece > waited_piece)) {
           const int src = (g.rank - t.step + g.n) % g.n;
           const uint64_t target = (epoch - 1) * uint64_t(pieces) + piece + 1;

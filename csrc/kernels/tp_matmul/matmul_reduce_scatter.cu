@@ -1,11 +1,5 @@
 // matmul_reduce_scatter on one stream (see tp_matmul.h). For call epoch e on
-// rank r, with m = rows of the output shard, mechanism fused:
-//   credit: every peer finished reading what we wrote into its region last call.
-//   GEMM:   one launch over all of x; its epilogue writes and flags every tile
-//           of a peer's rows in that peer's region, and adds the peers' flagged
-//           tiles to ours as it writes our shard (scatter_epilogue.cuh).
-//   finish: done[r] = e to every peer, epoch = e.
-// Mechanism chunked:
+// rank r, with m = rows of the output shard:
 //   credit: every peer finished summing what we wrote into its region last call.
 //   remote: for each peer q, nearest first: GEMM x[q's rows] @ w with its
 //           output in slot r of q's region (the epilogue's stores cross
@@ -42,38 +36,11 @@ cudaError_t gemm_into(const Params& p, int rows_of, char* dst, cudaStream_t s,
   return gemm::run(g, p.gemm_dev, s);
 }
 
-ScatterTarget scatter_target(const Params& p) {
-  ScatterTarget t;
-  const size_t slot = size_t(p.m) * p.n_cols * gemm::itemsize(p.out_type);
-  const size_t flags = fused_rs_flags_offset(p.n, p.m, p.n_cols, p.out_type);
-  t.out = p.out;
-  for (int q = 0; q < p.n; ++q) {
-    t.remote[q] = p.region[q] + p.rank * slot;
-    t.flags_remote[q] = reinterpret_cast<uint64_t*>(p.region[q] + flags);
-  }
-  t.slots = p.region[p.rank];
-  t.flags_local = t.flags_remote[p.rank];
-  t.ch = p.ch;
-  t.m = p.m;
-  t.n_cols = p.n_cols;
-  t.tiles = fused_rs_tiles(p.m, p.n_cols);
-  t.tiles_n = fused_rs_tiles_n(p.n_cols);
-  t.rank = p.rank;
-  t.n = p.n;
-  t.skip_post = p.skip_post;
-  return t;
-}
-
 }  // namespace
 
 cudaError_t matmul_reduce_scatter(const Params& p) {
   cudaStream_t s = p.stream;
   if (p.n == 1) return gemm_into(p, 0, static_cast<char*>(p.out), s);
-  if (p.fused) {
-    PK_CUDA_TRY(signals::wait_credit(p.ch, s));
-    PK_CUDA_TRY(run_fused_rs(p, scatter_target(p), s));
-    return signals::finish(p.ch, s);
-  }
   const size_t slot = size_t(p.m) * p.n_cols * gemm::itemsize(p.out_type);
   PK_CUDA_TRY(signals::wait_credit(p.ch, s));
   for (int k = 1; k < p.n; ++k) {

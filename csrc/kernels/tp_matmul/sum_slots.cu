@@ -82,7 +82,7 @@ cudaError_t load_kernels() {
     cudaFuncAttributes attr;
     PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
   }
-  return load_fused_rs_kernels();
+  return cudaSuccess;
 }
 
 }  // namespace pk::tp_matmul

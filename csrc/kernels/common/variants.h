@@ -1,0 +1,42 @@
+// How every kernel family compiled once per instantiation (the GEMM, the ring
+// attention forward, the block backward) is declared, instantiated and
+// dispatched.
+//
+//   * The op's host header declares the family: a class template over the
+//     instantiation's compile-time parameters, with the runtime key it serves
+//     and its two entry points (defined in the op's *_sm90.cuh):
+//       template <DType kType, int kHeadDim> struct XVariant {
+//         static constexpr XKey key{kType, kHeadDim};
+//         static cudaError_t launch(const Args&);
+//         static cudaError_t load();  // on the current device, at init
+//       };
+//   * One file per instantiation (they compile in parallel) holds one
+//     explicit instantiation: template struct pk::op::XVariant<...>;
+//   * The op's host file names every instantiation once, in a Variants list:
+//     launch() runs the one whose key equals the runtime key, load() loads
+//     them all.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace pk::variants {
+
+template <class... Vs>
+struct Variants {
+  // The instantiation for `key`; cudaErrorNotSupported when none serves it.
+  template <class Key, class... Args>
+  static cudaError_t launch(const Key& key, const Args&... args) {
+    cudaError_t err = cudaErrorNotSupported;
+    (void)((Vs::key == key ? (err = Vs::launch(args...), true) : false) || ...);
+    return err;
+  }
+
+  // Every instantiation's load(), stopping at the first error.
+  static cudaError_t load() {
+    cudaError_t err = cudaSuccess;
+    (void)(((err = Vs::load()) != cudaSuccess) || ...);
+    return err;
+  }
+};
+
+}  // namespace pk::variants
