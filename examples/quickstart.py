@@ -18,7 +18,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
@@ -27,8 +27,8 @@ from pk_jax import runtime  # noqa: E402
 
 def main() -> None:
     devices = jax.devices()[:8]
-    mesh = Mesh(np.array(devices), ("tp",), axis_types=(AxisType.Auto,))
     n = len(devices)
+    mesh = jax.make_mesh((n,), ("tp",), devices=devices)  # Explicit axes (jax's default)
     kernels = devices[0].platform == "gpu" and runtime.available()
     print(f"{n} x {devices[0].device_kind}; pk_jax kernels: {'yes' if kernels else 'no (XLA path)'}")
 

@@ -42,13 +42,26 @@ def axis_groups(mesh: Mesh, names: tuple[str, ...]) -> np.ndarray:
 
 
 def lowering_mesh(ctx, op: str) -> Mesh:
-    """The concrete mesh of the shard_map being lowered."""
-    from jax._src import sharding_impls  # the axis context types live here
+    """The concrete mesh of the shard_map being lowered.
+
+    A shard_map given an abstract mesh (explicit sharding: `jax.shard_map`
+    without `mesh=` under `jax.set_mesh`) lowers with the concrete mesh of
+    the `jax.set_mesh` context.
+    """
+    from jax._src import mesh as mesh_lib, sharding_impls  # axis contexts live here
 
     axis_context = ctx.module_context.axis_context
     mesh = getattr(axis_context, "mesh", None)
-    if not isinstance(axis_context, sharding_impls.SPMDAxisContext) or not isinstance(mesh, Mesh):
+    if not isinstance(axis_context, sharding_impls.SPMDAxisContext) or mesh is None:
         raise ValueError(
-            f"pk_jax.{op} must be called inside jax.shard_map over a concrete mesh "
-            f"(got axis context {type(axis_context).__name__})")
-    return mesh
+            f"pk_jax.{op} must be called inside jax.shard_map (got axis context "
+            f"{type(axis_context).__name__})")
+    if isinstance(mesh, Mesh):
+        return mesh
+    concrete = mesh_lib.get_concrete_mesh()
+    if not concrete.empty and concrete.abstract_mesh.shape_tuple == mesh.shape_tuple:
+        return concrete
+    raise ValueError(
+        f"pk_jax.{op}: the shard_map's mesh is abstract ({mesh}) and no concrete mesh is set, "
+        "so the devices of each group are unknown; pass the concrete Mesh to "
+        "jax.shard_map(mesh=...) or compile under `with jax.set_mesh(mesh):`")

@@ -28,10 +28,29 @@ def gpus() -> list:
         return []
 
 
+# The axis type cpu_mesh gives (the `sharding_mode` fixture switches it).
+_mesh_axis_type = AxisType.Auto
+
+
 def cpu_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Mesh:
+    """A mesh of fake CPU devices, Auto axes unless a test runs under the
+    `sharding_mode` fixture's "explicit" parameter."""
     n = int(np.prod(shape))
     devices = np.array(jax.devices("cpu")[:n]).reshape(shape)
-    return Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+    return Mesh(devices, names, axis_types=(_mesh_axis_type,) * len(names))
+
+
+@pytest.fixture(params=["auto", "explicit"])
+def sharding_mode(request):
+    """Run a test twice: with cpu_mesh giving Auto axes, then Explicit axes
+    (what jax.make_mesh gives by default)."""
+    global _mesh_axis_type
+    saved = _mesh_axis_type
+    _mesh_axis_type = AxisType.Explicit if request.param == "explicit" else AxisType.Auto
+    try:
+        yield request.param
+    finally:
+        _mesh_axis_type = saved
 
 
 def gpu_mesh(n: int, name: str = "x") -> Mesh:

@@ -8,11 +8,15 @@ import importlib.util
 import pathlib
 import sys
 
+import subprocess
+
 import jax
 import numpy as np
+import pytest
 from flax import nnx
+from jax.sharding import AxisType
 
-from conftest import cpu_mesh, rel_err
+from conftest import cpu_mesh, gpus, rel_err
 
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "flax_transformer.py"
 _spec = importlib.util.spec_from_file_location("flax_transformer", _PATH)
@@ -21,8 +25,9 @@ sys.modules[_spec.name] = example  # dataclasses look the module up
 _spec.loader.exec_module(example)
 
 
-def test_pk_and_xla_train_alike():
-    mesh = cpu_mesh((4, 2), ("sp", "tp"))
+@pytest.mark.parametrize("axis_types", [AxisType.Explicit, AxisType.Auto])
+def test_pk_and_xla_train_alike(axis_types):
+    mesh = example.make_mesh(4, 2, axis_types)
     logs: list[str] = []
     pk, xla = (example.train(10, c, mesh=mesh, log=logs.append) for c in ("pk", "xla"))
     assert len(pk) == len(xla) == 10
@@ -70,3 +75,13 @@ def test_gpu_preset_takes_the_fused_kernels():
         k = jax.ShapeDtypeStruct((cfg.batch // tp, s_local, kv, cfg.head_dim), jnp.bfloat16)
         assert kernel_problem(q, k, "contiguous") is None
         assert cfg.d_model % 8 == 0 and (cfg.hidden // tp) % 8 == 0  # TP GEMM kernels
+
+
+def test_gpu_preset_without_gpus_says_why():
+    """On a machine without GPUs the GPU preset stops at once with a message
+    (instead of running out of host memory)."""
+    if gpus():
+        pytest.skip("this machine has GPUs: the preset would train")
+    proc = subprocess.run([sys.executable, str(_PATH), "--preset", "gpu", "--steps", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "no GPU" in proc.stderr, proc.stderr

@@ -13,12 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from conftest import cpu_mesh, rel_err
 from pk_jax.flax import (ColumnParallelLinear, ParallelMLP, RingSelfAttention,
                          RowParallelLinear, init_sharded, partition_specs, shard_size)
+
+# Every test of this file runs on Auto and on Explicit meshes.
+pytestmark = pytest.mark.usefixtures("sharding_mode")
 
 F, HIDDEN, HQ, HKV, HD = 16, 32, 4, 2, 8  # features, MLP hidden, heads, kv heads, head dim
 
@@ -98,13 +102,25 @@ def _setup(case: Case, n: int, rng, mechanism: str = "auto"):
     mesh = cpu_mesh(case.mesh_shape(n), case.names)
     sizes = dict(mesh.shape)
     graphdef, state = init_sharded(lambda: case.build(sizes, mechanism), mesh)
-    # Fresh random global weights (not the initializer's), in the module's layout.
-    state = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape) / 4, a.dtype), state)
+    # Fresh random global weights (not the initializer's), laid out as the
+    # module's (on Explicit meshes shard_map takes inputs sharded as in_specs).
+    specs = partition_specs(state)
+    leaves, treedef = jax.tree.flatten(state)
+    state = treedef.unflatten([
+        jax.device_put(np.asarray(rng.standard_normal(a.shape) / 4, a.dtype),
+                       NamedSharding(mesh, s))
+        for a, s in zip(leaves, jax.tree.leaves(specs, is_leaf=lambda v: isinstance(v, P)))])
     apply = jax.jit(jax.shard_map(lambda st, x: nnx.merge(graphdef, st)(x), mesh=mesh,
-                                  in_specs=(partition_specs(state), case.in_spec),
+                                  in_specs=(specs, case.in_spec),
                                   out_specs=case.out_spec, check_vma=case.check_vma))
-    x = jnp.asarray(rng.standard_normal(case.x_shape(n)), jnp.float32)
+    x = jax.device_put(rng.standard_normal(case.x_shape(n)).astype(np.float32),
+                       NamedSharding(mesh, case.in_spec))
     return apply, state, x
+
+
+def _host(tree):
+    """The same values, unsharded (the references run on plain arrays)."""
+    return jax.tree.map(np.asarray, tree)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -112,14 +128,16 @@ def _setup(case: Case, n: int, rng, mechanism: str = "auto"):
 def test_values_and_gradients(rng, name, n):
     case = CASES[name]
     apply, state, x = _setup(case, n, rng)
-    ref = case.reference(state, x)
+    ref = case.reference(_host(state), _host(x))
     out = apply(state, x)
     assert out.shape == ref.shape and out.dtype == jnp.float32
     assert rel_err(out, ref) < 1e-5
 
-    cot = jnp.asarray(rng.standard_normal(ref.shape), jnp.float32)
-    grads = jax.jit(jax.grad(lambda st, x: jnp.vdot(apply(st, x), cot), (0, 1)))(state, x)
-    ref_grads = jax.grad(lambda st, x: jnp.vdot(case.reference(st, x), cot), (0, 1))(state, x)
+    cot = rng.standard_normal(ref.shape).astype(np.float32)
+    loss = lambda st, x: jnp.sum(apply(st, x) * cot)
+    grads = jax.jit(jax.grad(loss, (0, 1)))(state, x)
+    ref_grads = jax.grad(lambda st, x: jnp.vdot(case.reference(st, x), cot), (0, 1))(
+        _host(state), _host(x))
     leaves, ref_leaves = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
     assert len(leaves) == len(ref_leaves) == len(jax.tree.leaves(state)) + 1
     for g, r in zip(leaves, ref_leaves):
@@ -147,9 +165,10 @@ def test_zigzag_layout(rng):
     apply = jax.jit(jax.shard_map(lambda st, x: nnx.merge(graphdef, st)(x), mesh=mesh,
                                   in_specs=(partition_specs(state), P(None, "sp")),
                                   out_specs=P(None, "sp")))
-    x = jnp.asarray(rng.standard_normal((2, 32, F)), jnp.float32)
-    out = pk_jax.zigzag_unshard(apply(state, pk_jax.zigzag_shard(x, 4)), 4)
-    assert rel_err(out, _ref_attention(state, x)) < 1e-5
+    x = rng.standard_normal((2, 32, F)).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P(None, "sp")))
+    out = pk_jax.zigzag_unshard(apply(state, pk_jax.zigzag_shard(xs, 4)), 4)
+    assert rel_err(out, _ref_attention(_host(state), x)) < 1e-5
 
 
 def test_init_does_not_depend_on_mesh():
@@ -190,4 +209,4 @@ def test_rows_not_divisible_raises(rng):
     apply = jax.shard_map(lambda st, x: nnx.merge(graphdef, st)(x), mesh=mesh,
                           in_specs=(partition_specs(state), P(None, "tp")), out_specs=P("tp"))
     with pytest.raises(ValueError, match="must divide by the size of axis"):
-        apply(state, jnp.ones((6, 32)))
+        apply(state, jax.device_put(jnp.ones((6, 32)), NamedSharding(mesh, P(None, "tp"))))

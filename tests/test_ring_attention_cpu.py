@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh, rel_err
@@ -272,6 +273,26 @@ def test_zigzag_layout(n):
         np.testing.assert_array_equal(z[r, 1], np.arange(c * chunk, (c + 1) * chunk))
 
 
+@pytest.mark.parametrize("sharding_mode", ["explicit"], indirect=True)
+@pytest.mark.parametrize("n,m", [(2, 2), (4, 4), (3, 3), (2, 4)])
+def test_zigzag_keeps_a_sharded_sequence_sharded(rng, sharding_mode, n, m):
+    """On an Explicit mesh a sequence sharded over m devices is reordered
+    where it lies (collective permutes, no all-gather when m == n) and keeps
+    its sharding; the values are those of the unsharded reorder."""
+    mesh = cpu_mesh((m,), ("sp",))
+    x = rng.standard_normal((2, 8 * n * m, 3)).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, SEQ))
+    for fn, inverse in ((zigzag_shard, zigzag_unshard), (zigzag_unshard, zigzag_shard)):
+        f = jax.jit(lambda a: fn(a, n))
+        y = f(xs)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(fn(x, n)))
+        assert y.sharding.is_equivalent_to(xs.sharding, 3), y.sharding
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: inverse(a, n))(y)), x)
+        if n == m:
+            hlo = f.lower(xs).compile().as_text()
+            assert "collective-permute" in hlo and "all-gather" not in hlo
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(axis_size=2), "must divide by 2 \\* axis_size \\(4\\)"),
     (dict(axis_size=0), "axis_size must be a positive int"),
@@ -327,12 +348,40 @@ Q, KV = (2, 16, 8, 64), (2, 16, 2, 64)
      "v must be floating point"),
     ((Q, KV), dict(dtypes=(jnp.bfloat16, jnp.float32, jnp.float32)), TypeError,
      "q, k and v must have the same dtype"),
-    ((Q, KV), dict(scale="big"), TypeError, "scale must be a Python or NumPy real number"),
+    ((Q, KV), dict(scale="big"), TypeError, "scale must be a real number or None"),
     ((Q, KV), dict(scale=float("inf")), ValueError, "scale must be finite"),
 ])
 def test_bad_inputs(args, kw, exc, match):
     with pytest.raises(exc, match=match):
         _call(*args, **kw)
+
+
+def test_scale_as_a_jax_scalar_and_traced(rng):
+    """A concrete jnp scalar is a scale like a float; a traced one is refused
+    with what to do (the scale is compiled into the kernel)."""
+    q, k, v = _qkv(rng, 1, 16, 2, 2, 64)
+    want = _reference(q, k, v, False, 0.3)
+    ring = _sharded(cpu_mesh((2,), ("sp",)), scale=jnp.float32(0.3))
+    assert rel_err(jax.jit(ring)(q, k, v), want) < 1e-5
+    traced = jax.jit(lambda q, k, v, s: _sharded(cpu_mesh((2,), ("sp",)), scale=s)(q, k, v))
+    with pytest.raises(TypeError, match="scale must be a concrete number.*traced"):
+        traced(q, k, v, jnp.float32(0.3))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_empty_local_sequence(layout):
+    """No tokens: an empty result (as jax.nn.dot_product_attention), also
+    the log-sum-exp and the gradients."""
+    q = jnp.zeros((2, 0, 4, 64))
+    f = jax.shard_map(lambda q: ring_attention(q, q, q, "sp", causal=True, layout=layout,
+                                               return_lse=True),
+                      mesh=cpu_mesh((2,), ("sp",)), in_specs=SEQ,
+                      out_specs=(SEQ, P(None, None, "sp")), check_vma=False)
+    out, lse = jax.jit(f)(q)
+    assert out.shape == (2, 0, 4, 64) and lse.shape == (2, 4, 0)
+    g = jax.jit(jax.grad(lambda q: jnp.sum(f(q)[0])))(q)
+    assert g.shape == q.shape
+    assert jax.nn.dot_product_attention(q, q, q).shape == out.shape  # the same contract
 
 
 def test_other_mesh_axes_keep_their_varying_type(rng):

@@ -20,6 +20,7 @@ from flax import nnx
 from pk_jax._warnings import warn_once
 from pk_jax.partitioning import dot_general as _dot_general
 from pk_jax.partitioning import dot_product_attention
+from pk_jax._explicit import explicit_mesh, reshard, type_sharding
 
 
 def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision: Any = None,
@@ -63,6 +64,9 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
                   f"pk_jax.flax.attention_fn: {', '.join(what)} given, which the ring path "
                   "cannot honour; using flax's nnx.dot_product_attention (no ring attention)")
         kwargs = {} if promote_dtype is None else {"promote_dtype": promote_dtype}
+        mesh = explicit_mesh(query, key, value)
+        if mesh is not None:  # sharded keys would give an illegal scores sharding
+            key, value = (_keys_unsharded(a, mesh) for a in (key, value))
         return nnx.dot_product_attention(
             query, key, value, bias, mask, broadcast_dropout, dropout_rng, dropout_rate,
             deterministic, dtype, precision, module, is_causal=is_causal, **kwargs)
@@ -79,3 +83,12 @@ def attention_fn(query: jax.Array, key: jax.Array, value: jax.Array,
     to4 = lambda a: a.reshape((-1,) + a.shape[-3:])
     out = dot_product_attention(to4(query), to4(key), to4(value), causal=is_causal)
     return out.reshape(batch + out.shape[1:])
+
+
+def _keys_unsharded(x: jax.Array, mesh) -> jax.Array:
+    """`x` [..., length, heads, head_dim] with its length and head_dim dims
+    unsharded (explicit sharding): flax's attention then contracts and
+    reduces over unsharded dims, whatever the queries' sharding."""
+    spec = list(type_sharding(x).spec) + [None] * x.ndim
+    spec[x.ndim - 3] = spec[x.ndim - 1] = None
+    return reshard(x, mesh, jax.sharding.PartitionSpec(*spec[:x.ndim]))

@@ -77,14 +77,24 @@ def _check_shapes(q, k, v) -> None:
                          "supported)")
 
 
-def _check_scale(scale, head_dim: int) -> float:
+def check_scale(op: str, scale, head_dim: int) -> float:
+    """The score scale as a float: 1 / sqrt(head_dim) for None, else a real
+    number (Python, NumPy or a concrete JAX scalar). It is compiled into the
+    kernels, so a traced value is refused with what to do instead."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, jax.core.Tracer):
+        raise TypeError(f"pk_jax.{op}: scale must be a concrete number (it is compiled into "
+                        "the kernel), got a traced value; pass a Python float (e.g. a static "
+                        "argument of jit), or multiply q by it and pass scale=1.0")
+    if isinstance(scale, (jax.Array, np.ndarray)) and scale.size == 1 \
+            and jnp.issubdtype(scale.dtype, jnp.floating):
+        scale = float(np.asarray(scale).reshape(()))
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.number)):
-        raise TypeError(f"pk_jax.ring_attention: scale must be a Python or NumPy real "
-                        f"number or None, got {type(scale).__name__}")
+        raise TypeError(f"pk_jax.{op}: scale must be a real number or None, got "
+                        f"{type(scale).__name__}")
     if not math.isfinite(float(scale)):
-        raise ValueError(f"pk_jax.ring_attention: scale must be finite, got {scale}")
+        raise ValueError(f"pk_jax.{op}: scale must be finite, got {scale}")
     return float(scale)
 
 
@@ -143,7 +153,7 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
     chosen = _mechanism(q, k, layout, mechanism)
     kernel_grads = (chosen in KERNEL_MECHANISMS and not deterministic
                     and block_bwd.kernel_problem(q, k, layout) is None)
-    return RingConfig(names, lax.axis_size(names), bool(causal), _check_scale(scale, q.shape[3]),
+    return RingConfig(names, lax.axis_size(names), bool(causal), check_scale("ring_attention", scale, q.shape[3]),
                       layout, chosen, comm_ctas if chosen == "ld_st" else 0,
                       "kernel" if kernel_grads else "einsum")
 

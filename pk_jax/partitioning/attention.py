@@ -12,7 +12,6 @@ price is a second forward). First-order only.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -20,9 +19,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 
-from pk_jax.ops.ring_attention import check_qkv_arrays, ring_attention
+from pk_jax.ops.ring_attention import check_qkv_arrays, check_scale, ring_attention
 from pk_jax.partitioning._attention_plan import AttentionPlan, plan_attention
-from pk_jax.partitioning._specs import Route, dim_axes, named, record
+from pk_jax._explicit import explicit_mesh, replicated_fun, reshard, type_sharding
+from pk_jax.partitioning._specs import Route, dim_axes, named, record, spec
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,16 +49,17 @@ def _reference(q, k, v, causal, scale):
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
 
 
-def _plan(mesh, arg_shapes, causal) -> AttentionPlan:
-    q, k, v = arg_shapes[:3]
-    return plan_attention(dim_axes(q.sharding, 4, mesh), q.shape, k.shape, v.shape,
+def _plan(mesh, q_sharding, shapes, causal) -> AttentionPlan:
+    q, k, v = shapes[:3]
+    return plan_attention(dim_axes(q_sharding, 4, mesh), q.shape, k.shape, v.shape,
                           dict(mesh.shape), causal)
 
 
 @functools.lru_cache(maxsize=None)
-def _op(causal: bool, scale: float, same_heads: bool, same_len: bool,
-        vjp: bool) -> custom_partitioning:
-    """Forward op f(q, k, v) -> out, or with vjp f(q, k, v, g) -> (dq, dk, dv)."""
+def _op(causal: bool, scale: float, same_heads: bool, same_len: bool, vjp: bool,
+        explicit_out=None) -> custom_partitioning:
+    """Forward op f(q, k, v) -> out, or with vjp f(q, k, v, g) -> (dq, dk, dv).
+    Under explicit sharding `explicit_out` is the planned result spec(s)."""
 
     if vjp:
         def fun(q, k, v, g):
@@ -66,14 +67,14 @@ def _op(causal: bool, scale: float, same_heads: bool, same_len: bool,
     else:
         def fun(q, k, v):
             return _reference(q, k, v, causal, scale)
-    op = custom_partitioning(fun)
+    op = custom_partitioning(fun if explicit_out is None else replicated_fun(fun, explicit_out))
 
     def shardings(mesh, plan):
         q, kv, out = named(mesh, plan.q), named(mesh, plan.kv), named(mesh, plan.out)
         return ((q, kv, kv, out), (q, kv, kv)) if vjp else ((q, kv, kv), out)
 
     def partition(mesh, arg_shapes, result_shape):
-        plan = _plan(mesh, arg_shapes, causal)
+        plan = _plan(mesh, arg_shapes[0].sharding, arg_shapes, causal)
         ins, outs = shardings(mesh, plan)
         record(Route("attention_vjp" if vjp else "attention", plan.route, plan.axes,
                      tuple(s.spec for s in ins),
@@ -92,7 +93,7 @@ def _op(causal: bool, scale: float, same_heads: bool, same_len: bool,
         return mesh, lower, outs, ins
 
     def infer(mesh, arg_shapes, result_shape):  # GSPMD propagation
-        return shardings(mesh, _plan(mesh, arg_shapes, causal))[1]
+        return shardings(mesh, _plan(mesh, arg_shapes[0].sharding, arg_shapes, causal))[1]
 
     op.def_partition(partition, infer_sharding_from_operands=infer,
                      propagate_user_sharding=lambda mesh, user_shape: jax.tree.map(
@@ -101,9 +102,23 @@ def _op(causal: bool, scale: float, same_heads: bool, same_len: bool,
     return op
 
 
+def _call(key, vjp: bool, *args):
+    """The forward (q, k, v) or vjp (q, k, v, g) op. Under explicit sharding
+    the route is planned here from q's type (the partition callback plans
+    the same) and the gradients are resharded to their primals' shardings."""
+    mesh = explicit_mesh(*args)
+    if mesh is None:
+        return _op(*key, vjp)(*args)
+    plan = _plan(mesh, type_sharding(args[0]), args, key[0])
+    if not vjp:
+        return _op(*key, vjp, spec(plan.out))(*args)
+    grads = _op(*key, vjp, (spec(plan.q), spec(plan.kv), spec(plan.kv)))(*args)
+    return tuple(reshard(g, mesh, type_sharding(a).spec) for g, a in zip(grads, args))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attention(q, k, v, key):
-    return _op(*key, False)(q, k, v)
+    return _call(key, False, q, k, v)
 
 
 def _attention_fwd(q, k, v, key):
@@ -111,7 +126,7 @@ def _attention_fwd(q, k, v, key):
 
 
 def _attention_bwd(key, res, g):
-    return tuple(_op(*key, True)(*res, g.astype(res[0].dtype)))
+    return tuple(_call(key, True, *res, g.astype(res[0].dtype)))
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -126,9 +141,6 @@ def _check(q, k, v) -> None:
     if q.shape[2] % k.shape[2]:
         raise ValueError(f"pk_jax.dot_product_attention: query heads ({q.shape[2]}) must be "
                          f"a multiple of kv heads ({k.shape[2]})")
-    if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"pk_jax.dot_product_attention: q, k and v must have one dtype, got "
-                        f"{q.dtype}, {k.dtype} and {v.dtype}")
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -157,9 +169,6 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check(q, k, v)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[3])
-    if not math.isfinite(float(scale)):
-        raise ValueError(f"pk_jax.dot_product_attention: scale must be finite, got {scale}")
-    key = (bool(causal), float(scale), q.shape[2] == k.shape[2], q.shape[1] == k.shape[1])
+    scale = check_scale("dot_product_attention", scale, q.shape[3])
+    key = (bool(causal), scale, q.shape[2] == k.shape[2], q.shape[1] == k.shape[1])
     return _attention(q, k, v, key)

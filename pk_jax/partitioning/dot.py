@@ -28,9 +28,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
 from pk_jax.partitioning._dot_plan import DotDims, DotPlan, plan_dot
+from pk_jax._explicit import (explicit_mesh, replicated_fun, reshard, spec_of,
+                                           type_sharding)
 from pk_jax.partitioning._specs import Route, dim_axes, named, record, spec
 
 _FUSED = {"all_gather_matmul": all_gather_matmul,
@@ -103,15 +106,18 @@ def _plan(dims, out_dtype, mesh, arg_shapes, want_sharding) -> DotPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def _op(dims: DotDims, precision: Any, out_dtype: Any, kind: str,
-        with_like: bool) -> custom_partitioning:
+def _op(dims: DotDims, precision: Any, out_dtype: Any, kind: str, with_like: bool,
+        explicit_out: Optional[P]) -> custom_partitioning:
     """The partitioned op `f(lhs, rhs[, like])` of one static configuration
-    (`like`, for the gradients, only lends its sharding to the result)."""
+    (`like`, for the gradients, only lends its sharding to the result).
+    Under explicit sharding `explicit_out` is the result's planned spec
+    (_explicit.py); None otherwise."""
 
     def fun(lhs, rhs, *like):
         return _local_dot(lhs, rhs, dims, precision, out_dtype)
 
-    op = custom_partitioning(fun)
+    op = custom_partitioning(fun if explicit_out is None else
+                             replicated_fun(lambda a, b, *_: fun(a, b), explicit_out))
 
     def want_of(arg_shapes, result_shape):
         return arg_shapes[2].sharding if with_like else getattr(result_shape, "sharding", None)
@@ -179,22 +185,44 @@ def _transpose_dims(dims: DotDims) -> tuple[DotDims, DotDims]:
     return d_lhs, d_rhs
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _dot(lhs, rhs, dims: DotDims, precision, out_dtype):
-    return _op(dims, precision, out_dtype, "dot_general", False)(lhs, rhs)
+def _call(dims: DotDims, precision, out_dtype, kind: str, lhs, rhs, like=None,
+          want: Optional[P] = None):
+    """The partitioned op on (lhs, rhs[, like]). Under explicit sharding the
+    route is planned here from the operands' types (the partition callback
+    plans the same), and the result is resharded to `like`'s sharding or
+    `want` when the route produces another."""
+    args = (lhs, rhs) if like is None else (lhs, rhs, like)
+    mesh = explicit_mesh(*args)
+    if mesh is None:
+        return _op(dims, precision, out_dtype, kind, like is not None, None)(*args)
+    if like is not None:
+        want = type_sharding(like).spec
+    sizes = dict(mesh.shape)
+    want_axes = None if want is None else dim_axes(NamedSharding(mesh, want),
+                                                   len(dims.out_perm), mesh)
+    plan = plan_dot(dims, dim_axes(type_sharding(lhs), lhs.ndim, mesh),
+                    dim_axes(type_sharding(rhs), rhs.ndim, mesh), want_axes, sizes, lhs.shape,
+                    _fusable(args, out_dtype))
+    y = _op(dims, precision, out_dtype, kind, like is not None, spec(plan.out))(*args)
+    return y if want is None else reshard(y, mesh, want)
 
 
-def _dot_fwd(lhs, rhs, dims, precision, out_dtype):
-    return _dot(lhs, rhs, dims, precision, out_dtype), (lhs, rhs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _dot(lhs, rhs, dims: DotDims, precision, out_dtype, want):
+    return _call(dims, precision, out_dtype, "dot_general", lhs, rhs, want=want)
 
 
-def _dot_bwd(dims, precision, out_dtype, res, g):
+def _dot_fwd(lhs, rhs, dims, precision, out_dtype, want):
+    return _dot(lhs, rhs, dims, precision, out_dtype, want), (lhs, rhs)
+
+
+def _dot_bwd(dims, precision, out_dtype, want, res, g):
     lhs, rhs = res
     dims_l, dims_r = _transpose_dims(dims)
-    d_lhs = _op(dims_l, precision, jnp.dtype(lhs.dtype), "dot_general_transpose", True)(
-        g.astype(rhs.dtype), rhs, lhs)
-    d_rhs = _op(dims_r, precision, jnp.dtype(rhs.dtype), "dot_general_transpose", True)(
-        lhs, g.astype(lhs.dtype), rhs)
+    d_lhs = _call(dims_l, precision, jnp.dtype(lhs.dtype), "dot_general_transpose",
+                  g.astype(rhs.dtype), rhs, lhs)
+    d_rhs = _call(dims_r, precision, jnp.dtype(rhs.dtype), "dot_general_transpose",
+                  lhs, g.astype(lhs.dtype), rhs)
     return d_lhs, d_rhs
 
 
@@ -247,21 +275,24 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision: An
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     # lax's own checks and error messages for shapes, dims and dtypes
+    # (on unsharded shapes: the sharding is this op's to decide)
     out = jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dimension_numbers,
                                            precision=precision,
                                            preferred_element_type=preferred_element_type),
-                         lhs, rhs)
+                         *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (lhs, rhs)))
     out_dtype = None if preferred_element_type is None else jnp.dtype(out.dtype)
-    if lhs.ndim == 0 or rhs.ndim == 0:
-        y = lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                            preferred_element_type=preferred_element_type)
-    else:
-        dims = _normalize(dimension_numbers, lhs, rhs)
-        if jnp.issubdtype(lhs.dtype, jnp.inexact) and jnp.issubdtype(rhs.dtype, jnp.inexact):
-            y = _dot(lhs, rhs, dims, precision, out_dtype)
-        else:  # no gradients of integer dots
-            y = _op(dims, precision, out_dtype, "dot_general", False)(lhs, rhs)
-    if out_sharding is not None:
+    explicit = explicit_mesh(lhs, rhs) is not None
+    want = spec_of(out_sharding) if explicit else None
+    if lhs.ndim == 0 or rhs.ndim == 0:  # nothing to route
+        return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type,
+                               out_sharding=out_sharding if explicit else None)
+    dims = _normalize(dimension_numbers, lhs, rhs)
+    if jnp.issubdtype(lhs.dtype, jnp.inexact) and jnp.issubdtype(rhs.dtype, jnp.inexact):
+        y = _dot(lhs, rhs, dims, precision, out_dtype, want)
+    else:  # no gradients of integer dots
+        y = _call(dims, precision, out_dtype, "dot_general", lhs, rhs, want=want)
+    if out_sharding is not None and not explicit:
         y = lax.with_sharding_constraint(y, out_sharding)
     return y
 
