@@ -86,10 +86,8 @@ def main() -> int:
     devices, mesh, rng = bench_setup()
     n = len(devices)
     rows, table = [], []
-    # Every (op, shape, mechanism) keeps its own staging region for the
-    # process's life (pk_jax/runtime.py): by the region sizes of
-    # pk_jax/ops/tp_matmul_primitives.py this sweep's add up to ~0.8 GiB
-    # whatever the GPU count, close to the default 1 GiB.
+    # Each op's channel stages its largest shape in a power-of-two region
+    # (pk_jax/_channels.py): this sweep's regions add up to ~1 GiB.
     pk_jax.configure(workspace_bytes=3 << 30)
 
     def record(op, shape, times, flops, gpus=n):

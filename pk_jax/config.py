@@ -13,6 +13,9 @@ import os
 from typing import Iterator
 
 _MIB = 1 << 20
+MAX_WORKSPACE_BYTES = 1 << 40
+MIN_TIMEOUT_S = 1e-3   # a wait shorter than a kernel launch fails at once
+MAX_TIMEOUT_S = 86400.0  # one day; the bound is a 64-bit count of nanoseconds
 
 
 def _env(name: str, default, parse):
@@ -43,10 +46,12 @@ class Config:
     timeout_s: float = 5.0
 
     def __post_init__(self):
-        if self.workspace_bytes < 0:
-            raise ValueError(f"workspace_bytes must be >= 0, got {self.workspace_bytes}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.workspace_bytes <= MAX_WORKSPACE_BYTES:
+            raise ValueError(f"workspace_bytes must be 0..{MAX_WORKSPACE_BYTES} (1 TiB), got "
+                             f"{self.workspace_bytes}")
+        if not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S:
+            raise ValueError(f"timeout_s must be {MIN_TIMEOUT_S}..{MAX_TIMEOUT_S:.0f} seconds "
+                             f"(the bound of every wait for a peer GPU), got {self.timeout_s}")
 
     @property
     def timeout_ns(self) -> int:

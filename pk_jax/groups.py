@@ -41,6 +41,12 @@ def axis_groups(mesh: Mesh, names: tuple[str, ...]) -> np.ndarray:
     return np.transpose(ids, others + axes).reshape(-1, size)
 
 
+def table_key(table: np.ndarray) -> tuple:
+    """A hashable identity of a group table: its shape and ids (the ids alone
+    do not tell a [1, 8] table from a [2, 4] one)."""
+    return (tuple(int(s) for s in table.shape), tuple(int(i) for i in table.reshape(-1)))
+
+
 def lowering_mesh(ctx, op: str) -> Mesh:
     """The concrete mesh of the shard_map being lowered.
 

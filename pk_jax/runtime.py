@@ -1,38 +1,54 @@
-"""Native runtime: loads the extension, registers FFI targets, owns the
-symmetric workspaces, the channel table and kernel-reported errors.
+"""Native runtime: loads the extension, registers FFI targets, allocates the
+symmetric workspaces and shares them with the other processes of the host,
+decides whether a device group can run the kernels, and reports the errors
+kernels recorded.
 
 Nothing here touches a GPU at import. The extension is loaded the first time
 a pk_jax op is lowered for a CUDA device; on machines with no GPU (or no
-built extension) every op lowers to its reference path instead.
+built extension, or GPUs the kernels were not built for) every op lowers to
+its reference path instead.
+
+Processes: one process may drive all GPUs of a host, or each GPU may have its
+own process (jax.distributed, the default under SLURM / MPI), or anything in
+between. At the first lowering every process allocates its workspaces and
+publishes their CUDA IPC handles in jax.distributed's key-value store; every
+process maps the workspaces of the other processes of its host. A group
+(the devices of one mesh axis) runs the kernels when all its GPUs are on one
+host and reach each other (NVLink or PCIe peer access); otherwise the ops
+take XLA's collectives (pk_jax/ops/_lowering.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
+import itertools
 import threading
 from typing import Any, Hashable, Iterator
 
 import jax
+import numpy as np
 
-from pk_jax import config
+from pk_jax import _channels, _cluster, config, groups
+from pk_jax._channels import LL_CHANNELS, MAX_SLOTS, Channel  # noqa: F401 (re-exported)
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 
 # Limits of the native layout (csrc/pk/layout.h; tests/test_constants_cpu.py
 # checks every mirrored constant against the headers).
 MAX_RANKS = 16          # kMaxRanks: largest group a kernel handles
-MAX_SLOTS = 256         # kMaxSlots: channels of the workspace
-LL_CHANNELS = 32        # kLlChannels: the first channels carry low-latency lines
 LL_MAX_BYTES = 16 << 10  # kLlMaxBytes: largest low-latency message per rank
+# Bound of the host's waits for the GPUs (check_errors, reset).
+SYNC_TIMEOUT_S = 60.0
 
 _lock = threading.RLock()
 _ext: Any = None
 _ext_error: str | None = None
+_init_error: str | None = None
 _registered = False
-_channels: dict[Hashable, "Channel"] = {}
-_data_used = 0  # bytes of the workspace data area handed to channels
-_DATA_ALIGN = 4096
+_peers: dict[int, dict] = {}       # global id -> what its process published (same host)
+_connected: set[tuple] = set()     # group tables whose peer access is set up
+_verdicts: dict[tuple, str | None] = {}  # group table -> why the kernels cannot run
+_checks = itertools.count()        # check_errors calls (multi-process: one barrier each)
 _skip_post_rank = -1  # testing switch, see testing_skip_post()
 
 
@@ -49,9 +65,9 @@ def extension() -> Any | None:
 
 
 def extension_error() -> str | None:
-    """Why the extension did not load (None if it did or was not tried)."""
+    """Why the kernels cannot run here (None when they can or nobody tried)."""
     extension()
-    return _ext_error
+    return _ext_error or _init_error
 
 
 def gpu_devices() -> list[jax.Device]:
@@ -63,8 +79,9 @@ def gpu_devices() -> list[jax.Device]:
 
 
 def available() -> bool:
-    """True when fused kernels can run: extension built and CUDA GPUs present."""
-    return extension() is not None and bool(gpu_devices())
+    """True when the kernels can run here: the extension is built, this
+    process drives CUDA GPUs, and setting up the workspaces did not fail."""
+    return extension() is not None and bool(gpu_devices()) and _init_error is None
 
 
 def initialized() -> bool:
@@ -74,25 +91,124 @@ def initialized() -> bool:
 
 
 def ensure_ready() -> Any:
-    """Register the FFI targets and allocate the workspaces (once).
+    """Register the FFI targets, allocate the workspaces and share them with
+    the other processes of this host (once).
 
-    Called from lowering rules, i.e. before any pk_jax kernel can run, so the
-    allocation never happens while a peer kernel is spinning.
+    Called from lowering rules, before any pk_jax kernel can run, so no
+    allocation happens while a peer kernel spins. A failure is remembered
+    (no retry at every lowering): `available()` is False afterwards and the
+    ops take their reference path.
     """
-    global _registered
+    global _registered, _init_error
     ext = extension()
     if ext is None:
         raise PkJaxError(f"pk_jax native extension unavailable: {_ext_error}")
     with _lock:
+        if _init_error is not None:
+            raise PkJaxError(_init_error)
         if not _registered:
             for name, capsule in ext.registrations().items():
                 jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
             _registered = True
         if not ext.initialized():
-            devices = [(d.id, d.local_hardware_id) for d in gpu_devices()]
-            ext.init_runtime(devices, config.get_config().workspace_bytes)
-            config.workspace_allocated()
+            try:
+                _init(ext)
+            except Exception as e:  # the native side cleaned up; remember why
+                _init_error = f"pk_jax: setting up the GPU workspaces failed: {e}"
+                raise PkJaxError(_init_error) from e
     return ext
+
+
+def _init(ext) -> None:
+    local = gpu_devices()
+    unsupported = [f"{d} ({ext.device_info(d.local_hardware_id)['compute_capability']})"
+                   for d in local if not ext.device_info(d.local_hardware_id)["supported"]]
+    if unsupported:
+        raise PkJaxError(f"the kernels are built for Hopper (sm_90) GPUs, not {unsupported}")
+    ext.init_runtime([(d.id, d.local_hardware_id) for d in local],
+                     config.get_config().workspace_bytes)
+    config.workspace_allocated()
+    if _cluster.client() is not None and _cluster.process_count() > 1:
+        _share_workspaces(ext, local)
+
+
+def _share_workspaces(ext, local: list[jax.Device]) -> None:
+    """Publish this process's workspaces; map those of the other processes
+    of this host (they publish theirs at their first lowering too)."""
+    me = _cluster.process_index()
+    _cluster.publish(f"workspaces/{me}", {"devices": [
+        dict(id=d.id, pci=ext.device_info(d.local_hardware_id)["pci_bus_id"],
+             handle=bytes(ext.export_workspace(d.local_hardware_id)).hex())
+        for d in local]})
+    hosts = _cluster.hosts()
+    for p in range(_cluster.process_count()):
+        if p == me or hosts[p] != hosts[me]:
+            continue
+        for dev in _cluster.fetch(f"workspaces/{p}", f"the workspaces of process {p}")["devices"]:
+            ext.import_peer(int(dev["id"]), bytes.fromhex(dev["handle"]), dev["pci"])
+            _peers[int(dev["id"])] = dev
+
+
+def group_problem(table: np.ndarray) -> str | None:
+    """Why the kernels cannot run on the groups of `table` ([groups, n]
+    device ids), or None when they can: every group's GPUs on one host,
+    known to this process, each GPU of this process reaching the others of
+    its group. Several processes decide together (each checks the groups it
+    is in), so every process lowers the same program."""
+    with _lock:
+        key = groups.table_key(table)
+        if key not in _verdicts:
+            verdict = _local_problem(table)
+            if _cluster.client() is not None and _cluster.process_count() > 1:
+                name = f"group/{_channels.digest(key)}"
+                me = _cluster.process_index()
+                _cluster.publish(f"{name}/{me}", {"problem": verdict})
+                verdicts = [_cluster.fetch(f"{name}/{p}", "a device group's check")["problem"]
+                            for p in range(_cluster.process_count())]
+                verdict = next((v for v in verdicts if v), None)
+            _verdicts[key] = verdict
+        return _verdicts[key]
+
+
+def _local_problem(table: np.ndarray) -> str | None:
+    devices = _cluster.devices_by_id()
+    here = _cluster.hosts()[_cluster.process_index()]
+    ext = extension()
+    for row in table:
+        members = [devices[int(i)] for i in row]
+        hosts = {_cluster.host_of(d) for d in members}
+        if len(hosts) > 1:
+            return (f"its group {[int(i) for i in row]} spans {len(hosts)} hosts (pk_jax groups "
+                    "must stay inside one host: put this mesh axis within a node and the "
+                    "cross-node axes on XLA's collectives)")
+        local = [d for d in members if _cluster.is_local(d)]
+        if hosts != {here} or not local:
+            continue  # the processes of that group decide for it
+        pci = {d.id: ext.device_info(d.local_hardware_id)["pci_bus_id"] for d in local}
+        for d in members:
+            if not _cluster.is_local(d):
+                if int(d.id) not in _peers:
+                    return f"device {d.id} of its group shared no workspace with this process"
+                pci[d.id] = _peers[int(d.id)]["pci"]
+        for a in local:
+            for b in members:
+                if b.id != a.id and not ext.can_access(a.local_hardware_id, pci[b.id]):
+                    return f"device {a.id} has no peer access to device {b.id}"
+    return None
+
+
+def connect(table: np.ndarray) -> None:
+    """Enable peer access inside every group of `table` that holds a device
+    of this process (only between GPUs that share a group)."""
+    key = groups.table_key(table)
+    if key in _connected:
+        return
+    local = {d.id for d in gpu_devices()}
+    ext = ensure_ready()
+    for row in table:
+        if local & {int(i) for i in row}:
+            ext.connect_group([int(i) for i in row])
+    _connected.add(key)
 
 
 def workspace_data_bytes() -> int:
@@ -103,68 +219,53 @@ def workspace_data_bytes() -> int:
     return config.get_config().workspace_bytes
 
 
-@dataclasses.dataclass(frozen=True)
-class Channel:
-    """A workspace channel: flags (slot) and, for staged mechanisms, a data
-    region of its own, at the same offsets on every GPU."""
-
-    slot: int
-    data_offset: int = 0
-    data_bytes: int = 0
-
-
 def channel(key: Hashable, data_bytes: int = 0, ll: bool = False) -> Channel:
-    """The channel of one (op, device group, configuration).
-
-    Every distinct key gets its own flags and epoch counter on each device,
-    and its own data region of `data_bytes`, so staged transfers of
-    different ops or groups never overwrite each other. All ranks of a group
-    lower the same program and compute the same key, so they agree on the
-    channel. Channels that carry low-latency lines (`ll`) take the first
-    LL_CHANNELS slots, the others the rest.
-    """
-    global _data_used
-    with _lock:
-        full_key = (key, int(data_bytes), bool(ll))
-        found = _channels.get(full_key)
-        if found is not None:
-            return found
-        first, end = (0, LL_CHANNELS) if ll else (LL_CHANNELS, MAX_SLOTS)
-        used = sum(1 for (_, _, k_ll) in _channels if k_ll == ll)
-        if first + used >= end:
-            kind = "low-latency (small all_gather)" if ll else "other"
-            raise PkJaxError(
-                f"pk_jax: the program needs more than {end - first} distinct {kind} channels "
-                "((op, device group, size) combinations); this build supports at most that "
-                "many" + ("; use all_gather(mechanism='ld_st_push') for some calls" if ll else ""))
-        offset = _data_used
-        region_end = offset + -(-int(data_bytes) // _DATA_ALIGN) * _DATA_ALIGN
-        if region_end > workspace_data_bytes():
-            raise PkJaxError(
-                f"pk_jax: the workspace data area is too small: this op needs {data_bytes} "
-                f"bytes, {workspace_data_bytes() - offset} of {workspace_data_bytes()} are "
-                "left; raise pk_jax.configure(workspace_bytes=...) or PK_JAX_WORKSPACE_BYTES "
-                "(before the first op), or pick a mechanism that stages nothing")
-        _data_used = region_end
-        found = _channels[full_key] = Channel(first + used, offset, int(data_bytes))
-        return found
+    """The channel (and staging region) of one (op, device group,
+    configuration): pk_jax/_channels.py."""
+    return _channels.channel(key, data_bytes, ll, workspace_data_bytes())
 
 
 def check_errors() -> None:
-    """Raise PkJaxTimeoutError if a kernel reported a failed wait.
+    """Raise PkJaxTimeoutError if a kernel recorded a failed wait.
 
     Kernels never hang: a wait that exceeds the timeout records which rank
-    waited for which peer and lets the kernel finish. This waits for the GPUs,
-    clears that state (flags and error records) so the process can go on,
-    and raises with every recorded message.
+    waited for which peer and lets the kernel finish (its outputs are
+    NaN-poisoned). This waits (bounded) for this process's GPUs, so a failure
+    still in flight is seen, clears the state (flags and error records) so
+    the process can go on, and raises with every recorded message. In a job
+    of several processes it is collective: every process calls it at the
+    same point; if any of them recorded a failure, all reset together
+    (barriers before and after, so no stale flag of a peer satisfies a
+    fresh wait) and all raise.
     """
     ext = _ext
     if ext is None or not ext.initialized():
         return
+    ext.synchronize(SYNC_TIMEOUT_S)
     messages = list(ext.pending_errors())
-    if messages:
-        ext.reset()
-        raise PkJaxTimeoutError("\n".join(messages))
+    failed_elsewhere: list[int] = []
+    multi = _cluster.client() is not None and _cluster.process_count() > 1
+    if multi:
+        k, me = next(_checks), _cluster.process_index()
+        _cluster.publish(f"check/{k}/{me}", {"errors": len(messages)})
+        failed_elsewhere = [p for p in range(_cluster.process_count()) if p != me and
+                            _cluster.fetch(f"check/{k}/{p}", "check_errors")["errors"]]
+    if not messages and not failed_elsewhere:
+        return
+    if multi:
+        _barrier(f"reset/{k}/before")
+    ext.reset(SYNC_TIMEOUT_S)
+    if multi:
+        _barrier(f"reset/{k}/after")
+    if failed_elsewhere and not messages:
+        messages = [f"pk_jax: process(es) {failed_elsewhere} recorded failed waits (their "
+                    "check_errors() raised with the details); the outputs of the calls since "
+                    "the failure are undefined (NaN-poisoned)"]
+    raise PkJaxTimeoutError("\n".join(messages))
+
+
+def _barrier(name: str) -> None:
+    _cluster.client().wait_at_barrier(_cluster.key(name), _cluster.EXCHANGE_TIMEOUT_S * 1000)
 
 
 def skip_post_rank() -> int:

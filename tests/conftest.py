@@ -77,6 +77,19 @@ class _FakeExtension:
 
     has_gemm = True
 
+    @staticmethod
+    def device_info(ordinal):
+        return {"pci_bus_id": f"0000:{ordinal:02x}:00.0", "compute_capability": (9, 0),
+                "supported": True}
+
+    @staticmethod
+    def can_access(ordinal, pci_bus_id):
+        return True
+
+    @staticmethod
+    def connect_group(ids):
+        pass
+
 
 @pytest.fixture
 def cuda_lowering(monkeypatch):

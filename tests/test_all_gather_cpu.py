@@ -126,13 +126,19 @@ def test_repeated_calls_in_scan(rng):
         np.testing.assert_array_equal(a, b)
 
 
-def test_unsupported_dtype_falls_back_with_warning(rng):
+def test_unsupported_dtype_falls_back_with_warning(rng, monkeypatch):
+    """Where kernels could run, auto warns once and takes XLA; a forced
+    mechanism raises, naming the dtype."""
+    monkeypatch.setattr(pk_jax.runtime, "available", lambda: True)
+    monkeypatch.setattr("pk_jax._warnings._seen", set())
     mesh = cpu_mesh((2,), ("x",))
     with jax.enable_x64(True):
         x = jnp.asarray(rng.standard_normal((4, 2)) + 1j, jnp.complex128)  # 16 bytes
         with pytest.warns(PkJaxFallbackWarning, match="complex128"):
             ours, ref = _gather_both(mesh, P("x"), {}, x, "x")
-    np.testing.assert_array_equal(ours, ref)
+        np.testing.assert_array_equal(ours, ref)
+        with pytest.raises(ValueError, match="mechanism='ld_st_push'.*complex128"):
+            _gather_both(mesh, P("x"), {"mechanism": "ld_st_push"}, x, "x")
 
 
 def test_bad_mechanism():

@@ -51,8 +51,11 @@ def test_workspace_size_only_before_allocation():
         pk_jax.configure(workspace_bytes=saved)
 
 
-@pytest.mark.parametrize("kwargs,match", [(dict(timeout_s=0), "timeout_s"),
-                                          (dict(workspace_bytes=-1), "workspace_bytes")])
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(timeout_s=0), "timeout_s"), (dict(timeout_s=1e-12), "timeout_s"),
+    (dict(timeout_s=1e10), "timeout_s"), (dict(timeout_s=float("inf")), "timeout_s"),
+    (dict(timeout_s=float("nan")), "timeout_s"), (dict(workspace_bytes=-1), "workspace_bytes"),
+    (dict(workspace_bytes=1 << 50), "workspace_bytes")])
 def test_configure_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pk_jax.configure(**kwargs)

@@ -23,7 +23,7 @@ from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax import groups
+from pk_jax import _channels, groups
 from pk_jax.ops import _lowering
 from conftest import cpu_mesh
 
@@ -66,8 +66,8 @@ def _run(mesh, edit=lambda attr: attr):
     prim.def_abstract_eval(lambda x: x.update(shape=(18,), dtype=jnp.uint32))
 
     def lower(ctx, x):
-        attr = _lowering.channel_attr(ctx, "all_gather", ("x",), mesh.shape["x"], "check",
-                                      12345)
+        table = _lowering.kernel_group(ctx, "all_gather", ("x",), mesh.shape["x"])
+        attr = _lowering.channel_attr(table, "all_gather", "check", 12345)
         return jax.ffi.ffi_lowering(target)(ctx, x, extra=np.int32(7), **edit(attr))
 
     mlir.register_lowering(prim, lower, platform="cpu")
@@ -82,12 +82,13 @@ def test_every_member_reads_back(cuda_lowering):
     table = groups.axis_groups(mesh, ("x",))
     got = _run(mesh)
     ids = table.reshape(-1)
-    want = [ids.size, int(np.sum(ids * np.arange(1, ids.size + 1))), 2, None, None, 12345,
+    region = _channels.size_class(12345)  # the region's size class holds the 12345 bytes
+    want = [ids.size, int(np.sum(ids * np.arange(1, ids.size + 1))), 2, None, None, region,
             pk_jax.get_config().timeout_ns, -1, 7]
     for row in got:
         assert [v for v, w in zip(row, want) if w is not None] == [w for w in want
                                                                  if w is not None], row
-        assert 0 <= row[3] < 256 and row[4] % 4096 == 0  # a slot and an aligned region
+        assert 0 <= row[3] < 256 and row[4] % _channels.REGION_ALIGN == 0  # an aligned region
 
 
 @pytest.mark.parametrize("edit,message", [

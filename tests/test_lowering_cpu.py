@@ -91,6 +91,21 @@ def test_channels_per_axis(cuda_lowering):
     assert len(calls) == 3 and slots[0] == slots[2] != slots[1]
 
 
+def test_groups_of_other_shapes_get_other_channels(cuda_lowering):
+    """A gather over ("x", "y") (one group of 8) and over "y" (two groups of
+    4 of the same ids in the same order) are different groups: different
+    channels, though their id tables hold the same numbers."""
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+
+    def body(a):
+        b = pk_jax.all_gather(a, ("x", "y"), tiled=True, mechanism="ld_st_push")
+        return pk_jax.all_gather(b, "y", tiled=True, mechanism="ld_st_push")[: a.shape[0]]
+
+    calls = _calls(cuda_lowering(body, mesh, P(("x", "y")), (64, 8)))
+    assert [ffi_attr(c, "group_size") for c in calls] == ["8", "4"]
+    assert ffi_attr(calls[0], "slot") != ffi_attr(calls[1], "slot")
+
+
 def test_copy_engine_too_large_names_the_knob(cuda_lowering, monkeypatch):
     monkeypatch.setattr(runtime, "workspace_data_bytes", lambda: 1024)
     mesh = cpu_mesh((2,), ("x",))
@@ -106,9 +121,19 @@ def test_without_extension_warns_and_uses_xla(monkeypatch):
     x = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
     f = jax.jit(jax.shard_map(lambda a: pk_jax.all_gather(a, "x"), mesh=mesh, in_specs=P("x"),
                               out_specs=P("x"), check_vma=False))
-    with pytest.warns(pk_jax.PkJaxFallbackWarning, match="extension unavailable"):
+    with pytest.warns(pk_jax.PkJaxFallbackWarning, match="native kernels are unavailable"):
         hlo = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert "pk_all_gather" not in hlo
+
+
+def test_without_extension_a_forced_mechanism_says_what_is_missing(monkeypatch):
+    monkeypatch.setattr(runtime, "available", lambda: False)
+    mesh = cpu_mesh((2,), ("x",))
+    x = jax.ShapeDtypeStruct((4,), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    f = jax.jit(jax.shard_map(lambda a: pk_jax.all_gather(a, "x", mechanism="ld_st_push"),
+                              mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    with pytest.raises(ValueError, match="mechanism='ld_st_push'.*native kernels are unavailable"):
+        f.trace(x).lower(lowering_platforms=("cuda",))
 
 
 def test_mlp_pair_forward_and_backward_use_only_kernels(cuda_lowering):

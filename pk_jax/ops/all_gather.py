@@ -94,13 +94,18 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
         return reference.all_gather(x, names, axis=dim, tiled=tiled)
     itemsize = np.dtype(x.dtype).itemsize
     if itemsize not in _KERNEL_ITEMSIZES or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
-        warn_once(f"all_gather-dtype-{x.dtype}",
-                  f"pk_jax.all_gather: dtype {x.dtype} ({itemsize} bytes) has no kernel "
-                  f"(supported: dtypes of {_KERNEL_ITEMSIZES} bytes); using lax.all_gather")
+        why = (f"dtype {x.dtype} ({itemsize} bytes) has no kernel (supported: dtypes of "
+               f"{_KERNEL_ITEMSIZES} bytes)")
+        if mechanism != "auto":
+            raise ValueError(f"pk_jax.all_gather(mechanism={mechanism!r}): {why}; use 'auto' "
+                             "or 'xla'")
+        if runtime.available():  # elsewhere the reference is the plan, not a fallback
+            warn_once(f"all_gather-dtype-{x.dtype}",
+                      f"pk_jax.all_gather: {why}; using lax.all_gather")
         return reference.all_gather(x, names, axis=dim, tiled=tiled)
     rows, row_bytes = layout(x.shape, dim, itemsize)
     chosen = _resolve_mechanism(mechanism, rows * row_bytes, row_bytes)
     assert chosen in KERNEL_MECHANISMS, chosen
     cfg = AllGatherConfig(names, lax.axis_size(names), dim, bool(tiled), chosen,
-                          int(num_blocks or 0))
+                          mechanism != "auto", int(num_blocks or 0))
     return all_gather_p.bind(make_varying(x, names), cfg=cfg)

@@ -18,7 +18,9 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from pk_jax import reference
-from pk_jax.ops._lowering import channel_attr, kernels_missing
+from pk_jax.ops._lowering import channel_attr, kernel_group, spans_processes
+
+ZERO_COPY = ("ld_st_push", "ld_st_pull")  # publish raw buffer addresses
 
 # The kernel mechanisms and their ids in the FFI attribute `mechanism`
 # (xla_ffi/all_gather.cc: Mechanism).
@@ -35,6 +37,7 @@ class AllGatherConfig:
       dim: where the gathered axis goes (normalized).
       tiled: concatenate along `dim` instead of stacking a new axis.
       mechanism: a key of KERNEL_MECHANISMS.
+      forced: the user asked for `mechanism` (else "auto" chose it).
       num_blocks: grid of the ld/st kernels; 0: one block per SM.
     """
 
@@ -43,6 +46,7 @@ class AllGatherConfig:
     dim: int
     tiled: bool
     mechanism: str
+    forced: bool = False
     num_blocks: int = 0
 
 
@@ -77,16 +81,25 @@ def _reference_lowering(ctx, x, *, cfg: AllGatherConfig):
 
 
 def _cuda_lowering(ctx, x, *, cfg: AllGatherConfig):
-    if kernels_missing("all_gather"):
+    forced = cfg.mechanism if cfg.forced else None
+    table = kernel_group(ctx, "all_gather", cfg.names, cfg.n, forced=forced)
+    if table is None:
         return _reference_lowering(ctx, x, cfg=cfg)
+    mechanism = cfg.mechanism
+    if mechanism in ZERO_COPY and spans_processes(table):
+        # A buffer address means nothing in another process: stage instead.
+        if forced:
+            raise ValueError(f"pk_jax.all_gather(mechanism={forced!r}) reads and writes the "
+                             f"peers' buffers directly, but the groups of axis {cfg.names} span "
+                             "processes; use 'auto', 'copy_engine' or 'ld_st_ll'")
+        mechanism = "copy_engine"
     x_aval, = ctx.avals_in
     rows, row_bytes = layout(x_aval.shape, cfg.dim, np.dtype(x_aval.dtype).itemsize)
-    staged = cfg.n * rows * row_bytes if cfg.mechanism == "copy_engine" else 0
-    attr = channel_attr(ctx, "all_gather", cfg.names, cfg.n, cfg.mechanism, staged,
-                        ll=cfg.mechanism == "ld_st_ll")
+    staged = cfg.n * rows * row_bytes if mechanism == "copy_engine" else 0
+    attr = channel_attr(table, "all_gather", mechanism, staged, ll=mechanism == "ld_st_ll")
     return jax.ffi.ffi_lowering("pk_all_gather")(
         ctx, x, rows=np.int64(rows), row_bytes=np.int64(row_bytes),
-        mechanism=np.int32(KERNEL_MECHANISMS[cfg.mechanism]),
+        mechanism=np.int32(KERNEL_MECHANISMS[mechanism]),
         num_blocks=np.int32(cfg.num_blocks), **attr)
 
 

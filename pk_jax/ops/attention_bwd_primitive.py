@@ -30,7 +30,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pk_jax import reference, runtime
+from pk_jax import reference
 from pk_jax._compat import make_varying, varying_axes
 from pk_jax.ops._lowering import kernels_missing
 from pk_jax.ops.ring_attention_primitive import RingConfig, operand_problem
@@ -97,9 +97,8 @@ def _reference(ctx, q, dout, lse, delta, kv, q_rank, k_rank, *, cfg: RingConfig)
 # ---- CUDA lowering -----------------------------------------------------------
 def _cuda(ctx, *args, cfg: RingConfig):
     # The kernel needs CUTLASS like the GEMMs: the same build check.
-    if kernels_missing("attention_block_bwd", need_cutlass=True):
+    if kernels_missing("attention_block_bwd", need_cutlass=True):  # sets up the runtime
         return _reference(ctx, *args, cfg=cfg)
-    runtime.ensure_ready()  # registers the FFI targets
     return jax.ffi.ffi_lowering("pk_attention_block_bwd")(
         ctx, *args, scale=np.float32(cfg.scale), causal=bool(cfg.causal),
         zigzag=cfg.layout == "zigzag", n=np.int64(cfg.n))

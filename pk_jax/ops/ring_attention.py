@@ -153,8 +153,10 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
     chosen = _mechanism(q, k, layout, mechanism)
     kernel_grads = (chosen in KERNEL_MECHANISMS and not deterministic
                     and block_bwd.kernel_problem(q, k, layout) is None)
-    return RingConfig(names, lax.axis_size(names), bool(causal), check_scale("ring_attention", scale, q.shape[3]),
-                      layout, chosen, comm_ctas if chosen == "ld_st" else 0,
+    scale = check_scale("ring_attention", scale, q.shape[3])
+    return RingConfig(names, lax.axis_size(names), bool(causal), scale,
+                      layout, chosen, mechanism in KERNEL_MECHANISMS,
+                      comm_ctas if chosen == "ld_st" else 0,
                       "kernel" if kernel_grads else "einsum")
 
 

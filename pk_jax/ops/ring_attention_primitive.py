@@ -25,7 +25,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import reference
-from pk_jax.ops._lowering import channel_attr, kernels_missing
+from pk_jax.ops._lowering import channel_attr, kernel_group
 
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
@@ -51,6 +51,7 @@ class RingConfig:
       layout: "contiguous" or "zigzag" (which global tokens a rank holds).
       mechanism: "copy_engine" or "ld_st" (the fused kernel) or "xla" (the
         pure-JAX ring), resolved at trace time.
+      forced: the user asked for `mechanism` (else "auto" chose it).
       num_comm_ctas: ld_st's communicator CTAs; 0 for the other mechanisms.
       block_grads: how each step of the backward ring computes its block
         gradients: "kernel" (pk_attention_block_bwd) or "einsum".
@@ -62,6 +63,7 @@ class RingConfig:
     scale: float
     layout: str
     mechanism: str = "xla"
+    forced: bool = False
     num_comm_ctas: int = 0
     block_grads: str = "einsum"
 
@@ -125,13 +127,15 @@ def _reference(ctx, q, k, v, *, cfg: RingConfig):
 
 def _cuda(ctx, q, k, v, *, cfg: RingConfig):
     # The kernel needs CUTLASS like the GEMMs: the same build check.
-    if kernels_missing("ring_attention", need_cutlass=True):
+    table = kernel_group(ctx, "ring_attention", cfg.names, cfg.n, need_cutlass=True,
+                         forced=cfg.mechanism if cfg.forced else None)
+    if table is None:
         return _reference(ctx, q, k, v, cfg=cfg)
     k_shape = ctx.avals_in[1].shape
     n_pieces = pieces(k_shape)
-    # The ld_st arrival counters count num_comm_ctas adds per call: part of the key.
-    attr = channel_attr(ctx, "ring_attention", cfg.names, cfg.n,
-                        (cfg.mechanism, cfg.num_comm_ctas, n_pieces),
+    # The ld_st arrival counters count num_comm_ctas adds per call, and the
+    # posts count pieces: both are part of the key.
+    attr = channel_attr(table, "ring_attention", (cfg.mechanism, cfg.num_comm_ctas, n_pieces),
                         region_bytes(cfg.n, k_shape))
     return jax.ffi.ffi_lowering("pk_ring_attention")(
         ctx, q, k, v, scale=np.float32(cfg.scale), causal=bool(cfg.causal),

@@ -54,7 +54,7 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism) -> Tp
         raise ValueError(f"pk_jax.{op}(mechanism='chunked'): {why}")
     if why and runtime.available():  # elsewhere the reference is the plan, not a fallback
         warn_once(f"{op}-{why}", f"pk_jax.{op}: {why}; using the XLA reference path")
-    return TpConfig(names, n, out_dtype, "xla" if why else "chunked")
+    return TpConfig(names, n, out_dtype, "xla" if why else "chunked", mechanism == "chunked")
 
 
 def _kernel_unsupported(x, w, out_dtype) -> str:

@@ -26,7 +26,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import reference
-from pk_jax.ops._lowering import channel_attr, kernels_missing
+from pk_jax.ops._lowering import channel_attr, kernel_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +38,14 @@ class TpConfig:
       n: the group size.
       out_dtype: the result dtype (accumulation is fp32 either way).
       mechanism: "chunked" (the kernels) or "xla", resolved at trace time.
+      forced: the user asked for `mechanism` (else "auto" chose it).
     """
 
     names: tuple[str, ...]
     n: int
     out_dtype: np.dtype
     mechanism: str
+    forced: bool = False
 
 
 all_gather_matmul_p = Primitive("pk_all_gather_matmul")
@@ -77,14 +79,22 @@ def _ag_reference(ctx, x, w, *, cfg: TpConfig, return_gathered: bool, transpose_
     return mlir.lower_fun(fn, multiple_results=True)(ctx, x, w)
 
 
+def _group(ctx, op: str, cfg: TpConfig):
+    """The axis's table when the kernels run it, else None (reference)."""
+    if cfg.mechanism == "xla":
+        return None
+    return kernel_group(ctx, op, cfg.names, cfg.n, need_cutlass=True,
+                        forced=cfg.mechanism if cfg.forced else None)
+
+
 def _ag_cuda(ctx, x, w, *, cfg: TpConfig, return_gathered: bool, transpose_w: bool):
-    if cfg.mechanism == "xla" or kernels_missing("all_gather_matmul", need_cutlass=True):
+    table = _group(ctx, "all_gather_matmul", cfg)
+    if table is None:
         return _ag_reference(ctx, x, w, cfg=cfg, return_gathered=return_gathered,
                              transpose_w=transpose_w)
     x_aval = ctx.avals_in[0]
     m, k = x_aval.shape
-    attr = channel_attr(ctx, "all_gather_matmul", cfg.names, cfg.n, None,
-                        _region_bytes(cfg.n, m, k, x_aval.dtype))
+    attr = channel_attr(table, "all_gather_matmul", None, _region_bytes(cfg.n, m, k, x_aval.dtype))
     return jax.ffi.ffi_lowering("pk_all_gather_matmul")(
         ctx, x, w, return_gathered=bool(return_gathered), w_transposed=bool(transpose_w), **attr)
 
@@ -102,10 +112,11 @@ def _rs_reference(ctx, x, w, *, cfg: TpConfig, transpose_w: bool):
 
 
 def _rs_cuda(ctx, x, w, *, cfg: TpConfig, transpose_w: bool):
-    if cfg.mechanism == "xla" or kernels_missing("matmul_reduce_scatter", need_cutlass=True):
+    table = _group(ctx, "matmul_reduce_scatter", cfg)
+    if table is None:
         return _rs_reference(ctx, x, w, cfg=cfg, transpose_w=transpose_w)
     x_aval, w_aval = ctx.avals_in
-    attr = channel_attr(ctx, "matmul_reduce_scatter", cfg.names, cfg.n, None,
+    attr = channel_attr(table, "matmul_reduce_scatter", None,
                         _region_bytes(cfg.n, x_aval.shape[0] // cfg.n,
                                       _n_cols(w_aval, transpose_w), cfg.out_dtype))
     return jax.ffi.ffi_lowering("pk_matmul_reduce_scatter")(
