@@ -8,6 +8,7 @@ that read and write peer GPUs' memory directly; on other platforms (and for
 shapes the kernels do not take) they run their pure-lax reference.
 """
 
+from pk_jax import distributed
 from pk_jax.config import Config, configure, configured, get_config
 from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
@@ -31,6 +32,7 @@ __all__ = [
     "configure",
     "configured",
     "dot_general",
+    "distributed",
     "dot_product_attention",
     "get_config",
     "matmul",

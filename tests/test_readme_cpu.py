@@ -1,0 +1,69 @@
+"""README.md runs as written: its Python blocks, in order, as one program on
+8 fake CPU devices (the mesh the README builds with jax.make_mesh), and its
+shell commands (the install steps are CI's: .ci/run runs the README's test
+command; GPU-only commands are checked to exist)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_python_blocks_run_in_order():
+    code = "\n\n".join(body for lang, body in BLOCKS if lang == "python")
+    assert "jax.make_mesh" in code and code.count("\n") > 30
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _commands():
+    for lang, body in BLOCKS:
+        if lang != "bash":
+            continue
+        for line in body.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if line:
+                yield line
+
+
+def test_ci_runs_the_readme_test_command():
+    commands = list(_commands())
+    assert commands[1].endswith("pytest -q tests")
+    assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+@pytest.mark.parametrize("segment", sorted({s.strip() for c in _commands() for s in c.split("&&")}))
+def test_shell_commands(segment):
+    """Each command of the README's shell blocks: install steps and the test
+    suite itself are CI's (above); GPU scripts must exist; the rest runs."""
+    words = shlex.split(segment)
+    if words[:3] == ["python3", "-m", "venv"] or words[0] == "." or words[:2] == ["pip", "install"]:
+        pytest.skip("an install step: .ci/run runs it on a clean machine")
+    if words[:2] == ["pytest", "-q"]:
+        pytest.skip("the test suite itself")
+    if words[0].startswith("tools/"):
+        assert os.access(ROOT / words[0], os.X_OK), f"{words[0]} is not an executable script"
+        pytest.skip(f"{words[0]} needs GPUs")
+    assert words[0] == "python", f"a README command this test does not know how to run: {segment}"
+    proc = subprocess.run([sys.executable, *words[1:]], env=_env(), capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
