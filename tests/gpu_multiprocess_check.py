@@ -1,0 +1,150 @@
+"""One process of a 2-process GPU job (tests/test_multiprocess_gpu.py starts it
+through `python -m pk_jax.launch -n 2 --gpus-per-process 0`): every op across
+processes against a float32 reference, then a timeout and its collective
+recovery.
+
+Each process drives one GPU: GPU i where there are two or more, else both
+share GPU 0 (the workspaces then travel through CUDA IPC to the same GPU:
+the export/import path and the cross-process protocol run, at time-sliced
+speed). Prints one line per check; exits non-zero on the first failure.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes may share a GPU
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import pk_jax  # noqa: E402
+from pk_jax import runtime  # noqa: E402
+
+
+def check(cond, what):
+    print(("OK " if cond else "FAILED ") + what, flush=True)
+    if not cond:
+        sys.exit(1)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def local(out):
+    """(index, data) of this process's shard of a result over the 2-device mesh."""
+    shard, = out.addressable_shards
+    return shard.index, np.asarray(shard.data)
+
+
+def main() -> None:
+    gpus = len(glob.glob("/dev/nvidia[0-9]*"))
+    me = int(os.environ["PK_JAX_PROCESS_ID"])
+    pk_jax.distributed.initialize(local_device_ids=[me if gpus >= 2 else 0])
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices())
+    rng = np.random.default_rng(1234)  # the same global inputs on both processes
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+
+    def sm(fn, in_specs, out_specs):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                     check_vma=False))
+
+    # all_gather: every mechanism that works across processes, bit for bit.
+    for mechanism, shape in (("auto", (2, 1024)), ("ld_st_ll", (2, 1024)),
+                             ("copy_engine", (2, 1 << 20)), ("auto", (2, 1 << 20))):
+        x = rng.integers(0, 2**32, size=shape, dtype=np.uint32)
+        f = sm(lambda a, m=mechanism: pk_jax.all_gather(a, "x", tiled=True, mechanism=m),
+               P("x"), P("x"))
+        for _ in range(3):  # repeated calls: the epochs advance
+            idx, got = local(f(put(x, P("x"))))
+        check(np.array_equal(got, np.tile(x, (2, 1))[idx]),
+              f"all_gather {mechanism} {shape} across processes, bit for bit")
+    try:
+        sm(lambda a: pk_jax.all_gather(a, "x", mechanism="ld_st_push"), P("x"), P("x")).lower(
+            put(np.zeros((2, 4096), np.float32), P("x")))
+        check(False, "a forced zero-copy all_gather across processes raises")
+    except ValueError:
+        check(True, "a forced zero-copy all_gather across processes raises")
+
+    # Tensor-parallel MLP, forward and gradients.
+    d, f_, m = 512, 1024, 512
+    x = rng.standard_normal((2 * m, d)).astype(np.float32)
+    w1 = (rng.standard_normal((d, f_)) / np.sqrt(d)).astype(np.float32)
+    w2 = (rng.standard_normal((f_, d)) / np.sqrt(f_)).astype(np.float32)
+    bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+
+    def mlp(x, w1, w2):
+        h = pk_jax.all_gather_matmul(x, w1, "x", mechanism="chunked")
+        return pk_jax.matmul_reduce_scatter(jnp.tanh(h), w2, "x", mechanism="chunked")
+    specs = (P("x"), P(None, "x"), P("x", None))
+    g = sm(mlp, specs, P("x"))
+    args = [put(bf(a), s) for a, s in zip((x, w1, w2), specs)]
+    xr, w1r, w2r = (np.asarray(bf(a), np.float32) for a in (x, w1, w2))
+    idx, got = local(g(*args))
+    check(rel(got.astype(np.float32), (np.tanh(xr @ w1r) @ w2r)[idx]) < 2e-2,
+          "tensor-parallel MLP across processes")
+    loss = lambda *a: jnp.sum(jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P("x"),
+                                            check_vma=False)(*a).astype(jnp.float32) ** 2)
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(*args)
+    ref = jax.grad(lambda *a: jnp.sum((jnp.tanh(a[0] @ a[1]) @ a[2]) ** 2), (0, 1, 2))(
+        xr, w1r, w2r)
+    for name, gr, r in zip(("dx", "dw1", "dw2"), grads, ref):
+        shard, = gr.addressable_shards
+        check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
+              f"tensor-parallel MLP gradient {name} across processes")
+
+    # Ring attention (both kernel mechanisms), forward and gradients.
+    s, hq, hkv, hd = 2 * 512, 8, 2, 128
+    q, k, v = (rng.standard_normal((1, s, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
+    qb, kb, vb = (np.asarray(bf(a), np.float32) for a in (q, k, v))
+    want = np.asarray(jax.nn.dot_product_attention(qb, kb, vb, is_causal=True))
+    for mechanism in ("copy_engine", "ld_st"):
+        ring = sm(lambda q, k, v, m=mechanism: pk_jax.ring_attention(
+            q, k, v, "x", causal=True, mechanism=m), (P(None, "x"),) * 3, P(None, "x"))
+        seq = [put(bf(a), P(None, "x")) for a in (q, k, v)]
+        idx, got = local(ring(*seq))
+        check(rel(got.astype(np.float32), want[idx]) < 2e-2,
+              f"ring attention {mechanism} across processes")
+    ring_loss = lambda *a: jnp.sum(jax.shard_map(
+        lambda q, k, v: pk_jax.ring_attention(q, k, v, "x", causal=True), mesh=mesh,
+        in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"), check_vma=False)(*a)
+        .astype(jnp.float32) ** 2)
+    grads = jax.jit(jax.grad(ring_loss, (0, 1, 2)))(*seq)
+    ref = jax.grad(lambda *a: jnp.sum(jax.nn.dot_product_attention(*a, is_causal=True) ** 2),
+                   (0, 1, 2))(qb, kb, vb)
+    for name, gr, r in zip(("dq", "dk", "dv"), grads, ref):
+        shard, = gr.addressable_shards
+        check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
+              f"ring attention gradient {name} across processes")
+    pk_jax.check_errors()
+    check(True, "no failed wait so far")
+
+    # A peer that never posts: rank 0's wait gives up; check_errors raises on
+    # both processes; afterwards calls are right again.
+    x = rng.integers(0, 2**32, size=(2, 1 << 16), dtype=np.uint32)
+    gather = lambda: sm(lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="copy_engine"),
+                        P("x"), P("x"))
+    with pk_jax.configured(timeout_s=0.5), runtime.testing_skip_post(1):
+        gather()(put(x, P("x"))).block_until_ready()
+    try:
+        pk_jax.check_errors()
+        check(False, "check_errors raises on both processes after a timeout")
+    except pk_jax.PkJaxTimeoutError as e:
+        check(True, f"check_errors raises on both processes after a timeout ({str(e)[:80]}...)")
+    idx, got = local(gather()(put(x, P("x"))))
+    check(np.array_equal(got, np.tile(x, (2, 1))[idx]),
+          "after the collective reset the next gather is right")
+    pk_jax.check_errors()
+    print("GPU_MULTIPROCESS_DONE", flush=True)
+
+
+if __name__ == "__main__":
+    main()

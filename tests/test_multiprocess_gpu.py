@@ -1,0 +1,35 @@
+"""Every op across two processes on GPUs (tests/gpu_multiprocess_check.py,
+started by `python -m pk_jax.launch -n 2`): one GPU each, or both processes
+sharing one GPU when there is only one (the workspaces still travel between
+processes through CUDA IPC). Skipped with a reason without GPUs or kernels."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from conftest import gpus
+from pk_jax import runtime
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.gpu
+
+
+def test_every_op_across_two_processes():
+    if not gpus():
+        pytest.skip("needs a GPU")
+    if not runtime.available() or not runtime.extension().has_gemm:
+        pytest.skip("pk_jax extension without CUTLASS kernels")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "pk_jax.launch", "-n", "2",
+                           "--gpus-per-process", "0",
+                           str(ROOT / "tests" / "gpu_multiprocess_check.py")],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and log.count("GPU_MULTIPROCESS_DONE") == 2, log[-8000:]
