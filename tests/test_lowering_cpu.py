@@ -106,6 +106,25 @@ def test_groups_of_other_shapes_get_other_channels(cuda_lowering):
     assert ffi_attr(calls[0], "slot") != ffi_attr(calls[1], "slot")
 
 
+def test_a_hundred_staged_shapes_fit_the_default_workspace(cuda_lowering, monkeypatch):
+    """Calls of one channel share its staging region (by power-of-two size
+    class): 100 distinct copy-engine gathers of up to 32 MiB per call fit
+    the default 1 GiB data area (a region per shape would need ~1.7 GiB)."""
+    monkeypatch.setattr(runtime, "workspace_data_bytes", lambda: 1 << 30)
+    monkeypatch.setattr("pk_jax._channels._slots", {})
+    monkeypatch.setattr("pk_jax._channels._regions", {})
+    monkeypatch.setattr("pk_jax._channels._used", {"ll": 0, "other": 0, "data": 0})
+    mesh = cpu_mesh((2,), ("x",))
+    ends = []
+    for i in range(100):
+        rows = 2 * (16 + 41 * i)  # 16 .. 4075 rows of 4 KiB per rank: 64 KiB .. 32 MiB staged
+        hlo = cuda_lowering(lambda a: pk_jax.all_gather(a, "x", mechanism="copy_engine"), mesh,
+                            P("x"), (rows, 1024))
+        call, = _calls(hlo)
+        ends.append(int(ffi_attr(call, "data_offset")) + int(ffi_attr(call, "data_bytes")))
+    assert max(ends) <= 1 << 30
+
+
 def test_copy_engine_too_large_names_the_knob(cuda_lowering, monkeypatch):
     monkeypatch.setattr(runtime, "workspace_data_bytes", lambda: 1024)
     mesh = cpu_mesh((2,), ("x",))
