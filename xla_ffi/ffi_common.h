@@ -39,12 +39,22 @@ inline ffi::Error built_without_cutlass(const char* op) {
 struct Group {
   int rank = 0;
   int n = 1;
-  const runtime::DeviceState* self = nullptr;
-  const runtime::DeviceState* members[kMaxRanks] = {};
+  const runtime::DeviceState* self = nullptr;  // this (local) device
+  int64_t ids[kMaxRanks] = {};                 // member q's JAX device id
+  char* workspaces[kMaxRanks] = {};            // member q's workspace base, as self reaches it
+  // Some member is driven by another process: only workspace memory is
+  // shared with it. An address of one of that member's own buffers (XLA's
+  // inputs and outputs) means nothing here, so zero-copy mechanisms that
+  // publish buffer addresses (all_gather ld_st push/pull) cannot run.
+  bool spans_processes = false;
 };
 
 // `group_ids` holds the JAX device ids of every group on the mesh axis, group
 // after group, `group_size` each (set at lowering from the concrete mesh).
+// Only `self` must be driven by this process; the other members may be GPUs
+// of other processes of this host whose workspaces were imported, and every
+// member must have been connected to self (runtime: connect_group, at
+// lowering).
 inline ffi::Error resolve_group(const char* op, ffi::Span<const int64_t> group_ids,
                                 int64_t group_size, int32_t ordinal, Group* g) {
   const runtime::Runtime& rt = runtime::Runtime::get();
@@ -61,18 +71,41 @@ inline ffi::Error resolve_group(const char* op, ffi::Span<const int64_t> group_i
     const size_t first = i - i % group_size;
     g->rank = int(i - first);
     g->n = int(group_size);
-    for (int q = 0; q < g->n; ++q) {
-      g->members[q] = rt.by_global_id(group_ids[first + q]);
-      if (g->members[q] == nullptr)
-        return ffi::Error(ffi::ErrorCode::kUnimplemented,
-            std::string("pk_jax.") + op + ": device id " + std::to_string(group_ids[first + q]) +
-            " is not driven by this process; pk_jax kernels need every GPU of the group "
-            "in one process for now");
+    for (int q = 0; q < g->n; ++q) g->ids[q] = group_ids[first + q];
+    int bad = 0;
+    switch (rt.member_workspaces(*g->self, g->ids, g->n, g->workspaces, &bad,
+                                 &g->spans_processes)) {
+      case runtime::MemberStatus::kOk:
+        return ffi::Error::Success();
+      case runtime::MemberStatus::kUnknown:
+        return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+            std::string("pk_jax.") + op + ": device id " + std::to_string(g->ids[bad]) +
+            " is not known to this process: it is driven by another process that did not "
+            "share its workspace (pk_jax shares workspaces between processes of one host at "
+            "the first lowering) or lives on another host (pk_jax groups must stay inside "
+            "one host)");
+      case runtime::MemberStatus::kNotConnected:
+        return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+            std::string("pk_jax.") + op + ": device id " + std::to_string(g->ids[bad]) +
+            " was never connected to device id " + std::to_string(g->self->global_id) +
+            " (pk_jax connects the devices of every group when it lowers an op for it: was "
+            "this program lowered by another process or another pk_jax version?)");
     }
-    return ffi::Error::Success();
   }
   return ffi::Error::Internal(std::string("pk_jax.") + op + ": device " +
                               std::to_string(g->self->global_id) + " is in no group of the mesh axis");
+}
+
+// For mechanisms that read or write the members' own buffers (not their
+// workspaces) through published addresses: those addresses are valid only in
+// the process that drives the member.
+inline ffi::Error require_one_process(const char* op, const Group& g, const char* mechanism) {
+  if (!g.spans_processes) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                    std::string("pk_jax.") + op + ": mechanism '" + mechanism + "' shares buffer "
+                    "addresses between the ranks, which works only when one process drives "
+                    "every GPU of the group; this group spans processes (use a mechanism that "
+                    "stages through the workspace)");
 }
 
 // A kernel on this device gave up waiting earlier: refuse to run until the
@@ -109,7 +142,7 @@ struct ChannelAttrs {
 // This device's part in one call of a collective op.
 struct GroupContext {
   Group group;                       // rank, size, this device and the members
-  char* workspaces[kMaxRanks] = {};  // member q's workspace base (peer mapped)
+  char* workspaces[kMaxRanks] = {};  // member q's workspace base (as Group::workspaces)
   char* regions[kMaxRanks] = {};     // member q's channel region (data area + data_offset)
   Channel channel{};                 // the channel's flags on every member, wait context
   int slot = 0;
@@ -149,7 +182,7 @@ inline ffi::Error make_group_context(const char* op, int32_t op_id, int32_t ordi
                 std::to_string(c.data_bytes) + ": the lowering sized it for other shapes (the "
                 "pk_jax package and its native extension do not match; reinstall pk_jax)");
   for (int q = 0; q < g.n; ++q) {
-    ctx->workspaces[q] = g.members[q]->workspace;
+    ctx->workspaces[q] = g.workspaces[q];
     ctx->regions[q] = ctx->workspaces[q] + kDataOffset + c.data_offset;
   }
   ctx->slot = int(c.slot);
