@@ -121,14 +121,18 @@ def ensure_ready() -> Any:
 
 def _init(ext) -> None:
     local = gpu_devices()
-    unsupported = [f"{d} ({ext.device_info(d.local_hardware_id)['compute_capability']})"
-                   for d in local if not ext.device_info(d.local_hardware_id)["supported"]]
-    if unsupported:
-        raise PkJaxError(f"the kernels are built for Hopper (sm_90) GPUs, not {unsupported}")
+    several = _cluster.client() is not None and _cluster.process_count() > 1
+    for d in local:
+        info = ext.device_info(d.local_hardware_id)
+        if not info["supported"]:
+            raise PkJaxError(f"the kernels are built for Hopper (sm_90) GPUs, not {d} "
+                             f"(compute capability {info['compute_capability']})")
+        if several and not info.get("ipc", True):
+            raise PkJaxError(f"{d} cannot share memory with other processes (CUDA IPC)")
     ext.init_runtime([(d.id, d.local_hardware_id) for d in local],
                      config.get_config().workspace_bytes)
     config.workspace_allocated()
-    if _cluster.client() is not None and _cluster.process_count() > 1:
+    if several:
         _share_workspaces(ext, local)
 
 
@@ -138,14 +142,16 @@ def _share_workspaces(ext, local: list[jax.Device]) -> None:
     me = _cluster.process_index()
     _cluster.publish(f"workspaces/{me}", {"devices": [
         dict(id=d.id, pci=ext.device_info(d.local_hardware_id)["pci_bus_id"],
-             handle=bytes(ext.export_workspace(d.local_hardware_id)).hex())
+             handle=bytes(ext.export_workspace(d.local_hardware_id)).hex(),
+             data_bytes=int(ext.data_bytes()))
         for d in local]})
     hosts = _cluster.hosts()
     for p in range(_cluster.process_count()):
         if p == me or hosts[p] != hosts[me]:
             continue
         for dev in _cluster.fetch(f"workspaces/{p}", f"the workspaces of process {p}")["devices"]:
-            ext.import_peer(int(dev["id"]), bytes.fromhex(dev["handle"]), dev["pci"])
+            ext.import_peer(int(dev["id"]), bytes.fromhex(dev["handle"]), dev["pci"],
+                            int(dev["data_bytes"]))
             _peers[int(dev["id"])] = dev
 
 

@@ -71,7 +71,7 @@ class FakeExtension:
     def export_workspace(self, ordinal):
         return bytes([jax.process_index(), ordinal]) * 32
 
-    def import_peer(self, global_id, handle, pci):
+    def import_peer(self, global_id, handle, pci, data_bytes=-1):
         self.imported[global_id] = (handle, pci)
 
     def can_access(self, ordinal, pci):
