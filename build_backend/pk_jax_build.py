@@ -23,11 +23,20 @@ from a template this backend writes to build/pk_jax_build_info.py.in.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import pathlib
+import re
 import shutil
 
+import scikit_build_core
 from scikit_build_core import build as _skbuild
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10: scikit-build-core depends on tomli there
+    import tomli as tomllib
 
 from pk_jax_build_cuda import cuda_decision, find_nvcc
 
@@ -71,6 +80,47 @@ def _config(config_settings, *, write_info: bool = False):
     return settings, cuda
 
 
+def _keep_build_cache(config_settings) -> None:
+    """Let a CUDA rebuild from a new isolated build environment reuse the
+    persistent build directory.
+
+    scikit-build-core (0.10+) records the path of the scikit-build-core that
+    configured a build directory in .skbuild-info.json and, when the next
+    build runs from another one (pip makes a new isolated environment for
+    every install), deletes CMakeCache.txt and CMakeFiles/, which hold every
+    object file: `pip install -e .` then `pip install -e '.[test]'` would
+    compile the whole extension twice. Its reason is cached paths into the
+    old environment; CMakeLists.txt keeps none that matter (the nanobind,
+    XLA FFI and CUTLASS headers are mirrored into the build directory, and
+    scikit-build-core re-sets the Python, prefix and make-program entries
+    with FORCE each time), so point the record at this scikit-build-core and
+    let CMake and ninja rebuild only what changed. The source-directory check
+    stays. Best effort: anything unexpected leaves the file alone.
+    """
+    try:
+        pattern = (config_settings or {}).get("build-dir") or os.environ.get("SKBUILD_BUILD_DIR")
+        if not pattern:
+            with open("pyproject.toml", "rb") as f:
+                pattern = tomllib.load(f)["tool"]["scikit-build"].get("build-dir")
+        if not pattern or not isinstance(pattern, str):
+            return
+        here = os.fspath(pathlib.Path.cwd().resolve())
+        ours = os.fspath(pathlib.Path(scikit_build_core.__file__).parent.resolve())
+        for info_path in glob.glob(os.path.join(re.sub(r"\{[^}]*\}", "*", pattern),
+                                                ".skbuild-info.json")):
+            with open(info_path, encoding="utf-8") as f:
+                info = json.load(f)
+            if info.get("source_dir") != here or info.get("skbuild_path") in (None, ours):
+                continue
+            info["skbuild_path"] = ours
+            with open(info_path, "w", encoding="utf-8") as f:
+                json.dump(info, f, indent=2)
+            print(f"pk_jax: reusing {os.path.dirname(info_path)} from another build "
+                  "environment", flush=True)
+    except Exception as err:  # noqa: BLE001 - only an optimization
+        print(f"pk_jax: not reusing the build directory's cache ({err!r})", flush=True)
+
+
 def get_requires_for_build_wheel(config_settings=None):
     settings, cuda = _config(config_settings)
     extra = CUDA_BUILD_REQUIRES if cuda else []
@@ -88,12 +138,16 @@ def get_requires_for_build_sdist(config_settings=None):
 
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
-    settings, _ = _config(config_settings, write_info=True)
+    settings, cuda = _config(config_settings, write_info=True)
+    if cuda:
+        _keep_build_cache(settings)
     return _skbuild.build_wheel(wheel_directory, settings, metadata_directory)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
-    settings, _ = _config(config_settings, write_info=True)
+    settings, cuda = _config(config_settings, write_info=True)
+    if cuda:
+        _keep_build_cache(settings)
     return _skbuild.build_editable(wheel_directory, settings, metadata_directory)
 
 
