@@ -81,21 +81,22 @@ def _config(config_settings, *, write_info: bool = False):
 
 
 def _keep_build_cache(config_settings) -> None:
-    """Let a CUDA rebuild from a new isolated build environment reuse the
-    persistent build directory.
+    """Let a CUDA rebuild from a new isolated build environment keep the
+    object files of the persistent build directory.
 
     scikit-build-core (0.10+) records the path of the scikit-build-core that
     configured a build directory in .skbuild-info.json and, when the next
     build runs from another one (pip makes a new isolated environment for
-    every install), deletes CMakeCache.txt and CMakeFiles/, which hold every
+    every install), deletes CMakeCache.txt and CMakeFiles/, which holds every
     object file: `pip install -e .` then `pip install -e '.[test]'` would
-    compile the whole extension twice. Its reason is cached paths into the
-    old environment; CMakeLists.txt keeps none that matter (the nanobind,
-    XLA FFI and CUTLASS headers are mirrored into the build directory, and
-    scikit-build-core re-sets the Python, prefix and make-program entries
-    with FORCE each time), so point the record at this scikit-build-core and
-    let CMake and ninja rebuild only what changed. The source-directory check
-    stays. Best effort: anything unexpected leaves the file alone.
+    compile the whole extension twice. The cache has to go (it holds paths
+    into the old environment, and the CMake found there may be another
+    version), the objects need not: delete CMakeCache.txt here and point the
+    record at this scikit-build-core, so CMake configures afresh and ninja
+    recompiles only what changed. CMakeLists.txt mirrors the nanobind, XLA
+    FFI and CUTLASS headers into the build directory, so unchanged headers
+    keep their paths and timestamps. The source-directory check stays. Best
+    effort: anything unexpected leaves the directory to scikit-build-core.
     """
     try:
         pattern = (config_settings or {}).get("build-dir") or os.environ.get("SKBUILD_BUILD_DIR")
@@ -112,11 +113,15 @@ def _keep_build_cache(config_settings) -> None:
                 info = json.load(f)
             if info.get("source_dir") != here or info.get("skbuild_path") in (None, ours):
                 continue
+            build_dir = os.path.dirname(info_path)
+            cache = os.path.join(build_dir, "CMakeCache.txt")
+            if os.path.exists(cache):
+                os.remove(cache)
             info["skbuild_path"] = ours
             with open(info_path, "w", encoding="utf-8") as f:
                 json.dump(info, f, indent=2)
-            print(f"pk_jax: reusing {os.path.dirname(info_path)} from another build "
-                  "environment", flush=True)
+            print(f"pk_jax: {build_dir} was configured from another build environment: "
+                  "configuring afresh, keeping its object files", flush=True)
     except Exception as err:  # noqa: BLE001 - only an optimization
         print(f"pk_jax: not reusing the build directory's cache ({err!r})", flush=True)
 
