@@ -49,8 +49,15 @@ __all__ = [
     "get_requires_for_build_wheel",
 ]
 
-# What CMakeLists.txt imports from the build environment for the extension.
-CUDA_BUILD_REQUIRES = ["nanobind>=2.0", "jax>=0.10.2", "nvidia-cutlass>=3.5"]
+# What CMakeLists.txt imports from the build environment for the extension,
+# and always PyPI's CMake and Ninja. scikit-build-core asks for them only
+# where it finds no usable one, and that answer changes once the test extra
+# puts the cmake and ninja packages in the environment: another CMake writes
+# other compile commands, another Ninja may discard the build log, and either
+# way the next install would recompile the whole extension.
+CUDA_BUILD_REQUIRES = ["nanobind>=2.0", "jax>=0.10.2", "nvidia-cutlass>=3.5",
+                       "cmake>=3.24", "ninja"]
+
 # Must match template-path in pyproject.toml's [[tool.scikit-build.generate]].
 BUILD_INFO_TEMPLATE = pathlib.Path("build", "pk_jax_build_info.py.in")
 
