@@ -1,27 +1,190 @@
-"""The native extension builds wherever nvcc is present (a compile check on
-CPU-only machines), the package imports without it, and the handler sources
-keep to what CUDA graphs can update."""
+"""The build: the install compiles the CUDA extension only when asked for
+(PK_JAX_BUILD_CUDA=1) or when nvcc and a GPU are found (build_backend/), the
+extension still gets a compile check wherever nvcc exists, the package
+imports without it, and the handler sources keep to what CUDA graphs can
+update."""
 
+import importlib.util
+import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
+import sysconfig
 
 import pytest
 
 from pk_jax import runtime
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+# The FFI targets the extension registers (xla_ffi/module.cc).
+REGISTRATIONS = {"pk_all_gather", "pk_all_gather_matmul", "pk_matmul_reduce_scatter",
+                 "pk_ring_attention", "pk_attention_block_bwd"}
 
 
-def test_extension_built_when_nvcc_present():
-    if shutil.which("nvcc") is None:
-        pytest.skip("nvcc not on PATH: the package installs as pure Python here")
-    assert runtime.extension() is not None, runtime.extension_error()
+def _decision_module():
+    spec = importlib.util.spec_from_file_location(
+        "pk_jax_build_cuda", ROOT / "build_backend" / "pk_jax_build_cuda.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_info():
+    try:
+        from pk_jax import _build_info
+    except ImportError:
+        return None
+    return _build_info
+
+
+def _tool(name: str) -> str | None:
+    """A tool from this environment's bin directory first (the test extra's
+    cmake and ninja), then PATH."""
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    return shutil.which(name, path=path)
+
+
+def _fake_tools(tmp_path, **scripts) -> str:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(parents=True)
+    for name, output in scripts.items():
+        tool = bin_dir / name.replace("_", "-")
+        tool.write_text(f"#!/bin/sh\necho '{output}'\n")
+        tool.chmod(0o755)
+    return str(bin_dir)
+
+
+def test_build_decision(tmp_path, monkeypatch):
+    """PK_JAX_BUILD_CUDA=1 builds, =0 does not, unset builds only with nvcc
+    and a GPU in sight (here faked: scripts named nvcc and nvidia-smi)."""
+    cuda = _decision_module()
+    monkeypatch.setattr(cuda, "DEFAULT_CUDA_HOME", "/nonexistent")
+    nvcc_only = _fake_tools(tmp_path / "a", nvcc="nvcc")
+    gpu = _fake_tools(tmp_path / "b", nvcc="nvcc",
+                      nvidia_smi="GPU 0: NVIDIA H200 (UUID: GPU-0)")
+    no_gpu = _fake_tools(tmp_path / "c", nvcc="nvcc", nvidia_smi="")
+    empty = _fake_tools(tmp_path / "d")
+    no_nodes = ("/nonexistent/nvidia0",)
+
+    def decide(path, value=None):
+        env = {"PATH": path}
+        if value is not None:
+            env[cuda.ENV] = value
+        return cuda.cuda_decision(env, device_nodes=no_nodes)
+
+    assert decide(gpu)[:2] == (True, "auto")
+    assert "NVIDIA H200" in decide(gpu)[2]
+    assert decide(no_gpu)[:2] == (False, "auto")
+    assert decide(nvcc_only)[:2] == (False, "auto")
+    assert decide(empty)[:2] == (False, "auto")
+    assert decide(gpu, "0")[:2] == (False, "0")
+    assert decide(nvcc_only, "1")[:2] == (True, "1")
+    assert decide(gpu, "auto")[0] and decide(gpu, "")[0]
+    # A device node stands in for nvidia-smi (containers without it).
+    node = tmp_path / "nvidia0"
+    node.touch()
+    env = {"PATH": nvcc_only}
+    assert cuda.cuda_decision(env, device_nodes=(str(node),))[0]
+    with pytest.raises(RuntimeError, match="no nvcc"):
+        decide(empty, "1")
+    with pytest.raises(RuntimeError, match="use 1"):
+        decide(gpu, "maybe")
+
+
+def test_installed_extension_follows_the_build_decision():
+    """The installed package has the extension exactly when its build decided
+    to compile it (pk_jax._build_info), and an automatic decision not to
+    build it was not made on a machine that has nvcc and a GPU."""
+    info = _build_info()
+    if info is None:
+        pytest.skip("pk_jax was not installed by its build backend (no pk_jax._build_info)")
     ext = runtime.extension()
-    assert set(ext.registrations()) == {"pk_all_gather", "pk_all_gather_matmul",
-                                        "pk_matmul_reduce_scatter", "pk_ring_attention",
-                                        "pk_attention_block_bwd"}
-    assert ext.max_ranks >= 8
+    if info.cuda:
+        assert ext is not None, (f"the build compiled the extension ({info.reason}) but it "
+                                 f"does not load: {runtime.extension_error()}")
+        assert set(ext.registrations()) == REGISTRATIONS
+        assert ext.max_ranks >= 8
+        return
+    assert ext is None, f"a Python-only build ({info.reason}), yet an extension loads"
+    if info.setting == "auto":
+        cuda = _decision_module()
+        env = {k: v for k, v in os.environ.items() if k != cuda.ENV}
+        now, _, why = cuda.cuda_decision(env)
+        assert not now, (f"installed without the CUDA extension ({info.reason}), but here "
+                         f"{why}: reinstall; PK_JAX_BUILD_CUDA=1 forces the build")
+
+
+def test_extension_compiles():
+    """The compile check: wherever nvcc exists, CMake builds the extension
+    with CUDA (and CUTLASS) on into build/compile-check-<python> (kept, so a
+    rerun recompiles only what changed), then the built module imports on
+    this machine and registers its FFI targets. Skipped where the install
+    itself compiled the extension (the test above checks that one).
+    PK_JAX_COMPILE_CHECK=0 skips it, =1 runs it even then."""
+    forced = os.environ.get("PK_JAX_COMPILE_CHECK", "")
+    if forced == "0":
+        pytest.skip("PK_JAX_COMPILE_CHECK=0")
+    nvcc = _decision_module().find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: no CUDA compile check on this machine")
+    info = _build_info()
+    if forced != "1" and info is not None and info.cuda:
+        pytest.skip(f"the install compiled the extension ({info.reason})")
+    cmake = _tool("cmake")
+    if cmake is None:
+        pytest.skip("cmake not found (pip install -e '.[test]' brings it)")
+    missing = [m for m in ("nanobind", "cutlass_library", "jax")
+               if importlib.util.find_spec(m) is None]
+    assert not missing, f"the compile check needs {missing}: pip install -e '.[test]'"
+
+    tag = sysconfig.get_config_var("SOABI") or f"py{sys.version_info[0]}{sys.version_info[1]}"
+    build = ROOT / "build" / f"compile-check-{tag}"
+    build.mkdir(parents=True, exist_ok=True)
+    configure = [cmake, "-S", str(ROOT), "-B", str(build), "-DPK_JAX_CUDA=ON",
+                 "-DPK_JAX_REQUIRE_CUTLASS=ON", "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DPython_EXECUTABLE={sys.executable}"]
+    ninja = _tool("ninja")
+    generator = "Ninja" if ninja is not None else "Unix Makefiles"
+    cache = build / "CMakeCache.txt"
+    if cache.exists() and f"CMAKE_GENERATOR:INTERNAL={generator}\n" not in cache.read_text():
+        shutil.rmtree(build)  # configured with another generator: start over
+    build.mkdir(parents=True, exist_ok=True)
+    configure += ["-G", generator]
+    if ninja is not None:
+        configure.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
+    if shutil.which("nvcc") is None and not os.environ.get("CUDACXX"):
+        configure.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
+    jobs = os.environ.get("PK_JAX_COMPILE_CHECK_JOBS") or str(os.cpu_count() or 2)
+    log = build / "compile-check.log"
+    with open(log, "w") as out:
+        for cmd in (configure, [cmake, "--build", str(build), "--parallel", jobs]):
+            out.write("$ " + " ".join(cmd) + "\n")
+            out.flush()
+            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
+            if rc != 0:
+                break
+    if rc != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+        pytest.fail(f"the CUDA extension does not build (full log: {log}):\n{tail}")
+
+    built = sorted(build.glob("_pk_jax_ext*.so"))
+    assert built, f"no _pk_jax_ext module in {build}"
+    # In a subprocess: its own copy of the module, never mixed with an installed one.
+    probe = ("import importlib.util, json, sys\n"
+             "spec = importlib.util.spec_from_file_location('_pk_jax_ext', sys.argv[1])\n"
+             "m = importlib.util.module_from_spec(spec)\n"
+             "spec.loader.exec_module(m)\n"
+             "print(json.dumps({'registrations': sorted(m.registrations()),"
+             " 'max_ranks': int(m.max_ranks)}))\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(built[0])],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(found["registrations"]) == REGISTRATIONS
+    assert found["max_ranks"] >= 8
 
 
 def test_import_needs_no_gpu():
@@ -44,4 +207,3 @@ def test_no_multi_dimensional_copies_in_handler_code():
             if banned.search(code):
                 offenders.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
-
