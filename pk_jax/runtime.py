@@ -60,8 +60,20 @@ def extension() -> Any | None:
             try:
                 _ext = importlib.import_module("pk_jax._pk_jax_ext")
             except ImportError as e:
-                _ext_error = str(e)
+                _ext_error = _why_no_extension(e)
         return _ext
+
+
+def _why_no_extension(error: ImportError) -> str:
+    """The install's own record of why it has no kernels, else the error."""
+    try:
+        from pk_jax import _build_info  # written by the build (build_backend/)
+    except ImportError:
+        return str(error)
+    if not _build_info.cuda:
+        return (f"this install has no CUDA kernels ({_build_info.reason}); reinstall with "
+                "PK_JAX_BUILD_CUDA=1 on a machine with nvcc to build them")
+    return str(error)
 
 
 def extension_error() -> str | None:
