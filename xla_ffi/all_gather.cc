@@ -32,8 +32,10 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       e.failure())
     return e;
   const ffi_common::Group& g = ctx.group;
-  if (rows < 0 || row_bytes < 0 || uint64_t(rows) * uint64_t(row_bytes) != x.size_bytes() ||
-      out->size_bytes() != x.size_bytes() * size_t(g.n))
+  uint64_t block = 0;  // rows * row_bytes, overflow-checked
+  if (rows < 0 || row_bytes < 0 ||
+      __builtin_mul_overflow(uint64_t(rows), uint64_t(row_bytes), &block) ||
+      block != x.size_bytes() || out->size_bytes() != x.size_bytes() * size_t(g.n))
     return ffi_common::invalid_argument(kOp, "buffer sizes do not match the lowered layout");
 
   all_gather::Params p;

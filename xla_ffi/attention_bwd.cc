@@ -11,6 +11,7 @@
 // accumulator). dq's reduce-adds make it non-deterministic in the last bits.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "kernels/attention_bwd/attention_bwd.h"
@@ -54,6 +55,12 @@ ffi::Error AttentionBlockBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
     return invalid("batch, head dim or lse/delta shapes do not match q");
   if (q_rank.element_count() != 1 || k_rank.element_count() != 1 || n < 1)
     return invalid("q_rank and k_rank must be scalars and n >= 1");
+  // The kernel takes each dimension and the ring's tokens (n * S, n * T) as
+  // int; strides and offsets are 64-bit (kv_walk.cuh: TensorStrides).
+  constexpr int64_t kIntMax = INT32_MAX;
+  if (n > kIntMax || qd[0] > kIntMax || qd[1] > kIntMax || qd[2] > kIntMax || qd[3] > kIntMax ||
+      kd[1] > kIntMax || kd[2] > kIntMax || qd[1] * n > kIntMax || kd[1] * n > kIntMax)
+    return invalid("dimensions and the ring's sequence length must each stay below 2^31");
   const size_t half = size_t(kd[0]) * kd[1] * kd[2] * kd[3];  // elements of K (or V)
 
   attention_bwd::Params p;

@@ -129,9 +129,10 @@ struct BwdKernel {
   static_assert(cute::get<1>(TileShape{}) == kTileKv, "host checks use kTileKv");
   static_assert(Kernel::SharedStorageSize <= 227 * 1024, "shared memory of one SM");
 
-  // (batch, head, row, 1) strides of [B, rows, heads, D].
+  // (batch, head, row, 1) strides of [B, rows, heads, D], 64-bit.
   static typename Mainloop::Stride4 stride(int rows, int heads) {
-    return {rows * heads * kHeadDim, kHeadDim, heads * kHeadDim, cute::_1{}};
+    const auto s = ring_attention::TensorStrides::of(rows, heads, kHeadDim);
+    return {s.batch, s.head, s.row, cute::_1{}};
   }
 
   static cudaError_t launch(const Params& p) {
@@ -142,7 +143,8 @@ struct BwdKernel {
         {static_cast<const Element*>(p.q), stride(p.s_q, p.q_heads),
          static_cast<const Element*>(p.k), stride(p.s_kv, p.kv_heads),
          static_cast<const Element*>(p.v), static_cast<const Element*>(p.dout), p.lse,
-         typename Mainloop::Stride3{p.q_heads * p.s_q, p.s_q, cute::_1{}}, p.delta, p.dq,
+         typename Mainloop::Stride3{int64_t(p.q_heads) * p.s_q, int64_t(p.s_q), cute::_1{}},
+         p.delta, p.dq,
          stride(p.s_q, p.q_heads), bwd},
         {p.dk, p.dv},
         cutlass::KernelHardwareInfo{}};
