@@ -25,8 +25,15 @@ __device__ __forceinline__ bool addressed(const Channel& ch, int peer, int q) {
 // ---- entry points ----------------------------------------------------------
 __global__ void wait_credit_kernel(const __grid_constant__ Channel ch) {
   const int q = threadIdx.x;
-  if (addressed(ch, kAllPeers, q))
-    wait_geq(&ch.mine()->done[q], ch.next_epoch() - 1, ch.wait, q, kWaitDone);
+  const uint64_t e = ch.next_epoch();
+  if (addressed(ch, kAllPeers, q) && !wait_geq(&ch.mine()->done[q], e - 1, ch.wait, q, kWaitDone)) {
+    // The push that follows on this stream cannot be stopped: tell q first,
+    // so that the call of q that may still read our slot records it.
+    // The mark is visible at q before this kernel ends, hence before the
+    // push starts (signals.h).
+    store_release_sys(&ch.flags[q]->clobbered[ch.rank], e);
+    __threadfence_system();
+  }
 }
 
 __global__ void post_kernel(const __grid_constant__ Channel ch, int peer) {
@@ -44,7 +51,17 @@ __global__ void wait_posted_kernel(const __grid_constant__ Channel ch, int peer)
 __global__ void finish_kernel(const __grid_constant__ Channel ch) {
   const int q = threadIdx.x;
   const uint64_t e = ch.next_epoch();
-  if (addressed(ch, kAllPeers, q)) store_release_sys(&ch.flags[q]->done[ch.rank], e);
+  if (addressed(ch, kAllPeers, q)) {
+    // Everything this call read from its slots was read before this kernel
+    // started (stream order). If this load misses q's mark, q's marking
+    // store comes later, and q's push later still (its SC fence, then the
+    // end of its kernel): after our reads. (Store buffering: SC fences on
+    // both sides.)
+    __threadfence_system();
+    const uint64_t mark = load_acquire_sys(&ch.mine()->clobbered[q]);
+    if (mark > e) record_error(ch.wait, kErrClobbered, q, 0, e, mark);
+    store_release_sys(&ch.flags[q]->done[ch.rank], e);
+  }
   __syncwarp();
   if (q == 0) ch.mine()->epoch = e;
 }

@@ -1,7 +1,18 @@
 // Stream-ordered signalling for mechanisms whose data moves outside a pk
-// kernel (copy engines, GEMMs writing to peers): one-warp kernels, thread q
+// kernel (copy engines, GEMMs writing to peers): tiny kernels, thread q
 // talking to rank q. Each reads the channel's epoch e (calls completed + 1);
 // only `finish` advances it, so launch it last.
+//
+// A failed wait in one of these kernels cannot stop the copies and GEMMs
+// enqueued after it on the stream (a copy engine's copy cannot be made
+// conditional on a device value, and XLA command buffers allow no graph
+// conditionals), so what depends on a wait is made safe where it is read:
+// a failed credit wait (the peer may still read what we staged with it last
+// call, and our next push overwrites it) marks the peer's channel first
+// (SlotFlags::clobbered) and the push goes ahead; the peer's `finish` of the
+// call that read the slot sees the mark and records kErrClobbered. The
+// overwritten slot is pk's own staging memory, never an XLA buffer, so the
+// only harm is to the data of that one late call, and it is caught.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -14,6 +25,8 @@ inline constexpr int kAllPeers = -1;
 
 // Wait until every peer's done[q] >= e - 1: each peer has finished reading
 // what we staged in its workspace during the previous call (our credit).
+// On a timeout, first marks that peer's channel (clobbered[rank] = e; see
+// above): the pushes enqueued after this kernel will run regardless.
 cudaError_t wait_credit(const Channel& ch, cudaStream_t stream);
 
 // Release posted[rank] = e on `peer` (or every peer), after a system-scope
@@ -24,8 +37,10 @@ cudaError_t post(const Channel& ch, int peer, bool skip, cudaStream_t stream);
 // Wait until posted[q] >= e for `peer` (or every peer).
 cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream);
 
-// Release done[rank] = e to every peer (we finished reading what they staged
-// with us), then advance the epoch.
+// End of a call: release done[rank] = e to every peer (we finished reading
+// what they staged with us), check that no peer overwrote our slots while
+// we read them (SlotFlags::clobbered > e: kErrClobbered), then advance the
+// epoch. Cost on success: one load of each peer's mark.
 cudaError_t finish(const Channel& ch, cudaStream_t stream);
 
 // Copy-engine posting, for waits that must not depend on a kernel getting an
