@@ -59,7 +59,7 @@ struct alignas(128) SlotFlags {
   // slot of our region although its credit wait (our done[r] of the call
   // before) had timed out. A call of ours that finishes with an epoch below
   // this value may have read a slot while r overwrote it: its finish records
-  // the error (signals::finish).
+  // the error and poisons the outputs (signals::finish).
   uint64_t clobbered[kMaxRanks];
 };
 static_assert(sizeof(SlotFlags) == 1536, "the flag area's size is part of the layout");
@@ -159,6 +159,10 @@ enum ErrorCode : int32_t {
   // still read it (the peer's credit wait had timed out): expected = our
   // epoch, observed = the peer's epoch that pushed.
   kErrClobbered = 4,
+  // The host sequence failed after enqueuing part of the call (a CUDA error
+  // from an enqueue); the call was finished without data: expected =
+  // observed = 0.
+  kErrAborted = 5,
 };
 // Where a failed wait is reported. `record` is mapped host memory; `claim`
 // is a device word (atomics on mapped host memory are not atomic over PCIe).

@@ -117,9 +117,13 @@ __device__ inline void record_unsafe(const WaitContext& ctx, int32_t peer, uint6
 // True once a wait on this device has given up (the claim word is set until
 // check_errors() resets the device): later waits give up at once instead of
 // each paying the timeout again (a kernel of many waves would otherwise
-// take waves x timeout to finish).
+// take waves x timeout to finish). Outputs of a call that sees it are
+// poisoned (poison_bytes).
 __device__ __forceinline__ bool device_failed(const WaitContext& ctx) {
   return ctx.claim != nullptr && *reinterpret_cast<volatile int32_t*>(ctx.claim) != 0;
+}
+__device__ __forceinline__ bool device_failed(const int32_t* claim) {
+  return claim != nullptr && *reinterpret_cast<const volatile int32_t*>(claim) != 0;
 }
 
 // Spin on *word until ready(value); false after the timeout or, unless
@@ -175,6 +179,22 @@ __device__ inline bool wait_line(const uint64_t* line, uint32_t flag, const Wait
                                  int32_t peer, uint64_t* value) {
   return spin_bounded<false>(line, [=](uint64_t v) { return uint32_t(v >> 32) == flag; }, ctx,
                              peer, kWaitLine, flag, value);
+}
+
+// Overwrite `bytes` bytes at `p` with `pattern`, shared by threads `tid` of
+// `threads`: the poison of a failed call's outputs (16-byte stores where the
+// address allows, bytes at the unaligned ends). Only on the failure path.
+__device__ inline void poison_bytes(void* p, uint64_t bytes, uint8_t pattern, uint64_t tid,
+                                    uint64_t threads) {
+  char* c = static_cast<char*>(p);
+  const uint64_t head = (16 - (reinterpret_cast<uintptr_t>(c) & 15)) & 15;
+  const uint64_t lead = head < bytes ? head : bytes;
+  const uint64_t vecs = (bytes - lead) / 16;
+  const uint32_t w = 0x01010101u * pattern;
+  uint4* v = reinterpret_cast<uint4*>(c + lead);
+  for (uint64_t i = tid; i < vecs; i += threads) v[i] = make_uint4(w, w, w, w);
+  for (uint64_t i = tid; i < lead; i += threads) c[i] = char(pattern);
+  for (uint64_t i = lead + vecs * 16 + tid; i < bytes; i += threads) c[i] = char(pattern);
 }
 
 }  // namespace pk

@@ -22,7 +22,9 @@
 //               return, and a peer may still be reading or writing them. If
 //               that wait fails, r revokes its offer to q; if q had claimed it
 //               already, r waits a second full timeout for q's done and
-//               records `unsafe` if even that fails. Then the epoch advances.
+//               records `unsafe` if even that fails. Then, if the device holds
+//               an error, the output is poisoned (every byte the pattern the
+//               host picked for the dtype), and the epoch advances.
 // A rank cannot offer epoch e+1 before every peer finished epoch e or had its
 // offer revoked (step 4), so one set of flags per channel suffices.
 #include <algorithm>
@@ -52,6 +54,7 @@ struct LdStArgs {
   uint64_t row_bytes;
   Channel ch;
   bool skip_post;
+  uint8_t poison;  // byte pattern of a failed call's output
 };
 
 // ---- roles -----------------------------------------------------------------
@@ -124,7 +127,8 @@ __device__ void settle(const LdStArgs& a, int q, uint64_t epoch) {
 
 // Called by every block after its copies. Returns in all blocks but the last;
 // the last one releases the peers, waits until they are done with us (or
-// takes its offers back), and advances the epoch.
+// takes its offers back), poisons the output if the call failed, and
+// advances the epoch.
 __device__ void finish(const LdStArgs& a, uint64_t epoch) {
   __shared__ bool is_last;
   SlotFlags* mine = a.ch.mine();
@@ -143,6 +147,11 @@ __device__ void finish(const LdStArgs& a, uint64_t epoch) {
     store_release_sys(&a.ch.flags[q]->done[a.ch.rank], epoch);
     if (!wait_geq(&mine->done[q], epoch, a.ch.wait, q, kWaitDone)) settle(a, q, epoch);
   }
+  // No peer writes into our output any more (push): a failed call's output
+  // becomes poison, whatever parts of it were written.
+  if (__syncthreads_or(threadIdx.x == 0 && device_failed(a.ch.wait)))
+    poison_bytes(a.dst, uint64_t(a.ch.n) * a.rows * a.row_bytes, a.poison, threadIdx.x,
+                 blockDim.x);
   __syncthreads();
   if (threadIdx.x == 0) {
     mine->ticket = 0;      // every block of this call has taken its ticket
@@ -171,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) all_gather_ld_st_kernel(
     // Chunk c is chunk c / n of rank q's block. Starting at our neighbour
     // makes the ranks talk to different peers.
     const int q = int((c + a.ch.rank + 1) % a.ch.n);
-    if (!ok_of[q]) continue;  // no usable offer: leave that part unwritten
+    if (!ok_of[q]) continue;  // no usable offer: leave that part (poisoned at the end)
     const uint64_t stride = uint64_t(a.ch.n) * row_vecs;
     const RowBlock<V> b =
         kDir == kPull
@@ -258,6 +267,7 @@ cudaError_t launch_ld_st(const Params& p, bool push) {
   a.row_bytes = p.row_bytes;
   a.ch = p.ch;
   a.skip_post = p.skip_post;
+  a.poison = p.poison;
 
   // One block per chunk (see the kernel), at most one per SM by default or
   // num_blocks up to the co-resident limit.

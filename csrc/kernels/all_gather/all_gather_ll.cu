@@ -12,7 +12,9 @@
 //            error (kErrLayout) and q's lines are not read. Then r spins on
 //            the lines "from q, parity p" of its own workspace until their
 //            flag is e's, and writes their words into its output.
-//   finish:  the last block advances the epoch.
+//   finish:  the last block poisons the output if the device holds an error
+//            (a wait of this call failed, or one before it), and advances
+//            the epoch.
 // No handshake is needed to reuse lines: r writes parity p again at e+2 only
 // after receiving q's lines of e+1, which q sends after it finished reading
 // the lines of e. A flag can only match once: consecutive uses of one
@@ -41,6 +43,7 @@ struct LlArgs {
   Channel ch;
   char* lines[kMaxRanks];  // each rank's LL area of this channel
   bool skip_post;
+  uint8_t poison;          // byte pattern of a failed call's output
 };
 
 // ---- roles -----------------------------------------------------------------
@@ -99,9 +102,19 @@ __device__ void finish(const LlArgs& a, uint64_t epoch) {
   __shared__ bool is_last;
   SlotFlags* mine = a.ch.mine();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&mine->ticket, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();  // the block's output stores before its ticket
+    is_last = atomicAdd(&mine->ticket, 1u) == gridDim.x - 1;
+    __threadfence();  // the last block sees every block's work
+  }
   __syncthreads();
-  if (is_last && threadIdx.x == 0) {
+  if (!is_last) return;
+  // Every block is done with the output: a failed call's becomes poison.
+  if (__syncthreads_or(threadIdx.x == 0 && device_failed(a.ch.wait)))
+    poison_bytes(a.dst, uint64_t(a.ch.n) * a.rows * a.row_words * 4, a.poison, threadIdx.x,
+                 blockDim.x);
+  __syncthreads();
+  if (threadIdx.x == 0) {
     mine->ticket = 0;
     mine->epoch = epoch;
   }
@@ -133,6 +146,7 @@ cudaError_t launch_ll(const Params& p) {
   for (int q = 0; q < p.ch.n; ++q)
     a.lines[q] = p.workspace[q] + kLlOffset + size_t(p.slot) * kLlChannelBytes;
   a.skip_post = p.skip_post;
+  a.poison = p.poison;
   const uint64_t words = p.rows * a.row_words;
   const uint64_t wanted = (words + kThreads - 1) / kThreads;
   const int blocks = int(std::clamp<uint64_t>(wanted, 1, kMaxBlocks));

@@ -167,11 +167,11 @@ struct AttentionKernel {
     return Stride{s.row, cute::_1{}, cute::make_tuple(s.batch, s.head)};
   }
 
-  static cudaError_t launch(const KernelArgs& a) {
+  static typename Kernel::Arguments arguments(const KernelArgs& a) {
     const Params& p = *a.p;
     const Geometry& g = p.geo;
     const int peer_rows = g.n > 1 ? (g.n - 1) * g.s_local : g.s_local;
-    typename Kernel::Arguments args{
+    return typename Kernel::Arguments{
         {p.batch, p.q_heads, g.s_local, g.s_local, kHeadDim},
         {static_cast<const Element*>(p.q), stride(g.s_local, p.q_heads),
          static_cast<const Element*>(p.k), static_cast<const Element*>(p.v),
@@ -183,13 +183,21 @@ struct AttentionKernel {
          StrideLse{cute::_1{}, cute::make_tuple(int64_t(p.q_heads) * g.s_local,
                                                 int64_t(g.s_local))}},
         cutlass::KernelHardwareInfo{0, p.sm_count}};
+  }
+
+  static cudaError_t check(const KernelArgs& a) {
+    return Fmha::can_implement(arguments(a)) ? cudaSuccess : cudaErrorNotSupported;
+  }
+
+  static cudaError_t launch(const KernelArgs& a) {
+    const auto args = arguments(a);
     if (!Fmha::can_implement(args)) return cudaErrorNotSupported;
     auto params = Fmha::to_underlying_arguments(args, nullptr);
     if constexpr (kCommCtas)
       return fmha_launch::launch_kernel<Kernel>(Kernel::make_params(params, a.push),
-                                                       p.stream);
+                                                a.p->stream);
     else
-      return fmha_launch::launch_kernel<Kernel>(params, p.stream);
+      return fmha_launch::launch_kernel<Kernel>(params, a.p->stream);
   }
 };
 
@@ -208,6 +216,11 @@ struct Element<DType::kF16> {
 template <DType kType, int kHeadDim, Mechanism kMechanism>
 using VariantKernel =
     AttentionKernel<typename Element<kType>::Type, kHeadDim, kMechanism == Mechanism::kLdSt>;
+
+template <DType kType, int kHeadDim, Mechanism kMechanism>
+cudaError_t Variant<kType, kHeadDim, kMechanism>::check(const KernelArgs& a) {
+  return VariantKernel<kType, kHeadDim, kMechanism>::check(a);
+}
 
 template <DType kType, int kHeadDim, Mechanism kMechanism>
 cudaError_t Variant<kType, kHeadDim, kMechanism>::launch(const KernelArgs& a) {
