@@ -407,3 +407,111 @@ def test_training_tracks_plain_attention():
     worst = float(np.max(np.abs(ours - ref) / ref))
     assert worst < 2e-2, (f"loss curves differ by {worst:.3g} (relative): ring {ours}, "
                           f"plain {ref} (seed {seed})")
+
+
+# ---- 64-bit offsets: the largest shapes one H200 holds -----------------------------
+# q, dout [2, 131072, 128, 128] bf16 (8 GiB each), dq fp32 (16 GiB): their
+# batch stride S * Hq * D is 2^31 elements, so batch entry 1 starts where a
+# 32-bit stride wraps (the kernel's strides were `int` before). hkv = 128 puts
+# K/V and dK/dV there too (kv 16 GiB, dkv fp32 32 GiB: about 86 GB in all);
+# hkv = 16 needs about 45 GB. Checked on sampled rows (dq) and sampled K/V
+# rows (dk, dv) against fp32 sums over the whole other side: the dense
+# reference would need S * T scores per head.
+BIG_B, BIG_S, BIG_HQ, BIG_D = 2, 131072, 128, 128
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _draw(shape, key, dtype):
+    return jax.random.normal(key, shape, dtype)
+
+
+def _big_inputs(seed, hkv):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    q = _draw((BIG_B, BIG_S, BIG_HQ, BIG_D), keys[0], jnp.bfloat16)
+    do = _draw((BIG_B, BIG_S, BIG_HQ, BIG_D), keys[1], jnp.bfloat16)
+    kv = _draw((2, BIG_B, BIG_S, hkv, BIG_D), keys[2], jnp.bfloat16)
+    delta = _draw((BIG_B, BIG_HQ, BIG_S), keys[3], jnp.float32)
+    # A log-sum-exp near the true one of random scores (log T + 1/2), plus
+    # the mass of other blocks: p = exp(s - lse) stays at softmax scale.
+    extra = jax.random.uniform(keys[4], (BIG_B, BIG_HQ, BIG_S), jnp.float32, 0.0, 1.0)
+    lse = extra + np.float32(np.log(BIG_S) + 0.5)
+    return q, do, kv, lse, delta
+
+
+def _p_ds(s, lse, dp, delta, scale, round_to=None):
+    """P and dS of scores s (scaled inside), as the kernel forms them; with
+    `round_to`, both rounded to it before their products."""
+    p = jnp.exp(s * scale - lse)
+    ds = p * (dp - delta) * scale
+    if round_to is not None:
+        p, ds = p.astype(round_to), ds.astype(round_to)
+    return p, ds
+
+
+@functools.partial(jax.jit, static_argnums=(6, 7, 8, 9))
+def _sampled_dq(q, do, kv, lse, delta, rows, b, h, group, same):
+    """dq of query rows `rows` of (batch b, head h), summed over every key."""
+    f32, hi = jnp.float32, lax.Precision.HIGHEST
+    k, v = kv[0, b, :, h // group], kv[1, b, :, h // group]
+    qr, dor = q[b, :, h][rows], do[b, :, h][rows]
+    s = jnp.einsum("rd,td->rt", qr, k, preferred_element_type=f32, precision=hi)
+    dp = jnp.einsum("rd,td->rt", dor, v, preferred_element_type=f32, precision=hi)
+    _, ds = _p_ds(s, lse[b, h][rows][:, None], dp, delta[b, h][rows][:, None],
+                  BIG_D ** -0.5, jnp.bfloat16 if same else None)
+    kk = k if same else k.astype(f32)
+    return jnp.einsum("rt,td->rd", ds, kk, preferred_element_type=f32, precision=hi)
+
+
+@functools.partial(jax.jit, static_argnums=(6, 7, 8, 9))
+def _sampled_dkv(q, do, kv, lse, delta, rows, b, hk, group, same):
+    """(dk, dv) of K/V rows `rows` of (batch b, K/V head hk), summed over
+    every query row of every query head of its group."""
+    f32, hi = jnp.float32, lax.Precision.HIGHEST
+    heads = slice(hk * group, (hk + 1) * group)
+    qg, dog = q[b, :, heads], do[b, :, heads]  # [S, g, D]
+    k, v = kv[0, b, :, hk][rows], kv[1, b, :, hk][rows]
+    s = jnp.einsum("sgd,rd->gsr", qg, k, preferred_element_type=f32, precision=hi)
+    dp = jnp.einsum("sgd,rd->gsr", dog, v, preferred_element_type=f32, precision=hi)
+    p, ds = _p_ds(s, lse[b, heads][:, :, None], dp, delta[b, heads][:, :, None],
+                  BIG_D ** -0.5, jnp.bfloat16 if same else None)
+    cast = (lambda x: x) if same else (lambda x: x.astype(f32))
+    dv = jnp.einsum("gsr,sgd->rd", p, cast(dog), preferred_element_type=f32, precision=hi)
+    dk = jnp.einsum("gsr,sgd->rd", ds, cast(qg), preferred_element_type=f32, precision=hi)
+    return dk, dv
+
+
+@pytest.mark.parametrize("hkv", [16, 128])
+def test_64_bit_offsets_one_gpu(hkv):
+    _need_kernel()
+    seed = _seed()
+    group = BIG_HQ // hkv
+    cfg = _cfg(1, False, "contiguous", BIG_D)
+    q, do, kv, lse, delta = _big_inputs(seed, hkv)
+    dq, dkv = jax.jit(block_bwd, static_argnums=(7,))(q, do, lse, delta, kv, jnp.int32(0),
+                                                      jnp.int32(0), cfg)
+    rng = np.random.default_rng(seed)
+    pick = lambda: jnp.asarray(np.unique(np.concatenate(
+        [[0, BIG_S // 2 + 3, BIG_S - 1], rng.integers(0, BIG_S, 5)])).astype(np.int32))
+    got, exact, same = {"dq": [], "dk": [], "dv": []}, {"dq": [], "dk": [], "dv": []}, \
+        {"dq": [], "dk": [], "dv": []}
+    for b in range(BIG_B):
+        rows = pick()
+        for h in (0, 77, BIG_HQ - 1):
+            got["dq"].append(dq[b, :, h][rows])
+            exact["dq"].append(_sampled_dq(q, do, kv, lse, delta, rows, b, h, group, False))
+            same["dq"].append(_sampled_dq(q, do, kv, lse, delta, rows, b, h, group, True))
+        for hk in (0, hkv - 1):
+            got["dk"].append(dkv[0, b, :, hk][rows])
+            got["dv"].append(dkv[1, b, :, hk][rows])
+            for want, flag in ((exact, False), (same, True)):
+                dk, dv = _sampled_dkv(q, do, kv, lse, delta, rows, b, hk, group, flag)
+                want["dk"].append(dk)
+                want["dv"].append(dv)
+    what = f"hkv={hkv} (seed {seed})"
+    for name in ("dq", "dk", "dv"):
+        g, e, s = (np.concatenate([np.asarray(x) for x in d[name]]) for d in (got, exact, same))
+        assert np.all(np.isfinite(g)), f"{name}: non-finite elements: {what}"
+        err, base = _rel(g, e), _rel(s, e)
+        assert err <= 1.5 * base + 2e-3, (
+            f"{name}: rel err {err:.3g} against fp32, same-precision {base:.3g}: {what}")
+    pk_jax.check_errors()

@@ -91,3 +91,63 @@ def test_checker_catches_a_broken_piece_plan(tmp_path):
     plan whose pieces copy to the end of every head."""
     res = _broken_run(tmp_path, "r1 = u1 < s_local ? u1 : s_local;", "r1 = s_local;")
     assert res.returncode == 1 and "FAIL plan" in res.stdout
+
+
+# ---- 64-bit offsets ----------------------------------------------------------
+# Shapes where 32-bit products wrap: q's batch stride s_local * Hq * D and the
+# peers' K/V batch stride (n - 1) * s_local * Hkv * D reach 2^31 elements, and
+# the byte offsets of the pushes pass 2^32.
+HUGE = [  # n, s_local, batch, hq, hkv, d
+    (1, 131072, 1, 128, 128, 128),
+    (8, 131072, 2, 128, 32, 128),
+    (16, 65536, 3, 64, 64, 64),
+    (2, 262144, 2, 64, 8, 128),
+]
+
+
+def _offsets(exe, *args):
+    res = subprocess.run([exe, *map(str, args)], capture_output=True, text=True)
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0 and lines[-1] == "OK", res.stdout + res.stderr
+    return {k: int(v) for k, v in (line.split() for line in lines[:-1])}
+
+
+@pytest.fixture(scope="module")
+def offsets_checker(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler to build the offsets checker")
+    exe = str(tmp_path_factory.mktemp("offsets") / "offsets_check")
+    subprocess.run([cxx, "-std=c++17", "-O1", "-I", os.path.join(ROOT, "csrc"),
+                    os.path.join(ROOT, "tests", "native", "offsets_check.cc"), "-o", exe],
+                   check=True)
+    return exe
+
+
+@pytest.mark.parametrize("n,s_local,batch,hq,hkv,d", HUGE)
+def test_offsets_are_exact_at_64_bit_sizes(offsets_checker, n, s_local, batch, hq, hkv, d):
+    """TensorStrides (the attention kernels' q/out/dq and peers' K/V strides)
+    and PushLayout (where the pushes write) match exact integer arithmetic at
+    sizes whose 32-bit products wrap, and every pushed element is where the
+    kernel reads it (the checker's own comparison)."""
+    got = _offsets(offsets_checker, n, s_local, batch, hq, hkv, d)
+    row_bytes = s_local * hkv * d * 2
+    want = {
+        "q_row": hq * d, "q_head": d, "q_batch": s_local * hq * d,
+        "peers_batch": max(n - 1, 1) * s_local * hkv * d if n > 1 else 0,
+        "q_last": batch * s_local * hq * d - 1,
+        "pitch": (n - 1) * row_bytes, "v_offset": batch * (n - 1) * row_bytes,
+        "last_slot": (n - 2) * row_bytes + (batch - 1) * (n - 1) * row_bytes,
+    }
+    if n == 1:  # no peers: the checker prints the degenerate values
+        want["peers_batch"], want["last_slot"] = 0, got["last_slot"]
+    assert got == want
+
+
+def test_offset_shapes_cover_the_wrap():
+    """The shapes above are the ones the kernels' former `int` strides got
+    wrong: q's and the peers' K/V batch strides (elements) and the push
+    offsets (bytes) each pass 32 bits somewhere."""
+    assert any(s * hq * d >= 2**31 for _, s, _, hq, _, d in HUGE)
+    assert any((n - 1) * s * hkv * d >= 2**31 for n, s, _, _, hkv, d in HUGE)
+    assert any(b * (n - 1) * s * hkv * d * 2 >= 2**32 for n, s, b, _, hkv, d in HUGE)

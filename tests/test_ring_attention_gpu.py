@@ -354,3 +354,69 @@ def test_ld_st_comm_ctas(ctas):
     for call in ("first", "second"):
         _check(ring(q, k, v), q, k, v, True, f"ld_st {ctas} CTAs, {call} call", seed)
     pk_jax.check_errors()
+
+
+# ---- 64-bit offsets: the largest shape one H200 holds ------------------------------
+# q, k, v [2, 131072, 128, 128] bf16, 8 GiB each: every batch stride S * H * D
+# is 2^31 elements, so batch entry 1 starts where a 32-bit stride wraps (the
+# kernels' strides were `int` before). About 35 GB of GPU memory in all; the
+# check samples (batch, head, row) triples against fp32 attention over the
+# whole sequence (a dense reference would need S^2 scores per head).
+BIG_B, BIG_S, BIG_HEADS, BIG_D = 2, 131072, 128, 128
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _draw_bf16(shape, key):
+    return jax.random.normal(key, shape, jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnums=(5, 6, 7))
+def _sampled_attention(q, k, v, rows, b, h, group, causal):
+    """(exact out, same-precision out, exact lse) of query rows `rows` of
+    (batch b, head h) against the whole sequence: fp32 products of the bf16
+    inputs, and the same with P rounded to bf16 as the kernel does."""
+    f32 = jnp.float32
+    qr = q[b, :, h][rows]
+    kh, vh = k[b, :, h // group], v[b, :, h // group]
+    sc = jnp.einsum("rd,td->rt", qr, kh, preferred_element_type=f32,
+                    precision=lax.Precision.HIGHEST) / np.sqrt(q.shape[3])
+    if causal:
+        sc = jnp.where(rows[:, None] >= jnp.arange(k.shape[1])[None, :], sc, -jnp.inf)
+    lse = jax.nn.logsumexp(sc, axis=-1)
+    p = jnp.exp(sc - lse[:, None])
+    exact = jnp.einsum("rt,td->rd", p, vh.astype(f32), precision=lax.Precision.HIGHEST)
+    same = jnp.einsum("rt,td->rd", p.astype(jnp.bfloat16), vh, preferred_element_type=f32,
+                      precision=lax.Precision.HIGHEST)
+    return exact, same, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_64_bit_offsets_one_gpu(causal):
+    from pk_jax import runtime
+    mesh = gpu_mesh(1, "sp")
+    if not runtime.available() or not runtime.extension().has_gemm:
+        pytest.skip("pk_jax extension without CUTLASS kernels")
+    seed = _seed()
+    keys = jax.random.split(jax.random.key(seed), 3)
+    shape = (BIG_B, BIG_S, BIG_HEADS, BIG_D)
+    q, k, v = (_draw_bf16(shape, kk) for kk in keys)
+    out, lse = _ring(mesh, causal=causal, layout="contiguous", mechanism="copy_engine",
+                     return_lse=True)(q, k, v)
+    rng = np.random.default_rng(seed)
+    rows = np.unique(np.concatenate([[0, 1, BIG_S // 2, BIG_S - 1],
+                                     rng.integers(0, BIG_S, 12)])).astype(np.int32)
+    r = jnp.asarray(rows)
+    errs, bases, lse_err = [], [], 0.0
+    for b in range(BIG_B):
+        for h in (0, 77, BIG_HEADS - 1):
+            exact, same, want_lse = _sampled_attention(q, k, v, r, b, h, 1, causal)
+            got = out[b, :, h][r].astype(jnp.float32)
+            what = f"batch {b} head {h} causal={causal} (seed {seed})"
+            assert np.all(np.isfinite(np.asarray(got))), f"non-finite output: {what}"
+            errs.append(rel_err(got, exact))
+            bases.append(rel_err(same, exact))
+            lse_err = max(lse_err, float(jnp.max(jnp.abs(lse[b, h][r] - want_lse))))
+    err, base = max(errs), max(bases)
+    assert err <= 1.5 * base + 2e-3, f"rel err {err:.3g}, same precision {base:.3g} (seed {seed})"
+    assert lse_err <= 2e-2, f"lse max abs err {lse_err:.3g} (seed {seed})"
+    pk_jax.check_errors()

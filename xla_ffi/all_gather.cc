@@ -18,6 +18,21 @@ constexpr const char* kOp = "all_gather";
 // Values of the "mechanism" attribute (pk_jax/ops/all_gather.py: _MECHANISM_IDS).
 enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2, kLdStLl = 3 };
 
+// The byte a failed call's output is filled with (all_gather.h: poison):
+// all bits set, a quiet NaN in every IEEE float type (bf16, f16, f32, f64,
+// complex; e4m3fn, e4m3, e5m2, e3m4 and e8m0fnu too) and -1 / the maximum in
+// integers; 0x80 for the fp8 types without infinities whose only NaN it is.
+uint8_t poison_byte(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F8E4M3FNUZ:
+    case ffi::DataType::F8E5M2FNUZ:
+    case ffi::DataType::F8E4M3B11FNUZ:
+      return 0x80;
+    default:
+      return 0xFF;
+  }
+}
+
 ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi_common::ChannelAttrs channel,
                          int64_t rows, int64_t row_bytes, int32_t mechanism,
@@ -32,8 +47,10 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       e.failure())
     return e;
   const ffi_common::Group& g = ctx.group;
-  if (rows < 0 || row_bytes < 0 || uint64_t(rows) * uint64_t(row_bytes) != x.size_bytes() ||
-      out->size_bytes() != x.size_bytes() * size_t(g.n))
+  uint64_t block = 0;  // rows * row_bytes, overflow-checked
+  if (rows < 0 || row_bytes < 0 ||
+      __builtin_mul_overflow(uint64_t(rows), uint64_t(row_bytes), &block) ||
+      block != x.size_bytes() || out->size_bytes() != x.size_bytes() * size_t(g.n))
     return ffi_common::invalid_argument(kOp, "buffer sizes do not match the lowered layout");
 
   all_gather::Params p;
@@ -48,6 +65,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
     p.region[q] = ctx.regions[q];
   }
   p.skip_post = ctx.skip_post;
+  p.poison = poison_byte(x.element_type());
   p.device = ordinal;
   p.num_blocks = num_blocks;
   p.stream = stream;

@@ -9,11 +9,18 @@
 // Attributes: scale, causal, zigzag, n (ring size, for global positions).
 // A local op: no group, no channel, no workspace (dq is its own fp32
 // accumulator). dq's reduce-adds make it non-deterministic in the last bits.
+// It reads the device's error word, though: while a pk wait on this device
+// has failed (and check_errors() has not run) its outputs are NaN, as every
+// pk op's are after a failure (a step replayed from a command buffer runs no
+// handler that could refuse).
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "kernels/attention_bwd/attention_bwd.h"
+#include "pk/layout.h"
+#include "runtime/workspace.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi_common.h"
 #include "xla_ffi/handlers.h"
@@ -27,7 +34,8 @@ constexpr const char* kOp = "attention_block_bwd";
 
 ffi::Error invalid(const std::string& what) { return ffi_common::invalid_argument(kOp, what); }
 
-ffi::Error AttentionBlockBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer dout,
+ffi::Error AttentionBlockBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
+                                 ffi::AnyBuffer dout,
                                  ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> delta,
                                  ffi::AnyBuffer kv, ffi::Buffer<ffi::S32> q_rank,
                                  ffi::Buffer<ffi::S32> k_rank,
@@ -54,6 +62,12 @@ ffi::Error AttentionBlockBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
     return invalid("batch, head dim or lse/delta shapes do not match q");
   if (q_rank.element_count() != 1 || k_rank.element_count() != 1 || n < 1)
     return invalid("q_rank and k_rank must be scalars and n >= 1");
+  // The kernel takes each dimension and the ring's tokens (n * S, n * T) as
+  // int; strides and offsets are 64-bit (kv_walk.cuh: TensorStrides).
+  constexpr int64_t kIntMax = INT32_MAX;
+  if (n > kIntMax || qd[0] > kIntMax || qd[1] > kIntMax || qd[2] > kIntMax || qd[3] > kIntMax ||
+      kd[1] > kIntMax || kd[2] > kIntMax || qd[1] * n > kIntMax || kd[1] * n > kIntMax)
+    return invalid("dimensions and the ring's sequence length must each stay below 2^31");
   const size_t half = size_t(kd[0]) * kd[1] * kd[2] * kd[3];  // elements of K (or V)
 
   attention_bwd::Params p;
@@ -79,6 +93,10 @@ ffi::Error AttentionBlockBwdImpl(cudaStream_t stream, ffi::AnyBuffer q, ffi::Any
   p.causal = causal;
   p.zigzag = zigzag;
   p.n = int(n);
+  // Without a runtime (no collective pk op lowered yet) no pk wait can have
+  // failed on this device: nothing to poison for.
+  if (const runtime::DeviceState* d = runtime::Runtime::get().by_ordinal(ordinal))
+    p.claim = &reinterpret_cast<const DeviceHeader*>(d->workspace)->error_claim;
   p.stream = stream;
   if (!attention_bwd::supported(p)) return invalid("unsupported shape (the Python checks missed it)");
   if (cudaError_t err = attention_bwd::run(p); err != cudaSuccess)
@@ -92,6 +110,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttentionBlockBwd, AttentionBlockBwdImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
         .Arg<ffi::AnyBuffer>()            // q [B, S, Hq, D]
         .Arg<ffi::AnyBuffer>()            // dout [B, S, Hq, D]
         .Arg<ffi::Buffer<ffi::F32>>()     // lse [B, Hq, S]

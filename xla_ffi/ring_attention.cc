@@ -2,6 +2,7 @@
 // "copy_engine" and "ld_st"): q, k, v of this rank -> out and the log-sum-exp.
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "kernels/ring_attention/ring_attention.h"
@@ -43,6 +44,14 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || qd[0] != kd[0] || qd[1] != kd[1] ||
       qd[3] != kd[3] || vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3])
     return invalid("expected q [B, S, Hq, D] and k, v [B, S, Hkv, D]");
+  // The kernel takes each dimension and the ring's tokens (n * S) as int;
+  // strides and offsets are 64-bit (kv_walk.cuh: TensorStrides).
+  constexpr int64_t kIntMax = INT32_MAX;
+  if (qd[0] > kIntMax || qd[1] > kIntMax || qd[2] > kIntMax || qd[3] > kIntMax ||
+      kd[2] > kIntMax || qd[1] * channel.group_size > kIntMax)
+    return invalid("q, k, v dimensions and the ring's sequence length (" +
+                   std::to_string(qd[1]) + " x " + std::to_string(channel.group_size) +
+                   " tokens) must each stay below 2^31");
 
   ring_attention::Params p;
   const ffi_common::Group& g = ctx.group;

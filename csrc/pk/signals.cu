@@ -10,6 +10,9 @@ namespace {
 // ---- launch config ---------------------------------------------------------
 constexpr int kThreads = 32;  // one block of one warp
 static_assert(kMaxRanks <= kThreads, "one thread per rank");
+// finish: one block; its threads poison the outputs of a failed call (a
+// slow path: one block, whatever the size).
+constexpr int kFinishThreads = 256;
 
 // ---- arguments -------------------------------------------------------------
 // The channel by value (__grid_constant__) and, for post/wait_posted, the
@@ -25,8 +28,15 @@ __device__ __forceinline__ bool addressed(const Channel& ch, int peer, int q) {
 // ---- entry points ----------------------------------------------------------
 __global__ void wait_credit_kernel(const __grid_constant__ Channel ch) {
   const int q = threadIdx.x;
-  if (addressed(ch, kAllPeers, q))
-    wait_geq(&ch.mine()->done[q], ch.next_epoch() - 1, ch.wait, q, kWaitDone);
+  const uint64_t e = ch.next_epoch();
+  if (addressed(ch, kAllPeers, q) && !wait_geq(&ch.mine()->done[q], e - 1, ch.wait, q, kWaitDone)) {
+    // The push that follows on this stream cannot be stopped: tell q first,
+    // so that the call of q that may still read our slot poisons itself.
+    // The mark is visible at q before this kernel ends, hence before the
+    // push starts (signals.h).
+    store_release_sys(&ch.flags[q]->clobbered[ch.rank], e);
+    __threadfence_system();
+  }
 }
 
 __global__ void post_kernel(const __grid_constant__ Channel ch, int peer) {
@@ -41,11 +51,32 @@ __global__ void wait_posted_kernel(const __grid_constant__ Channel ch, int peer)
     wait_geq(&ch.mine()->posted[q], ch.next_epoch(), ch.wait, q, kWaitPosted);
 }
 
-__global__ void finish_kernel(const __grid_constant__ Channel ch) {
+__global__ void __launch_bounds__(kFinishThreads) finish_kernel(
+    const __grid_constant__ Channel ch, const __grid_constant__ Outputs out, bool aborted) {
   const int q = threadIdx.x;
   const uint64_t e = ch.next_epoch();
-  if (addressed(ch, kAllPeers, q)) store_release_sys(&ch.flags[q]->done[ch.rank], e);
-  __syncwarp();
+  bool failed = false;
+  if (addressed(ch, kAllPeers, q)) {
+    // Everything this call read from its slots was read before this kernel
+    // started (stream order). If this load misses q's mark, q's marking
+    // store comes later, and q's push later still (its SC fence, then the
+    // end of its kernel): after our reads. (Store buffering: SC fences on
+    // both sides.)
+    __threadfence_system();
+    const uint64_t mark = load_acquire_sys(&ch.mine()->clobbered[q]);
+    if (mark > e) {
+      record_error(ch.wait, kErrClobbered, q, 0, e, mark);
+      failed = true;
+    }
+    store_release_sys(&ch.flags[q]->done[ch.rank], e);
+  }
+  if (q == 0 && aborted) record_error(ch.wait, kErrAborted, -1, 0, 0, 0);
+  failed = __syncthreads_or(failed || aborted || (q == 0 && device_failed(ch.wait)));
+  if (failed)
+    for (int i = 0; i < Outputs::kMax; ++i)
+      if (out.ptr[i] != nullptr)
+        poison_bytes(out.ptr[i], out.bytes[i], out.pattern, q, blockDim.x);
+  __syncthreads();
   if (q == 0) ch.mine()->epoch = e;
 }
 
@@ -72,8 +103,8 @@ cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t finish(const Channel& ch, cudaStream_t stream) {
-  finish_kernel<<<1, kThreads, 0, stream>>>(ch);
+cudaError_t finish(const Channel& ch, const Outputs& outputs, cudaStream_t stream, bool aborted) {
+  finish_kernel<<<1, kFinishThreads, 0, stream>>>(ch, outputs, aborted);
   return cudaGetLastError();
 }
 

@@ -1,10 +1,26 @@
 // Stream-ordered signalling for mechanisms whose data moves outside a pk
-// kernel (copy engines, GEMMs writing to peers): one-warp kernels, thread q
+// kernel (copy engines, GEMMs writing to peers): tiny kernels, thread q
 // talking to rank q. Each reads the channel's epoch e (calls completed + 1);
 // only `finish` advances it, so launch it last.
+//
+// A failed wait in one of these kernels cannot stop the copies and GEMMs
+// enqueued after it on the stream (a copy engine's copy cannot be made
+// conditional on a device value, and XLA command buffers allow no graph
+// conditionals), so what depends on a wait is made safe where it is read:
+//   * a failed credit wait (the peer may still read what we staged with it
+//     last call, and our next push overwrites it) marks the peer's channel
+//     first (SlotFlags::clobbered) and the push goes ahead; the peer's
+//     `finish` of the call that read the slot sees the mark, records
+//     kErrClobbered and poisons that call's outputs. The overwritten slot is
+//     pk's own staging memory, never an XLA buffer, so the only harm is to
+//     the data of that one late call, and it is caught;
+//   * a failed wait_posted lets the reads of the unposted slot go ahead; the
+//     error is claimed on our device, so our `finish` poisons the outputs.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "pk/channel.h"
 
@@ -12,8 +28,33 @@ namespace pk::signals {
 
 inline constexpr int kAllPeers = -1;
 
+// The outputs of a call: `finish` overwrites every byte of them with
+// `pattern` when the call failed (0xFF: a quiet NaN in every IEEE float
+// type, -1 in signed and the maximum in unsigned integers; callers pass 0x80
+// for the fp8 "fnuz" types, whose only NaN it is).
+struct Outputs {
+  static constexpr int kMax = 2;
+  void* ptr[kMax] = {};
+  uint64_t bytes[kMax] = {};
+  uint8_t pattern = 0xFF;
+
+  Outputs() = default;
+  Outputs(void* p, uint64_t n, uint8_t pat = 0xFF) : pattern(pat) { add(p, n); }
+  Outputs& add(void* p, uint64_t n) {
+    for (int i = 0; i < kMax; ++i)
+      if (ptr[i] == nullptr) {
+        ptr[i] = p;
+        bytes[i] = p != nullptr ? n : 0;
+        break;
+      }
+    return *this;
+  }
+};
+
 // Wait until every peer's done[q] >= e - 1: each peer has finished reading
 // what we staged in its workspace during the previous call (our credit).
+// On a timeout, first marks that peer's channel (clobbered[rank] = e; see
+// above): the pushes enqueued after this kernel will run regardless.
 cudaError_t wait_credit(const Channel& ch, cudaStream_t stream);
 
 // Release posted[rank] = e on `peer` (or every peer), after a system-scope
@@ -24,9 +65,16 @@ cudaError_t post(const Channel& ch, int peer, bool skip, cudaStream_t stream);
 // Wait until posted[q] >= e for `peer` (or every peer).
 cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream);
 
-// Release done[rank] = e to every peer (we finished reading what they staged
-// with us), then advance the epoch.
-cudaError_t finish(const Channel& ch, cudaStream_t stream);
+// End of a call: release done[rank] = e to every peer (we finished reading
+// what they staged with us), check that no peer overwrote our slots while
+// we read them (SlotFlags::clobbered > e: kErrClobbered), and when the call
+// failed (the device holds a claimed error: one of the call's waits failed,
+// or an earlier error is still pending; or `aborted`: the host sequence
+// stopped halfway, recorded as kErrAborted) overwrite `outputs` with their
+// poison; then advance the epoch. Cost on success: one block, one load of
+// the claim word and one of each peer's mark.
+cudaError_t finish(const Channel& ch, const Outputs& outputs, cudaStream_t stream,
+                   bool aborted = false);
 
 // Copy-engine posting, for waits that must not depend on a kernel getting an
 // SM: set mine()->stamp[i] = (e - 1) * pieces + i + 1 for i < pieces; a

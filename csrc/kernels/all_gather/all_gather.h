@@ -25,6 +25,11 @@ struct Params {
   char* workspace[kMaxRanks] = {};  // every rank's workspace base (LL lines)
   char* region[kMaxRanks] = {};     // every rank's data region (copy engine)
   bool skip_post = false;      // testing: this rank never posts (timeout path)
+  // Every byte of the output of a failed call (one of its waits failed, or
+  // the device held an error when it ran): 0xFF, a NaN in every IEEE float
+  // type and all bits set in integers; the handler picks 0x80 for the fp8
+  // "fnuz" types (their only NaN).
+  uint8_t poison = 0xFF;
   int device = 0;              // CUDA ordinal (cached launch limits)
   int num_blocks = 0;          // ld/st grid cap; 0: one block per SM
   cudaStream_t stream = nullptr;

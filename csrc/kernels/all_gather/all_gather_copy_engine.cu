@@ -9,7 +9,12 @@
 //           r's own output block.
 //   post:   posted[r] = e on every peer (release), then wait for posted[q] >= e.
 //   drain:  CE copies slot q of our region into our output block q.
-//   finish: done[r] = e on every peer (our slots may be reused), epoch = e.
+//   finish: done[r] = e on every peer (our slots may be reused), the output
+//           poisoned if the call failed (signals::finish), epoch = e.
+// A failed wait cannot stop the copies after it (signals.h says what keeps
+// that safe). A CUDA error from an enqueue still finishes the call, as
+// aborted (best effort: the epoch stays in step with the peers, who time
+// out, the error is recorded and the output poisoned).
 #include "kernels/all_gather/all_gather.h"
 #include "pk/copy_rows.h"
 #include "pk/cuda_check.h"
@@ -26,9 +31,7 @@ cudaError_t copy_block(const Params& p, int q, const void* src, cudaStream_t s) 
   return copy_rows(out, size_t(p.ch.n) * p.row_bytes, src, p.row_bytes, p.row_bytes, p.rows, s);
 }
 
-}  // namespace
-
-cudaError_t launch_copy_engine(const Params& p) {
+cudaError_t enqueue(const Params& p) {
   const Channel& ch = p.ch;
   const size_t block_bytes = p.rows * p.row_bytes;
   cudaStream_t s = p.stream;
@@ -46,7 +49,18 @@ cudaError_t launch_copy_engine(const Params& p) {
     const char* received = p.region[ch.rank] + size_t(q) * block_bytes;
     PK_CUDA_TRY(copy_block(p, q, received, s));
   }
-  return signals::finish(ch, s);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t launch_copy_engine(const Params& p) {
+  const signals::Outputs out(p.dst, uint64_t(p.ch.n) * p.rows * p.row_bytes, p.poison);
+  if (cudaError_t err = enqueue(p); err != cudaSuccess) {
+    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
+    return err;
+  }
+  return signals::finish(p.ch, out, p.stream);
 }
 
 }  // namespace pk::all_gather

@@ -3,25 +3,37 @@
 // Push: every rank stores its block into every peer's output (it publishes
 // its output address). Pull: every rank loads every peer's block into its own
 // output (it publishes its input address). Protocol for call epoch e on rank r
-// (every counter is monotonic):
-//   1. post:    r stores its address into ptr[r] of every peer's channel, then
-//               releases posted[r] = e. Every block does this; it is idempotent,
-//               so no block depends on block 0 being scheduled.
-//   2. resolve: for each rank q, wait until our posted[q] >= e (acquire) and
-//               read ptr[q].
-//   3. copy:    the grid moves all ranks' blocks, chunk by chunk.
+// (every counter is monotonic; pk/offer.h has the offers in full):
+//   1. offer:   r stores its address and its layout (rows, row_bytes) into
+//               ptr/rows/row_bytes[r] of every peer's channel, then raises
+//               offer[r] there to "offered for e" (release). Every block does
+//               this; it is idempotent, so no block depends on block 0 being
+//               scheduled.
+//   2. claim:   for each rank q, wait until our offer[q] is q's for e
+//               (acquire), claim it (compare-and-swap to "claimed"), read
+//               ptr[q] and check q's layout against ours. A wait that times
+//               out, an offer q revoked (it gave up before we came) and a
+//               layout that differs (another program on the channel) are
+//               errors, and we never touch q's buffer.
+//   3. copy:    the grid moves all claimed ranks' blocks, chunk by chunk.
 //   4. done:    the last block to finish releases done[r] = e to every peer,
 //               then waits for done[q] >= e from every peer before the kernel
 //               ends: XLA may reuse our input and output buffers as soon as we
-//               return, and a peer may still be reading or writing them.
-// A rank cannot post epoch e+1 before every peer finished epoch e (step 4),
-// so one set of flags per channel suffices.
+//               return, and a peer may still be reading or writing them. If
+//               that wait fails, r revokes its offer to q; if q had claimed it
+//               already, r waits a second full timeout for q's done and
+//               records `unsafe` if even that fails. Then, if the device holds
+//               an error, the output is poisoned (every byte the pattern the
+//               host picked for the dtype), and the epoch advances.
+// A rank cannot offer epoch e+1 before every peer finished epoch e or had its
+// offer revoked (step 4), so one set of flags per channel suffices.
 #include <algorithm>
 #include <atomic>
 
 #include "kernels/all_gather/all_gather.h"
 #include "pk/copy.cuh"
 #include "pk/cuda_check.h"
+#include "pk/offer.h"
 #include "pk/sync.cuh"
 
 namespace pk::all_gather {
@@ -42,12 +54,22 @@ struct LdStArgs {
   uint64_t row_bytes;
   Channel ch;
   bool skip_post;
+  uint8_t poison;  // byte pattern of a failed call's output
 };
 
 // ---- roles -----------------------------------------------------------------
-// Thread q < n publishes to peer q, then resolves rank q's address.
-__device__ void post_and_resolve(const LdStArgs& a, uint64_t epoch, const void* mine_ptr,
-                                 const char** peer_ptr, bool* ok_of) {
+// Ready once rank q's offer word shows call `epoch` (or anything later).
+struct Arrived {
+  uint64_t epoch;
+  __device__ __forceinline__ bool operator()(uint64_t w) const {
+    return offer::arrived(w, epoch);
+  }
+};
+
+// Thread q < n offers our buffer to peer q, then claims rank q's offer and
+// resolves its address (ok_of[q]: we hold the offer and q's layout is ours).
+__device__ void offer_and_claim(const LdStArgs& a, uint64_t epoch, const void* mine_ptr,
+                                const char** peer_ptr, bool* ok_of) {
   const int q = threadIdx.x;
   if (q >= a.ch.n) return;
   SlotFlags* mine = a.ch.mine();
@@ -56,16 +78,57 @@ __device__ void post_and_resolve(const LdStArgs& a, uint64_t epoch, const void* 
     ok_of[q] = true;
     return;
   }
+  const int r = a.ch.rank;
   if (!a.skip_post) {
-    store_relaxed_sys(&a.ch.flags[q]->ptr[a.ch.rank], reinterpret_cast<uint64_t>(mine_ptr));
-    store_release_sys(&a.ch.flags[q]->posted[a.ch.rank], epoch);
+    SlotFlags* theirs = a.ch.flags[q];
+    store_relaxed_sys(&theirs->ptr[r], reinterpret_cast<uint64_t>(mine_ptr));
+    store_relaxed_sys(&theirs->rows[r], a.rows);
+    store_relaxed_sys(&theirs->row_bytes[r], a.row_bytes);
+    max_release_sys(&theirs->offer[r], offer::word(epoch, offer::kOffered));
   }
-  ok_of[q] = wait_geq(&mine->posted[q], epoch, a.ch.wait, q, kWaitPosted);
+  ok_of[q] = false;
+  peer_ptr[q] = nullptr;
+  uint64_t seen;
+  if (!spin_bounded<true>(&mine->offer[q], Arrived{epoch}, a.ch.wait, q, kWaitOffer, epoch, &seen))
+    return;  // timed out (recorded)
+  uint64_t swapped = seen;
+  if (offer::classify(seen, epoch) == offer::Seen::kClaimable)
+    swapped = cas_acq_rel_sys(&mine->offer[q], seen, offer::word(epoch, offer::kClaimed));
+  if (!offer::claimed(seen, swapped, epoch)) {
+    // q gave up on this call before we came (or is past it): its buffer is
+    // no longer its to lend.
+    record_error(a.ch.wait, kErrRevoked, q, 0, epoch,
+                 offer::classify(seen, epoch) == offer::Seen::kClaimable ? swapped : seen);
+    return;
+  }
+  // Acquired (our swap, or the load that saw another block's claim): q's
+  // address and layout for this call are visible and stay until our done.
+  const uint64_t rows = load_relaxed_sys(&mine->rows[q]);
+  const uint64_t row_bytes = load_relaxed_sys(&mine->row_bytes[q]);
+  if (!offer::same_layout(a.rows, a.row_bytes, rows, row_bytes)) {
+    record_error(a.ch.wait, kErrLayout, q, 0, a.rows, rows, a.row_bytes, row_bytes);
+    return;  // never copy with another shape: that could run past q's buffer
+  }
   peer_ptr[q] = reinterpret_cast<const char*>(load_relaxed_sys(&mine->ptr[q]));
+  ok_of[q] = true;
+}
+
+// After our done wait for peer q failed: take back our offer to q, or, if q
+// holds it, wait (bounded again) until q is done with our buffer.
+__device__ void settle(const LdStArgs& a, int q, uint64_t epoch) {
+  const uint64_t old = cas_acq_rel_sys(&a.ch.flags[q]->offer[a.ch.rank],
+                                       offer::word(epoch, offer::kOffered),
+                                       offer::word(epoch, offer::kRevoked));
+  if (offer::revoke_outcome(old, epoch) != offer::Revoke::kInUse) return;
+  uint64_t seen;
+  if (!wait_geq_patient(&a.ch.mine()->done[q], epoch, a.ch.wait, &seen))
+    record_unsafe(a.ch.wait, q, epoch, seen);
 }
 
 // Called by every block after its copies. Returns in all blocks but the last;
-// the last one releases the peers and waits until they are done with us.
+// the last one releases the peers, waits until they are done with us (or
+// takes its offers back), poisons the output if the call failed, and
+// advances the epoch.
 __device__ void finish(const LdStArgs& a, uint64_t epoch) {
   __shared__ bool is_last;
   SlotFlags* mine = a.ch.mine();
@@ -82,8 +145,13 @@ __device__ void finish(const LdStArgs& a, uint64_t epoch) {
   const int q = threadIdx.x;
   if (q < a.ch.n && q != a.ch.rank) {
     store_release_sys(&a.ch.flags[q]->done[a.ch.rank], epoch);
-    wait_geq(&mine->done[q], epoch, a.ch.wait, q, kWaitDone);
+    if (!wait_geq(&mine->done[q], epoch, a.ch.wait, q, kWaitDone)) settle(a, q, epoch);
   }
+  // No peer writes into our output any more (push): a failed call's output
+  // becomes poison, whatever parts of it were written.
+  if (__syncthreads_or(threadIdx.x == 0 && device_failed(a.ch.wait)))
+    poison_bytes(a.dst, uint64_t(a.ch.n) * a.rows * a.row_bytes, a.poison, threadIdx.x,
+                 blockDim.x);
   __syncthreads();
   if (threadIdx.x == 0) {
     mine->ticket = 0;      // every block of this call has taken its ticket
@@ -99,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) all_gather_ld_st_kernel(
   __shared__ bool ok_of[kMaxRanks];
   // Read before any ticket is taken, so every block sees the same value.
   const uint64_t epoch = a.ch.next_epoch();
-  post_and_resolve(a, epoch, kDir == kPull ? a.src : a.dst, peer_ptr, ok_of);
+  offer_and_claim(a, epoch, kDir == kPull ? a.src : a.dst, peer_ptr, ok_of);
   __syncthreads();
 
   // Chunks of all ranks' blocks are interleaved over the grid, so the local
@@ -112,7 +180,7 @@ __global__ void __launch_bounds__(kThreads) all_gather_ld_st_kernel(
     // Chunk c is chunk c / n of rank q's block. Starting at our neighbour
     // makes the ranks talk to different peers.
     const int q = int((c + a.ch.rank + 1) % a.ch.n);
-    if (!ok_of[q]) continue;  // timed out: leave that part unwritten
+    if (!ok_of[q]) continue;  // no usable offer: leave that part (poisoned at the end)
     const uint64_t stride = uint64_t(a.ch.n) * row_vecs;
     const RowBlock<V> b =
         kDir == kPull
@@ -199,6 +267,7 @@ cudaError_t launch_ld_st(const Params& p, bool push) {
   a.row_bytes = p.row_bytes;
   a.ch = p.ch;
   a.skip_post = p.skip_post;
+  a.poison = p.poison;
 
   // One block per chunk (see the kernel), at most one per SM by default or
   // num_blocks up to the co-resident limit.

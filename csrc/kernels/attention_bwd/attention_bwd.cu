@@ -1,17 +1,44 @@
 // Host side of the block backward: checks and the dispatch to the kernel
 // instantiations (attention_bwd_sm90.cuh).
 //
-// Launch: cudaMemsetAsync(dq, 0) then one kernel on the caller's stream;
-// no workspace (dq itself is the fp32 accumulator of the TMA reduce-adds).
+// Launch: dq = 0 (a fill kernel; NaN while the device holds an error, so
+// the reduce-adds keep a failed call's dq poison) then one kernel on the
+// caller's stream; no workspace (dq itself is the fp32 accumulator of the
+// TMA reduce-adds).
 #include "kernels/attention_bwd/attention_bwd.h"
+
+#include <algorithm>
 
 #include "kernels/gemm/gemm.h"
 #include "pk/cuda_check.h"
+#include "pk/sync.cuh"
 
 #include "kernels/common/variants.h"
 
 namespace pk::attention_bwd {
 namespace {
+
+constexpr int kFillThreads = 256;
+
+// dq = 0, or all bits set (NaN) while the device holds an error: one load of
+// the claim word per CTA.
+__global__ void __launch_bounds__(kFillThreads) init_dq_kernel(float* dq, uint64_t bytes,
+                                                               const int32_t* claim) {
+  __shared__ bool failed;
+  if (threadIdx.x == 0) failed = device_failed(claim);
+  __syncthreads();
+  poison_bytes(dq, bytes, failed ? 0xFF : 0x00, uint64_t(blockIdx.x) * blockDim.x + threadIdx.x,
+               uint64_t(gridDim.x) * blockDim.x);
+}
+
+cudaError_t init_dq(const Params& p) {
+  const uint64_t bytes = uint64_t(p.batch) * uint64_t(p.s_q) * uint64_t(p.q_heads) *
+                         uint64_t(p.head_dim) * sizeof(float);
+  const uint64_t per_block = uint64_t(kFillThreads) * 16 * 8;  // 8 vectors per thread
+  const int blocks = int(std::clamp<uint64_t>((bytes + per_block - 1) / per_block, 1, 2048));
+  init_dq_kernel<<<blocks, kFillThreads, 0, p.stream>>>(p.dq, bytes, p.claim);
+  return cudaGetLastError();
+}
 
 #ifdef PK_HAVE_CUTLASS
 using Instantiations =
@@ -36,9 +63,10 @@ bool supported(const Params& p) {
 cudaError_t run(const Params& p) {
 #ifdef PK_HAVE_CUTLASS
   if (!supported(p)) return cudaErrorNotSupported;
-  PK_CUDA_TRY(cudaMemsetAsync(p.dq, 0, size_t(p.batch) * p.s_q * p.q_heads * p.head_dim * sizeof(float),
-                              p.stream));
-  return Instantiations::launch(VariantKey{p.dtype, p.head_dim}, p);
+  const VariantKey key{p.dtype, p.head_dim};
+  PK_CUDA_TRY(Instantiations::check(key, p));  // refuse before the first enqueue
+  PK_CUDA_TRY(init_dq(p));
+  return Instantiations::launch(key, p);
 #else
   (void)p;
   return cudaErrorNotSupported;
@@ -46,6 +74,8 @@ cudaError_t run(const Params& p) {
 }
 
 cudaError_t load_kernels() {
+  cudaFuncAttributes attr;
+  PK_CUDA_TRY(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(init_dq_kernel)));
 #ifdef PK_HAVE_CUTLASS
   return Instantiations::load();
 #else

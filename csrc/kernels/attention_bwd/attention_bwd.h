@@ -48,6 +48,10 @@ struct Params {
   bool causal = false;
   bool zigzag = false;
   int n = 1;                    // ring size (global positions)
+  // The device's error word (DeviceHeader::error_claim), or null: while it
+  // is set (a pk wait on this device failed and check_errors() has not run)
+  // the outputs are poison (NaN), like every pk op's after a failure.
+  const int32_t* claim = nullptr;
   cudaStream_t stream = nullptr;
 };
 
@@ -56,7 +60,8 @@ bool available();
 // Head dim 64 or 128, Hq a multiple of Hkv, rows that fill whole tiles
 // (each zigzag chunk too, so a tile's rows are consecutive tokens).
 bool supported(const Params& p);
-// dq = 0 (memset), then one kernel launch on p.stream.
+// dq = 0 (NaN while the device holds an error), then one kernel launch on
+// p.stream. The kernel is checked before anything is enqueued.
 cudaError_t run(const Params& p);
 cudaError_t load_kernels();
 
@@ -72,6 +77,7 @@ constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
 template <DType kType, int kHeadDim>
 struct Variant {
   static constexpr VariantKey key{kType, kHeadDim};
+  static cudaError_t check(const Params& p);  // what launch() would refuse
   static cudaError_t launch(const Params& p);
   static cudaError_t load();
 };

@@ -25,6 +25,7 @@
 #include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/attention_bwd/bwd_mainloop.cuh"
 #include "kernels/common/fmha_launch.cuh"
+#include "pk/sync.cuh"
 
 namespace pk::attention_bwd {
 
@@ -59,15 +60,18 @@ struct KvTileScheduler {
 // dK and dV of one math warpgroup's 64 rows, fp32, straight from the
 // accumulators into [B, T, Hkv, D] (each CTA owns its rows: plain stores,
 // two adjacent columns per 8-byte store). No shared memory, no pipeline.
+// NaN instead while the device holds an error (`claim`, see Params).
 template <class TileShapeND>
 struct KvGradEpilogue {
   struct Arguments {
     float* dk;
     float* dv;
+    const int32_t* claim;
   };
   struct Params {
     float* dk;
     float* dv;
+    const int32_t* claim;
   };
   struct TensorStorage {};
   using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
@@ -76,7 +80,7 @@ struct KvGradEpilogue {
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
-    return Params{a.dk, a.dv};
+    return Params{a.dk, a.dv, a.claim};
   }
 
   template <class TileShape, class BlkCoord, class Result, class TiledMma, class ProblemShape>
@@ -91,6 +95,8 @@ struct KvGradEpilogue {
     const int row0 = int(get<1>(wg_coord)) * kRows;
     auto thr = mma.get_thread_slice(int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup);
     Tensor coords = thr.partition_C(make_identity_tensor(make_shape(Int<kRows>{}, Int<kDim>{})));
+    const bool failed = device_failed(p.claim);
+    const float nan = __int_as_float(0x7fc00000);
     auto store = [&](auto const& acc, float* base) {
       static_assert(size(decltype(acc){}) % 2 == 0);
       CUTLASS_PRAGMA_UNROLL
@@ -98,7 +104,8 @@ struct KvGradEpilogue {
         auto c = coords(i);  // accumulator pairs are adjacent columns
         const int row = row0 + int(get<0>(c));
         float* dst = base + ((size_t(b) * t_rows + row) * heads + h) * kDim + int(get<1>(c));
-        *reinterpret_cast<float2*>(dst) = make_float2(acc(i), acc(i + 1));
+        *reinterpret_cast<float2*>(dst) =
+            failed ? make_float2(nan, nan) : make_float2(acc(i), acc(i + 1));
       }
     };
     store(get<0>(result), p.dk);
@@ -129,23 +136,33 @@ struct BwdKernel {
   static_assert(cute::get<1>(TileShape{}) == kTileKv, "host checks use kTileKv");
   static_assert(Kernel::SharedStorageSize <= 227 * 1024, "shared memory of one SM");
 
-  // (batch, head, row, 1) strides of [B, rows, heads, D].
+  // (batch, head, row, 1) strides of [B, rows, heads, D], 64-bit.
   static typename Mainloop::Stride4 stride(int rows, int heads) {
-    return {rows * heads * kHeadDim, kHeadDim, heads * kHeadDim, cute::_1{}};
+    const auto s = ring_attention::TensorStrides::of(rows, heads, kHeadDim);
+    return {s.batch, s.head, s.row, cute::_1{}};
   }
 
-  static cudaError_t launch(const Params& p) {
+  static typename Kernel::Arguments arguments(const Params& p) {
     const int group = p.q_heads / p.kv_heads;
     BwdArgs bwd{p.n, p.s_q, p.s_kv, p.zigzag, p.causal, group, p.scale, p.q_rank, p.k_rank};
-    typename Kernel::Arguments args{
+    return typename Kernel::Arguments{
         {p.batch, p.kv_heads, p.s_q, p.s_kv, kHeadDim},
         {static_cast<const Element*>(p.q), stride(p.s_q, p.q_heads),
          static_cast<const Element*>(p.k), stride(p.s_kv, p.kv_heads),
          static_cast<const Element*>(p.v), static_cast<const Element*>(p.dout), p.lse,
-         typename Mainloop::Stride3{p.q_heads * p.s_q, p.s_q, cute::_1{}}, p.delta, p.dq,
+         typename Mainloop::Stride3{int64_t(p.q_heads) * p.s_q, int64_t(p.s_q), cute::_1{}},
+         p.delta, p.dq,
          stride(p.s_q, p.q_heads), bwd},
-        {p.dk, p.dv},
+        {p.dk, p.dv, p.claim},
         cutlass::KernelHardwareInfo{}};
+  }
+
+  static cudaError_t check(const Params& p) {
+    return Kernel::can_implement(arguments(p)) ? cudaSuccess : cudaErrorNotSupported;
+  }
+
+  static cudaError_t launch(const Params& p) {
+    const auto args = arguments(p);
     if (!Kernel::can_implement(args)) return cudaErrorNotSupported;
     return fmha_launch::launch_kernel<Kernel>(Kernel::to_underlying_arguments(args, nullptr),
                                               p.stream);
@@ -166,6 +183,11 @@ struct Element<DType::kF16> {
 
 template <DType kType, int kHeadDim>
 using VariantKernel = BwdKernel<typename Element<kType>::Type, kHeadDim>;
+
+template <DType kType, int kHeadDim>
+cudaError_t Variant<kType, kHeadDim>::check(const Params& p) {
+  return VariantKernel<kType, kHeadDim>::check(p);
+}
 
 template <DType kType, int kHeadDim>
 cudaError_t Variant<kType, kHeadDim>::launch(const Params& p) {

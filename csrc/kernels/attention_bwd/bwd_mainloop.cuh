@@ -24,6 +24,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 
 #include "collective/fmha_collective_bwd_tma_warpspecialized.hpp"
 #include "collective/fmha_fusion.hpp"
@@ -79,9 +81,25 @@ struct BwdMainloop
   static constexpr int kWgRows = get<0>(TileShapeNM{});  // K/V rows per math warpgroup
 
   // Strides (batch, head, row, 1) of [B, rows, heads, D] tensors, and
-  // (batch, head, 1) of [B, heads, rows] ones, as the example takes them.
-  using Stride4 = cute::tuple<int, int, int, _1>;
-  using Stride3 = cute::tuple<int, int, _1>;
+  // (batch, head, 1) of [B, heads, rows] ones, in the example's order but
+  // 64-bit (its `int` batch stride rows * heads * D wraps at sizes a GPU
+  // holds; kv_walk.cuh: TensorStrides).
+  using Stride4 = cute::tuple<int64_t, int64_t, int64_t, _1>;
+  using Stride3 = cute::tuple<int64_t, int64_t, _1>;
+
+  // The example's GEMM collective for S = K Q^T and dP = V dO^T, with the
+  // 64-bit strides: its to_underlying_arguments builds our TMA descriptors
+  // (the example's takes `int` strides). The descriptors it returns have the
+  // example's types (a TMA's type carries no stride width), so the example's
+  // loaders and Params take them as they are.
+  using StrideNM = cute::tuple<int64_t, _1, cute::tuple<int64_t, int64_t>>;
+  using CollectiveMmaNM64 = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, StrideNM, Base::Alignment,
+      Element, StrideNM, Base::Alignment, float, TileShapeNM, typename Base::ClusterShape,
+      typename Base::Stages, cutlass::gemm::KernelTmaWarpSpecialized>::CollectiveOp;
+  static_assert(std::is_same_v<typename CollectiveMmaNM64::Params::TMA_A, typename Base::TMA_K> &&
+                    std::is_same_v<typename CollectiveMmaNM64::Params::TMA_B, typename Base::TMA_Q>,
+                "64-bit strides change the TMA types: the example's loaders no longer fit");
 
   struct Arguments {
     const Element* q;
@@ -126,15 +144,15 @@ struct BwdMainloop
                         make_shape(get<0>(problem), heads));
     };
     const int hkv = get<1>(problem), hq = hkv * a.bwd.group;
-    using MmaArgs = typename CollectiveMmaNM::Arguments;
+    using MmaArgs = typename CollectiveMmaNM64::Arguments;
     // Operand A (K, V) takes the K/V heads, operand B (Q, dO) the query heads.
-    auto kv_k = CollectiveMmaNM::to_underlying_arguments(
+    auto kv_k = CollectiveMmaNM64::to_underlying_arguments(
         nm_shape(hkv), MmaArgs{a.k, strides(a.dk_in), a.q, strides(a.dq_in)}, nullptr);
-    auto kv_v = CollectiveMmaNM::to_underlying_arguments(
+    auto kv_v = CollectiveMmaNM64::to_underlying_arguments(
         nm_shape(hkv), MmaArgs{a.v, strides(a.dk_in), a.dout, strides(a.dq_in)}, nullptr);
-    auto q_q = CollectiveMmaNM::to_underlying_arguments(
+    auto q_q = CollectiveMmaNM64::to_underlying_arguments(
         nm_shape(hq), MmaArgs{a.k, strides(a.dk_in), a.q, strides(a.dq_in)}, nullptr);
-    auto q_do = CollectiveMmaNM::to_underlying_arguments(
+    auto q_do = CollectiveMmaNM64::to_underlying_arguments(
         nm_shape(hq), MmaArgs{a.v, strides(a.dk_in), a.dout, strides(a.dq_in)}, nullptr);
     auto qp = q_problem(problem, a.bwd);
     auto row_tensor = [&](const float* ptr) {

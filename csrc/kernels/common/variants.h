@@ -7,9 +7,12 @@
 //     and its two entry points (defined in the op's *_sm90.cuh):
 //       template <DType kType, int kHeadDim> struct XVariant {
 //         static constexpr XKey key{kType, kHeadDim};
+//         static cudaError_t check(const Args&);   // what launch() would refuse
 //         static cudaError_t launch(const Args&);
 //         static cudaError_t load();  // on the current device, at init
 //       };
+//     check() lets a host sequence refuse a call before it enqueues anything
+//     (a sequence that stopped halfway would leave the peers' protocol behind).
 //   * One file per instantiation (they compile in parallel) holds one
 //     explicit instantiation: template struct pk::op::XVariant<...>;
 //   * The op's host file names every instantiation once, in a Variants list:
@@ -28,6 +31,15 @@ struct Variants {
   static cudaError_t launch(const Key& key, const Args&... args) {
     cudaError_t err = cudaErrorNotSupported;
     (void)((Vs::key == key ? (err = Vs::launch(args...), true) : false) || ...);
+    return err;
+  }
+
+  // The instantiation's check() for `key`: cudaSuccess when launch() with
+  // the same arguments would not refuse them.
+  template <class Key, class... Args>
+  static cudaError_t check(const Key& key, const Args&... args) {
+    cudaError_t err = cudaErrorNotSupported;
+    (void)((Vs::key == key ? (err = Vs::check(args...), true) : false) || ...);
     return err;
   }
 

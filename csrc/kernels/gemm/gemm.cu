@@ -42,6 +42,16 @@ bool supported(const Problem& p) {
          p.m < limit && p.n < limit && p.k < limit;
 }
 
+cudaError_t check(const Problem& p, const Device& dev) {
+  if (!available() || !supported(p)) return cudaErrorNotSupported;
+#ifdef PK_HAVE_CUTLASS
+  return Instantiations::check(VariantKey{p.in, p.out, p.b_transposed}, p, dev);
+#else
+  (void)dev;
+  return cudaErrorNotSupported;
+#endif
+}
+
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
 #ifdef PK_HAVE_CUTLASS

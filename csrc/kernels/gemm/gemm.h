@@ -53,6 +53,11 @@ cudaError_t load_kernels();
 // when CUTLASS rejects the arguments or needs more scratch.
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream);
 
+// What run() would return for `p` short of launching: cudaSuccess when it
+// would launch. Host sequences check every GEMM of a call before they
+// enqueue anything.
+cudaError_t check(const Problem& p, const Device& dev);
+
 // The instantiations (kernels/common/variants.h): one per (input type, output
 // type, B layout), gemm_<in>_<out>[_bt].cu; defined in gemm_sm90.cuh.
 struct VariantKey {
@@ -65,6 +70,7 @@ constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
 template <DType kIn, DType kOut, bool kBTransposed>
 struct Variant {
   static constexpr VariantKey key{kIn, kOut, kBTransposed};
+  static cudaError_t check(const Problem& p, const Device& dev);
   static cudaError_t launch(const Problem& p, const Device& dev, cudaStream_t stream);
   static cudaError_t load();
 };

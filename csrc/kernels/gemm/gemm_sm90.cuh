@@ -43,14 +43,21 @@ using DefaultTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_256, cute::_64>,
                                cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                cutlass::epilogue::TmaWarpSpecializedCooperative>;
 
+// What launch() checks before it touches the stream.
+template <class Adapter>
+cudaError_t check(typename Adapter::Arguments const& args, const Device& dev) {
+  if (Adapter::can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+  if (Adapter::get_workspace_size(args) > dev.workspace_bytes) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
 // Check, initialize (scratch from `dev`) and launch one CUTLASS kernel
 // through its device adapter.
 template <class Adapter>
 cudaError_t launch(typename Adapter::Arguments const& args, const Device& dev,
                    cudaStream_t stream) {
   Adapter gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-  if (Adapter::get_workspace_size(args) > dev.workspace_bytes) return cudaErrorInvalidValue;
+  if (cudaError_t err = check<Adapter>(args, dev); err != cudaSuccess) return err;
   if (gemm.initialize(args, dev.workspace, stream) != cutlass::Status::kSuccess)
     return cudaErrorInvalidValue;
   if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
@@ -89,8 +96,7 @@ struct Sm90Gemm {
 
   // swizzle: the persistent scheduler's tile swizzle (1, 2, 4 or 8 tiles
   // along the rasterized dimension share L2 for their operands).
-  static cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream,
-                         int swizzle = 1) {
+  static typename Adapter::Arguments arguments(const Problem& p, const Device& dev, int swizzle) {
     const int m = int(p.m), n = int(p.n), k = int(p.k);
     auto* a = static_cast<const In*>(p.a);
     auto* b = static_cast<const In*>(p.b);
@@ -111,7 +117,16 @@ struct Sm90Gemm {
          cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1})},
         hw};
     args.scheduler.max_swizzle_size = swizzle;
-    return launch<Adapter>(args, dev, stream);
+    return args;
+  }
+
+  static cudaError_t check(const Problem& p, const Device& dev, int swizzle = 1) {
+    return pk::gemm::check<Adapter>(arguments(p, dev, swizzle), dev);
+  }
+
+  static cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream,
+                         int swizzle = 1) {
+    return launch<Adapter>(arguments(p, dev, swizzle), dev, stream);
   }
 
   static cudaError_t load() { return load_kernel<Kernel>(); }
@@ -138,6 +153,11 @@ template <DType kIn, DType kOut, bool kBTransposed>
 using VariantGemm = Sm90Gemm<typename Element<kIn>::Type, typename Element<kOut>::Type,
                              std::conditional_t<kBTransposed, cutlass::layout::ColumnMajor,
                                                 cutlass::layout::RowMajor>>;
+
+template <DType kIn, DType kOut, bool kBTransposed>
+cudaError_t Variant<kIn, kOut, kBTransposed>::check(const Problem& p, const Device& dev) {
+  return VariantGemm<kIn, kOut, kBTransposed>::check(p, dev);
+}
 
 template <DType kIn, DType kOut, bool kBTransposed>
 cudaError_t Variant<kIn, kOut, kBTransposed>::launch(const Problem& p, const Device& dev,

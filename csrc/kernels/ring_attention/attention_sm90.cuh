@@ -17,9 +17,10 @@
 #include <type_traits>
 
 #include <cutlass/cutlass.h>
+#include <cutlass/kernel_hardware_info.h>
 #include <cutlass/numeric_types.h>
 
-#include "collective/fmha_epilogue.hpp"
+#include "kernels/ring_attention/ring_epilogue.cuh"  // before the kernel: its includes
 #include "kernel/fmha_kernel_tma_warpspecialized.hpp"
 
 #include "kernels/ring_attention/comm_push.cuh"
@@ -148,11 +149,13 @@ struct Tiles<64> {
 // copy_engine kernel, unchanged.
 template <typename Element, int kHeadDim, bool kCommCtas = false>
 struct AttentionKernel {
-  using Stride = cute::tuple<int, cute::_1, cute::tuple<int, int>>;  // (seq, dim, (batch, head))
+  // (seq, dim, (batch, head)), 64-bit: the batch strides of q/out (s_local *
+  // Hq * D) and of the peers' K/V ((n - 1) * s_local * Hkv * D) pass 2^31
+  // elements at sizes a GPU holds (TensorStrides, kv_walk.cuh).
+  using Stride = StrideO;
   using TileShape = typename Tiles<kHeadDim>::Shape;
   using Mainloop = RingMainloop<Element, TileShape, Stride>;
-  using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float,
-                                                              typename Mainloop::TileShapePV>;
+  using Epilogue = RingEpilogue<Element, float, typename Mainloop::TileShapePV>;
   using Fmha = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue, std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
   using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
@@ -160,15 +163,15 @@ struct AttentionKernel {
 
   // [B, rows, heads, D], row-major.
   static Stride stride(int rows, int heads) {
-    return Stride{heads * kHeadDim, cute::_1{},
-                  cute::make_tuple(rows * heads * kHeadDim, kHeadDim)};
+    const TensorStrides s = TensorStrides::of(rows, heads, kHeadDim);
+    return Stride{s.row, cute::_1{}, cute::make_tuple(s.batch, s.head)};
   }
 
-  static cudaError_t launch(const KernelArgs& a) {
+  static typename Kernel::Arguments arguments(const KernelArgs& a) {
     const Params& p = *a.p;
     const Geometry& g = p.geo;
     const int peer_rows = g.n > 1 ? (g.n - 1) * g.s_local : g.s_local;
-    typename Kernel::Arguments args{
+    return typename Kernel::Arguments{
         {p.batch, p.q_heads, g.s_local, g.s_local, kHeadDim},
         {static_cast<const Element*>(p.q), stride(g.s_local, p.q_heads),
          static_cast<const Element*>(p.k), static_cast<const Element*>(p.v),
@@ -177,15 +180,24 @@ struct AttentionKernel {
          RingArgs{g, p.q_heads / p.kv_heads, p.kv_heads, p.ch.mine()->posted,
                   &p.ch.mine()->epoch, p.ch.wait, p.scale, p.plan()}},
         {static_cast<Element*>(p.out), stride(g.s_local, p.q_heads), p.lse,
-         cute::make_tuple(cute::_1{}, cute::make_tuple(p.q_heads * g.s_local, g.s_local))},
+         StrideLse{cute::_1{}, cute::make_tuple(int64_t(p.q_heads) * g.s_local,
+                                                int64_t(g.s_local))}},
         cutlass::KernelHardwareInfo{0, p.sm_count}};
+  }
+
+  static cudaError_t check(const KernelArgs& a) {
+    return Fmha::can_implement(arguments(a)) ? cudaSuccess : cudaErrorNotSupported;
+  }
+
+  static cudaError_t launch(const KernelArgs& a) {
+    const auto args = arguments(a);
     if (!Fmha::can_implement(args)) return cudaErrorNotSupported;
     auto params = Fmha::to_underlying_arguments(args, nullptr);
     if constexpr (kCommCtas)
       return fmha_launch::launch_kernel<Kernel>(Kernel::make_params(params, a.push),
-                                                       p.stream);
+                                                a.p->stream);
     else
-      return fmha_launch::launch_kernel<Kernel>(params, p.stream);
+      return fmha_launch::launch_kernel<Kernel>(params, a.p->stream);
   }
 };
 
@@ -204,6 +216,11 @@ struct Element<DType::kF16> {
 template <DType kType, int kHeadDim, Mechanism kMechanism>
 using VariantKernel =
     AttentionKernel<typename Element<kType>::Type, kHeadDim, kMechanism == Mechanism::kLdSt>;
+
+template <DType kType, int kHeadDim, Mechanism kMechanism>
+cudaError_t Variant<kType, kHeadDim, kMechanism>::check(const KernelArgs& a) {
+  return VariantKernel<kType, kHeadDim, kMechanism>::check(a);
+}
 
 template <DType kType, int kHeadDim, Mechanism kMechanism>
 cudaError_t Variant<kType, kHeadDim, kMechanism>::launch(const KernelArgs& a) {

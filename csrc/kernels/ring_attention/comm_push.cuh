@@ -21,7 +21,10 @@
 // and a posted piece implies all earlier ones.
 //
 // Nothing here waits: the communicator CTAs finish on their own, whatever
-// the peers do, so the compute CTAs' bounded waits are the only waits.
+// the peers do, so the compute CTAs' bounded waits are the only waits. They
+// push even when the credit wait before the kernel timed out (a peer may
+// still read its slots): that wait marked the peer first, and the peer's
+// call that read the slot poisons itself (pk/signals.h).
 #pragma once
 
 #include <cstdint>

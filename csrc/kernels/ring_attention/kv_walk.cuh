@@ -47,6 +47,24 @@ struct Geometry {
   }
 };
 
+// Element strides of a row-major [B, rows, heads, D] tensor (q, k, v, out,
+// the peers' K/V in a region, dq), 64-bit: rows * heads * D passes 2^31 at
+// sizes a GPU holds (s_local = 131072, Hq = 128, D = 128), and the peers'
+// K/V batch stride (n - 1) * s_local * Hkv * D sooner. The kernels' cute
+// strides are built from these (attention_sm90.cuh, attention_bwd_sm90.cuh).
+struct TensorStrides {
+  int64_t row = 0;    // one token
+  int64_t head = 0;   // one head
+  int64_t batch = 0;  // one batch entry
+  PK_HD static TensorStrides of(int64_t rows, int64_t heads, int64_t dim) {
+    TensorStrides s;
+    s.row = heads * dim;
+    s.head = dim;
+    s.batch = rows * heads * dim;
+    return s;
+  }
+};
+
 // Where our K/V block goes in the peers' regions (both mechanisms push the
 // same bytes to the same places). A region holds the n - 1 peer blocks, K
 // then V, each as [B, (n - 1) * s_local, Hkv, D]: the block of the rank k

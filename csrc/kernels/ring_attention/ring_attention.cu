@@ -32,6 +32,16 @@ cudaError_t launch_kernel(const Params& p, const KernelArgs& a) {
 #endif
 }
 
+// What launch_kernel would refuse, before anything is enqueued.
+cudaError_t check_kernel(const Params& p, const KernelArgs& a) {
+#ifdef PK_HAVE_CUTLASS
+  return Instantiations::check(VariantKey{p.dtype, p.head_dim, p.mechanism}, a);
+#else
+  (void)p, (void)a;
+  return cudaErrorNotSupported;
+#endif
+}
+
 // Where our block goes in the peers' regions (kv_walk.cuh).
 PushLayout push_layout(const Params& p) {
   const Geometry& g = p.geo;
@@ -80,12 +90,12 @@ cudaError_t push_blocks(const Params& p) {
   return cudaSuccess;
 }
 
-// Mechanism ld_st: credit, then one kernel whose communicator CTAs push and
-// post (comm_push.cuh), then finish. No side stream.
-cudaError_t run_ld_st(const Params& p, KernelArgs a) {
+// The kernel's arguments; mechanism ld_st with peers: its communicator CTAs
+// (comm_push.cuh).
+KernelArgs kernel_args(const Params& p) {
   const Geometry& g = p.geo;
-  if (g.n > 1) {
-    PK_CUDA_TRY(signals::wait_credit(p.ch, p.stream));
+  KernelArgs a{&p, p.region[g.rank], p.region[g.rank] + v_offset(p), PushArgs{}};
+  if (p.mechanism == Mechanism::kLdSt && g.n > 1) {
     PushArgs& push = a.push;
     push.k = static_cast<const char*>(p.k);
     push.v = static_cast<const char*>(p.v);
@@ -94,9 +104,24 @@ cudaError_t run_ld_st(const Params& p, KernelArgs a) {
     push.ch = p.ch;
     push.ctas = p.num_comm_ctas;
     push.skip_post = p.skip_post;
-  }  // one rank: no communicator CTAs (a.push.ctas == 0)
-  PK_CUDA_TRY(launch_kernel(p, a));
-  return g.n > 1 ? signals::finish(p.ch, p.stream) : cudaSuccess;
+  }  // one rank, or copy_engine: no communicator CTAs (a.push.ctas == 0)
+  return a;
+}
+
+// Everything up to the join (n > 1; *forked once the side streams wait on
+// ours). Mechanism ld_st: credit, then one kernel whose communicator CTAs
+// push and post; no side stream. copy_engine: see ring_attention.h.
+cudaError_t enqueue(const Params& p, const KernelArgs& a, bool* forked) {
+  PK_CUDA_TRY(signals::wait_credit(p.ch, p.stream));
+  if (p.mechanism == Mechanism::kCopyEngine) {
+    PK_CUDA_TRY(signals::stamp(p.ch, p.pieces, p.stream));
+    PK_CUDA_TRY(cudaEventRecord(p.fork, p.stream));
+    PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.fork, 0));
+    *forked = true;
+    PK_CUDA_TRY(cudaStreamWaitEvent(p.copy_stream, p.fork, 0));
+    PK_CUDA_TRY(push_blocks(p));
+  }
+  return launch_kernel(p, a);
 }
 
 }  // namespace
@@ -120,22 +145,35 @@ bool supported(const Params& p) {
 cudaError_t run(const Params& p) {
   if (!supported(p)) return cudaErrorNotSupported;
   const Geometry& g = p.geo;
-  KernelArgs a{&p, p.region[g.rank], p.region[g.rank] + v_offset(p), PushArgs{}};
-  if (p.mechanism == Mechanism::kLdSt) return run_ld_st(p, a);
-  if (g.n > 1) {
-    PK_CUDA_TRY(signals::wait_credit(p.ch, p.stream));
-    PK_CUDA_TRY(signals::stamp(p.ch, p.pieces, p.stream));
-    PK_CUDA_TRY(cudaEventRecord(p.fork, p.stream));
-    PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.fork, 0));
-    PK_CUDA_TRY(cudaStreamWaitEvent(p.copy_stream, p.fork, 0));
-    PK_CUDA_TRY(push_blocks(p));
+  const KernelArgs a = kernel_args(p);
+  PK_CUDA_TRY(check_kernel(p, a));  // refuse before the first enqueue
+  if (g.n == 1) return launch_kernel(p, a);  // no protocol; the kernel poisons itself
+  const size_t rows = size_t(p.batch) * size_t(g.s_local) * size_t(p.q_heads);
+  signals::Outputs out(p.out, rows * size_t(p.head_dim) * 2);
+  out.add(p.lse, rows * sizeof(float));
+  bool forked = false;
+  const cudaError_t err = enqueue(p, a, &forked);
+  if (forked) {
+    // Join even after an error, so no stream dangles. The side stream waited
+    // for the copy stream's last piece: joining it joins both (after an
+    // error in push_blocks, make it wait for the copy stream first).
+    cudaError_t e = cudaSuccess;
+    if (err != cudaSuccess) {
+      e = cudaEventRecord(p.copy_done, p.copy_stream);
+      if (e == cudaSuccess) e = cudaStreamWaitEvent(p.side_stream, p.copy_done, 0);
+    }
+    if (e == cudaSuccess) e = cudaEventRecord(p.join, p.side_stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(p.stream, p.join, 0);
+    if (err == cudaSuccess && e != cudaSuccess) {
+      signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
+      return e;
+    }
   }
-  PK_CUDA_TRY(launch_kernel(p, a));
-  if (g.n == 1) return cudaSuccess;
-  // The side stream waited for the copy stream's last piece: joining it joins both.
-  PK_CUDA_TRY(cudaEventRecord(p.join, p.side_stream));
-  PK_CUDA_TRY(cudaStreamWaitEvent(p.stream, p.join, 0));
-  return signals::finish(p.ch, p.stream);
+  if (err != cudaSuccess) {
+    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
+    return err;
+  }
+  return signals::finish(p.ch, out, p.stream);
 }
 
 cudaError_t load_kernels() {

@@ -12,7 +12,8 @@
 //   main:  the attention kernel: each query tile walks our own block, then
 //          each peer's block as its pieces are posted (kv_walk.cuh), merging
 //          all steps in registers; O and the log-sum-exp are written once;
-//          join the side stream; finish (done[r] = e to every peer).
+//          join the side stream; finish (done[r] = e to every peer; the
+//          outputs poisoned if the call failed).
 // Mechanism ld_st: no copy engines and no side streams. Main: wait credit,
 // then the attention kernel with `num_comm_ctas` extra CTAs in front of the
 // compute CTAs (comm_push.cuh): they push our K and V block into the same
@@ -20,6 +21,10 @@
 // first, and the last CTA to finish a piece posts its stamp value into
 // q's posted[r]; the compute CTAs and their per-piece waits are the same;
 // then finish.
+// The kernel is checked before anything is enqueued; a CUDA error from an
+// enqueue still joins the side streams and finishes the call, as aborted.
+// A CTA of the kernel that ends while the device holds an error writes NaN
+// (also with one rank, where no finish runs).
 // The region holds n - 1 peer blocks, K then V: [B, (n - 1) * s_local, Hkv, D]
 // each (PushLayout, kv_walk.cuh), posted in pieces of whole rows (PiecePlan).
 // (A ring would forward blocks hop by hop through a double buffer; on NVLink
@@ -121,6 +126,7 @@ constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
 template <DType kType, int kHeadDim, Mechanism kMechanism>
 struct Variant {
   static constexpr VariantKey key{kType, kHeadDim, kMechanism};
+  static cudaError_t check(const KernelArgs& a);  // what launch() would refuse
   static cudaError_t launch(const KernelArgs& a);
   static cudaError_t load();
 };

@@ -12,7 +12,9 @@
 //     in our own memory), so compute starts on local data at once and the
 //     partial results of all ring steps merge in registers;
 //   * causal masks compare global token positions (both layouts), and tiles
-//     wholly in the future are never loaded.
+//     wholly in the future are never loaded;
+//   * a CTA that ends while the device holds an error (one of its waits
+//     failed, or an earlier one) writes NaN: a failed call's output is poison.
 // GQA/MQA: query head h reads K/V head h / group.
 #pragma once
 
@@ -411,6 +413,14 @@ struct RingMainloop
     read = read_v;  // past every stage this CTA consumed
 
     Tensor lse = softmax.tail(state, acc_pv, mma_pv);
+    // A failed call's tile is poison (NaN in O and the log-sum-exp): a wait
+    // of this CTA failed (the producer claimed the device's error before it
+    // issued the loads we consumed since) or the device held an error.
+    if (device_failed(p.ring.wait)) {
+      const float nan = __int_as_float(0x7fc00000);
+      fill(acc_pv, nan);
+      fill(lse, nan);
+    }
     return make_tuple(acc_pv, lse);
   }
 };

@@ -7,7 +7,11 @@
 //          their copies reach us: wait posted[q] >= e, GEMM on slot q -> q's
 //          rows (and slot q -> q's rows of `gathered`).
 //   end:   join the side stream, finish (done[r] = e to every peer: our slots
-//          may be overwritten; epoch = e).
+//          may be overwritten; the outputs poisoned if the call failed;
+//          epoch = e). With one rank: the GEMM (and copy), then finish.
+// Every GEMM of the call is checked before anything is enqueued; a CUDA
+// error from an enqueue still joins the side stream and finishes the call,
+// as aborted (signals::finish), so the protocol never stops halfway.
 #include "kernels/tp_matmul/tp_matmul.h"
 #include "pk/cuda_check.h"
 #include "pk/signals.h"
@@ -15,7 +19,7 @@
 namespace pk::tp_matmul {
 namespace {
 
-cudaError_t gemm_rows(const Params& p, const void* rows, int q, cudaStream_t s) {
+gemm::Problem rows_problem(const Params& p, const void* rows, int q) {
   gemm::Problem g;
   g.m = p.m;
   g.n = p.n_cols;
@@ -23,31 +27,39 @@ cudaError_t gemm_rows(const Params& p, const void* rows, int q, cudaStream_t s) 
   g.a = rows;
   g.b = p.w;
   g.b_transposed = p.w_transposed;
-  g.d = static_cast<char*>(p.out) + size_t(q) * p.m * p.n_cols * gemm::itemsize(p.out_type);
+  g.d = static_cast<char*>(p.out) + size_t(q) * size_t(p.m) * size_t(p.n_cols) *
+                                        gemm::itemsize(p.out_type);
   g.in = p.in;
   g.out = p.out_type;
-  return gemm::run(g, p.gemm_dev, s);
+  return g;
+}
+
+size_t block_bytes(const Params& p) { return size_t(p.m) * size_t(p.k) * gemm::itemsize(p.in); }
+
+// Our rows come from x, peer q's from slot q of our region.
+const void* rows_of(const Params& p, int q) {
+  return q == p.rank ? p.x : p.region[p.rank] + size_t(q) * block_bytes(p);
 }
 
 cudaError_t copy_gathered(const Params& p, const void* rows, int q, cudaStream_t s) {
   if (p.gathered == nullptr) return cudaSuccess;
-  const size_t bytes = size_t(p.m) * p.k * gemm::itemsize(p.in);
-  return cudaMemcpyAsync(static_cast<char*>(p.gathered) + q * bytes, rows, bytes,
+  const size_t bytes = block_bytes(p);
+  return cudaMemcpyAsync(static_cast<char*>(p.gathered) + size_t(q) * bytes, rows, bytes,
                          cudaMemcpyDeviceToDevice, s);
 }
 
-}  // namespace
-
-cudaError_t all_gather_matmul(const Params& p) {
-  const size_t block = size_t(p.m) * p.k * gemm::itemsize(p.in);
+// Everything up to the join; *forked once the side stream waits on ours.
+cudaError_t enqueue(const Params& p, bool* forked) {
+  const size_t block = block_bytes(p);
   cudaStream_t s = p.stream, side = p.side_stream;
   if (p.n > 1) {
     PK_CUDA_TRY(cudaEventRecord(p.fork, s));
     PK_CUDA_TRY(cudaStreamWaitEvent(side, p.fork, 0));
+    *forked = true;
     PK_CUDA_TRY(signals::wait_credit(p.ch, side));
     for (int k = 1; k < p.n; ++k) {
       const int q = (p.rank + k) % p.n;
-      PK_CUDA_TRY(cudaMemcpyAsync(p.region[q] + p.rank * block, p.x, block,
+      PK_CUDA_TRY(cudaMemcpyAsync(p.region[q] + size_t(p.rank) * block, p.x, block,
                                   cudaMemcpyDeviceToDevice, side));
       PK_CUDA_TRY(signals::post(p.ch, q, p.skip_post, side));
     }
@@ -55,18 +67,41 @@ cudaError_t all_gather_matmul(const Params& p) {
   } else {
     PK_CUDA_TRY(copy_gathered(p, p.x, p.rank, s));
   }
-  PK_CUDA_TRY(gemm_rows(p, p.x, p.rank, s));
+  PK_CUDA_TRY(gemm::run(rows_problem(p, p.x, p.rank), p.gemm_dev, s));
   for (int k = 1; k < p.n; ++k) {
     const int q = (p.rank + p.n - k) % p.n;  // q pushes to us at its k-th step
-    const char* slot = p.region[p.rank] + q * block;
+    const void* slot = rows_of(p, q);
     PK_CUDA_TRY(signals::wait_posted(p.ch, q, s));
-    PK_CUDA_TRY(gemm_rows(p, slot, q, s));
+    PK_CUDA_TRY(gemm::run(rows_problem(p, slot, q), p.gemm_dev, s));
     PK_CUDA_TRY(copy_gathered(p, slot, q, s));
   }
-  if (p.n == 1) return cudaSuccess;
-  PK_CUDA_TRY(cudaEventRecord(p.join, side));
-  PK_CUDA_TRY(cudaStreamWaitEvent(s, p.join, 0));
-  return signals::finish(p.ch, s);
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t all_gather_matmul(const Params& p) {
+  // Refuse before the first enqueue: a GEMM CUTLASS would reject.
+  for (int q = 0; q < p.n; ++q)
+    PK_CUDA_TRY(gemm::check(rows_problem(p, rows_of(p, q), q), p.gemm_dev));
+  signals::Outputs out(p.out, size_t(p.n) * size_t(p.m) * size_t(p.n_cols) *
+                                  gemm::itemsize(p.out_type));
+  out.add(p.gathered, size_t(p.n) * block_bytes(p));
+  bool forked = false;
+  const cudaError_t err = enqueue(p, &forked);
+  if (forked) {  // join even after an error: the side stream never dangles
+    cudaError_t e = cudaEventRecord(p.join, p.side_stream);
+    if (e == cudaSuccess) e = cudaStreamWaitEvent(p.stream, p.join, 0);
+    if (err == cudaSuccess && e != cudaSuccess) {
+      signals::finish(p.ch, out, p.stream, /*aborted=*/true);
+      return e;
+    }
+  }
+  if (err != cudaSuccess) {
+    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
+    return err;
+  }
+  return signals::finish(p.ch, out, p.stream);
 }
 
 }  // namespace pk::tp_matmul

@@ -9,7 +9,11 @@
 //           n > 2: GEMM x[our rows] @ w -> slot r of our region; wait every
 //           peer; out = sum of the n slots, accumulated in fp32 (one rounding
 //           of each partial, as with n = 2).
-//   finish: done[r] = e to every peer (our slots may be overwritten), epoch = e.
+//   finish: done[r] = e to every peer (our slots may be overwritten), the
+//           output poisoned if the call failed, epoch = e. With one rank:
+//           the GEMM, then finish.
+// Every GEMM of the call is checked before anything is enqueued; a CUDA
+// error from an enqueue still finishes the call, as aborted.
 #include "kernels/tp_matmul/tp_matmul.h"
 #include "pk/cuda_check.h"
 #include "pk/signals.h"
@@ -20,45 +24,86 @@ cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s)
 
 namespace {
 
-cudaError_t gemm_into(const Params& p, int rows_of, char* dst, cudaStream_t s,
-                      const char* add = nullptr) {
+size_t slot_bytes(const Params& p) {
+  return size_t(p.m) * size_t(p.n_cols) * gemm::itemsize(p.out_type);
+}
+
+gemm::Problem into(const Params& p, int rows_of, void* dst, const void* add = nullptr) {
   gemm::Problem g;
   g.m = p.m;
   g.n = p.n_cols;
   g.k = p.k;
-  g.a = static_cast<const char*>(p.x) + size_t(rows_of) * p.m * p.k * gemm::itemsize(p.in);
+  g.a = static_cast<const char*>(p.x) +
+        size_t(rows_of) * size_t(p.m) * size_t(p.k) * gemm::itemsize(p.in);
   g.b = p.w;
   g.b_transposed = p.w_transposed;
   g.c = add;
   g.d = dst;
   g.in = p.in;
   g.out = p.out_type;
-  return gemm::run(g, p.gemm_dev, s);
+  return g;
+}
+
+// Every GEMM of the call, in order: q's rows into q's region (q != r), then
+// ours. `i` walks them; false after the last.
+bool problem(const Params& p, int i, gemm::Problem* g) {
+  const size_t slot = slot_bytes(p);
+  if (p.n == 1) {
+    if (i > 0) return false;
+    *g = into(p, 0, p.out);
+    return true;
+  }
+  if (i < p.n - 1) {
+    const int q = (p.rank + 1 + i) % p.n;
+    *g = into(p, q, p.region[q] + size_t(p.rank) * slot);
+    return true;
+  }
+  if (i > p.n - 1) return false;
+  if (p.n == 2)
+    *g = into(p, p.rank, p.out, p.region[p.rank] + size_t(1 - p.rank) * slot);
+  else
+    *g = into(p, p.rank, p.region[p.rank] + size_t(p.rank) * slot);
+  return true;
+}
+
+cudaError_t enqueue(const Params& p) {
+  cudaStream_t s = p.stream;
+  gemm::Problem g;
+  if (p.n == 1) {
+    problem(p, 0, &g);
+    return gemm::run(g, p.gemm_dev, s);
+  }
+  PK_CUDA_TRY(signals::wait_credit(p.ch, s));
+  for (int k = 1; k < p.n; ++k) {
+    const int q = (p.rank + k) % p.n;
+    problem(p, k - 1, &g);
+    PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
+    PK_CUDA_TRY(signals::post(p.ch, q, p.skip_post, s));
+  }
+  problem(p, p.n - 1, &g);
+  if (p.n == 2) {
+    PK_CUDA_TRY(signals::wait_posted(p.ch, 1 - p.rank, s));
+    PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
+  } else {
+    PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
+    PK_CUDA_TRY(signals::wait_posted(p.ch, signals::kAllPeers, s));
+    PK_CUDA_TRY(launch_sum_slots(p, p.region[p.rank], s));
+  }
+  return cudaSuccess;
 }
 
 }  // namespace
 
 cudaError_t matmul_reduce_scatter(const Params& p) {
-  cudaStream_t s = p.stream;
-  if (p.n == 1) return gemm_into(p, 0, static_cast<char*>(p.out), s);
-  const size_t slot = size_t(p.m) * p.n_cols * gemm::itemsize(p.out_type);
-  PK_CUDA_TRY(signals::wait_credit(p.ch, s));
-  for (int k = 1; k < p.n; ++k) {
-    const int q = (p.rank + k) % p.n;
-    PK_CUDA_TRY(gemm_into(p, q, p.region[q] + p.rank * slot, s));
-    PK_CUDA_TRY(signals::post(p.ch, q, p.skip_post, s));
+  // Refuse before the first enqueue: a GEMM CUTLASS would reject.
+  gemm::Problem g;
+  for (int i = 0; problem(p, i, &g); ++i) PK_CUDA_TRY(gemm::check(g, p.gemm_dev));
+  const signals::Outputs out(p.out, slot_bytes(p));
+  if (cudaError_t err = enqueue(p); err != cudaSuccess) {
+    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
+    return err;
   }
-  if (p.n == 2) {
-    const int peer = 1 - p.rank;
-    PK_CUDA_TRY(signals::wait_posted(p.ch, peer, s));
-    PK_CUDA_TRY(gemm_into(p, p.rank, static_cast<char*>(p.out), s,
-                          p.region[p.rank] + peer * slot));
-  } else {
-    PK_CUDA_TRY(gemm_into(p, p.rank, p.region[p.rank] + p.rank * slot, s));
-    PK_CUDA_TRY(signals::wait_posted(p.ch, signals::kAllPeers, s));
-    PK_CUDA_TRY(launch_sum_slots(p, p.region[p.rank], s));
-  }
-  return signals::finish(p.ch, s);
+  return signals::finish(p.ch, out, p.stream);
 }
 
 }  // namespace pk::tp_matmul

@@ -10,6 +10,10 @@
 //   into slot r of q's region over NVLink; then our own rows: with two ranks
 //   their GEMM adds the peer's slot in its epilogue and writes our shard;
 //   with more, it fills our slot and a sum of the n slots follows.
+// Both: every GEMM of the call is checked (gemm::check) before anything is
+// enqueued, and the call always ends in signals::finish (also with one rank,
+// and after a CUDA error from an enqueue, as aborted): the outputs of a call
+// that failed are poison (NaN), whatever stage it failed in.
 #pragma once
 
 #include <cuda_runtime.h>
