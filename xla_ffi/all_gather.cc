@@ -15,7 +15,7 @@ namespace ffi = xla::ffi;
 
 constexpr const char* kOp = "all_gather";
 
-// Values of the "mechanism" attribute (pk_jax/ops/all_gather.py: _MECHANISM_IDS).
+// Values of the "mechanism" attribute (pk_jax/ops/all_gather_primitive.py: KERNEL_MECHANISMS).
 enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2, kLdStLl = 3 };
 
 // The byte a failed call's output is filled with (all_gather.h: poison):
@@ -47,6 +47,11 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       e.failure())
     return e;
   const ffi_common::Group& g = ctx.group;
+  if (mechanism == kLdStPull || mechanism == kLdStPush)
+    if (ffi::Error e = ffi_common::require_one_process(
+            kOp, g, mechanism == kLdStPush ? "ld_st_push" : "ld_st_pull");
+        e.failure())
+      return e;
   uint64_t block = 0;  // rows * row_bytes, overflow-checked
   if (rows < 0 || row_bytes < 0 ||
       __builtin_mul_overflow(uint64_t(rows), uint64_t(row_bytes), &block) ||

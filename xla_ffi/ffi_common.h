@@ -128,7 +128,7 @@ inline WaitContext wait_context(const runtime::DeviceState& d, int32_t op, int r
 }
 
 // The `channel` attribute every collective handler takes (a dictionary,
-// pk_jax/ops/_lowering.py: channel_attrs), set at lowering.
+// pk_jax/ops/_lowering.py: channel_attr), set at lowering.
 struct ChannelAttrs {
   ffi::Span<const int64_t> group_ids;  // device ids of every group of the axis, group after group
   int64_t group_size;                  // ranks per group

@@ -2,7 +2,7 @@
 // one block pair: for every K/V tile, the global token of its first row and
 // the (head, query tile, first query token, masked) tiles the walk visits,
 // in order. tests/test_attention_bwd_walk_cpu.py compares them with the
-// reference positions (pk_jax/ops/ring_attention_reference.py).
+// reference positions (pk_jax/reference.py: positions).
 // Usage: bwd_walk_check n s_q s_kv zigzag causal group tile_q tile_kv q_rank k_rank
 #include <cstdio>
 #include <cstdlib>
