@@ -10,6 +10,9 @@
 #   bench  all_gather and tp_matmul benchmarks
 #   ring   ring attention forward (16k-64k), mechanisms copy_engine and ld_st
 #   flax   the Flax example's step time (GPU preset), pk against xla
+#   mp     two processes (one GPU each, or sharing one GPU): the runtime's IPC check
+#          (tests/native/ipc_pair_check.cu) and every op across processes
+#          (tests/gpu_multiprocess_check.py), ~2-4 min
 #   gemm   (not in the default list) the GEMM's tile configurations and swizzles
 #          on one GPU against XLA's dot, ~3-4 min (tools/gemm_sweep.sh)
 # Logs land in $OUT (results JSON and RESULTS.md too: benchmarks/common.py), so a run
@@ -35,7 +38,7 @@ t0=$(date +%s)
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 || exit 1
 echo "build: $(( $(date +%s) - t0 )) s"
 
-STAGES=${PK_GPU_STAGES:-tests bwd bench ring flax}
+STAGES=${PK_GPU_STAGES:-tests mp bwd bench ring flax}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 test_rc=0
 # Each test is cut at 120 s where pytest-timeout is installed (the GPU image has it).
@@ -48,6 +51,22 @@ if stage tests; then
   test_rc=$?
   grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -20
   tail -3 "$OUT/pytest.log"
+fi
+
+if stage mp; then
+  echo "== two processes"
+  gpus=$(nvidia-smi -L | wc -l)
+  pair="0 0"; [ "$gpus" -ge 2 ] && pair="0 1"
+  nvcc -std=c++17 -O1 -gencode=arch=compute_90a,code=sm_90a -I csrc -I . \
+    tests/native/ipc_pair_check.cu csrc/runtime/workspace.cc csrc/runtime/topology.cc \
+    -o /tmp/ipc_pair_check -lcuda > "$OUT/ipc_pair_check.log" 2>&1 \
+    && timeout 120 /tmp/ipc_pair_check $pair >> "$OUT/ipc_pair_check.log" 2>&1
+  echo "ipc_pair_check ($pair): rc=$?"; tail -3 "$OUT/ipc_pair_check.log"
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m pk_jax.launch -n 2 \
+    --gpus-per-process 0 tests/gpu_multiprocess_check.py > "$OUT/multiprocess.log" 2>&1
+  mp_rc=$?
+  [ $mp_rc -ne 0 ] && test_rc=$mp_rc
+  grep -E "^\[.\] (OK|FAILED)|Error|DONE" "$OUT/multiprocess.log" | tail -40
 fi
 
 if stage bwd; then
