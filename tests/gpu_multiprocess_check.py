@@ -6,7 +6,10 @@ recovery.
 Each process drives one GPU: GPU i where there are two or more, else both
 share GPU 0 (the workspaces then travel through CUDA IPC to the same GPU:
 the export/import path and the cross-process protocol run, at time-sliced
-speed). Prints one line per check; exits non-zero on the first failure.
+speed). No XLA collective runs (NCCL refuses two ranks on one GPU): inputs
+are built from their shards, gradients are vector-Jacobian products with a
+sharded cotangent, references are computed on the host's CPU. Prints one
+line per check; exits non-zero on the first failure.
 """
 
 from __future__ import annotations
@@ -51,7 +54,11 @@ def main() -> None:
     pk_jax.distributed.initialize(local_device_ids=[me if gpus >= 2 else 0])
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices())
     rng = np.random.default_rng(1234)  # the same global inputs on both processes
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    def put(a, spec):  # from this process's shard: no collective
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
+
+    cpu = jax.devices("cpu")[0]
 
     def sm(fn, in_specs, out_specs):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
@@ -91,11 +98,11 @@ def main() -> None:
     idx, got = local(g(*args))
     check(rel(got.astype(np.float32), (np.tanh(xr @ w1r) @ w2r)[idx]) < 2e-2,
           "tensor-parallel MLP across processes")
-    loss = lambda *a: jnp.sum(jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P("x"),
-                                            check_vma=False)(*a).astype(jnp.float32) ** 2)
-    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(*args)
-    ref = jax.grad(lambda *a: jnp.sum((jnp.tanh(a[0] @ a[1]) @ a[2]) ** 2), (0, 1, 2))(
-        xr, w1r, w2r)
+    mlp_sm = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=False)
+    cot = rng.standard_normal((2 * m, d)).astype(np.float32)
+    grads = jax.jit(lambda c, *a: jax.vjp(mlp_sm, *a)[1](c))(put(bf(cot), P("x")), *args)
+    with jax.default_device(cpu):
+        ref = jax.vjp(lambda *a: jnp.tanh(a[0] @ a[1]) @ a[2], xr, w1r, w2r)[1](cot)
     for name, gr, r in zip(("dx", "dw1", "dw2"), grads, ref):
         shard, = gr.addressable_shards
         check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
@@ -105,7 +112,8 @@ def main() -> None:
     s, hq, hkv, hd = 2 * 512, 8, 2, 128
     q, k, v = (rng.standard_normal((1, s, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
     qb, kb, vb = (np.asarray(bf(a), np.float32) for a in (q, k, v))
-    want = np.asarray(jax.nn.dot_product_attention(qb, kb, vb, is_causal=True))
+    with jax.default_device(cpu):
+        want = np.asarray(jax.nn.dot_product_attention(qb, kb, vb, is_causal=True))
     for mechanism in ("copy_engine", "ld_st"):
         ring = sm(lambda q, k, v, m=mechanism: pk_jax.ring_attention(
             q, k, v, "x", causal=True, mechanism=m), (P(None, "x"),) * 3, P(None, "x"))
@@ -113,13 +121,14 @@ def main() -> None:
         idx, got = local(ring(*seq))
         check(rel(got.astype(np.float32), want[idx]) < 2e-2,
               f"ring attention {mechanism} across processes")
-    ring_loss = lambda *a: jnp.sum(jax.shard_map(
-        lambda q, k, v: pk_jax.ring_attention(q, k, v, "x", causal=True), mesh=mesh,
-        in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"), check_vma=False)(*a)
-        .astype(jnp.float32) ** 2)
-    grads = jax.jit(jax.grad(ring_loss, (0, 1, 2)))(*seq)
-    ref = jax.grad(lambda *a: jnp.sum(jax.nn.dot_product_attention(*a, is_causal=True) ** 2),
-                   (0, 1, 2))(qb, kb, vb)
+    ring_sm = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "x", causal=True),
+                            mesh=mesh, in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"),
+                            check_vma=False)
+    cot = rng.standard_normal(q.shape).astype(np.float32)
+    grads = jax.jit(lambda c, *a: jax.vjp(ring_sm, *a)[1](c))(put(bf(cot), P(None, "x")), *seq)
+    with jax.default_device(cpu):
+        ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True),
+                      qb, kb, vb)[1](cot)
     for name, gr, r in zip(("dq", "dk", "dv"), grads, ref):
         shard, = gr.addressable_shards
         check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
