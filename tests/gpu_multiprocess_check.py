@@ -58,7 +58,7 @@ def main() -> None:
         a = np.asarray(a)
         return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
 
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]  # this process's (devices("cpu") is global)
 
     def sm(fn, in_specs, out_specs):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
