@@ -10,5 +10,7 @@ class PkJaxTimeoutError(PkJaxError):
 
     The message names the op, the device and rank that waited, the peer rank
     it waited for and the epoch it expected. The outputs of the call that
-    timed out are undefined; the state is cleared by the time this is raised.
+    timed out (and of later pk_jax calls on that device) are NaN-poisoned
+    (integer gathers: all bits set); the state is cleared by the time this
+    is raised.
     """

@@ -278,7 +278,7 @@ def check_errors() -> None:
     if failed_elsewhere and not messages:
         messages = [f"pk_jax: process(es) {failed_elsewhere} recorded failed waits (their "
                     "check_errors() raised with the details); the outputs of the calls since "
-                    "the failure are undefined (NaN-poisoned)"]
+                    "the failure are poisoned (NaN; integer gathers: all bits set)"]
     raise PkJaxTimeoutError("\n".join(messages))
 
 
