@@ -51,6 +51,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import pk_jax  # noqa: E402
 from pk_jax.flax import (ParallelMLP, RingSelfAttention, init_sharded,  # noqa: E402
                          partition_specs, shard_size)
 
@@ -206,6 +207,9 @@ def _train(steps: int, collectives: str, cfg: Config, mesh: Mesh,
         losses.append(float(loss))  # waits for the step
         times.append(time.perf_counter() - start)
         if step % 10 == 0 or step == 1:
+            # A wait for a peer GPU that gave up poisons the outputs (NaN) and is
+            # raised here, before a poisoned loss is trusted.
+            pk_jax.check_errors()
             log(f"step {step:4d}  loss {losses[-1]:.4f}")
     step_ms = float(1e3 * np.mean(times[1:])) if steps > 1 else float("nan")
     if steps > 1:
