@@ -60,6 +60,22 @@ def gpu_mesh(n: int, name: str = "x") -> Mesh:
     return Mesh(np.array(devices[:n]), (name,), axis_types=(AxisType.Auto,))
 
 
+def build_native(source: str, exe, includes=(), opt: str = "-O1") -> str:
+    """Compile tests/native/<source> for the host (headers from csrc/ after
+    `includes`) into `exe`; skip the test when there is no C++ compiler."""
+    import os
+    import shutil
+    import subprocess
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip(f"no host C++ compiler to build {source}")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = [f for inc in (*includes, os.path.join(root, "csrc")) for f in ("-I", str(inc))]
+    subprocess.run([cxx, "-std=c++17", opt, *flags,
+                    os.path.join(root, "tests", "native", source), "-o", str(exe)], check=True)
+    return str(exe)
+
+
 def rel_err(a, b) -> float:
     """||a - b|| / ||b|| in float64: the relative error the value checks use."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

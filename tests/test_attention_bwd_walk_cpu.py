@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 import subprocess
 
 import jax.numpy as jnp
@@ -17,18 +16,14 @@ import numpy as np
 import pytest
 
 from pk_jax.reference import positions as _positions
+from conftest import build_native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "tests", "native", "bwd_walk_check.cc")
 
 
 def _build(include: str, exe: str) -> str:
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler to build the walk checker")
-    subprocess.run([cxx, "-std=c++17", "-O1", "-I", include, "-I", os.path.join(ROOT, "csrc"),
-                    SRC, "-o", exe], check=True)
-    return exe
+    return build_native("bwd_walk_check.cc", exe, (include,))
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ regions) against the rows the walk reads."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 
 import jax.numpy as jnp
@@ -17,20 +16,14 @@ import numpy as np
 import pytest
 
 from pk_jax.reference import positions as _positions
+from conftest import build_native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def checker(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler to build the walk checker")
-    exe = str(tmp_path_factory.mktemp("kv_walk") / "kv_walk_check")
-    subprocess.run([cxx, "-std=c++17", "-O1", "-I", os.path.join(ROOT, "csrc"),
-                    os.path.join(ROOT, "tests", "native", "kv_walk_check.cc"), "-o", exe],
-                   check=True)
-    return exe
+    return build_native("kv_walk_check.cc", tmp_path_factory.mktemp("kv_walk") / "kv_walk_check")
 
 
 def _run(exe, n, s_local, zigzag, causal, tile_q=128, tile_k=128):
@@ -62,13 +55,7 @@ def _broken_run(tmp_path, old: str, new: str, args=("2", "256", "1", "1")):
     inc = tmp_path / "kernels" / "ring_attention"
     inc.mkdir(parents=True)
     (inc / "kv_walk.cuh").write_text(broken)
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler to build the walk checker")
-    exe = str(tmp_path / "broken")
-    subprocess.run([cxx, "-std=c++17", "-I", str(tmp_path),
-                    os.path.join(ROOT, "tests", "native", "kv_walk_check.cc"), "-o", exe],
-                   check=True)
+    exe = build_native("kv_walk_check.cc", tmp_path / "broken", (tmp_path,), opt="-O0")
     return subprocess.run([exe, *args, "128", "128"], capture_output=True, text=True)
 
 
@@ -114,14 +101,7 @@ def _offsets(exe, *args):
 
 @pytest.fixture(scope="module")
 def offsets_checker(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler to build the offsets checker")
-    exe = str(tmp_path_factory.mktemp("offsets") / "offsets_check")
-    subprocess.run([cxx, "-std=c++17", "-O1", "-I", os.path.join(ROOT, "csrc"),
-                    os.path.join(ROOT, "tests", "native", "offsets_check.cc"), "-o", exe],
-                   check=True)
-    return exe
+    return build_native("offsets_check.cc", tmp_path_factory.mktemp("offsets") / "offsets_check")
 
 
 @pytest.mark.parametrize("n,s_local,batch,hq,hkv,d", HUGE)

@@ -21,7 +21,6 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -14,24 +14,18 @@ the new protocol with a plain-store post or without the layout check.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 
 import pytest
+from conftest import build_native
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
 def checker(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler to build the protocol checker")
-    exe = str(tmp_path_factory.mktemp("offer") / "offer_check")
-    subprocess.run([cxx, "-std=c++17", "-O2", "-I", os.path.join(ROOT, "csrc"),
-                    os.path.join(ROOT, "tests", "native", "offer_check.cc"), "-o", exe],
-                   check=True)
-    return exe
+    return build_native("offer_check.cc", tmp_path_factory.mktemp("offer") / "offer_check",
+                        opt="-O2")
 
 
 def _run(exe, variant, layout):

@@ -20,9 +20,11 @@
 
 #include <cstdint>
 
+#include "kernels/common/dtype.h"
+
 namespace pk::attention_bwd {
 
-enum class DType : int32_t { kBF16 = 0, kF16 = 1 };
+using pk::DType;  // bf16 or fp16
 
 // K/V rows per CTA (two math warpgroups of 64).
 inline constexpr int kTileKv = 128;

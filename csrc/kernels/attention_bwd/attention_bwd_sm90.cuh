@@ -24,6 +24,7 @@
 
 #include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/attention_bwd/bwd_mainloop.cuh"
+#include "kernels/common/cutlass_type.cuh"
 #include "kernels/common/fmha_launch.cuh"
 #include "pk/sync.cuh"
 
@@ -170,19 +171,9 @@ struct BwdKernel {
 };
 
 // The instantiations (attention_bwd.h: Variant).
-template <DType>
-struct Element;
-template <>
-struct Element<DType::kBF16> {
-  using Type = cutlass::bfloat16_t;
-};
-template <>
-struct Element<DType::kF16> {
-  using Type = cutlass::half_t;
-};
 
 template <DType kType, int kHeadDim>
-using VariantKernel = BwdKernel<typename Element<kType>::Type, kHeadDim>;
+using VariantKernel = BwdKernel<typename CutlassType<kType>::Type, kHeadDim>;
 
 template <DType kType, int kHeadDim>
 cudaError_t Variant<kType, kHeadDim>::check(const Params& p) {

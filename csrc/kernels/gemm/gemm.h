@@ -13,12 +13,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/dtype.h"
+
 namespace pk::gemm {
 
-enum class DType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
-
-// Bytes per element.
-inline size_t itemsize(DType t) { return t == DType::kF32 ? 4 : 2; }
+using pk::DType;
+using pk::itemsize;
 
 struct Problem {
   int64_t m = 0, n = 0, k = 0;

@@ -21,6 +21,7 @@
 
 #include <type_traits>
 
+#include "kernels/common/cutlass_type.cuh"
 #include "kernels/gemm/gemm.h"
 
 namespace pk::gemm {
@@ -133,24 +134,9 @@ struct Sm90Gemm {
 };
 
 // The instantiations (gemm.h: Variant) over the types the ops take.
-template <DType>
-struct Element;
-template <>
-struct Element<DType::kBF16> {
-  using Type = cutlass::bfloat16_t;
-};
-template <>
-struct Element<DType::kF16> {
-  using Type = cutlass::half_t;
-};
-template <>
-struct Element<DType::kF32> {
-  using Type = float;
-};
-
 // B [k, n] row-major, or transposed: [n, k] row-major, i.e. column-major [k, n].
 template <DType kIn, DType kOut, bool kBTransposed>
-using VariantGemm = Sm90Gemm<typename Element<kIn>::Type, typename Element<kOut>::Type,
+using VariantGemm = Sm90Gemm<typename CutlassType<kIn>::Type, typename CutlassType<kOut>::Type,
                              std::conditional_t<kBTransposed, cutlass::layout::ColumnMajor,
                                                 cutlass::layout::RowMajor>>;
 

@@ -20,6 +20,7 @@
 #include <cutlass/kernel_hardware_info.h>
 #include <cutlass/numeric_types.h>
 
+#include "kernels/common/cutlass_type.cuh"
 #include "kernels/ring_attention/ring_epilogue.cuh"  // before the kernel: its includes
 #include "kernel/fmha_kernel_tma_warpspecialized.hpp"
 
@@ -202,20 +203,10 @@ struct AttentionKernel {
 };
 
 // The instantiations (ring_attention.h: Variant).
-template <DType>
-struct Element;
-template <>
-struct Element<DType::kBF16> {
-  using Type = cutlass::bfloat16_t;
-};
-template <>
-struct Element<DType::kF16> {
-  using Type = cutlass::half_t;
-};
 
 template <DType kType, int kHeadDim, Mechanism kMechanism>
 using VariantKernel =
-    AttentionKernel<typename Element<kType>::Type, kHeadDim, kMechanism == Mechanism::kLdSt>;
+    AttentionKernel<typename CutlassType<kType>::Type, kHeadDim, kMechanism == Mechanism::kLdSt>;
 
 template <DType kType, int kHeadDim, Mechanism kMechanism>
 cudaError_t Variant<kType, kHeadDim, kMechanism>::check(const KernelArgs& a) {

@@ -38,13 +38,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/dtype.h"
 #include "kernels/ring_attention/kv_walk.cuh"
 #include "pk/channel.h"
 #include "pk/layout.h"
 
 namespace pk::ring_attention {
 
-enum class DType : int32_t { kBF16 = 0, kF16 = 1 };
+using pk::DType;  // bf16 or fp16
 // How our K/V block reaches the peers (the FFI attribute `mechanism`).
 enum class Mechanism : int32_t { kCopyEngine = 0, kLdSt = 1 };
 
