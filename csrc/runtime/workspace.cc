@@ -659,19 +659,23 @@ static std::vector<SyncResult> sync_all(const std::vector<std::pair<int, int64_t
   return out;
 }
 
+bool Runtime::local_workers(std::vector<std::pair<int, int64_t>>* devices,
+                            std::vector<BoundedWorker*>* workers) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!ready_) return false;
+  for (const DeviceState& d : devices_) {
+    if (d.ordinal < 0) continue;
+    devices->push_back({d.ordinal, d.global_id});
+    workers->push_back(&sync_worker(d.ordinal));
+  }
+  return true;
+}
+
 std::string Runtime::synchronize(double timeout_s) {
   if (std::string err = check_timeout(timeout_s); !err.empty()) return err;
   std::vector<std::pair<int, int64_t>> devices;
   std::vector<BoundedWorker*> workers;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!ready_) return "";
-    for (const DeviceState& d : devices_) {
-      if (d.ordinal < 0) continue;
-      devices.push_back({d.ordinal, d.global_id});
-      workers.push_back(&sync_worker(d.ordinal));
-    }
-  }
+  if (!local_workers(&devices, &workers)) return "";
   std::vector<std::string> errors;
   for (const SyncResult& r : sync_all(devices, workers, timeout_s))
     if (!r.error.empty()) errors.push_back(r.error);
@@ -683,15 +687,7 @@ std::string Runtime::reset(double timeout_s) {
   std::lock_guard<std::mutex> control(control_mu_);
   std::vector<std::pair<int, int64_t>> devices;
   std::vector<BoundedWorker*> workers;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!ready_) return "";
-    for (const DeviceState& d : devices_) {
-      if (d.ordinal < 0) continue;
-      devices.push_back({d.ordinal, d.global_id});
-      workers.push_back(&sync_worker(d.ordinal));
-    }
-  }
+  if (!local_workers(&devices, &workers)) return "";
   const Clock::time_point start = Clock::now();
   std::vector<SyncResult> synced = sync_all(devices, workers, timeout_s);
   // The zeroing itself gets what is left of the bound, and at least a second.

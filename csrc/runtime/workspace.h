@@ -179,6 +179,10 @@ class Runtime {
   PeerState* find_peer(int64_t id);
   const PeerState* find_peer(int64_t id) const;
   BoundedWorker& sync_worker(int ordinal);
+  // The (ordinal, JAX id) and sync worker of every local device; false
+  // before init.
+  bool local_workers(std::vector<std::pair<int, int64_t>>* devices,
+                     std::vector<BoundedWorker*>* workers);
 
   mutable std::mutex mu_;   // everything below
   std::mutex control_mu_;   // one init / reset at a time
