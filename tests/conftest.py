@@ -60,6 +60,19 @@ def gpu_mesh(n: int, name: str = "x") -> Mesh:
     return Mesh(np.array(devices[:n]), (name,), axis_types=(AxisType.Auto,))
 
 
+def cuda_home(need: str = "include/cuda_runtime.h") -> str | None:
+    """A CUDA toolkit root holding `need` (a glob under it): CUDA_HOME,
+    /usr/local/cuda, nvcc's, then /usr/local/cuda-*; None if none."""
+    import glob
+    import os
+    import shutil
+    nvcc = shutil.which("nvcc")
+    bases = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda",
+             os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else ""]
+    bases += sorted(glob.glob("/usr/local/cuda-*"))
+    return next((b for b in bases if b and glob.glob(os.path.join(b, need))), None)
+
+
 def build_native(source: str, exe, includes=(), opt: str = "-O1") -> str:
     """Compile tests/native/<source> for the host (headers from csrc/ after
     `includes`) into `exe`; skip the test when there is no C++ compiler."""

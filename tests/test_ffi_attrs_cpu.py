@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import glob
 import os
 import pathlib
 import shutil
@@ -25,31 +24,21 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from pk_jax import _channels, groups
 from pk_jax.ops import _lowering
-from conftest import cpu_mesh
+from conftest import cpu_mesh, cuda_home
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _cuda_include() -> str | None:
-    nvcc = shutil.which("nvcc")
-    bases = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda",
-             os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else ""]
-    found = [os.path.join(b, "include") for b in bases
-             if b and os.path.exists(os.path.join(b, "include", "cuda_runtime.h"))]
-    found += sorted(os.path.dirname(p) for p in glob.glob("/usr/local/cuda*/include/cuda_runtime.h"))
-    return found[0] if found else None
 
 
 @functools.lru_cache(maxsize=None)
 def _target() -> str:
     """Build the check handler once and register it for CPU."""
-    include = _cuda_include()
-    if include is None or shutil.which("g++") is None:
+    home = cuda_home()
+    if home is None or shutil.which("g++") is None:
         pytest.skip("needs g++ and the CUDA headers (cuda_runtime.h) to build the check")
     out = ROOT / "build" / "channel_attrs_check.so"
     out.parent.mkdir(exist_ok=True)
     subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-I", str(ROOT / "csrc"),
-                    "-I", str(ROOT), "-I", jax.ffi.include_dir(), "-I", include,
+                    "-I", str(ROOT), "-I", jax.ffi.include_dir(), "-I", os.path.join(home, "include"),
                     str(ROOT / "tests" / "native" / "channel_attrs_check.cc"), "-o", str(out)],
                    check=True)
     lib = ctypes.cdll.LoadLibrary(str(out))

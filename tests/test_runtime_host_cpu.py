@@ -13,24 +13,15 @@ import subprocess
 
 import pytest
 
+from conftest import cuda_home
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _cuda_home() -> str | None:
-    nvcc = shutil.which("nvcc")
-    candidates = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda",
-                  os.path.dirname(os.path.dirname(os.path.realpath(nvcc))) if nvcc else ""]
-    candidates += sorted(glob.glob("/usr/local/cuda-*"))
-    for base in candidates:
-        if base and os.path.exists(os.path.join(base, "include", "cuda_runtime.h")) and \
-                glob.glob(os.path.join(base, "lib*", "libcudart_static.a")):
-            return base
-    return None
-
-
 def test_runtime_host_checks(tmp_path):
-    cuda = _cuda_home()
-    if cuda is None or shutil.which("g++") is None:
+    cuda = cuda_home("lib*/libcudart_static.a")
+    if cuda is None or not os.path.exists(os.path.join(cuda, "include", "cuda_runtime.h")) \
+            or shutil.which("g++") is None:
         pytest.skip("needs g++ and the CUDA toolkit (headers and libcudart_static)")
     lib = os.path.dirname(glob.glob(os.path.join(cuda, "lib*", "libcudart_static.a"))[0])
     exe = tmp_path / "runtime_host_check"
