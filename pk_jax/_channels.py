@@ -79,14 +79,10 @@ def _claim(name: str, counter: str, amount: int) -> int:
     return int(json.loads(found)["value"])
 
 
-def _multiprocess() -> bool:
-    return _cluster.client() is not None and _cluster.process_count() > 1
-
-
 def _slot(name: str, ll: bool) -> int:
     first, end = (0, LL_CHANNELS) if ll else (LL_CHANNELS, MAX_SLOTS)
     kind = "ll" if ll else "other"
-    if _multiprocess():
+    if _cluster.multiprocess():
         slot = first + _claim(f"slot/{name}", f"slots/{kind}", 1)
     else:
         slot = first + _used[kind]
@@ -102,7 +98,7 @@ def _slot(name: str, ll: bool) -> int:
 
 
 def _region(name: str, size: int, capacity: int) -> int:
-    if _multiprocess():
+    if _cluster.multiprocess():
         offset = _claim(f"region/{name}/{size}", "data", size)
     else:
         offset = _used["data"]

@@ -39,6 +39,11 @@ def process_count() -> int:
     return jax.process_count()
 
 
+def multiprocess() -> bool:
+    """Several processes with a key-value store to agree through."""
+    return client() is not None and process_count() > 1
+
+
 def process_index() -> int:
     return jax.process_index()
 
@@ -95,7 +100,7 @@ def fetch(name: str, what: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def hosts() -> tuple[str, ...]:
     """Host identity of every process, by process index (exchanged once)."""
-    if client() is None or process_count() == 1:
+    if not multiprocess():
         return (_local_host_id(),) * process_count()
     with _lock:
         publish(f"host/{process_index()}", {"host": _local_host_id()})

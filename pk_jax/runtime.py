@@ -133,7 +133,7 @@ def ensure_ready() -> Any:
 
 def _init(ext) -> None:
     local = gpu_devices()
-    several = _cluster.client() is not None and _cluster.process_count() > 1
+    several = _cluster.multiprocess()
     for d in local:
         info = ext.device_info(d.local_hardware_id)
         if not info["supported"]:
@@ -177,7 +177,7 @@ def group_problem(table: np.ndarray) -> str | None:
         key = groups.table_key(table)
         if key not in _verdicts:
             verdict = _local_problem(table)
-            if _cluster.client() is not None and _cluster.process_count() > 1:
+            if _cluster.multiprocess():
                 name = f"group/{_channels.digest(key)}"
                 me = _cluster.process_index()
                 _cluster.publish(f"{name}/{me}", {"problem": verdict})
@@ -262,7 +262,7 @@ def check_errors() -> None:
     ext.synchronize(SYNC_TIMEOUT_S)
     messages = list(ext.pending_errors())
     failed_elsewhere: list[int] = []
-    multi = _cluster.client() is not None and _cluster.process_count() > 1
+    multi = _cluster.multiprocess()
     if multi:
         k, me = next(_checks), _cluster.process_index()
         _cluster.publish(f"check/{k}/{me}", {"errors": len(messages)})
