@@ -1,0 +1,78 @@
+"""One fwd+bwd of pk's ring attention on one GPU and one of cuDNN's attention,
+between cudaProfilerStart/Stop, for Nsight Compute:
+
+    ncu --profile-from-start off --metrics gpu__time_duration.sum \
+        python tools/profile_attention_bwd.py           # every kernel's time
+    ncu --profile-from-start off -k regex:'Fmha|bprop|dgrad' --set detailed \
+        python tools/profile_attention_bwd.py           # the backward kernels
+
+Without ncu it prints the median ms of each fwd+bwd (CUDA events through
+jax.block_until_ready), so the profile can be read against the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+
+
+def _profiler(start: bool) -> None:
+    try:
+        import cupy
+        (cupy.cuda.runtime.profilerStart if start else cupy.cuda.runtime.profilerStop)()
+    except Exception as e:  # noqa: BLE001 - best effort: timing still runs
+        print(f"profiler {'start' if start else 'stop'} unavailable: {e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=0)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    hkv = a.kv_heads or a.heads
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (1, a.seq, a.heads, a.head_dim), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (1, a.seq, hkv, a.head_dim), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (1, a.seq, hkv, a.head_dim), jnp.bfloat16)
+    w = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+    mesh = jax.make_mesh((1,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = P(None, "sp")
+
+    def pk_loss(q, k, v):
+        f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=a.causal),
+                          mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return jnp.sum(f(q, k, v).astype(jnp.float32) * w)
+
+    def cudnn_loss(q, k, v):
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=a.causal, implementation="cudnn")
+        return jnp.sum(o.astype(jnp.float32) * w)
+
+    fns = {name: jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+           for name, f in (("pk", pk_loss), ("cudnn", cudnn_loss))}
+    for name, f in fns.items():
+        jax.block_until_ready(f(q, k, v))
+        ts = []
+        for _ in range(a.reps):
+            t = time.perf_counter()
+            jax.block_until_ready(f(q, k, v))
+            ts.append((time.perf_counter() - t) * 1e3)
+        ts.sort()
+        print(f"{name}: fwd+bwd median {ts[len(ts) // 2]:.3f} ms (min {ts[0]:.3f})", flush=True)
+    _profiler(True)
+    for f in fns.values():
+        jax.block_until_ready(f(q, k, v))
+    _profiler(False)
+
+
+if __name__ == "__main__":
+    main()
