@@ -31,6 +31,7 @@
 #include "collective/fmha_fusion.hpp"
 
 #include "kernels/attention_bwd/bwd_walk.cuh"
+#include "kernels/common/fast_math.cuh"
 
 namespace pk::attention_bwd {
 
@@ -412,7 +413,7 @@ struct BwdMainloop
       if (masked) mask_future(acc_s, tScS, k_token0, q_first);
       Tensor acc_p = make_fragment_like<float>(acc_s);
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(acc_p); ++i) acc_p(i) = ::exp2f(p.scale_softmax_log2 * acc_s(i) - lse(i));
+      for (int i = 0; i < size(acc_p); ++i) acc_p(i) = exp2_ftz(p.scale_softmax_log2 * acc_s(i) - lse(i));
       order.arrive();
       if constexpr (kTileQ == 128) load_delta();
 

@@ -23,6 +23,7 @@
 #include "collective/fmha_collective_tma_warpspecialized.hpp"
 #include "collective/fmha_fusion.hpp"
 
+#include "kernels/common/fast_math.cuh"
 #include "kernels/ring_attention/kv_walk.cuh"
 #include "pk/layout.h"
 #include "pk/sync.cuh"
@@ -243,14 +244,6 @@ struct RingMainloop
   }
 
   // ---- math warpgroups ----------------------------------------------------
-  // 2^x on the special function unit, denormals flushed (scores far below the
-  // row max are zero either way).
-  CUTLASS_DEVICE static float exp2_ftz(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-  }
-
   // The online-softmax update for one tile's scores, in place: the running
   // row max m grows to cover the tile, the scores become exp2(k (s - m))
   // (k = scale * log2 e), and the running sum l is rescaled and extended.
