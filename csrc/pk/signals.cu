@@ -85,6 +85,19 @@ __global__ void stamp_kernel(const __grid_constant__ Channel ch, int pieces) {
   if (i < pieces) ch.mine()->stamp[i] = (ch.next_epoch() - 1) * pieces + i + 1;
 }
 
+__global__ void stamp_table_kernel(const __grid_constant__ Channel ch, uint64_t* table,
+                                   int count) {
+  const uint64_t base = (ch.next_epoch() - 1) * uint64_t(count);
+  for (int i = threadIdx.x; i < count; i += blockDim.x) table[i] = base + i + 1;
+}
+
+__global__ void wait_stamp_kernel(const __grid_constant__ Channel ch, int peer, int index,
+                                  int count) {
+  if (threadIdx.x == 0)
+    wait_geq(&ch.mine()->posted[peer], (ch.next_epoch() - 1) * uint64_t(count) + index + 1,
+             ch.wait, peer, kWaitPosted);
+}
+
 }  // namespace
 
 cudaError_t wait_credit(const Channel& ch, cudaStream_t stream) {
@@ -114,12 +127,27 @@ cudaError_t stamp(const Channel& ch, int pieces, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t stamp_table(const Channel& ch, uint64_t* table, int count, cudaStream_t stream) {
+  if (count < 1 || table == nullptr) return cudaErrorInvalidValue;
+  stamp_table_kernel<<<1, kThreads, 0, stream>>>(ch, table, count);
+  return cudaGetLastError();
+}
+
+cudaError_t wait_stamp(const Channel& ch, int peer, int index, int count, cudaStream_t stream) {
+  if (peer < 0 || peer >= ch.n || peer == ch.rank || index < 0 || index >= count)
+    return cudaErrorInvalidValue;
+  wait_stamp_kernel<<<1, kThreads, 0, stream>>>(ch, peer, index, count);
+  return cudaGetLastError();
+}
+
 cudaError_t load_kernels() {
   const void* kernels[] = {reinterpret_cast<const void*>(wait_credit_kernel),
                            reinterpret_cast<const void*>(post_kernel),
                            reinterpret_cast<const void*>(wait_posted_kernel),
                            reinterpret_cast<const void*>(finish_kernel),
-                           reinterpret_cast<const void*>(stamp_kernel)};
+                           reinterpret_cast<const void*>(stamp_kernel),
+                           reinterpret_cast<const void*>(stamp_table_kernel),
+                           reinterpret_cast<const void*>(wait_stamp_kernel)};
   for (const void* k : kernels) {
     cudaFuncAttributes attr;
     PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));

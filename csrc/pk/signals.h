@@ -82,6 +82,19 @@ cudaError_t finish(const Channel& ch, const Outputs& outputs, cudaStream_t strea
 // call e (monotonic across calls while `pieces` is fixed per channel).
 cudaError_t stamp(const Channel& ch, int pieces, cudaStream_t stream);
 
+// Copy-engine posting of several posts per call to one peer (the stamps of
+// `stamp` live in the channel's flags and are at most kMaxStamps; these in
+// memory the caller provides, e.g. its staging region): set table[i] =
+// (e - 1) * count + i + 1 for i < count. A stream copy of table[i] into a
+// peer's posted[rank] posts step i of call e; posts to one peer must be
+// issued in increasing i on one stream order, so a post implies the earlier
+// ones landed.
+cudaError_t stamp_table(const Channel& ch, uint64_t* table, int count, cudaStream_t stream);
+
+// Wait until posted[peer] >= (e - 1) * count + index + 1: `peer` posted step
+// `index` (or a later one) of call e with stamp_table's values.
+cudaError_t wait_stamp(const Channel& ch, int peer, int index, int count, cudaStream_t stream);
+
 // Load the kernels on the current device (no lazy loading while peers spin).
 cudaError_t load_kernels();
 

@@ -60,12 +60,22 @@ bool supported(const Params& p) {
   return p.s_q > 0 && p.s_kv > 0 && p.s_q % tq == 0 && p.s_kv % tkv == 0;
 }
 
+cudaError_t check(const Params& p) {
+#ifdef PK_HAVE_CUTLASS
+  if (!supported(p)) return cudaErrorNotSupported;
+  return Instantiations::check(VariantKey{p.dtype, p.head_dim}, p);
+#else
+  (void)p;
+  return cudaErrorNotSupported;
+#endif
+}
+
 cudaError_t run(const Params& p) {
 #ifdef PK_HAVE_CUTLASS
   if (!supported(p)) return cudaErrorNotSupported;
   const VariantKey key{p.dtype, p.head_dim};
   PK_CUDA_TRY(Instantiations::check(key, p));  // refuse before the first enqueue
-  PK_CUDA_TRY(init_dq(p));
+  if (!p.accumulate_dq) PK_CUDA_TRY(init_dq(p));
   return Instantiations::launch(key, p);
 #else
   (void)p;

@@ -42,6 +42,9 @@ struct Params {
   const int32_t* q_rank = nullptr;  // device scalars
   const int32_t* k_rank = nullptr;
   float* dq = nullptr;          // [B, S, Hq, D]
+  // Add this block's dq to what dq holds (no zeroing first): the fused ring
+  // backward accumulates every step's dq in one buffer.
+  bool accumulate_dq = false;
   float* dk = nullptr;          // [B, T, Hkv, D]
   float* dv = nullptr;
   int batch = 0, s_q = 0, s_kv = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
@@ -62,8 +65,11 @@ bool available();
 // Head dim 64 or 128, Hq a multiple of Hkv, rows that fill whole tiles
 // (each zigzag chunk too, so a tile's rows are consecutive tokens).
 bool supported(const Params& p);
-// dq = 0 (NaN while the device holds an error), then one kernel launch on
-// p.stream. The kernel is checked before anything is enqueued.
+// What run() would refuse (supported(), the kernel's own checks), without
+// enqueueing anything.
+cudaError_t check(const Params& p);
+// dq = 0 (NaN while the device holds an error; skipped with accumulate_dq),
+// then one kernel launch on p.stream. The kernel is checked before anything is enqueued.
 cudaError_t run(const Params& p);
 cudaError_t load_kernels();
 

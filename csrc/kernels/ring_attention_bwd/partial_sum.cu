@@ -1,0 +1,91 @@
+// The partial dK/dV adds of the fused ring backward (ring_attention_bwd.h):
+// acc += x (fp32, in place in our region before acc goes on to the next
+// rank), and out = cast(a + b) (the last step: the finished sum in the input
+// type, before it goes home). One fp32 add per element, so the ring's order
+// of additions is the order of the calls. While the device holds an error
+// the result is NaN instead (one load of the claim word per CTA).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "kernels/ring_attention_bwd/ring_attention_bwd.h"
+#include "pk/cuda_check.h"
+#include "pk/sync.cuh"
+
+namespace pk::ring_attention_bwd {
+namespace {
+
+// ---- launch config ---------------------------------------------------------
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 1024;  // grid-stride beyond: a memory-bound pass
+
+// ---- arguments -------------------------------------------------------------
+// acc / a, x / b: fp32 [count]; out: [count] of T (float: in place into acc).
+
+__device__ __forceinline__ void store(float* p, float v) { *p = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, float v) { *p = __float2bfloat16(v); }
+__device__ __forceinline__ void store(__half* p, float v) { *p = __float2half(v); }
+
+// ---- entry point -----------------------------------------------------------
+// out[i] = a[i] + b[i] (as T), or NaN when the device failed. 16-byte loads
+// where count allows: the fp32 buffers are 256-byte aligned (region slots,
+// XLA buffers) and count is a multiple of 4 (head dim 64 or 128).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) add_kernel(T* out, const float* a, const float* b,
+                                                       size_t count, const int32_t* claim) {
+  __shared__ bool failed;
+  if (threadIdx.x == 0) failed = device_failed(claim);
+  __syncthreads();
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  const float nan = __int_as_float(0x7fffffff);
+  for (size_t v = size_t(blockIdx.x) * blockDim.x + threadIdx.x; v < count / 4; v += stride) {
+    const float4 x = reinterpret_cast<const float4*>(a)[v];
+    const float4 y = reinterpret_cast<const float4*>(b)[v];
+    T* o = out + 4 * v;
+    store(o + 0, failed ? nan : x.x + y.x);
+    store(o + 1, failed ? nan : x.y + y.y);
+    store(o + 2, failed ? nan : x.z + y.z);
+    store(o + 3, failed ? nan : x.w + y.w);
+  }
+}
+
+template <typename T>
+cudaError_t launch(T* out, const float* a, const float* b, size_t count, const int32_t* claim,
+                   cudaStream_t stream) {
+  if (count % 4 != 0) return cudaErrorInvalidValue;
+  const size_t vecs = count / 4;
+  const int blocks = int(std::clamp<size_t>((vecs + kThreads - 1) / kThreads, 1, kMaxBlocks));
+  add_kernel<T><<<blocks, kThreads, 0, stream>>>(out, a, b, count, claim);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t add_partial(float* acc, const float* x, size_t count, const int32_t* claim,
+                        cudaStream_t stream) {
+  return launch<float>(acc, acc, x, count, claim, stream);
+}
+
+cudaError_t add_cast(void* out, DType type, const float* a, const float* b, size_t count,
+                     const int32_t* claim, cudaStream_t stream) {
+  switch (type) {
+    case DType::kBF16:
+      return launch(static_cast<__nv_bfloat16*>(out), a, b, count, claim, stream);
+    case DType::kF16: return launch(static_cast<__half*>(out), a, b, count, claim, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t load_kernels() {
+  const void* kernels[] = {reinterpret_cast<const void*>(add_kernel<float>),
+                           reinterpret_cast<const void*>(add_kernel<__nv_bfloat16>),
+                           reinterpret_cast<const void*>(add_kernel<__half>)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes attr;
+    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
+  }
+  return cudaSuccess;
+}
+
+}  // namespace pk::ring_attention_bwd
