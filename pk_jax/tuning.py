@@ -23,3 +23,12 @@ def all_gather_mechanism(ll_eligible: bool) -> str:
 # non-causal and within 1% everywhere else measured (n = 2, S_local 8k-32k,
 # causal and not), and it leaves every SM to the attention.
 RING_ATTENTION_MECHANISM = "copy_engine"
+
+
+# The ring attention backward's transport for the kernel mechanisms: "pk"
+# (one fused call per backward: block kernels, copy-engine pushes and posted
+# flags; ring_attention_bwd_primitive.py) or "xla" (the block kernel per step
+# with XLA collective-permutes between the steps, the path before the fused
+# call; kept for comparison and as the fallback). Not yet measured against
+# each other on 2 x H200.
+RING_ATTENTION_BWD_TRANSPORT = "pk"

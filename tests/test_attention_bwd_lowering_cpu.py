@@ -1,7 +1,9 @@
-"""The ring backward's block kernel (pk_attention_block_bwd), checked on a
-CPU-only machine: cross-lowered for CUDA the ring's steps call the kernel
-with their attributes and traced ranks; the CPU lowering is the reference's
-block gradients; kernel_problem names what the kernel does not take."""
+"""The ring backward's kernels, checked on a CPU-only machine: cross-lowered
+for CUDA the backward is one fused pk_ring_attention_bwd call (rings of 2 or
+more) with its attributes and channel, or, with the XLA transport, one
+pk_attention_block_bwd call per ring step with their attributes and traced
+ranks; the CPU lowerings are the reference's; kernel_problem names what the
+block kernel does not take."""
 
 import re
 
@@ -13,7 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax import reference
+from pk_jax import _channels, reference, runtime, tuning
+from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.ops.attention_bwd_primitive import block_bwd, kernel_problem
 from pk_jax.ops.ring_attention_primitive import RingConfig
 from conftest import cpu_mesh, ffi_attr
@@ -43,9 +46,87 @@ def _grad_hlo(mechanism, layout, shape=(1, 2 * 512, 8, 128), n=2, deterministic=
     return grad.trace(x, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _fused_calls(hlo):
+    """(attributes, operand and result types) of each fused backward call."""
+    return re.findall(r"custom_call @pk_ring_attention_bwd\(.*?\{(.*?)\}, operand_layouts.*"
+                      r"\} : (\(.*)$", hlo, flags=re.M)
+
+
+@pytest.fixture
+def xla_transport(monkeypatch):
+    """The backward's transport as before the fused call: XLA's
+    collective-permutes between block kernels."""
+    monkeypatch.setattr(tuning, "RING_ATTENTION_BWD_TRANSPORT", "xla")
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
-def test_ring_backward_calls_the_block_kernel(cuda_lowering, layout):
-    """copy_engine's backward: each ring step is one pk_attention_block_bwd
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_backward_is_one_fused_call(cuda_lowering, layout, n):
+    """copy_engine's backward on a ring of n >= 2: one pk_ring_attention_bwd
+    call (the whole ring: block kernels and pk's transport) with the mask
+    and scale as attributes, a channel of the ring's group with a staging
+    region of the size the host sequence needs, K/V stacked, the rank table
+    as an int32 [n] operand; no XLA collective and no separate block kernel
+    call is left."""
+    hlo = _grad_hlo("copy_engine", layout, shape=(1, n * 512, 8, 128), n=n)
+    calls = _fused_calls(hlo)
+    assert len(calls) == 1, hlo
+    attrs, types = calls[0]
+    assert ("zigzag = true" in attrs) == (layout == "zigzag")
+    assert "causal = true" in attrs and "scale = 2.500000e-01" in attrs
+    assert ffi_attr(attrs, "group_size") == str(n)
+    e = 2 * 512 * 2 * 128  # K and V elements of one block
+    assert int(ffi_attr(attrs, "data_bytes")) >= 256 + (n - 1) * 6 * e + 2 * e
+    assert (f"tensor<1x8x512xf32>, tensor<2x1x512x2x128xbf16>, tensor<{n}xi32>) -> ("
+            in types)
+    assert (f"-> (tensor<1x512x8x128xf32>, tensor<2x1x512x2x128xbf16>, tensor<{10 * e}xui8>)"
+            in types)
+    assert _block_calls(hlo) == []
+    assert "collective_permute" not in hlo and "all_gather" not in hlo
+    # Only delta = rowsum(dO * O) is a dot left outside the kernels.
+    assert hlo.count("dot_general") == 1
+
+
+def test_world_size_one_keeps_the_block_kernel(cuda_lowering):
+    """One rank: no ring to walk; the block kernel, as before."""
+    hlo = _grad_hlo("copy_engine", "zigzag", shape=(1, 512, 8, 128), n=1)
+    assert _fused_calls(hlo) == [] and len(_block_calls(hlo)) == 1
+
+
+def test_fused_backward_falls_back_when_staging_does_not_fit(cuda_lowering, monkeypatch):
+    """A region larger than the workspace data area: a one-time warning and
+    the XLA-collective ring of block kernels (what ran before)."""
+    # Room for the forward's region (2 MiB), not for the backward's (16 MiB).
+    monkeypatch.setitem(_channels._used, "data", 0)
+    monkeypatch.setattr(runtime, "workspace_data_bytes", lambda: 4 << 20)
+    with pytest.warns(PkJaxFallbackWarning, match="fused backward"):
+        hlo = _grad_hlo("copy_engine", "zigzag", shape=(1, 2 * 2048, 8, 128))
+    assert _fused_calls(hlo) == [] and len(_block_calls(hlo)) == 2
+    assert "collective_permute" in hlo
+
+
+def test_fused_primitive_carries_the_config():
+    """The jaxpr binds pk_ring_attention_bwd for the kernel mechanisms on
+    rings of 2 or more (cfg.bwd_transport "pk"), not for one rank nor with
+    deterministic=True."""
+    def fused(n, **kw):
+        f = jax.shard_map(lambda q: pk_jax.ring_attention(q, q, q, "sp", causal=True, **kw),
+                          mesh=cpu_mesh((n,), ("sp",)), in_specs=P(None, "sp"),
+                          out_specs=P(None, "sp"), check_vma=False)
+        g = jax.grad(lambda q: jnp.sum(f(q).astype(jnp.float32)))
+        jaxpr = jax.make_jaxpr(g)(jax.ShapeDtypeStruct((1, n * 256, 4, 64), jnp.bfloat16))
+        return [e.params["cfg"] for j in _sub_jaxprs(jaxpr.jaxpr) for e in j.eqns
+                if e.primitive.name == "pk_ring_attention_bwd"]
+    (cfg,) = fused(2, mechanism="copy_engine")
+    assert (cfg.bwd_transport, cfg.block_grads, cfg.n) == ("pk", "kernel", 2)
+    assert fused(1, mechanism="copy_engine") == []
+    assert fused(2, mechanism="copy_engine", deterministic=True) == []
+    assert fused(2, mechanism="xla") == []
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_backward_calls_the_block_kernel(cuda_lowering, xla_transport, layout):
+    """With the XLA transport each ring step is one pk_attention_block_bwd
     call (in the scan body, and the last step after it) with the mask, scale
     and ring size as attributes and both ranks as int32 scalar operands;
     the ppermute ring stays, and no einsum of the scores is left."""
@@ -60,7 +141,7 @@ def test_ring_backward_calls_the_block_kernel(cuda_lowering, layout):
         # K and V travel stacked: one kv operand, one dkv result.
         assert "tensor<2x1x512x2x128xbf16>, tensor<i32>, tensor<i32>) -> (" in types
         assert "-> (tensor<1x512x8x128xf32>, tensor<2x1x512x2x128xf32>)" in types
-    assert "collective_permute" in hlo
+    assert "collective_permute" in hlo and _fused_calls(hlo) == []
     # Only delta = rowsum(dO * O) is a dot left outside the kernel.
     assert hlo.count("dot_general") == 1
 
@@ -92,7 +173,7 @@ def _hops_after_kernel(jaxpr) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_backward_hops_overlap_the_block_kernel(cuda_lowering, n):
+def test_backward_hops_overlap_the_block_kernel(cuda_lowering, xla_transport, n):
     """The backward ring's schedule. A scan carry must be complete at each
     iteration boundary, so a hop inside the scan body that read the body's
     block gradients would sit between two kernels. Inside the scan (steps
@@ -129,14 +210,16 @@ def test_backward_hops_overlap_the_block_kernel(cuda_lowering, n):
 
 def test_xla_mechanism_keeps_the_pure_jax_backward(cuda_lowering):
     hlo = _grad_hlo("xla", "zigzag")
-    assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
+    assert _block_calls(hlo) == [] and _fused_calls(hlo) == []
+    assert hlo.count("dot_general") > 1
 
 
 def test_deterministic_keeps_the_pure_jax_backward(cuda_lowering):
     """deterministic=True: einsum block gradients in the ring's fixed order,
     never the block kernel."""
     hlo = _grad_hlo("copy_engine", "zigzag", deterministic=True)
-    assert _block_calls(hlo) == [] and hlo.count("dot_general") > 1
+    assert _block_calls(hlo) == [] and _fused_calls(hlo) == []
+    assert hlo.count("dot_general") > 1
 
 
 def test_deterministic_must_be_a_bool():

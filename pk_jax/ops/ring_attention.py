@@ -12,20 +12,22 @@ here, once, at trace time, into one frozen `RingConfig`:
   * "auto": the kernel mechanism of pk_jax/tuning.py where the kernel takes
     the shapes, else "xla" (with a one-time PkJaxFallbackWarning saying why).
 Gradients: a custom_vjp saving the output and log-sum-exp. The backward is a
-ring (`_backward_ring`): K/V blocks travel with their partial dK/dV and go
-home at the end, dq stays local, probabilities are recomputed from the
-log-sum-exp, and the summation order is fixed. Each step's block gradients
-are one Hopper flash-attention backward kernel (attention_bwd_primitive.py)
-for the kernel mechanisms, einsums otherwise or with `deterministic=True`;
-the hops between steps are XLA collective-permutes that fly while the
-kernels run.
+ring (ring_attention_bwd_primitive.py): K/V blocks travel with their partial
+dK/dV and go home at the end, dq stays local, probabilities are recomputed
+from the log-sum-exp, and the summation order is fixed. For the kernel
+mechanisms (rings of 2 or more, `deterministic=False`, shapes the block
+kernel takes) it is one fused call: the Hopper flash-attention backward
+kernel at every step and pk's copy-engine transport between them. Otherwise
+each step's block gradients are that kernel (world size 1) or einsums
+(`deterministic=True`, mechanism "xla", other shapes), and the hops XLA
+collective-permutes that fly while the steps run.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,7 @@ from pk_jax import groups, reference, runtime, tuning
 from pk_jax._compat import make_varying
 from pk_jax._warnings import warn_once
 from pk_jax.ops import attention_bwd_primitive as block_bwd
+from pk_jax.ops import ring_attention_bwd_primitive as ring_bwd
 from pk_jax.ops.ring_attention_primitive import (DEFAULT_COMM_CTAS, KERNEL_MECHANISMS,
                                                  MAX_COMM_CTAS, RingConfig, kernel_problem,
                                                  ring_attention_p)
@@ -154,10 +157,12 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
     kernel_grads = (chosen in KERNEL_MECHANISMS and not deterministic
                     and block_bwd.kernel_problem(q, k, layout) is None)
     scale = check_scale("ring_attention", scale, q.shape[3])
-    return RingConfig(names, lax.axis_size(names), bool(causal), scale,
+    n = lax.axis_size(names)
+    fused = kernel_grads and n > 1 and tuning.RING_ATTENTION_BWD_TRANSPORT == "pk"
+    return RingConfig(names, n, bool(causal), scale,
                       layout, chosen, mechanism in KERNEL_MECHANISMS,
                       comm_ctas if chosen == "ld_st" else 0,
-                      "kernel" if kernel_grads else "einsum")
+                      "kernel" if kernel_grads else "einsum", "pk" if fused else "xla")
 
 
 # ---- forward and the ring backward ---------------------------------------------------
@@ -168,78 +173,19 @@ def _forward(q, k, v, cfg: RingConfig):
                                     scale=cfg.scale, layout=cfg.layout)
 
 
-def _backward_ring(cfg: RingConfig, kv, grads: Callable, axes, out_dtype):
-    """The backward's ring schedule: (dq fp32 summed over the n blocks,
-    dkv [2, B, T, Hkv, D] of `out_dtype` on the rank that owns the block).
-
-    `kv` stacks this rank's K and V, so every hop is one collective (XLA's
-    GPU scheduler keeps one collective-permute in flight: a K hop and a V
-    hop would leave one of the two exposed). `grads(kv_block, step)` gives
-    one block's (dq, dkv), fp32. Step s works on the block that started on
-    rank r - s; its partial dK/dV is the sum of ranks r - s .. r (a fixed
-    order). Both hops of a step are issued before its block gradients and
-    neither is needed until after them: the K/V block of step s + 1
-    (prefetched), and the partial dK/dV that rank r - 1 finished at step
-    s - 1 (added to ours after our block gradients). So the only hop left on
-    the critical path is the last one, taking dK/dV home; it carries the
-    finished sums already cast to `out_dtype` (casting commutes with a hop:
-    the same result for half the bytes). Steps 0 and n - 1 are unrolled
-    around a scan of the others, so no hop that reads a step's block
-    gradients sits at a loop-iteration boundary.
-    """
-    n = cfg.n
-    hop = lambda x: lax.ppermute(x, cfg.names, reference.ring_perm(n))
-    vary = lambda xs: tuple(make_varying(x, axes) for x in xs)
-    if n == 1:
-        dq, dkv = vary(grads(kv, jnp.int32(0)))
-        return dq, dkv.astype(out_dtype)
-    kv_next = hop(kv)  # the block of step 1, in flight during step 0
-    dq, dkv = vary(grads(kv, jnp.int32(0)))
-
-    def step(block, partial, dq, s, prefetch: bool):
-        """Step s >= 1 on `block` (its K, V): (the block of step s + 1 if
-        `prefetch`, the partial dK/dV of `block` up to this rank, dq)."""
-        incoming = hop(partial)  # rank r - 1's partial of the block we hold now
-        block_next = hop(block) if prefetch else None
-        g_dq, g_dkv = grads(block, s)
-        return block_next, incoming + g_dkv, dq + g_dq
-
-    carry = (kv_next, dkv, dq)
-    if n > 2:  # steps 1 .. n - 2 prefetch the next block; the last one does not
-        carry, _ = lax.scan(lambda c, s: (step(*c, s, prefetch=True), None), carry,
-                            jnp.arange(1, n - 1, dtype=jnp.int32))
-    _, dkv, dq = step(*carry, jnp.int32(n - 1), prefetch=False)
-    # The block we hold now belongs to rank r + 1: one hop home.
-    return dq, hop(dkv.astype(out_dtype))
-
-
 def _backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse):
     """(dq, dk, dv) from the forward's output and log-sum-exp (`dlse` may be
-    None): the ring of `_backward_ring`, whose steps run `cfg.block_grads`."""
-    b, s_local, hq, _ = q.shape
+    None): the fused backward (one pk_ring_attention_bwd call) for
+    `cfg.bwd_transport` "pk", else the XLA-collective ring whose steps run
+    `cfg.block_grads` (ring_attention_bwd_primitive.py)."""
     f32 = jnp.float32
-    rank = lax.axis_index(cfg.names)
     # delta' = rowsum(dO * O) - dlse: what the softmax's backward subtracts.
     delta = jnp.einsum("bshd,bshd->bhs", dout.astype(f32), out.astype(f32))
     if dlse is not None:
         delta = delta - dlse.astype(f32)
-    lse = lse.astype(f32)
-    q_pos = reference.positions(rank, cfg.n, s_local, cfg.layout)
-
-    def grads(kvb, step):
-        """(dq, dkv) fp32 of this rank's queries against the block (K and V
-        stacked) that started on rank - step."""
-        k_rank = (rank - step) % cfg.n
-        if cfg.block_grads == "kernel":
-            return block_bwd.block_bwd(q, dout, lse, delta, kvb, rank, k_rank, cfg)
-        k_pos = reference.positions(k_rank, cfg.n, kvb.shape[2], cfg.layout)
-        dq_s, dk_s, dv_s = reference.attention_block_grads(
-            q, dout, lse, delta, kvb[0], kvb[1], q_pos, k_pos, causal=cfg.causal,
-            scale=cfg.scale)
-        return dq_s, jnp.stack([dk_s, dv_s])
-
-    axes = reference.ring_axes(cfg.names, q)
-    dq, dkv = _backward_ring(cfg, jnp.stack([k, v]), grads, axes, k.dtype)
+    backward = (ring_bwd.fused_backward if cfg.bwd_transport == "pk"
+                else ring_bwd.ppermute_backward)
+    dq, dkv = backward(cfg, q, dout, lse.astype(f32), delta, jnp.stack([k, v]))
     return dq.astype(q.dtype), dkv[0], dkv[1]
 
 

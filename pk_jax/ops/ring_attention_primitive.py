@@ -55,6 +55,9 @@ class RingConfig:
       num_comm_ctas: ld_st's communicator CTAs; 0 for the other mechanisms.
       block_grads: how each step of the backward ring computes its block
         gradients: "kernel" (pk_attention_block_bwd) or "einsum".
+      bwd_transport: how the backward moves K/V and the partial dK/dV: "pk"
+        (one fused pk_ring_attention_bwd call, block_grads "kernel" only)
+        or "xla" (collective-permutes between the steps).
     """
 
     names: tuple[str, ...]
@@ -66,6 +69,7 @@ class RingConfig:
     forced: bool = False
     num_comm_ctas: int = 0
     block_grads: str = "einsum"
+    bwd_transport: str = "xla"
 
 
 def operand_problem(q, k) -> str | None:

@@ -1,0 +1,188 @@
+"""The ring attention backward: the ring schedule over XLA's collectives, and
+the primitive of the fused backward whose transport is pk's.
+
+Both compute, for this rank's queries and every K/V block of the ring,
+
+    q, dout [B, S, Hq, D]; lse, delta' [B, Hq, S] float32 (delta' =
+    rowsum(dout * out) - dlse); kv [2, B, T, Hkv, D] (this rank's K and V
+    stacked) -> dq [B, S, Hq, D] float32 (summed over the n blocks) and
+    dkv [2, B, T, Hkv, D] of kv's dtype (dK and dV of this rank's block,
+    summed over the n ranks' queries),
+
+with each K/V block travelling r -> r + 1 together with its partial dK/dV
+(every rank adds its queries' share in ring order) and one last hop home.
+
+`ppermute_backward`: the steps are `cfg.block_grads` (the block kernel
+primitive or einsums), the hops `lax.ppermute`s between them.
+
+`pk_ring_attention_bwd` (`fused_backward`, for block_grads "kernel" on
+rings of 2 or more): one FFI call per backward (xla_ffi/ring_attention_bwd.cc,
+csrc/kernels/ring_attention_bwd) runs the block kernel at every step while
+the copy engines push K/V and the partial dK/dV into the peers' staging
+regions with posted flags: no XLA collective in between. Its lowering is
+`ppermute_backward` off CUDA, and on CUDA wherever the fused call cannot run
+(no peer access on the axis, the extension missing, or a staging region
+that does not fit the workspace: then with a one-time warning), so every
+fallback is the XLA-collective ring.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from pk_jax import reference
+from pk_jax._compat import make_varying, varying_axes
+from pk_jax._warnings import warn_once
+from pk_jax.errors import PkJaxError
+from pk_jax.ops import attention_bwd_primitive as block_bwd
+from pk_jax.ops._lowering import channel_attr, kernel_group
+from pk_jax.ops.ring_attention_primitive import RingConfig
+
+STAMP_BYTES = 256  # kStampBytes (csrc/kernels/ring_attention_bwd/ring_attention_bwd.h)
+
+
+def _block_elems(kv_shape) -> int:
+    return int(np.prod(kv_shape))  # K and V: 2 * B * T * Hkv * D
+
+
+def region_bytes(n: int, kv_shape) -> int:
+    """The fused call's staging region (Layout::region_bytes): the stamps,
+    n - 1 K/V blocks (input type) and n - 1 partial dK/dV (fp32) of the
+    blocks that visit, and the home slot of our own dK/dV."""
+    e = _block_elems(kv_shape)
+    return STAMP_BYTES + (n - 1) * (2 * e + 4 * e) + 2 * e
+
+
+def scratch_bytes(kv_shape) -> int:
+    """The fused call's local buffers (Layout::scratch_bytes): the block
+    kernel's fp32 dK/dV, step 0's partial (fp32), the cast home value."""
+    e = _block_elems(kv_shape)
+    return 4 * e + 4 * e + 2 * e
+
+
+# ---- the XLA-collective ring ---------------------------------------------------
+def _ring(cfg: RingConfig, kv, grads: Callable, axes, out_dtype):
+    """The backward's ring schedule: (dq fp32 summed over the n blocks,
+    dkv [2, B, T, Hkv, D] of `out_dtype` on the rank that owns the block).
+
+    `kv` stacks this rank's K and V, so every hop is one collective (XLA's
+    GPU scheduler keeps one collective-permute in flight: a K hop and a V
+    hop would leave one of the two exposed). `grads(kv_block, step)` gives
+    one block's (dq, dkv), fp32. Step s works on the block that started on
+    rank r - s; its partial dK/dV is the sum of ranks r - s .. r (a fixed
+    order). Both hops of a step are issued before its block gradients and
+    neither is needed until after them: the K/V block of step s + 1
+    (prefetched), and the partial dK/dV that rank r - 1 finished at step
+    s - 1 (added to ours after our block gradients). So the only hop left on
+    the critical path is the last one, taking dK/dV home; it carries the
+    finished sums already cast to `out_dtype` (casting commutes with a hop:
+    the same result for half the bytes). Steps 0 and n - 1 are unrolled
+    around a scan of the others, so no hop that reads a step's block
+    gradients sits at a loop-iteration boundary.
+    """
+    n = cfg.n
+    hop = lambda x: lax.ppermute(x, cfg.names, reference.ring_perm(n))
+    vary = lambda xs: tuple(make_varying(x, axes) for x in xs)
+    if n == 1:
+        dq, dkv = vary(grads(kv, jnp.int32(0)))
+        return dq, dkv.astype(out_dtype)
+    kv_next = hop(kv)  # the block of step 1, in flight during step 0
+    dq, dkv = vary(grads(kv, jnp.int32(0)))
+
+    def step(block, partial, dq, s, prefetch: bool):
+        """Step s >= 1 on `block` (its K, V): (the block of step s + 1 if
+        `prefetch`, the partial dK/dV of `block` up to this rank, dq)."""
+        incoming = hop(partial)  # rank r - 1's partial of the block we hold now
+        block_next = hop(block) if prefetch else None
+        g_dq, g_dkv = grads(block, s)
+        return block_next, incoming + g_dkv, dq + g_dq
+
+    carry = (kv_next, dkv, dq)
+    if n > 2:  # steps 1 .. n - 2 prefetch the next block; the last one does not
+        carry, _ = lax.scan(lambda c, s: (step(*c, s, prefetch=True), None), carry,
+                            jnp.arange(1, n - 1, dtype=jnp.int32))
+    _, dkv, dq = step(*carry, jnp.int32(n - 1), prefetch=False)
+    # The block we hold now belongs to rank r + 1: one hop home.
+    return dq, hop(dkv.astype(out_dtype))
+
+
+def ppermute_backward(cfg: RingConfig, q, dout, lse, delta, kv):
+    """(dq fp32, dkv of kv's dtype): the ring of `_ring` whose steps run
+    `cfg.block_grads` and whose hops are XLA collective-permutes."""
+    rank = lax.axis_index(cfg.names)
+    q_pos = reference.positions(rank, cfg.n, q.shape[1], cfg.layout)
+
+    def grads(kvb, step):
+        """(dq, dkv) fp32 of this rank's queries against the block (K and V
+        stacked) that started on rank - step."""
+        k_rank = (rank - step) % cfg.n
+        if cfg.block_grads == "kernel":
+            return block_bwd.block_bwd(q, dout, lse, delta, kvb, rank, k_rank, cfg)
+        k_pos = reference.positions(k_rank, cfg.n, kvb.shape[2], cfg.layout)
+        dq_s, dk_s, dv_s = reference.attention_block_grads(
+            q, dout, lse, delta, kvb[0], kvb[1], q_pos, k_pos, causal=cfg.causal,
+            scale=cfg.scale)
+        return dq_s, jnp.stack([dk_s, dv_s])
+
+    return _ring(cfg, kv, grads, reference.ring_axes(cfg.names, q), kv.dtype)
+
+
+# ---- the fused call ------------------------------------------------------------
+ring_attention_bwd_p = Primitive("pk_ring_attention_bwd")
+ring_attention_bwd_p.multiple_results = True
+
+
+def fused_backward(cfg: RingConfig, q, dout, lse, delta, kv):
+    """(dq fp32, dkv of kv's dtype) by one pk_ring_attention_bwd call
+    (cfg.n >= 2, shapes the block kernel takes)."""
+    args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), kv,
+            jnp.arange(cfg.n, dtype=jnp.int32))
+    # One varying-axes type for all operands (shard_map's check_vma).
+    axes = tuple(sorted(set(cfg.names).union(*(varying_axes(x) for x in args))))
+    args = tuple(make_varying(x, axes) for x in args)
+    dq, dkv, _ = ring_attention_bwd_p.bind(*args, cfg=cfg)
+    return dq, dkv
+
+
+def _abstract(q, dout, lse, delta, kv, ranks, *, cfg: RingConfig):
+    return (q.update(dtype=jnp.float32), kv.update(),
+            kv.update(shape=(scratch_bytes(kv.shape),), dtype=jnp.uint8))
+
+
+def _reference(ctx, q, dout, lse, delta, kv, ranks, *, cfg: RingConfig):
+    def fn(q, dout, lse, delta, kv, ranks):
+        dq, dkv = ppermute_backward(cfg, q, dout, lse, delta, kv)
+        scratch = make_varying(jnp.zeros((scratch_bytes(kv.shape),), jnp.uint8),
+                               reference.ring_axes(cfg.names, q))
+        return dq, dkv, scratch
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, q, dout, lse, delta, kv, ranks)
+
+
+def _cuda(ctx, q, dout, lse, delta, kv, ranks, *, cfg: RingConfig):
+    table = kernel_group(ctx, "ring_attention", cfg.names, cfg.n, need_cutlass=True,
+                         forced=cfg.mechanism if cfg.forced else None)
+    if table is None:
+        return _reference(ctx, q, dout, lse, delta, kv, ranks, cfg=cfg)
+    kv_shape = ctx.avals_in[4].shape
+    try:
+        attr = channel_attr(table, "ring_attention_bwd", (), region_bytes(cfg.n, kv_shape))
+    except PkJaxError as e:  # the staging region does not fit the workspace
+        warn_once(f"ring_attention_bwd-region-{kv_shape}",
+                  f"pk_jax.ring_attention: the fused backward's staging does not fit ({e}); "
+                  "this backward uses XLA's collective-permutes between the block kernels")
+        return _reference(ctx, q, dout, lse, delta, kv, ranks, cfg=cfg)
+    return jax.ffi.ffi_lowering("pk_ring_attention_bwd")(
+        ctx, q, dout, lse, delta, kv, ranks, scale=np.float32(cfg.scale),
+        causal=bool(cfg.causal), zigzag=cfg.layout == "zigzag", **attr)
+
+
+ring_attention_bwd_p.def_abstract_eval(_abstract)
+mlir.register_lowering(ring_attention_bwd_p, _reference)
+mlir.register_lowering(ring_attention_bwd_p, _cuda, platform="cuda")
