@@ -121,28 +121,95 @@ def main() -> None:
         idx, got = local(ring(*seq))
         check(rel(got.astype(np.float32), want[idx]) < 2e-2,
               f"ring attention {mechanism} across processes")
-    if gpus < 2:  # its hops are XLA collective-permutes: NCCL needs one GPU per rank
-        print("SKIPPED ring attention gradients: the backward ring's hops are XLA "
-              "collectives, which NCCL refuses on two ranks of one GPU", flush=True)
-    else:
-        _ring_grads(mesh, put, cpu, rng, q, qb, kb, vb, seq, bf)
+    # The fused backward moves K/V and dK/dV through pk's workspaces, so it
+    # runs across processes on one shared GPU too (XLA's collectives do not).
+    _ring_grads(mesh, put, cpu, rng, bf)
+    _ring_grads_timeout(mesh, put, cpu, rng, bf)
     _timeout_and_reset(mesh, put, sm, rng)
     print("GPU_MULTIPROCESS_DONE", flush=True)
 
 
-def _ring_grads(mesh, put, cpu, rng, q, qb, kb, vb, seq, bf):
-    ring_sm = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "x", causal=True),
-                            mesh=mesh, in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"),
-                            check_vma=False)
-    cot = rng.standard_normal(q.shape).astype(np.float32)
-    grads = jax.jit(lambda c, *a: jax.vjp(ring_sm, *a)[1](c))(put(bf(cot), P(None, "x")), *seq)
+def _ring_inputs(rng, bf, layout, cpu):
+    """(q, k, v) bf16-representable float32 global arrays, their bf16
+    shards in ring order (zigzag reordered), and a cotangent."""
+    s, hq, hkv, hd = 2 * 512, 8, 2, 128
+    q, k, v, cot = (rng.standard_normal((1, s, h, hd)).astype(np.float32)
+                    for h in (hq, hkv, hkv, hq))
+    q, k, v = (np.asarray(bf(a), np.float32) for a in (q, k, v))
+    def order(a):  # global array -> the order its contiguous shards take
+        if layout != "zigzag":
+            return a
+        with jax.default_device(cpu):
+            return np.asarray(pk_jax.zigzag_shard(jnp.asarray(a), 2))
+    return (q, k, v), order, cot
+
+
+def _ring_vjp(mesh, mechanism, layout):
+    """shard_map'd ring attention over "x" (sequence dim 1)."""
+    return jax.shard_map(lambda q, k, v: pk_jax.ring_attention(
+        q, k, v, "x", causal=True, layout=layout, mechanism=mechanism),
+        mesh=mesh, in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"), check_vma=False)
+
+
+def _ring_grads(mesh, put, cpu, rng, bf):
+    """Gradients of ring attention (both forward mechanisms, both layouts;
+    the backward is the fused pk_ring_attention_bwd call) against the
+    float32 dense reference, with the tolerance of the gradient checks."""
+    for mechanism, layout in (("copy_engine", "contiguous"), ("ld_st", "zigzag")):
+        (q, k, v), order, cot = _ring_inputs(rng, bf, layout, cpu)
+        ring_sm = _ring_vjp(mesh, mechanism, layout)
+        seq = [put(bf(order(a)), P(None, "x")) for a in (q, k, v)]
+        grad = jax.jit(lambda c, *a: jax.vjp(ring_sm, *a)[1](c))
+        c = put(bf(order(cot)), P(None, "x"))
+        text = grad.lower(c, *seq).as_text()
+        check("pk_ring_attention_bwd" in text and "collective_permute" not in text,
+              f"ring attention backward ({mechanism}, {layout}) is one fused call, no XLA "
+              "collective")
+        for _ in range(2):  # repeated calls: the epochs advance, the region is reused
+            grads = grad(c, *seq)
+        with jax.default_device(cpu):
+            ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True),
+                          q, k, v)[1](cot)
+        for name, gr, r in zip(("dq", "dk", "dv"), grads, ref):
+            shard, = gr.addressable_shards
+            check(rel(np.asarray(shard.data, np.float32), order(np.asarray(r))[shard.index])
+                  < 3e-2, f"ring attention gradient {name} ({mechanism}, {layout}) across "
+                  "processes")
+    pk_jax.check_errors()
+
+
+def _ring_grads_timeout(mesh, put, cpu, rng, bf):
+    """The fused backward with rank 1 never posting (the forward ran
+    normally before): rank 0's waits give up, its gradients are NaN,
+    check_errors raises on both processes, and the next backward is right."""
+    (q, k, v), order, cot = _ring_inputs(rng, bf, "contiguous", cpu)
+    ring_sm = _ring_vjp(mesh, "copy_engine", "contiguous")
+    seq = [put(bf(a), P(None, "x")) for a in (q, k, v)]
+    c = put(bf(cot), P(None, "x"))
+    _, vjp_fn = jax.jit(lambda *a: jax.vjp(ring_sm, *a))(*seq)  # the forward, normally
+    with pk_jax.configured(timeout_s=0.5), runtime.testing_skip_post(1):
+        bad = jax.jit(lambda f, c: f(c))(vjp_fn, c)
+        bad = [np.asarray(g.addressable_shards[0].data, np.float32) for g in bad]
+    rank0 = int(os.environ["PK_JAX_PROCESS_ID"]) == 0
+    if rank0:
+        check(all(not np.isfinite(g).any() for g in bad),
+              "rank 0's gradients are NaN after its fused-backward wait timed out")
+    try:
+        pk_jax.check_errors()
+        check(False, "check_errors raises on both processes after a fused-backward timeout")
+    except pk_jax.PkJaxTimeoutError as e:
+        # Rank 0 names the op that waited; rank 1 that process 0 failed.
+        check(("ring_attention_bwd" in str(e)) if rank0 else True,
+              f"check_errors raises on both processes after a fused-backward timeout "
+              f"({str(e)[:80]}...)")
+    grads = jax.jit(lambda f, c: f(c))(vjp_fn, c)
     with jax.default_device(cpu):
         ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True),
-                      qb, kb, vb)[1](cot)
+                      q, k, v)[1](cot)
     for name, gr, r in zip(("dq", "dk", "dv"), grads, ref):
         shard, = gr.addressable_shards
         check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
-              f"ring attention gradient {name} across processes")
+              f"after the reset the fused backward's {name} is right")
 
 
 def _timeout_and_reset(mesh, put, sm, rng):

@@ -7,8 +7,9 @@ global positions: non-causal, causal contiguous with the K/V block before,
 equal to and after the query block, zigzag on rings of 2 and 4 for every
 (query rank, K/V rank) pair; GQA groups 1, 4, 8 and MQA; head dims 64 and
 128; bf16 and fp16; B > 1; S != T. Plus jax.grad through
-pk_jax.ring_attention (mechanism copy_engine) on 1 and 2 GPUs against
-jax.grad of jax.nn.dot_product_attention in float32. Skipped with a reason
+pk_jax.ring_attention (mechanism copy_engine; the fused ring backward on 2
+GPUs) on 1 and 2 GPUs against jax.grad of jax.nn.dot_product_attention in
+float32, and the fused backward against the XLA-collective ring. Skipped with a reason
 without GPUs or without the kernel.
 
 Inputs are fresh every run (a seed drawn from numpy's default_rng, named in
@@ -29,7 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax import reference, runtime
+from pk_jax import reference, runtime, tuning
 from pk_jax.ops.attention_bwd_primitive import block_bwd, kernel_problem
 from pk_jax.ops.ring_attention_primitive import RingConfig
 from conftest import gpu_mesh
@@ -246,9 +247,10 @@ def _check_ring_grads(got, exact, same, dtype, what: str) -> None:
 @pytest.mark.parametrize("causal,layout", [(True, "zigzag"), (True, "contiguous"),
                                            (False, "contiguous")])
 def test_ring_attention_grads(n, causal, layout):
-    """jax.grad through pk_jax.ring_attention (copy_engine: fused forward,
-    ring backward with the block kernel per step) against jax.grad of
-    jax.nn.dot_product_attention on the whole sequence in float32."""
+    """jax.grad through pk_jax.ring_attention (copy_engine: fused forward;
+    backward: the block kernel on one GPU, the fused ring backward on two)
+    against jax.grad of jax.nn.dot_product_attention on the whole sequence
+    in float32."""
     _need_kernel()
     mesh = gpu_mesh(n, "sp")
     seed = _seed()
@@ -274,7 +276,8 @@ def test_ring_attention_grads(n, causal, layout):
 
     grad = jax.jit(jax.grad(ring_loss, (0, 1, 2)))
     args = [jax.device_put(shard(x), sharding) for x in (q, k, v)]
-    assert "pk_attention_block_bwd" in grad.lower(*args).as_text(), "no block kernel in the program"
+    kernel = "pk_ring_attention_bwd" if n > 1 else "pk_attention_block_bwd"
+    assert kernel in grad.lower(*args).as_text(), f"no {kernel} in the program"
     poison_allocator(mesh, 4 * q.size + 4096)
     got = [jax.device_put(pk_jax.zigzag_unshard(g, n) if layout == "zigzag" else g,
                           mesh.devices.flat[0]) for g in grad(*args)]
@@ -316,7 +319,8 @@ def test_grads_through_layers_in_scan(n):
     grad = jax.jit(jax.grad(lambda *x: jnp.sum(ring(*x).astype(jnp.float32) * wz), (0, 1, 2)))
     sharding = NamedSharding(mesh, SEQ)
     args = [jax.device_put(pk_jax.zigzag_shard(x, n), sharding) for x in (q, k, v)]
-    assert "pk_attention_block_bwd" in grad.lower(*args).as_text(), "no block kernel"
+    kernel = "pk_ring_attention_bwd" if n > 1 else "pk_attention_block_bwd"
+    assert kernel in grad.lower(*args).as_text(), f"no {kernel} in the program"
     got = [jax.device_put(pk_jax.zigzag_unshard(g, n), mesh.devices.flat[0]) for g in grad(*args)]
     pk_jax.check_errors()
     ref = jax.jit(jax.grad(lambda *x: jnp.sum(plain(*x).astype(jnp.float32) * w), (0, 1, 2)))
@@ -324,6 +328,51 @@ def test_grads_through_layers_in_scan(n):
         exact = ref(*(x.astype(jnp.float32) for x in (q, k, v)))
     same = ref(q, k, v)
     _check_ring_grads(got, exact, same, dtype, f"n={n}, {layers} layers in scan (seed {seed})")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_fused_backward_matches_the_xla_transport(monkeypatch, layout):
+    """The fused backward (pk's transport) against the same ring with XLA's
+    collective-permutes between block kernels, on 2 GPUs: dK and dV bitwise
+    equal (the same block kernel outputs, the same fp32 adds in the same
+    ring order, one cast), and equal again on a second run; dq close (its
+    reduce-adds land in arrival order either way, and the fused call
+    accumulates every step into one buffer)."""
+    _need_kernel()
+    mesh = gpu_mesh(2, "sp")
+    seed = _seed()
+    b, s, hq, hkv, d, dtype = 2, 2 * 1024, 8, 2, 128, jnp.bfloat16
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, s, hq, d), jnp.float32).astype(dtype)
+    k, v = (jax.random.normal(kk, (b, s, hkv, d), jnp.float32).astype(dtype)
+            for kk in keys[1:3])
+    w = jax.random.normal(keys[3], (b, s, hq, d), jnp.float32)
+    sharding = NamedSharding(mesh, SEQ)
+    args = [jax.device_put(x, sharding) for x in (q, k, v, w)]
+
+    def grads(transport):
+        monkeypatch.setattr(tuning, "RING_ATTENTION_BWD_TRANSPORT", transport)
+        ring = jax.shard_map(
+            lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=True, layout=layout,
+                                                  mechanism="copy_engine"),
+            mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+        loss = lambda q, k, v, w: jnp.sum(ring(q, k, v).astype(jnp.float32) * w)
+        f = jax.jit(jax.grad(loss, (0, 1, 2)))
+        text = f.lower(*args).as_text()
+        assert ("pk_ring_attention_bwd" in text) == (transport == "pk"), transport
+        poison_allocator(mesh, 4 * q.size + 4096)
+        return [np.asarray(g, np.float32) for g in f(*args)]
+
+    fused, again, xla = grads("pk"), grads("pk"), grads("xla")
+    pk_jax.check_errors()
+    what = f"{layout} (seed {seed})"
+    for name, a, a2, x in zip(("dq", "dk", "dv"), fused, again, xla):
+        assert np.all(np.isfinite(a)), f"{name}: non-finite: {what}"
+        if name == "dq":
+            assert _rel(a, x) < 1e-2, f"dq: fused vs xla rel {_rel(a, x):.3g}: {what}"
+        else:
+            np.testing.assert_array_equal(a, x, err_msg=f"{name}: fused != xla transport: {what}")
+            np.testing.assert_array_equal(a, a2, err_msg=f"{name} differs between runs: {what}")
 
 
 def test_deterministic_grads_repeat_bitwise():
