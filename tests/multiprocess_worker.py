@@ -159,6 +159,10 @@ PROGRAMS = {
     "ring_attention": (lambda q: pk_jax.ring_attention(q, q, q, "x", causal=True,
                                                        layout="zigzag"),
                        [P(None, "x")], [(1, 8 * 256, 4, 128)], jnp.bfloat16),
+    # Its gradient: the fused backward's channel and region are agreed too.
+    "ring_attention_grad": (lambda q: jax.grad(lambda x: jnp.sum(pk_jax.ring_attention(
+        x, x, x, "x", causal=True, layout="zigzag").astype(jnp.float32)))(q),
+        [P(None, "x")], [(1, 8 * 256, 4, 128)], jnp.bfloat16),
 }
 
 
@@ -176,6 +180,8 @@ def cuda_lowering(mesh, out_dir: pathlib.Path):
     (out_dir / f"hlo_{jax.process_index()}.json").write_text(json.dumps(texts))
     for name, text in texts.items():
         check("custom_call @pk_" in text, f"{name} lowers to a pk kernel across processes")
+    check("custom_call @pk_ring_attention_bwd" in texts["ring_attention_grad"],
+          "ring attention's gradient lowers to the fused backward across processes")
     ag = re.search(r"custom_call @pk_all_gather\(.*?mechanism = (\d+)",
                    texts["all_gather_auto_large"])
     check(ag and ag.group(1) == "1",
