@@ -10,7 +10,8 @@ import re
 import pytest
 
 from pk_jax import runtime
-from pk_jax.ops import all_gather_primitive, attention_bwd_primitive, ring_attention_primitive
+from pk_jax.ops import (all_gather_primitive, attention_bwd_primitive,
+                        ring_attention_bwd_primitive, ring_attention_primitive)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -57,6 +58,7 @@ def cxx_enum(rel: str, enum: str) -> dict[str, int]:
 LAYOUT = "csrc/pk/layout.h"
 RING = "csrc/kernels/ring_attention/ring_attention.h"
 BWD = "csrc/kernels/attention_bwd/attention_bwd.h"
+RING_BWD = "csrc/kernels/ring_attention_bwd/ring_attention_bwd.h"
 
 
 @pytest.mark.parametrize("python,header,name", [
@@ -68,6 +70,7 @@ BWD = "csrc/kernels/attention_bwd/attention_bwd.h"
     (ring_attention_primitive.DEFAULT_COMM_CTAS, RING, "kDefaultCommCtas"),
     (ring_attention_primitive.MAX_COMM_CTAS, RING, "kMaxCommCtas"),
     (attention_bwd_primitive.TILE_KV, BWD, "kTileKv"),
+    (ring_attention_bwd_primitive.STAMP_BYTES, RING_BWD, "kStampBytes"),
 ])
 def test_constant_matches_header(python, header, name):
     assert cxx_constants(header)[name] == python, f"{name} in {header}"
@@ -88,6 +91,32 @@ def test_block_backward_query_tile_matches_header():
     d, if_d, other = map(int, body.groups())
     assert attention_bwd_primitive.tile_q(d) == if_d
     assert attention_bwd_primitive.tile_q(64 if d != 64 else 128) == other
+
+
+def test_fused_backward_layout_matches_header():
+    """Python sizes the fused backward's region and scratch as the host
+    sequence lays them out (ring_attention_bwd.h: Layout), for K/V [2, B, T,
+    Hkv, D] of 2-byte elements: e = 2 B T Hkv D elements, kv_bytes = 2 e,
+    partial_bytes = 4 e."""
+    src = _source(RING_BWD)
+    e = 2 * 3 * 256 * 2 * 64
+    names = {"kv_bytes": 2 * e, "partial_bytes": 4 * e, "kStampBytes": 256}
+
+    def method(name, n):
+        body = re.search(rf"size_t {name}\(\) const \{{\s*return ([^;]+);", src)
+        assert body, f"Layout::{name} not found"
+        expr = body.group(1)
+        for call in re.findall(r"(\w+)\(\)", expr):
+            expr = expr.replace(f"{call}()", f"({method(call, n)})")
+        return _int_expr(expr, {**names, "n": n})
+
+    for n in (2, 3, 8):
+        # home() = the slots before it: n - 1 K/V blocks and n - 1 partials.
+        assert method("home", n) == (n - 1) * (2 * e + 4 * e)
+        assert method("region_bytes", n) == ring_attention_bwd_primitive.region_bytes(
+            n, (2, 3, 256, 2, 64))
+    assert method("scratch_bytes", 2) == ring_attention_bwd_primitive.scratch_bytes(
+        (2, 3, 256, 2, 64))
 
 
 def test_ring_attention_mechanism_ids_match_enum():

@@ -53,18 +53,19 @@ def _block_elems(kv_shape) -> int:
 
 
 def region_bytes(n: int, kv_shape) -> int:
-    """The fused call's staging region (Layout::region_bytes): the stamps,
-    n - 1 K/V blocks (input type) and n - 1 partial dK/dV (fp32) of the
-    blocks that visit, and the home slot of our own dK/dV."""
+    """The fused call's staging region (Layout::region_bytes): n - 1 K/V
+    blocks (input type) and n - 1 partial dK/dV (fp32) of the blocks that
+    visit, and the home slot of our own dK/dV."""
     e = _block_elems(kv_shape)
-    return STAMP_BYTES + (n - 1) * (2 * e + 4 * e) + 2 * e
+    return (n - 1) * (2 * e + 4 * e) + 2 * e
 
 
 def scratch_bytes(kv_shape) -> int:
-    """The fused call's local buffers (Layout::scratch_bytes): the block
-    kernel's fp32 dK/dV, step 0's partial (fp32), the cast home value."""
+    """The fused call's local buffers (Layout::scratch_bytes): the stamp
+    table, the block kernel's fp32 dK/dV, step 0's partial (fp32), the cast
+    home value."""
     e = _block_elems(kv_shape)
-    return 4 * e + 4 * e + 2 * e
+    return STAMP_BYTES + 4 * e + 4 * e + 2 * e
 
 
 # ---- the XLA-collective ring ---------------------------------------------------

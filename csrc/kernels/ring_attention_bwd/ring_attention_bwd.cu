@@ -11,7 +11,9 @@ namespace {
 
 int ring(int x, int n) { return ((x % n) + n) % n; }
 
-uint64_t* stamps(const Params& p) { return reinterpret_cast<uint64_t*>(p.region[p.ch.rank]); }
+uint64_t* stamps(const Params& p) {
+  return reinterpret_cast<uint64_t*>(p.scratch + p.layout().scratch_stamps());
+}
 int post_count(const Params& p) { return p.ch.n + 1; }  // post 0: K/V; s: partials; n: home
 
 // The block kernel's arguments at step s: our queries against B_s (the block
@@ -139,7 +141,8 @@ cudaError_t run(const Params& p) {
   if (!supported(p)) return cudaErrorNotSupported;
   // Refuse before the first enqueue: every step's kernel has these shapes
   // (only the K/V pointers and ranks differ), so step 0's check covers them.
-  PK_CUDA_TRY(attention_bwd::check(block(p, 0, reinterpret_cast<float*>(p.scratch))));
+  PK_CUDA_TRY(attention_bwd::check(
+      block(p, 0, reinterpret_cast<float*>(p.scratch + p.layout().scratch_first()))));
   const Layout L = p.layout();
   signals::Outputs out(p.dq, size_t(p.batch) * size_t(p.s_q) * size_t(p.q_heads) *
                                  size_t(p.head_dim) * sizeof(float));

@@ -38,12 +38,11 @@
 // reduce-adds) is not in its last bits.
 // Region of rank r (peers write into it; no slot is reused within a call, so
 // the credit wait of the next call is the only flow control):
-//   [stamps: n + 1 u64, in kStampBytes][K/V slots 1..n-1: the stacked block
-//   B_s][partial slots 1..n-1: fp32 dK/dV of B_s][home: dK/dV of our block
-//   in the input type].
-// Local scratch (an XLA buffer): the block kernel's fp32 dK/dV, step 0's
-// partial, the cast home value (its push may still run when the next step's
-// kernel writes).
+//   [K/V slots 1..n-1: the stacked block B_s][partial slots 1..n-1: fp32
+//   dK/dV of B_s][home: dK/dV of our block in the input type].
+// Local scratch (an XLA buffer): the stamp table (n + 1 u64, in
+// kStampBytes), the block kernel's fp32 dK/dV, step 0's partial (its push
+// may still run when the next step's kernel writes), the cast home value.
 // Safe aborts: a failed wait claims the device's error; the block kernel
 // (dK/dV, dq fill) and the adds then write NaN, which travels on to the
 // peers, and finish poisons dq and dkv. A CUDA error from an enqueue joins
@@ -72,17 +71,18 @@ struct Layout {
   size_t kv_bytes = 0;       // one stacked K/V block [2, B, T, Hkv, D] (input type)
   size_t partial_bytes = 0;  // its dK/dV in fp32
 
-  size_t kv_slot(int s) const { return kStampBytes + size_t(s - 1) * kv_bytes; }
+  size_t kv_slot(int s) const { return size_t(s - 1) * kv_bytes; }
   size_t partial_slot(int s) const {
-    return kStampBytes + size_t(n - 1) * kv_bytes + size_t(s - 1) * partial_bytes;
+    return size_t(n - 1) * kv_bytes + size_t(s - 1) * partial_bytes;
   }
-  size_t home() const { return kStampBytes + size_t(n - 1) * (kv_bytes + partial_bytes); }
+  size_t home() const { return size_t(n - 1) * (kv_bytes + partial_bytes); }
   size_t region_bytes() const { return home() + kv_bytes; }
-  // Scratch: [grads fp32][step 0's partial fp32][home value, input type].
-  size_t scratch_grads() const { return 0; }
-  size_t scratch_first() const { return partial_bytes; }
-  size_t scratch_home() const { return 2 * partial_bytes; }
-  size_t scratch_bytes() const { return 2 * partial_bytes + kv_bytes; }
+  // Scratch: [stamps][grads fp32][step 0's partial fp32][home value, input type].
+  size_t scratch_stamps() const { return 0; }
+  size_t scratch_grads() const { return kStampBytes; }
+  size_t scratch_first() const { return kStampBytes + partial_bytes; }
+  size_t scratch_home() const { return kStampBytes + 2 * partial_bytes; }
+  size_t scratch_bytes() const { return kStampBytes + 2 * partial_bytes + kv_bytes; }
 };
 
 inline Layout make_layout(int n, int batch, int s_kv, int kv_heads, int head_dim) {
