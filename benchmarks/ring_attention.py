@@ -64,6 +64,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+from pk_jax import _channels, tuning
+from pk_jax.ops import ring_attention_bwd_primitive
 from pk_jax.ops.ring_attention_primitive import region_bytes
 from baselines.cudnn_ring import (F32, HI, NEG, TOL_GRAD_L2, TOL_L2, Blocks, RingSpec,
                                   Unavailable, cudnn_blocks, cudnn_ring, einsum_blocks,
@@ -448,6 +450,10 @@ def main() -> int:
                     help="time several pk mechanisms, comma-separated, each "
                     "<mechanism>[:C] (e.g. copy_engine,ld_st,ld_st:8; ld_st:C forces C "
                     "communicator CTAs); rows pk_<layout>_<mechanism>; overrides --mechanism")
+    ap.add_argument("--bwd-transport", choices=("pk", "xla"), default=None,
+                    help="the backward's transport for the kernel mechanisms (default: "
+                    "pk_jax/tuning.py): pk (one fused call) or xla (collective-permutes "
+                    "between block kernels)")
     ap.add_argument("--backward", action="store_true",
                     help="time value_and_grad of a weighted sum of the output instead")
     ap.add_argument("--masks", default="none,causal", help="subset of none,causal")
@@ -467,6 +473,8 @@ def main() -> int:
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                    f" --xla_force_host_platform_device_count={args.cpu_devices}")
         jax.config.update("jax_platforms", "cpu")
+    if args.bwd_transport:
+        tuning.RING_ATTENTION_BWD_TRANSPORT = args.bwd_transport
     t_start = time.perf_counter()
     bench = Bench(args)
     n = len(bench.devices)
@@ -474,7 +482,9 @@ def main() -> int:
     masks = [m.strip() for m in args.masks.split(",")]
     print(f"ring_attention: {n} x {bench.devices[0].device_kind}, {bench.dims}, "
           f"mechanism={args.mechanisms or args.mechanism}, "
-          f"{'fwd+bwd' if args.backward else 'fwd'}", flush=True)
+          f"{'fwd+bwd' if args.backward else 'fwd'}"
+          f"{f' (bwd transport {tuning.RING_ATTENTION_BWD_TRANSPORT})' if args.backward else ''}",
+          flush=True)
     rows: list[dict[str, Any]] = []
     plan = [(n, int(s), m == "causal") for s in args.seqs.split(",") for m in masks]
     if args.ws1_seq:
@@ -513,6 +523,9 @@ def _size_workspace(bench: Bench, n: int) -> None:
     kinds = max(1, len((args.mechanisms or args.mechanism).split(",")))
     need = sum(region_bytes(n, (d.batch, int(s) // n, d.kv_heads, d.head_dim))
                for s in args.seqs.split(",")) * kinds
+    if args.backward and n > 1:  # the fused backward's regions (one channel, by size class)
+        need += sum({_channels.size_class(ring_attention_bwd_primitive.region_bytes(
+            n, (2, d.batch, int(s) // n, d.kv_heads, d.head_dim))) for s in args.seqs.split(",")})
     if need + (64 << 20) > pk_jax.get_config().workspace_bytes:
         pk_jax.configure(workspace_bytes=need + (64 << 20))
 
