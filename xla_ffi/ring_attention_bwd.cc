@@ -11,6 +11,7 @@
 // Attributes: channel (group, slot, region, timeout), scale, causal, zigzag.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
