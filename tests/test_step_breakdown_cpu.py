@@ -40,6 +40,10 @@ _spec.loader.exec_module(tool)
     ("MemcpyD2D", "collective-permute-start.2", "XLA collectives"),
     ("MemcpyD2D", "copy.3", "copies"),
     ("MemcpyH2D", "", "other"),
+    ("cudnn_generated_fort_native_sdpa_sm90_convert_dq", "dot_product_attention_bwd.2",
+     "attention bwd"),
+    ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<pk::sum_slots_epi>>",
+     "pk_matmul_reduce_scatter", "GEMM"),
     ("loop_add_fusion", "add_fusion.7", "other"),
 ])
 def test_categories(name, op, category):
