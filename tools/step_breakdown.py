@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.trace:
         traces = {pathlib.Path(args.trace).name: device_events(read_trace(args.trace))}
-        description = f"trace {args.trace}"
+        description, setting = f"trace {args.trace}", {}
     else:
         example = load_example()
         model = argparse.ArgumentParser(prog="step_breakdown.py (model options)")
@@ -388,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"warm-up steps")
         if attention is not None:
             description += f"; baseline `{attention.name}`: XLA's collectives, {attention.note}"
+        setting = dict(config=dataclasses.asdict(cfg), sp=mesh.shape["sp"], tp=mesh.shape["tp"],
+                       warmup=args.warmup)
     results = {run: breakdown(ev) for run, ev in traces.items()}
     table = markdown(results)
     print(table)
@@ -402,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"Times are the mean over devices; GPU time counts overlapping events of a "
                 f"category once; exposed: communication running while no computation runs "
                 f"on the device.\n\n{table}")
-        write_results("step_breakdown", [r for run, b in results.items() for r in rows(run, b)],
+        write_results("step_breakdown",
+                      [dict(r, **setting) for run, b in results.items() for r in rows(run, b)],
                       text, "python tools/step_breakdown.py " + " ".join(
                           sys.argv[1:] if argv is None else argv))
     return 0
