@@ -97,6 +97,11 @@ def test_gpu_trace_known_answers():
     mean = tool.breakdown(by_device)
     assert mean["span_ms"] == pytest.approx((0.210 + 0.050) / 2)
     assert mean["exposed_comm_ms"] == pytest.approx(0.030)
+    top = tool.top_ops(by_device, 2)
+    assert [(c, label) for c, label, _, _ in top] == [
+        ("GEMM", "dot_general / nvjet_tst_128x256"),
+        ("XLA collectives", "all-gather-start / ncclDevKernel_AllGather_RING_LL")]
+    assert top[0][2] == pytest.approx(0.050) and top[0][3] == pytest.approx(0.5)
     table = tool.markdown({"pk": mean})
     assert "| pk | XLA collectives | 0.5 | 0.04 | 26.9% | 0.03 |" in table  # mean of 1 and 0
     assert "| pk | GEMM |" in table and "attention bwd" not in table  # only categories seen

@@ -271,6 +271,37 @@ def markdown(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def _short(e: Event) -> str:
+    """An event's label: its XLA op without the instance number, and the
+    kernel (memcpy) name up to its template / argument list where it differs."""
+    kernel = re.split(r"[<(]", e.name.removeprefix("void "), maxsplit=1)[0][:60]
+    op = re.sub(r"\.\d+$", "", e.op)
+    return kernel if not op else op if e.name == e.op else f"{op} / {kernel}"
+
+
+def top_ops(by_device: dict[str, list[Event]], n: int = 10) -> list[tuple[str, str, float, float]]:
+    """The `n` ops with the most event time (summed, mean over devices):
+    (category, label, ms, events)."""
+    total: dict[tuple[str, str], list[float]] = {}
+    for events in by_device.values():
+        for e in events:
+            t = total.setdefault((e.category, _short(e)), [0.0, 0])
+            t[0] += (e.end - e.start) / 1e3
+            t[1] += 1
+    k = max(len(by_device), 1)
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(c, label, ms / k, count / k) for (c, label), (ms, count) in ranked]
+
+
+def top_markdown(runs: dict[str, dict[str, list[Event]]], n: int = 10) -> str:
+    lines = ["| run | op (XLA op or kernel) | category | events | time (ms, summed) |",
+             "| --- | --- | --- | --- | --- |"]
+    for run, by_device in runs.items():
+        lines += [f"| {run} | `{label.replace('|', '/')}` | {c} | {count:g} | {ms:.2f} |"
+                  for c, label, ms, count in top_ops(by_device, n)]
+    return "\n".join(lines)
+
+
 # ---- the picture ---------------------------------------------------------------------
 def write_svg(path: str | os.PathLike, runs: dict[str, dict[str, list[Event]]],
               width: int = 1400, lane_h: int = 14, max_devices: int = 4) -> None:
@@ -355,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="steps before the profiled one")
     parser.add_argument("--trace-dir", default=None,
                         help="where jax.profiler writes (default: a temporary directory)")
+    parser.add_argument("--top", type=int, default=10, help="list the N ops with most time")
     parser.add_argument("--svg", default=None, help="write a timeline picture here")
     parser.add_argument("--save", action="store_true",
                         help="write the step_breakdown section of benchmarks/RESULTS.md")
@@ -391,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         setting = dict(config=dataclasses.asdict(cfg), sp=mesh.shape["sp"], tp=mesh.shape["tp"],
                        warmup=args.warmup)
     results = {run: breakdown(ev) for run, ev in traces.items()}
-    table = markdown(results)
+    table = markdown(results) + "\n\nThe ops with the most time (mean over devices):\n\n" + \
+        top_markdown(traces, args.top)
     print(table)
     if args.svg:
         write_svg(args.svg, traces)
