@@ -48,6 +48,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable  # noqa: E402
@@ -228,12 +229,17 @@ def _xla_attention(q, k, v, axis_name, *, causal: bool, layout: str):
 
 
 def _cudnn_ring_module():
-    """benchmarks/baselines/cudnn_ring.py (the repository root on sys.path)."""
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from benchmarks.baselines import cudnn_ring
-    return cudnn_ring
+    """benchmarks/baselines/cudnn_ring.py, loaded from its file (benchmarks/
+    is not an installed package)."""
+    name = "flax_transformer_cudnn_ring"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",
+                            "baselines", "cudnn_ring.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look the module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def baseline_attention(cfg: Config, mesh: Mesh, blocks=None) -> Attention:
