@@ -192,11 +192,6 @@ class Attention:
     note: str
 
 
-def _first_line(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}".strip()
-    return text.splitlines()[0][:300]
-
-
 def _cudnn_problem(cfg: Config, mesh: Mesh) -> str | None:
     """Why cuDNN flash attention does not take this model's per-shard
     attention (sequence on one rank), or None: checked by compiling its
@@ -214,7 +209,8 @@ def _cudnn_problem(cfg: Config, mesh: Mesh) -> str | None:
     try:
         jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, k).compile()
     except Exception as e:  # noqa: BLE001 - any failure: cuDNN does not take this shape here
-        return f"cuDNN attention does not take q {q.shape} / kv {k.shape}: {_first_line(e)}"
+        return (f"cuDNN attention does not take q {q.shape} / kv {k.shape}: "
+                f"{_cudnn_ring_module().first_line(e)}")
     return None
 
 
