@@ -15,15 +15,25 @@ along their first dim; Megatron's sequence parallelism, on the batch dim):
 
 The data is synthetic: a fixed pattern of tokens repeating from a random
 offset, so the next token follows from the current one and the loss drops
-quickly. `--collectives xla` runs every pk op with mechanism="xla" (XLA's
-collectives: the baseline); the losses agree.
+quickly.
+
+`--collectives xla` is the baseline, the best a JAX user has without pk_jax
+(`baseline_attention`): every pk op at mechanism="xla" (XLA's collectives for
+the tensor-parallel layers), and for attention cuDNN flash attention when the
+sequence is on one rank ("xla+cudnn"), or the cuDNN ring of
+benchmarks/baselines/cudnn_ring.py (Transformer Engine's approach) when it is
+sharded ("xla+cudnn_ring"). Where cuDNN is unavailable (CPUs, float32) the
+baseline is named "xla": XLA's attention, or the pure-JAX ring. The losses of
+pk and the baseline agree.
 
     python examples/flax_transformer.py [--steps 50] [--collectives {pk,xla,both}]
 
 Runs on GPUs unchanged (use --dtype bfloat16 there for the fused kernels) or
 on 8 fake CPU devices. `--preset gpu` is a model the fused kernels take (head
-dim 128, 8k tokens, bf16); `--collectives both --save` times pk against xla
-and writes the "flax_transformer" section of benchmarks/RESULTS.md.
+dim 128, 8k tokens, bf16); `--collectives both --save` times pk against the
+baseline and writes the "flax_transformer" section of benchmarks/RESULTS.md
+(rows name their baseline). tools/step_breakdown.py profiles one step of
+either run and splits its GPU time by op.
 """
 
 from __future__ import annotations
@@ -38,9 +48,10 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import importlib.util  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from typing import Callable  # noqa: E402
+from typing import Any, Callable  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -79,14 +90,15 @@ class Config:
 class Block(nnx.Module):
     """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, cfg: Config, tp: int, mechanism: str, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: Config, tp: int, mechanism: str, rngs: nnx.Rngs,
+                 attention_fn: Callable | None = None) -> None:
         dtype = jnp.dtype(cfg.dtype)
         self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.attn = RingSelfAttention(
             shard_size(cfg.num_heads, tp, "num_heads"),
             shard_size(cfg.num_kv_heads, tp, "num_kv_heads"), cfg.head_dim, cfg.d_model,
             axis_name="sp", tp_axis_name="tp", causal=True, dtype=dtype, rngs=rngs,
-            mechanism=mechanism)
+            mechanism=mechanism, attention_fn=attention_fn)
         self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.mlp = ParallelMLP(cfg.d_model, shard_size(cfg.hidden, tp, "hidden"),
                                axis_name="tp", dtype=dtype, rngs=rngs, mechanism=mechanism)
@@ -97,13 +109,17 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    """Decoder-only LM; called per shard on tokens [batch / tp, seq / sp]."""
+    """Decoder-only LM; called per shard on tokens [batch / tp, seq / sp].
+    `attention_fn` replaces pk_jax.ring_attention in every block (a baseline's
+    attention, see `baseline_attention`); None: pk_jax's."""
 
-    def __init__(self, cfg: Config, tp: int, mechanism: str, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: Config, tp: int, mechanism: str, rngs: nnx.Rngs,
+                 attention_fn: Callable | None = None) -> None:
         dtype = jnp.dtype(cfg.dtype)
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=dtype, rngs=rngs)
         self.pos_embed = nnx.Embed(cfg.seq_len, cfg.d_model, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, tp, mechanism, rngs) for _ in range(cfg.num_layers)])
+        self.blocks = nnx.List([Block(cfg, tp, mechanism, rngs, attention_fn)
+                                for _ in range(cfg.num_layers)])
         self.norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs)
 
@@ -163,29 +179,136 @@ PRESETS = {
 }
 
 
-def train(steps: int = 50, collectives: str = "pk", cfg: Config = Config(),
-          mesh: Mesh | None = None, log: Callable[[str], None] = print) -> list[float]:
-    """Train `steps` Adam steps; returns the loss of every step."""
-    return train_timed(steps, collectives, cfg, mesh, log)[0]
+# ---- the baseline: XLA's collectives, cuDNN attention ---------------------------
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """How a run computes attention: `name` (the baseline's name in results,
+    e.g. "xla+cudnn"), `fn` (RingSelfAttention's attention_fn; None:
+    pk_jax.ring_attention with the run's mechanism) and `note` (what it is,
+    or why cuDNN is not used)."""
+
+    name: str
+    fn: Callable | None
+    note: str
 
 
-def train_timed(steps: int, collectives: str, cfg: Config, mesh: Mesh | None = None,
-                log: Callable[[str], None] = print) -> tuple[list[float], float]:
-    """Train `steps` Adam steps; (loss of every step, mean step time in ms
-    over steps 2.. (step 1 compiles); nan with one step)."""
-    mesh = mesh or make_mesh()
-    with jax.set_mesh(mesh):  # explicit sharding: jit's outputs live on this mesh
-        return _train(steps, collectives, cfg, mesh, log)
+def _cudnn_problem(cfg: Config, mesh: Mesh) -> str | None:
+    """Why cuDNN flash attention does not take this model's per-shard
+    attention (sequence on one rank), or None: checked by compiling its
+    forward and backward on the shard's shape on one device."""
+    if mesh.devices.flat[0].platform != "gpu":
+        return f"no GPU (platform {mesh.devices.flat[0].platform}): cuDNN attention needs one"
+    if cfg.dtype not in ("bfloat16", "float16"):
+        return f"dtype {cfg.dtype} (cuDNN flash attention takes bfloat16 or float16)"
+    tp, dtype = mesh.shape["tp"], jnp.dtype(cfg.dtype)
+    q = jax.ShapeDtypeStruct((cfg.batch // tp, cfg.seq_len, cfg.num_heads // tp, cfg.head_dim),
+                             dtype)
+    k = jax.ShapeDtypeStruct(q.shape[:2] + (cfg.num_kv_heads // tp, cfg.head_dim), dtype)
+    loss = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn").astype(jnp.float32).sum()
+    try:
+        jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, k).compile()
+    except Exception as e:  # noqa: BLE001 - any failure: cuDNN does not take this shape here
+        return (f"cuDNN attention does not take q {q.shape} / kv {k.shape}: "
+                f"{_cudnn_ring_module().first_line(e)}")
+    return None
 
 
-def _train(steps: int, collectives: str, cfg: Config, mesh: Mesh,
-           log: Callable[[str], None]) -> tuple[list[float], float]:
+def _cudnn_attention(q, k, v, axis_name, *, causal: bool, layout: str):
+    del axis_name, layout  # the sequence is on one rank
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+
+
+def _xla_attention(q, k, v, axis_name, *, causal: bool, layout: str):
+    del axis_name, layout
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="xla")
+
+
+def _cudnn_ring_module():
+    """benchmarks/baselines/cudnn_ring.py, loaded from its file (benchmarks/
+    is not an installed package)."""
+    name = "flax_transformer_cudnn_ring"
+    if name not in sys.modules:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks",
+                            "baselines", "cudnn_ring.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look the module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def baseline_attention(cfg: Config, mesh: Mesh, blocks=None) -> Attention:
+    """The attention of the baseline run: the best a JAX user has without
+    pk_jax. Sequence on one rank (sp = 1): cuDNN flash attention
+    (`jax.nn.dot_product_attention(implementation="cudnn")`) where cuDNN
+    takes the shape, else XLA's attention. Sequence sharded (sp > 1): the
+    cuDNN ring (benchmarks/baselines/cudnn_ring.py: Transformer Engine's
+    approach, ppermute hops between cuDNN blocks merged by log-sum-exp, and
+    its backward ring), else pk_jax's pure-JAX ring. `blocks`: the ring's
+    block attention (default: cuDNN's, probed; `cudnn_ring.einsum_blocks()`
+    runs the ring's code on CPUs)."""
+    if mesh.shape["sp"] == 1:
+        why = _cudnn_problem(cfg, mesh)
+        if why is None:
+            return Attention("xla+cudnn", _cudnn_attention, "cuDNN flash attention")
+        return Attention("xla", _xla_attention, f"XLA's dot_product_attention ({why})")
+    cudnn_ring = _cudnn_ring_module()
+    if blocks is None:
+        try:
+            blocks = cudnn_ring.cudnn_blocks()
+        except cudnn_ring.Unavailable as e:
+            return Attention("xla", None, f"pk_jax's pure-JAX ppermute ring (no cuDNN ring: {e})")
+    if blocks.bwd is None:
+        return Attention("xla", None, f"pk_jax's pure-JAX ppermute ring (the cuDNN ring has "
+                                      f"no backward here: {blocks.bwd_note})")
+
+    def ring(q, k, v, axis_name, *, causal: bool, layout: str):
+        return cudnn_ring.ring_attention(q, k, v, axis_name, causal=causal, layout=layout,
+                                         blocks=blocks)
+    name = "cudnn_ring" if blocks.name == "cudnn" else "ring_" + blocks.name.split()[0]
+    return Attention("xla+" + name, ring, f"{blocks.name} ring (Transformer Engine's approach; "
+                                          f"{blocks.note})")
+
+
+# ---- training ----------------------------------------------------------------
+@dataclasses.dataclass
+class Trainer:
+    """One run's jitted Adam step and its state: `step(inputs, targets)`
+    trains one step on host batches and returns the loss (not waited for)."""
+
+    train_step: Callable
+    params: Any
+    opt_state: Any
+    sharding: NamedSharding
+    description: str
+
+    def put(self, inputs, targets):
+        """The batch on the mesh (tokens [batch, seq] laid out as TOKENS)."""
+        return tuple(jax.device_put(a, self.sharding) for a in (inputs, targets))
+
+    def step(self, inputs, targets) -> jax.Array:
+        self.params, self.opt_state, loss = self.train_step(self.params, self.opt_state,
+                                                            inputs, targets)
+        return loss
+
+
+def build(collectives: str, cfg: Config, mesh: Mesh,
+          attention: Attention | None = None) -> Trainer:
+    """The training step of `collectives`: "pk" (every pk_jax op at
+    mechanism "auto") or "xla" (the baseline: XLA's collectives for the
+    tensor-parallel layers, `attention` for attention, by default
+    `baseline_attention(cfg, mesh)`). Call it inside `jax.set_mesh(mesh)`."""
     sp, tp = mesh.shape["sp"], mesh.shape["tp"]
     shard_size(cfg.batch, tp, "batch")
     shard_size(cfg.seq_len, sp, "seq_len")
     mechanism = {"pk": "auto", "xla": "xla"}[collectives]
+    if collectives == "pk":
+        attention = Attention("pk", None, "pk_jax.ring_attention")
+    elif attention is None:
+        attention = baseline_attention(cfg, mesh)
     graphdef, params = init_sharded(
-        lambda: Transformer(cfg, tp, mechanism, nnx.Rngs(0)), mesh)
+        lambda: Transformer(cfg, tp, mechanism, nnx.Rngs(0), attention.fn), mesh)
     loss_fn = make_loss(graphdef, params, mesh)
     tx = optax.adam(cfg.learning_rate)
     opt_state = jax.jit(tx.init)(params)
@@ -196,15 +319,39 @@ def _train(steps: int, collectives: str, cfg: Config, mesh: Mesh,
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    log(f"mesh sp={sp} x tp={tp} on {mesh.devices.flat[0].device_kind}; "
-        f"collectives={collectives} (mechanism={mechanism!r}); dtype={cfg.dtype}")
-    sharding = NamedSharding(mesh, TOKENS)
+    return Trainer(train_step, params, opt_state, NamedSharding(mesh, TOKENS),
+                   f"mesh sp={sp} x tp={tp} on {mesh.devices.flat[0].device_kind}; "
+                   f"collectives={collectives} (mechanism={mechanism!r}, attention: "
+                   f"{attention.name}, {attention.note}); dtype={cfg.dtype}")
+
+
+def train(steps: int = 50, collectives: str = "pk", cfg: Config = Config(),
+          mesh: Mesh | None = None, log: Callable[[str], None] = print,
+          attention: Attention | None = None) -> list[float]:
+    """Train `steps` Adam steps; returns the loss of every step."""
+    return train_timed(steps, collectives, cfg, mesh, log, attention)[0]
+
+
+def train_timed(steps: int, collectives: str, cfg: Config, mesh: Mesh | None = None,
+                log: Callable[[str], None] = print,
+                attention: Attention | None = None) -> tuple[list[float], float]:
+    """Train `steps` Adam steps; (loss of every step, mean step time in ms
+    over steps 2.. (step 1 compiles); nan with one step). `attention`: the
+    baseline's attention (collectives "xla"; default `baseline_attention`)."""
+    mesh = mesh or make_mesh()
+    with jax.set_mesh(mesh):  # explicit sharding: jit's outputs live on this mesh
+        trainer = build(collectives, cfg, mesh, attention)
+        return _train(steps, trainer, cfg, log)
+
+
+def _train(steps: int, trainer: Trainer, cfg: Config,
+           log: Callable[[str], None]) -> tuple[list[float], float]:
+    log(trainer.description)
     data, losses, times = batches(cfg), [], []
     for step in range(1, steps + 1):
-        inputs, targets = (jax.device_put(a, sharding) for a in next(data))
+        inputs, targets = trainer.put(*next(data))
         start = time.perf_counter()
-        params, opt_state, loss = train_step(params, opt_state, inputs, targets)
-        losses.append(float(loss))  # waits for the step
+        losses.append(float(trainer.step(inputs, targets)))  # waits for the step
         times.append(time.perf_counter() - start)
         if step % 10 == 0 or step == 1:
             # A wait for a peer GPU that gave up poisons the outputs (NaN) and is
@@ -218,15 +365,19 @@ def _train(steps: int, collectives: str, cfg: Config, mesh: Mesh,
     return losses, step_ms
 
 
-def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str) -> None:
-    """Train with pk and with xla collectives; print (and with `save` record)
-    the step times and whether the losses agree."""
-    runs = {c: train_timed(steps, c, cfg, mesh) for c in ("pk", "xla")}
+def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str,
+            attention: Attention | None = None) -> None:
+    """Train with pk and with the baseline (XLA's collectives, cuDNN
+    attention where it applies: `baseline_attention`); print (and with
+    `save` record) the step times and whether the losses agree."""
+    attention = attention or baseline_attention(cfg, mesh)
+    runs = {c: train_timed(steps, c, cfg, mesh, attention=attention) for c in ("pk", "xla")}
     (pk_loss, pk_ms), (xla_loss, xla_ms) = runs["pk"], runs["xla"]
+    base = attention.name
     agree = float(np.max(np.abs(np.array(pk_loss) - np.array(xla_loss)) /
                       np.maximum(np.abs(np.array(xla_loss)), 1e-6)))
-    print(f"step time: pk {pk_ms:.1f} ms, xla {xla_ms:.1f} ms: {xla_ms / pk_ms:.2f}x; "
-          f"largest relative loss difference {agree:.1e}")
+    print(f"step time: pk {pk_ms:.1f} ms, baseline {base} {xla_ms:.1f} ms: "
+          f"{xla_ms / pk_ms:.2f}x; largest relative loss difference {agree:.1e}")
     if not save:
         return
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
@@ -236,35 +387,37 @@ def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str) -> No
              f"{cfg.num_kv_heads} x {cfg.head_dim}, hidden {cfg.hidden}, batch {cfg.batch} x "
              f"{cfg.seq_len} tokens, {cfg.dtype}, mesh sp={mesh.shape['sp']} x "
              f"tp={mesh.shape['tp']}")
-    rows = [dict(implementation=c, median_ms=ms, steps=steps, final_loss=runs[c][0][-1],
-                 config=dataclasses.asdict(cfg), sp=mesh.shape["sp"], tp=mesh.shape["tp"])
-            for c, ms in (("pk", pk_ms), ("xla", xla_ms))]
-    table = markdown_table(["collectives", "ms/step", "vs xla", "final loss"],
+    rows = [dict(implementation=name, median_ms=ms, steps=steps, final_loss=runs[c][0][-1],
+                 baseline=base, baseline_median_ms=xla_ms, baseline_note=attention.note,
+                 vs_baseline=xla_ms / ms, config=dataclasses.asdict(cfg), sp=mesh.shape["sp"],
+                 tp=mesh.shape["tp"])
+            for c, name, ms in (("pk", "pk", pk_ms), ("xla", base, xla_ms))]
+    table = markdown_table(["run", "ms/step", f"vs {base}", "final loss"],
                            [[r["implementation"], f"{r['median_ms']:.1f}",
-                             f"{xla_ms / r['median_ms']:.2f}x", f"{r['final_loss']:.4f}"]
+                             f"{r['vs_baseline']:.2f}x", f"{r['final_loss']:.4f}"]
                             for r in rows])
     write_results("flax_transformer", rows,
                   f"Training step of examples/flax_transformer.py ({shape}); mean over "
-                  f"steps 2-{steps}. xla: the same model with every pk op at "
-                  f"mechanism='xla' (XLA's collectives; attention is XLA's "
-                  f"dot_product_attention when the sequence is on one rank, else the "
-                  f"pure-JAX ppermute ring). Losses of the two runs agree to "
-                  f"{agree:.1e}.\n\n{table}",
+                  f"steps 2-{steps}. Baseline `{base}`: the same model with XLA's "
+                  f"collectives for the tensor-parallel layers (every pk op at "
+                  f"mechanism='xla') and, for attention, {attention.note}. pk: every pk op "
+                  f"at mechanism='auto'. Losses of the two runs agree to {agree:.1e}.\n\n"
+                  f"{table}",
                   command)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--collectives", choices=("pk", "xla", "both"), default="pk")
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and mesh options (shared with tools/step_breakdown.py)."""
     parser.add_argument("--preset", choices=tuple(PRESETS), default="small")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="computation dtype (default: the preset's)")
     parser.add_argument("--sp", type=int, default=None, help="sequence-parallel size")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
-    parser.add_argument("--save", action="store_true",
-                        help="with --collectives both: write benchmarks/RESULTS.md")
-    args = parser.parse_args()
+
+
+def model_from_arguments(args: argparse.Namespace,
+                         parser: argparse.ArgumentParser) -> tuple[Config, Mesh]:
+    """(config, mesh) of the options `add_model_arguments` added."""
     cfg = PRESETS[args.preset]
     if args.preset == "gpu" and jax.devices()[0].platform != "gpu":
         parser.error("--preset gpu is a model for GPUs (about 290M parameters, 32k tokens of "
@@ -272,7 +425,21 @@ def main() -> None:
                      "the default preset")
     if args.dtype:
         cfg = dataclasses.replace(cfg, dtype=args.dtype)
-    mesh = make_mesh(args.sp, args.tp)
+    return cfg, make_mesh(args.sp, args.tp)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--collectives", choices=("pk", "xla", "both"), default="pk",
+                        help="pk: pk_jax's ops; xla: the baseline (XLA's collectives, cuDNN "
+                             "attention or the cuDNN ring where cuDNN takes the shapes); "
+                             "both: time the two")
+    add_model_arguments(parser)
+    parser.add_argument("--save", action="store_true",
+                        help="with --collectives both: write benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    cfg, mesh = model_from_arguments(args, parser)
     if args.collectives == "both":
         compare(args.steps, cfg, mesh, args.save,
                 "python examples/flax_transformer.py " + " ".join(sys.argv[1:]))

@@ -85,3 +85,38 @@ def test_gpu_preset_without_gpus_says_why():
     proc = subprocess.run([sys.executable, str(_PATH), "--preset", "gpu", "--steps", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "no GPU" in proc.stderr, proc.stderr
+
+
+def test_baseline_without_cudnn_is_named_xla():
+    """Off GPUs the baseline says it runs XLA's attention (sp = 1) or the
+    pure-JAX ring (sp > 1), not cuDNN."""
+    cfg = example.Config()
+    one = example.baseline_attention(cfg, cpu_mesh((1, 2), ("sp", "tp")))
+    ring = example.baseline_attention(cfg, cpu_mesh((4, 2), ("sp", "tp")))
+    assert one.name == ring.name == "xla"
+    assert one.fn is not None and "XLA's dot_product_attention" in one.note
+    assert ring.fn is None and "pure-JAX" in ring.note
+
+
+def test_baseline_ring_trains_like_pk_and_rows_name_it(monkeypatch):
+    """The baseline's ring (benchmarks/baselines/cudnn_ring.py, with fp32
+    einsum blocks in cuDNN's place on CPUs) inside the model: the losses
+    equal pk's, and the saved rows name the baseline and its time."""
+    mesh = cpu_mesh((4, 2), ("sp", "tp"))
+    cfg = example.Config()
+    ring = example._cudnn_ring_module()
+    attention = example.baseline_attention(cfg, mesh, blocks=ring.einsum_blocks())
+    assert attention.name == "xla+ring_einsum" and attention.fn is not None
+    saved = {}
+    fake = type(sys)("common")
+    fake.markdown_table = lambda header, rows: "\n".join(map(str, [header, *rows]))
+    fake.write_results = lambda op, rows, text, command: saved.update(op=op, rows=rows, text=text)
+    monkeypatch.setitem(sys.modules, "common", fake)
+    example.compare(3, cfg, mesh, save=True, command="test", attention=attention)
+    assert saved["op"] == "flax_transformer" and "xla+ring_einsum" in saved["text"]
+    pk, base = saved["rows"]
+    assert pk["implementation"] == "pk" and base["implementation"] == "xla+ring_einsum"
+    for row in (pk, base):
+        assert row["baseline"] == "xla+ring_einsum"
+        assert row["baseline_median_ms"] == base["median_ms"] > 0
+    assert abs(pk["final_loss"] - base["final_loss"]) < 1e-4 * abs(base["final_loss"])

@@ -281,6 +281,11 @@ class RingSelfAttention(nnx.Module):
         "tp" back to the batch shard).
     Communication: `pk_jax.ring_attention` passes the K/V blocks around the
     `axis_name` ring; plus the "tp" gather/scatter above.
+
+    `attention_fn(q, k, v, axis_name, *, causal, layout) -> o` ([batch,
+    seq_local, heads, head_dim] per shard) replaces `pk_jax.ring_attention`
+    when given, e.g. a baseline to compare pk_jax against (the projections
+    keep `mechanism`).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, in_features: int, *,
@@ -288,7 +293,8 @@ class RingSelfAttention(nnx.Module):
                  causal: bool = True, layout: str = "contiguous", rngs: nnx.Rngs,
                  dtype: Any = None, param_dtype: Any = jnp.float32, use_bias: bool = False,
                  mechanism: str = "auto",
-                 kernel_init: Initializer = default_kernel_init) -> None:
+                 kernel_init: Initializer = default_kernel_init,
+                 attention_fn: Callable | None = None) -> None:
         _check_positive(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         if num_heads % num_kv_heads:
             raise ValueError(f"pk_jax.flax.RingSelfAttention: num_heads ({num_heads}) must be "
@@ -305,6 +311,7 @@ class RingSelfAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.axis_name, self.causal, self.layout = axis_name, causal, layout
         self.mechanism = mechanism
+        self.attention_fn = attention_fn
 
     def __call__(self, x: jax.Array) -> jax.Array:
         if jnp.ndim(x) != 3:
@@ -314,8 +321,10 @@ class RingSelfAttention(nnx.Module):
         k, v = self.k.apply_gathered(gathered), self.v.apply_gathered(gathered)
         b, s = q.shape[:2]
         heads = lambda a, h: a.reshape(b, s, h, self.head_dim)
-        o = ring_attention(heads(q, self.num_heads), heads(k, self.num_kv_heads),
-                           heads(v, self.num_kv_heads), self.axis_name, causal=self.causal,
-                           layout=self.layout,
-                           mechanism="xla" if self.mechanism == "xla" else "auto")
+        q, k, v = heads(q, self.num_heads), heads(k, self.num_kv_heads), heads(v, self.num_kv_heads)
+        if self.attention_fn is not None:
+            o = self.attention_fn(q, k, v, self.axis_name, causal=self.causal, layout=self.layout)
+        else:
+            o = ring_attention(q, k, v, self.axis_name, causal=self.causal, layout=self.layout,
+                               mechanism="xla" if self.mechanism == "xla" else "auto")
         return self.out(o.reshape(b, s, self.num_heads * self.head_dim))
