@@ -128,6 +128,8 @@ enum OpId : int32_t {
   kOpAllGatherMatmul = 2,
   kOpMatmulReduceScatter = 3,
   kOpRingAttention = 4,
+  kOpAllReduce = 6,
+  kOpReduceScatter = 7,
 };
 // What a failed wait waited for (ErrorRecord::what, with kErrTimeout).
 enum WaitKind : int32_t {
