@@ -15,7 +15,6 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
