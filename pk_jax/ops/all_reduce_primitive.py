@@ -79,7 +79,7 @@ def staged_bytes(cfg: AllReduceConfig, shape, itemsize: int) -> tuple[int, int]:
     """Bytes of region of each phase (all_reduce.h: phase1_bytes, phase2_bytes)."""
     rows, stride, chunk = geometry(cfg, shape, itemsize)
     if cfg.kind == "all_reduce" and cfg.mechanism == "ld_st_oneshot":
-        return cfg.n * rows * stride * itemsize, 0
+        return cfg.n * -(-rows * stride * itemsize // 16) * 16, 0  # slots of 16-byte multiples
     second = cfg.n * chunk * itemsize if cfg.kind == "all_reduce" else 0
     return cfg.n * rows * chunk * itemsize, second
 

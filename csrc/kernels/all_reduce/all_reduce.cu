@@ -2,13 +2,7 @@
 // caller's stream, rank r of n, epoch e of each channel (all_reduce.h has the
 // layout and the summation order).
 //
-// One-shot (kLdStOneShot, all_reduce), channel 1, region: n slots of x:
-//   wait_credit (every peer finished reading what we staged last call);
-//   push: an SM kernel stores x into slot r of every peer's region;
-//   post (release posted[r] = e everywhere), wait_posted (every peer's);
-//   reduce: out = sum over q = 0..n-1 of (q == r ? x : slot q), rank order;
-//   finish (done[r] = e to every peer; poison the result if the call failed;
-//   epoch = e).
+// One-shot (kLdStOneShot, all_reduce): one kernel, one_shot.cu.
 // Two-shot (kTwoShot: SM pushes, kCopyEngine: copy-engine pushes):
 //   phase 1, channel 1, region: n packed chunk slots. wait_credit; push
 //     chunk q of x into slot r of peer q's region, for every peer q; post;
@@ -31,8 +25,11 @@
 
 namespace pk::all_reduce {
 
-cudaError_t load_reduce_kernels();  // reduce.cu
-cudaError_t load_copy_kernels();    // copy_jobs.cu
+cudaError_t load_reduce_kernels();    // reduce.cu
+cudaError_t load_copy_kernels();      // copy_jobs.cu
+cudaError_t load_one_shot_kernels();  // one_shot.cu
+cudaError_t launch_one_shot(const Params& p);
+uint64_t one_shot_slot_bytes(uint64_t bytes);
 
 namespace {
 
@@ -61,34 +58,6 @@ cudaError_t copy(const CopyJobs& jobs, bool engine, const Params& p) {
     }
   }
   return cudaSuccess;
-}
-
-// One-shot: x into slot r of every peer's region, then the reduction of all n.
-cudaError_t enqueue_one_shot(const Params& p) {
-  const Channel& ch = p.ch;
-  const size_t es = elem_bytes(p.elem);
-  const uint64_t elems = p.geo.rows * p.geo.stride;
-  PK_CUDA_TRY(signals::wait_credit(ch, p.stream));
-  CopyJobs push;
-  for (int k = 1; k < ch.n; ++k) {  // neighbours first, so the links are spread
-    const int q = (ch.rank + k) % ch.n;
-    push.job[push.count++] = CopyJob{p.src, at(p.region[q], ch.rank * elems, es), 0, 0, 1,
-                                     elems * es};
-  }
-  PK_CUDA_TRY(copy(push, /*engine=*/false, p));
-  PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, p.skip_post, p.stream));
-  PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, p.stream));
-  ReduceArgs a{};
-  for (int q = 0; q < ch.n; ++q) {
-    a.src[q] = q == ch.rank ? p.src : at(p.region[ch.rank], q * elems, es);
-    a.src_stride[q] = elems;
-  }
-  a.dst = p.dst;
-  a.dst_stride = elems;
-  a.rows = 1;
-  a.len = elems;
-  a.n = ch.n;
-  return launch_reduce(a, p.elem, p.sm_count, p.stream);
 }
 
 // Two-shot phase 1: chunk q of x to rank q, our chunk reduced into the result.
@@ -157,8 +126,8 @@ uint64_t result_bytes(const Params& p) {
 }  // namespace
 
 size_t phase1_bytes(Mechanism m, Kind k, const Geometry& g, Elem t) {
-  const uint64_t per_slot = one_shot(m, k) ? g.rows * g.stride : g.slot_elems();
-  return size_t(g.n) * per_slot * elem_bytes(t);
+  if (one_shot(m, k)) return size_t(g.n) * one_shot_slot_bytes(g.rows * g.stride * elem_bytes(t));
+  return size_t(g.n) * g.slot_elems() * elem_bytes(t);
 }
 
 size_t phase2_bytes(Mechanism m, Kind k, const Geometry& g, Elem t) {
@@ -167,17 +136,18 @@ size_t phase2_bytes(Mechanism m, Kind k, const Geometry& g, Elem t) {
 }
 
 cudaError_t launch(const Params& p, Mechanism m) {
+  if (one_shot(m, p.kind)) return launch_one_shot(p);  // one kernel: nothing enqueued before
   const signals::Outputs out(p.dst, result_bytes(p), p.poison);
   const bool engine = m == kCopyEngine;
-  cudaError_t err = one_shot(m, p.kind) ? enqueue_one_shot(p) : enqueue_reduce_scatter(p, engine);
+  cudaError_t err = enqueue_reduce_scatter(p, engine);
   if (err != cudaSuccess) {
     signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-    if (!one_shot(m, p.kind) && p.kind == kAllReduce)
+    if (p.kind == kAllReduce)
       signals::finish(p.ch2, out, p.stream, /*aborted=*/true);  // keep channel 2 in step
     return err;
   }
   PK_CUDA_TRY(signals::finish(p.ch, out, p.stream));
-  if (one_shot(m, p.kind) || p.kind != kAllReduce) return cudaSuccess;
+  if (p.kind != kAllReduce) return cudaSuccess;
   if (err = enqueue_all_gather(p, engine); err != cudaSuccess) {
     signals::finish(p.ch2, out, p.stream, /*aborted=*/true);
     return err;
@@ -187,6 +157,7 @@ cudaError_t launch(const Params& p, Mechanism m) {
 
 cudaError_t load_kernels() {
   PK_CUDA_TRY(load_reduce_kernels());
+  PK_CUDA_TRY(load_one_shot_kernels());
   return load_copy_kernels();
 }
 
