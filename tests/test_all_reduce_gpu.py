@@ -8,6 +8,10 @@ epochs, reduction kernel); the 2-GPU tests skip with a reason below two GPUs
 GPU). Inputs are fresh random values; the allocator is poisoned first.
 """
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +111,20 @@ def test_world_size_one_graph_replays_on_fresh_buffers(rng):
             x = jax.device_put(host, NamedSharding(mesh, P("x")))
             np.testing.assert_array_equal(np.asarray(f(x)), host * 2 + 1)
     pk_jax.check_errors()
+
+
+def test_fresh_buffers_under_command_buffers():
+    """Every custom call in a CUDA graph (min graph size 1), called on new
+    buffers: the graph is updated in place (1-D copies only). One or two GPUs."""
+    gpu_mesh(1)
+    _needs_kernels()
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1").strip()
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "all_reduce_checks.py")
+    proc = subprocess.run([sys.executable, script, "graphs"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "GRAPHS_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 # ---- two GPUs --------------------------------------------------------------------------
