@@ -123,21 +123,30 @@ __device__ void finish(const OneShotArgs& a, uint64_t epoch, size_t esize) {
 }
 
 // ---- entry point -----------------------------------------------------------
-template <typename T>
+template <typename T, bool kPacked>
 __global__ void __launch_bounds__(kThreads) one_shot_kernel(const __grid_constant__ OneShotArgs a) {
   const uint64_t epoch = a.ch.next_epoch();
   push(a, credit(a, epoch));
   if (last_block(&a.ch.mine()->arrive[0][0])) post(a, epoch);
   wait_posted(a, epoch);
-  sum_range<T>(a.sum, uint64_t(blockIdx.x) * blockDim.x * kSumUnroll,
-               uint64_t(gridDim.x) * blockDim.x * kSumUnroll);
+  sum_grid<T, kPacked>(a.sum);
   finish(a, epoch, sizeof(T));
 }
 
 template <typename T>
 cudaError_t launch_typed(const OneShotArgs& a, int blocks, cudaStream_t s) {
-  one_shot_kernel<T><<<blocks, kThreads, 0, s>>>(a);
+  if (packable(a.sum, sizeof(T)))
+    one_shot_kernel<T, true><<<blocks, kThreads, 0, s>>>(a);
+  else
+    one_shot_kernel<T, false><<<blocks, kThreads, 0, s>>>(a);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t load_typed() {
+  cudaFuncAttributes attr;
+  PK_CUDA_TRY(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(one_shot_kernel<T, true>)));
+  return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(one_shot_kernel<T, false>));
 }
 
 }  // namespace
@@ -179,15 +188,10 @@ cudaError_t launch_one_shot(const Params& p) {
 }
 
 cudaError_t load_one_shot_kernels() {
-  const void* kernels[] = {reinterpret_cast<const void*>(one_shot_kernel<__nv_bfloat16>),
-                           reinterpret_cast<const void*>(one_shot_kernel<__half>),
-                           reinterpret_cast<const void*>(one_shot_kernel<float>),
-                           reinterpret_cast<const void*>(one_shot_kernel<int32_t>)};
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr;
-    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-  }
-  return cudaSuccess;
+  PK_CUDA_TRY(load_typed<__nv_bfloat16>());
+  PK_CUDA_TRY(load_typed<__half>());
+  PK_CUDA_TRY(load_typed<float>());
+  return load_typed<int32_t>();
 }
 
 }  // namespace pk::all_reduce

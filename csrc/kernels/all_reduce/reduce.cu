@@ -1,7 +1,7 @@
-// The reduction of every all_reduce / reduce_scatter mechanism: out = the sum
-// of n sources in rank order 0..n-1, fp32 accumulation for 16-bit floats,
-// rounded once (all_reduce.h: summation order). A generalisation of the slot
-// sum of matmul_reduce_scatter (strided sources, int32).
+// The reduction of the two-shot mechanisms: out = the sum of n sources in
+// rank order 0..n-1, fp32 accumulation for 16-bit floats, rounded once
+// (all_reduce.h: summation order; sum.cuh). A generalisation of the slot sum
+// of matmul_reduce_scatter (strided sources, int32, 16-byte packs).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -22,24 +22,36 @@ constexpr int kBlocksPerSm = 4;
 // ReduceArgs (all_reduce.h), by value.
 
 // ---- roles -----------------------------------------------------------------
-// sum_range (sum.cuh): the grid-stride partition of the rows x len elements.
+// sum_grid (sum.cuh): the grid-stride partition of the rows x len elements,
+// element by element or in 16-byte packs.
 
 // ---- entry point -----------------------------------------------------------
-template <typename T>
+template <typename T, bool kPacked>
 __global__ void __launch_bounds__(kThreads) reduce_kernel(const __grid_constant__ ReduceArgs a) {
-  sum_range<T>(a, uint64_t(blockIdx.x) * blockDim.x * kSumUnroll,
-               uint64_t(gridDim.x) * blockDim.x * kSumUnroll);
+  sum_grid<T, kPacked>(a);
 }
 
 template <typename T>
 cudaError_t launch_typed(const ReduceArgs& a, int sm_count, cudaStream_t s) {
   const uint64_t total = a.rows * a.len;
   if (total == 0) return cudaSuccess;
-  const uint64_t per_block = uint64_t(kThreads) * kSumUnroll;
+  const bool packed = packable(a, sizeof(T));
+  const uint64_t per_block = uint64_t(kThreads) * (packed ? kPackUnroll * 16 / sizeof(T)
+                                                          : kSumUnroll);
   const int blocks = int(std::clamp<uint64_t>((total + per_block - 1) / per_block, 1,
                                               uint64_t(std::max(sm_count, 1)) * kBlocksPerSm));
-  reduce_kernel<T><<<blocks, kThreads, 0, s>>>(a);
+  if (packed)
+    reduce_kernel<T, true><<<blocks, kThreads, 0, s>>>(a);
+  else
+    reduce_kernel<T, false><<<blocks, kThreads, 0, s>>>(a);
   return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t load_typed() {
+  cudaFuncAttributes attr;
+  PK_CUDA_TRY(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(reduce_kernel<T, true>)));
+  return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(reduce_kernel<T, false>));
 }
 
 }  // namespace
@@ -55,15 +67,10 @@ cudaError_t launch_reduce(const ReduceArgs& a, Elem t, int sm_count, cudaStream_
 }
 
 cudaError_t load_reduce_kernels() {
-  const void* kernels[] = {reinterpret_cast<const void*>(reduce_kernel<__nv_bfloat16>),
-                           reinterpret_cast<const void*>(reduce_kernel<__half>),
-                           reinterpret_cast<const void*>(reduce_kernel<float>),
-                           reinterpret_cast<const void*>(reduce_kernel<int32_t>)};
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr;
-    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-  }
-  return cudaSuccess;
+  PK_CUDA_TRY(load_typed<__nv_bfloat16>());
+  PK_CUDA_TRY(load_typed<__half>());
+  PK_CUDA_TRY(load_typed<float>());
+  return load_typed<int32_t>();
 }
 
 }  // namespace pk::all_reduce
