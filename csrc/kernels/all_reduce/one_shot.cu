@@ -13,8 +13,10 @@
 //      local counter; the last one resets it and, unless a wait on the
 //      device failed, releases posted[r] = e on every peer.
 //   4. reduce: thread q of every block waits for posted[q] >= e (acquire;
-//      every spin is a local load), then the grid sums the n blocks in rank
-//      order (sum.cuh) into the result: x itself for q = r, slot q else.
+//      every spin is a local load) and checks the size q posted with it
+//      (another size: kErrLayout, the result is poisoned), then the grid
+//      sums the n blocks in rank order (sum.cuh) into the result: x itself
+//      for q = r, slot q else.
 //   5. finish: the last block to finish (the channel's ticket) releases
 //      done[r] = e to every peer, poisons the result if the device holds an
 //      error, and advances the epoch.
@@ -101,13 +103,22 @@ __device__ void post(const OneShotArgs& a, uint64_t epoch) {
   __syncthreads();
   const int q = threadIdx.x;
   if (failed || a.skip_post || q >= a.ch.n || q == a.ch.rank) return;
+  // Our block's size with the post (the release orders it): a peer running
+  // another program on this channel sees a size other than its own.
+  store_relaxed_sys(&a.ch.flags[q]->row_bytes[a.ch.rank], a.bytes);
   store_release_sys(&a.ch.flags[q]->posted[a.ch.rank], epoch);
 }
 
+// A slot staged for another size (two programs sharing the channel ran in
+// different orders) is an error (kErrLayout): the sum still reads only our
+// own region, and finish poisons the result.
 __device__ void wait_posted(const OneShotArgs& a, uint64_t epoch) {
   const int q = threadIdx.x;
-  if (q < a.ch.n && q != a.ch.rank)
-    wait_geq(&a.ch.mine()->posted[q], epoch, a.ch.wait, q, kWaitPosted);
+  if (q < a.ch.n && q != a.ch.rank &&
+      wait_geq(&a.ch.mine()->posted[q], epoch, a.ch.wait, q, kWaitPosted)) {
+    const uint64_t theirs = load_relaxed_sys(&a.ch.mine()->row_bytes[q]);
+    if (theirs != a.bytes) record_error(a.ch.wait, kErrLayout, q, 0, 1, 1, a.bytes, theirs);
+  }
   __syncthreads();  // thread q's acquire orders the block's reads of slot q
 }
 
