@@ -25,12 +25,6 @@
 
 namespace pk::all_reduce {
 
-cudaError_t load_reduce_kernels();    // reduce.cu
-cudaError_t load_copy_kernels();      // copy_jobs.cu
-cudaError_t load_one_shot_kernels();  // one_shot.cu
-cudaError_t launch_one_shot(const Params& p);
-uint64_t one_shot_slot_bytes(uint64_t bytes);
-
 namespace {
 
 bool one_shot(Mechanism m, Kind k) { return m == kLdStOneShot && k == kAllReduce; }

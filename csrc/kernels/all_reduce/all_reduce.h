@@ -119,7 +119,16 @@ struct CopyJobs {
 };
 cudaError_t launch_copy_jobs(const CopyJobs& jobs, int sm_count, cudaStream_t s);
 
-// Load every kernel of the family on the current device.
+// The fused one-shot all_reduce kernel (one_shot.cu): every step of the
+// call in one launch; slots of x's bytes rounded up to 16.
+cudaError_t launch_one_shot(const Params& p);
+uint64_t one_shot_slot_bytes(uint64_t bytes);
+
+// Load every kernel of the family on the current device (load_kernels), or
+// those of one file.
 cudaError_t load_kernels();
+cudaError_t load_reduce_kernels();
+cudaError_t load_copy_kernels();
+cudaError_t load_one_shot_kernels();
 
 }  // namespace pk::all_reduce

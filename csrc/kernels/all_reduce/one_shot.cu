@@ -6,7 +6,7 @@
 //   1. credit: thread q of every block waits for done[q] >= e - 1 (peer q
 //      finished reading the slot we write, last call). A wait that gives up
 //      means the peer may still read it: this block then writes nothing
-//      there, and nothing is posted (4), so the peer's own wait fails too.
+//      there, and nothing is posted (3), so the peer's own wait fails too.
 //   2. push:   the grid stores x into slot r of every peer's region (16-byte
 //      vectors where x allows), block b its share.
 //   3. arrive: every block fences at system scope and counts itself on a
