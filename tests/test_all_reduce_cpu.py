@@ -338,3 +338,11 @@ def test_mechanism_and_kind_ids_match_the_header():
         "kCopyEngine": prim.KERNEL_MECHANISMS["copy_engine"]}
     assert cxx_enum(header, "Kind") == {"kAllReduce": prim.KINDS["all_reduce"],
                                         "kReduceScatter": prim.KINDS["reduce_scatter"]}
+
+
+def test_custom_call_on_auto_and_explicit_meshes(cuda_lowering, sharding_mode):
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    hlo = _lower(lambda a: (pk_jax.all_reduce(a, "y")
+                            + jnp.tile(pk_jax.reduce_scatter(a, "y"), (4, 1))),
+                 mesh, P("y"), P("y"), (32, 8), check_vma=False)
+    assert len(_calls(hlo)) == 2 and "stablehlo.all_reduce" not in hlo
