@@ -346,3 +346,19 @@ def test_custom_call_on_auto_and_explicit_meshes(cuda_lowering, sharding_mode):
                             + jnp.tile(pk_jax.reduce_scatter(a, "y"), (4, 1))),
                  mesh, P("y"), P("y"), (32, 8), check_vma=False)
     assert len(_calls(hlo)) == 2 and "stablehlo.all_reduce" not in hlo
+
+
+def test_pytrees_like_lax(rng):
+    mesh = cpu_mesh((4,), ("x",))
+    x = _data(rng, (32, 4), jnp.float32)
+    tree = lambda a: {"a": a, "b": (a * 2, a[:, :2])}
+    ours = jax.jit(jax.shard_map(lambda a: pk_jax.all_reduce(tree(a), "x"), mesh=mesh,
+                                 in_specs=P("x"), out_specs=P()))(x)
+    ref = jax.jit(jax.shard_map(lambda a: lax.psum(tree(a), "x"), mesh=mesh,
+                                in_specs=P("x"), out_specs=P()))(x)
+    jax.tree.map(np.testing.assert_array_equal, ours, ref)
+    ours = jax.jit(jax.shard_map(lambda a: pk_jax.reduce_scatter(tree(a), "x", scatter_dimension=0),
+                                 mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)
+    ref = jax.jit(jax.shard_map(lambda a: lax.psum_scatter(tree(a), "x", tiled=True),
+                                mesh=mesh, in_specs=P("x"), out_specs=P("x")))(x)
+    jax.tree.map(np.testing.assert_array_equal, ours, ref)

@@ -96,10 +96,15 @@ def all_reduce(x: jax.Array, axis_name: str | Sequence[str], *,
         or "xla" (lax.psum).
 
     Returns:
-      The sum, of x's shape and dtype, identical on every device of the group.
+      The sum, of x's shape and dtype, identical on every device of the group
+      (a pytree of arrays gives the pytree of their sums, as lax.psum).
     """
     _check_mechanism("all_reduce", mechanism)
     names = groups.axis_names(axis_name)
+    return jax.tree.map(lambda leaf: _all_reduce_leaf(leaf, names, mechanism), x)
+
+
+def _all_reduce_leaf(x, names, mechanism: str) -> jax.Array:
     x = jax.numpy.asarray(x)
     if mechanism == "xla" or x.size == 0 or not _kernel_dtype("all_reduce", x, mechanism):
         return reference.all_reduce(x, names)
@@ -130,10 +135,16 @@ def reduce_scatter(x: jax.Array, axis_name: str | Sequence[str], *, scatter_dime
         engines push the chunks), or "xla" (lax.psum_scatter).
 
     Returns:
-      This device's chunk of the sum.
+      This device's chunk of the sum (a pytree of arrays: the pytree of
+      their chunks).
     """
     _check_mechanism("reduce_scatter", mechanism)
     names = groups.axis_names(axis_name)
+    return jax.tree.map(
+        lambda leaf: _reduce_scatter_leaf(leaf, names, scatter_dimension, tiled, mechanism), x)
+
+
+def _reduce_scatter_leaf(x, names, scatter_dimension, tiled, mechanism: str) -> jax.Array:
     x = jax.numpy.asarray(x)
     if isinstance(scatter_dimension, bool) or not isinstance(scatter_dimension,
                                                              (int, np.integer)):
