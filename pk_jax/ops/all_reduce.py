@@ -20,22 +20,13 @@ import numpy as np
 from jax import lax
 
 from pk_jax import groups, reference, runtime, tuning
-from pk_jax._compat import make_varying
+from pk_jax._compat import make_varying, varying_axes
 from pk_jax._warnings import warn_once
 from pk_jax.ops.all_reduce_primitive import (KERNEL_MECHANISMS, AllReduceConfig, all_reduce_p)
 
 MECHANISMS = ("auto", "ld_st_oneshot", "two_shot", "copy_engine", "xla")
 KERNEL_DTYPES = (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16), np.dtype(np.float32),
                  np.dtype(np.int32))
-
-
-def _check_vma() -> bool:
-    """Whether shard_map's varying-axes types are on for the trace in progress."""
-    try:
-        from jax._src import config as jax_config
-        return bool(jax_config._check_vma.value)
-    except (ImportError, AttributeError):  # other JAX versions: the checked rule
-        return True
 
 
 def _kernel_dtype(op: str, x: jax.Array, mechanism: str) -> bool:
@@ -61,9 +52,12 @@ def _bind(x, cfg_kwargs: dict, mechanism: str, per_rank_bytes: int, names, kind:
     chosen = (tuning.all_reduce_mechanism(kind, per_rank_bytes) if mechanism == "auto"
               else mechanism)
     assert chosen in KERNEL_MECHANISMS, chosen
+    x = make_varying(x, names)
+    # Under shard_map's type checks x now varies over every summed axis; unchecked, over none.
+    check_vma = set(names) <= varying_axes(x)
     cfg = AllReduceConfig(kind=kind, names=names, n=lax.axis_size(names), mechanism=chosen,
-                          forced=mechanism != "auto", check_vma=_check_vma(), **cfg_kwargs)
-    return all_reduce_p.bind(make_varying(x, names), cfg=cfg)
+                          forced=mechanism != "auto", check_vma=check_vma, **cfg_kwargs)
+    return all_reduce_p.bind(x, cfg=cfg)
 
 
 def all_reduce(x: jax.Array, axis_name: str | Sequence[str], *,
