@@ -52,10 +52,11 @@ def _bind(x, cfg_kwargs: dict, mechanism: str, per_rank_bytes: int, names, kind:
     chosen = (tuning.all_reduce_mechanism(kind, per_rank_bytes) if mechanism == "auto"
               else mechanism)
     assert chosen in KERNEL_MECHANISMS, chosen
+    n = lax.axis_size(names)  # first: an unbound axis name is a NameError
     x = make_varying(x, names)
     # Under shard_map's type checks x now varies over every summed axis; unchecked, over none.
     check_vma = set(names) <= varying_axes(x)
-    cfg = AllReduceConfig(kind=kind, names=names, n=lax.axis_size(names), mechanism=chosen,
+    cfg = AllReduceConfig(kind=kind, names=names, n=n, mechanism=chosen,
                           forced=mechanism != "auto", check_vma=check_vma, **cfg_kwargs)
     return all_reduce_p.bind(x, cfg=cfg)
 
