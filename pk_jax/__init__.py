@@ -13,6 +13,7 @@ from pk_jax.config import Config, configure, configured, get_config
 from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
+from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
 from pk_jax.ops.ring_attention import ring_attention
 from pk_jax.ops.zigzag import zigzag_shard, zigzag_unshard
 from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
@@ -27,6 +28,7 @@ __all__ = [
     "PkJaxFallbackWarning",
     "PkJaxTimeoutError",
     "all_gather",
+    "all_reduce",
     "all_gather_matmul",
     "check_errors",
     "configure",
@@ -37,6 +39,7 @@ __all__ = [
     "get_config",
     "matmul",
     "matmul_reduce_scatter",
+    "reduce_scatter",
     "ring_attention",
     "zigzag_shard",
     "zigzag_unshard",

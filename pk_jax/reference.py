@@ -33,6 +33,18 @@ def all_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0,
     return lax.all_gather(x, _axes(axis_name), axis=axis, tiled=tiled)
 
 
+def all_reduce(x: jax.Array, axis_name: AxisName) -> jax.Array:
+    """`lax.psum` (XLA's all-reduce; NCCL on GPUs)."""
+    return lax.psum(x, _axes(axis_name))
+
+
+def reduce_scatter(x: jax.Array, axis_name: AxisName, *, scatter_dimension: int = 0,
+                   tiled: bool = False) -> jax.Array:
+    """`lax.psum_scatter` (XLA's reduce-scatter; NCCL on GPUs)."""
+    return lax.psum_scatter(x, _axes(axis_name), scatter_dimension=scatter_dimension,
+                            tiled=tiled)
+
+
 def _dot(a: jax.Array, b: jax.Array, out_dtype) -> jax.Array:
     """a[..., K] @ b[K, N] with fp32 accumulation, result in out_dtype."""
     dims = (((a.ndim - 1,), (0,)), ((), ()))

@@ -32,3 +32,18 @@ RING_ATTENTION_MECHANISM = "copy_engine"
 # call; kept for comparison and as the fallback). Not yet measured against
 # each other on 2 x H200.
 RING_ATTENTION_BWD_TRANSPORT = "pk"
+
+
+# all_reduce / reduce_scatter under `auto`. PROVISIONAL: not measured yet (the
+# kernels need 2 GPUs, not lent when they were written); the one-shot reads
+# n times the bytes of the two-shot but takes one exchange, so it should lead
+# for small messages. Replace with the crossover benchmarks/all_reduce.py
+# measures on 2 x H200.
+ALL_REDUCE_ONESHOT_MAX_BYTES = 256 << 10
+
+
+def all_reduce_mechanism(kind: str, per_rank_bytes: int) -> str:
+    """The all_reduce / reduce_scatter mechanism `auto` takes (provisional)."""
+    if kind == "all_reduce" and per_rank_bytes <= ALL_REDUCE_ONESHOT_MAX_BYTES:
+        return "ld_st_oneshot"
+    return "two_shot"

@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
 from pk_jax import runtime  # noqa: E402
+from all_reduce_checks import run_multiprocess_checks  # noqa: E402
 
 
 def check(cond, what):
@@ -125,6 +126,7 @@ def main() -> None:
     # runs across processes on one shared GPU too (XLA's collectives do not).
     _ring_grads(mesh, put, cpu, rng, bf)
     _ring_grads_timeout(mesh, put, cpu, rng, bf)
+    run_multiprocess_checks(mesh, put, sm, local, check, rng)  # all_reduce, reduce_scatter
     _timeout_and_reset(mesh, put, sm, rng)
     print("GPU_MULTIPROCESS_DONE", flush=True)
 

@@ -118,6 +118,9 @@ if __name__ == "__main__":
               ("all_gather copy_engine", lambda: check_all_gather(mesh, "copy_engine")),
               ("all_gather ld_st_push", lambda: check_all_gather(mesh, "ld_st_push")),
               ("tp matmuls", lambda: check_tp(mesh))]
+    from all_reduce_checks import check_fresh_buffers
+    checks += [(f"all_reduce {m}", lambda m=m: check_fresh_buffers(mesh, m))
+               for m in ("ld_st_oneshot", "two_shot", "copy_engine")]
     failed = []
     for name, run in checks:
         try:

@@ -11,5 +11,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(MatmulReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAttention);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionBlockBwd);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAttentionBwd);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduce);
 
 }  // namespace pk::ffi_handlers

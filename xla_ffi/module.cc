@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/all_gather/all_gather.h"
+#include "kernels/all_reduce/all_reduce.h"
 #include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/ring_attention/ring_attention.h"
@@ -37,6 +38,7 @@ const std::vector<pk::runtime::KernelLoader>& kernel_loaders() {
       pk::gemm::load_kernels,           pk::tp_matmul::load_kernels,
       pk::ring_attention::load_kernels, pk::attention_bwd::load_kernels,
       pk::ring_attention_bwd::load_kernels,
+      pk::all_reduce::load_kernels,
   };
   return loaders;
 }
@@ -54,6 +56,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_ring_attention"] = as_capsule(pk::ffi_handlers::RingAttention);
     d["pk_attention_block_bwd"] = as_capsule(pk::ffi_handlers::AttentionBlockBwd);
     d["pk_ring_attention_bwd"] = as_capsule(pk::ffi_handlers::RingAttentionBwd);
+    d["pk_all_reduce"] = as_capsule(pk::ffi_handlers::AllReduce);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 

@@ -129,6 +129,9 @@ enum OpId : int32_t {
   kOpMatmulReduceScatter = 3,
   kOpRingAttention = 4,
   kOpRingAttentionBwd = 5,
+  kOpAllReduce = 6,
+  kOpReduceScatter = 7,
+  kOpMatmulAllReduce = 8,
 };
 // What a failed wait waited for (ErrorRecord::what, with kErrTimeout).
 enum WaitKind : int32_t {
