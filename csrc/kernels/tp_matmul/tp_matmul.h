@@ -12,8 +12,10 @@
 //   with more, it fills our slot and a sum of the n slots follows.
 // matmul_all_reduce: out[M, N] = sum_q (x_q @ w_q), the same bits on every rank
 //   chunked: matmul_reduce_scatter's sequence reduces our chunk of rows (its
-//   owner, in one fixed order), then the copy engine pushes it into every
-//   peer's second region and each rank copies the peers' chunks into place;
+//   owner, in one fixed order), in row pieces with two ranks; as each piece
+//   lands the side stream's copy engine pushes it into every peer's gather
+//   region (a second channel), and each rank copies the peers' chunks into
+//   place;
 //   one_shot (decode-sized M): one GEMM of all rows, its partial pushed to
 //   every peer, and every rank sums the n partials in rank order (fp32).
 // All: every GEMM of the call is checked (gemm::check) before anything is
