@@ -136,7 +136,9 @@ def _matmul_all_reduce(mesh, put, cpu, rng, sm, bf):
     """psum(x @ w) across processes, both mechanisms: the same bits on both
     ranks (compared through pk's own all_gather), close to the fp32 product;
     gradients against the fp32 vector-Jacobian product."""
-    for mechanism, m in (("chunked", 1024), ("one_shot", 64), ("auto", 128)):
+    # chunked at 4096 rows: 2048 per rank, pushed in two pieces
+    for mechanism, m in (("chunked", 1024), ("chunked", 4096), ("one_shot", 64),
+                         ("auto", 128)):
         k, n_cols = 512, 768
         x = rng.standard_normal((m, 2 * k)).astype(np.float32)
         w = (rng.standard_normal((2 * k, n_cols)) / np.sqrt(2 * k)).astype(np.float32)

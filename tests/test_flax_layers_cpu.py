@@ -203,6 +203,12 @@ def test_bad_configurations():
         ColumnParallelLinear(F, 8, axis_name="tp", mechanism="nccl", rngs=rngs)
     with pytest.raises(ValueError, match="positive int"):
         RowParallelLinear(0, F, axis_name="tp", rngs=rngs)
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        RowParallelLinear(8, F, axis_name="tp", reduce="psum", rngs=rngs)
+    with pytest.raises(ValueError, match="mechanism"):  # one_shot: all_reduce only
+        RowParallelLinear(8, F, axis_name="tp", mechanism="one_shot", rngs=rngs)
+    RowParallelLinear(8, F, axis_name="tp", mechanism="one_shot", reduce="all_reduce",
+                      rngs=rngs)
     with pytest.raises(ValueError, match="expected input"):
         ColumnParallelLinear(F, 8, axis_name=None, rngs=rngs)(jnp.ones((4, F + 1)))
 

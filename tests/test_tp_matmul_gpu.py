@@ -1,6 +1,7 @@
-"""all_gather_matmul / matmul_reduce_scatter kernels on GPUs against the fp32
-reference of the unsharded product, with a tolerance set by XLA's own
-same-precision result. Skipped with a reason when there are too few GPUs."""
+"""all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce kernels on
+GPUs against the fp32 reference of the unsharded product, with a tolerance set
+by XLA's own same-precision result (matmul_all_reduce: also the same bits on
+every rank). Skipped with a reason when there are too few GPUs."""
 
 import jax
 import jax.numpy as jnp
@@ -219,8 +220,10 @@ def _ar(mesh, mechanism, stacked=False, **kw):
                                  out_specs=P("x") if stacked else P(), check_vma=not stacked))
 
 
-# (M, K per rank, N): decode-sized, square-ish, an N off the 256-column tile.
-AR_SHAPES = [(16, 1024, 1024), (256, 512, 2048), (1024, 1024, 512), (512, 256, 200)]
+# (M, K per rank, N): decode-sized, square-ish, an N off the 256-column tile,
+# and 2 x 2048 rows (two ranks' chunked sequence then pushes two pieces).
+AR_SHAPES = [(16, 1024, 1024), (256, 512, 2048), (1024, 1024, 512), (512, 256, 200),
+             (4096, 256, 512)]
 
 
 @pytest.mark.parametrize("n", [1, 2])
