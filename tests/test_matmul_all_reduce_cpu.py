@@ -180,7 +180,7 @@ def _ar_calls(hlo):
 
 def _channel(call, which):
     """The dictionary of attribute `which` ("channel" or "gather_channel")."""
-    return re.search(which + r" = \{(.*?)\}", call).group(1)
+    return re.search(r"\b" + which + r" = \{(.*?)\}", call).group(1)
 
 
 @pytest.mark.parametrize("rows,one_shot", [(64, True), (1024, False)])
