@@ -11,8 +11,9 @@
 //     credit (gather_ch): every peer finished copying out our last chunk.
 //     local:  n = 2: wait the peer; our chunk in P row pieces, each a GEMM
 //             x[piece] @ w + the peer's partial (the epilogue's C, fp32) ->
-//             out. n > 2: GEMM -> slot r of our ch region, wait every peer,
-//             sum the n slots in rank order (fp32) -> out; one piece.
+//             out. n > 2: GEMM -> slot r of our ch region, then one launch
+//             that waits for every peer and sums the n slots in rank order
+//             (fp32) -> out; one piece.
 //             After each piece the side stream forks off (below).
 //     finish ch: done[r] = e to every peer; out poisoned if the call failed.
 //     gather: for each peer q, in the order their pushes reach us: wait
@@ -27,8 +28,8 @@
 //     anything failed).
 // one_shot (decode-sized M; ch only, region: n slots of [M, N]): GEMM x @ w
 //   -> slot r of our region; credit; for each peer q: copy engine slot r ->
-//   slot r of q's region, post q; wait every peer; out = the sum of the n
-//   slots in rank order (fp32); finish.
+//   slot r of q's region, post q; one launch waits for every peer and sums
+//   the n slots in rank order (fp32) -> out; finish.
 // With one rank: the GEMM into out, then finish. Every GEMM of the call is
 // checked before anything is enqueued; a CUDA error from an enqueue still
 // joins the side stream and finishes every channel the call uses, as
@@ -125,11 +126,12 @@ cudaError_t copy(void* dst, const void* src, size_t bytes, cudaStream_t s) {
   return cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s);
 }
 
-// Sums the n slots of our region into `dst` (fp32, rank order).
-cudaError_t sum_into(const Params& p, void* dst, cudaStream_t s) {
+// Sums the n slots of our region into `dst` (fp32, rank order), after every
+// peer posted on ch (the wait in the same launch).
+cudaError_t wait_and_sum(const Params& p, void* dst, cudaStream_t s) {
   Params chunk = p;
   chunk.out = dst;
-  return launch_sum_slots(chunk, p.region[p.rank], s);
+  return launch_sum_slots(chunk, p.region[p.rank], s, /*wait_posted=*/true);
 }
 
 // ---- roles -----------------------------------------------------------------
@@ -145,8 +147,7 @@ cudaError_t one_shot(const Params& p) {
     PK_CUDA_TRY(copy(slot(p.region[q], p, p.rank), g.d, slot_bytes(p), s));
     PK_CUDA_TRY(signals::post(p.ch, q, p.skip_post, s));
   }
-  PK_CUDA_TRY(signals::wait_posted(p.ch, signals::kAllPeers, s));
-  return sum_into(p, p.out, s);
+  return wait_and_sum(p, p.out, s);
 }
 
 // Side stream: rows [first, first + rows) of our reduced chunk, once the
@@ -182,8 +183,7 @@ cudaError_t chunked(const Params& p, const signals::Outputs& out, bool* forked,
   } else {
     problem(p, p.n - 1, &g);
     PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
-    PK_CUDA_TRY(signals::wait_posted(p.ch, signals::kAllPeers, s));
-    PK_CUDA_TRY(sum_into(p, out_rows(p, p.rank), s));
+    PK_CUDA_TRY(wait_and_sum(p, out_rows(p, p.rank), s));
   }
   for (int64_t j = 0; j < pieces(p); ++j) {
     int64_t first, rows;

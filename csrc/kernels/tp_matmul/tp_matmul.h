@@ -73,8 +73,11 @@ cudaError_t matmul_reduce_scatter(const Params& p);
 cudaError_t matmul_all_reduce(const Params& p);
 
 // out = the sum over q < p.n of the slots (p.m x p.n_cols of the output type
-// each, back to back from `slots`), accumulated in fp32 in rank order.
-cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s);
+// each, back to back from `slots`), accumulated in fp32 in rank order; with
+// wait_posted, after a bounded wait for every peer's post on p.ch (as
+// signals::wait_posted, in the same launch).
+cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s,
+                             bool wait_posted = false);
 
 // Load the helper kernels (the slot sum) on the current device.
 cudaError_t load_kernels();
