@@ -98,6 +98,20 @@ def test_gradients_match_psum(rng, dtype):
         assert rel_err(g, r) < TOL[dtype]
 
 
+def test_gradients_with_an_fp32_result(rng):
+    """bf16 operands, fp32 result: the fp32 cotangent meets the bf16 weight."""
+    mesh = cpu_mesh((2,), ("tp",))
+    x = _put(mesh, _normal(rng, (8, 32), jnp.bfloat16), P(None, "tp"))
+    w = _put(mesh, _normal(rng, (32, 16), jnp.bfloat16), P("tp", None))
+    op = lambda a, b, names: pk_jax.matmul_all_reduce(a, b, names,
+                                                      preferred_element_type=jnp.float32)
+    ref = lambda a, b, names: _psum(a, b, names, jnp.float32)
+    ours = _grads(mesh, op, x, w, P(None, "tp"), P("tp", None), "tp")
+    for g, r, a in zip(ours, _grads(mesh, ref, x, w, P(None, "tp"), P("tp", None), "tp"),
+                       (x, w)):
+        assert g.dtype == a.dtype and rel_err(g, r) < 1e-2
+
+
 @pytest.mark.usefixtures("sharding_mode")
 def test_gradients_on_a_2d_mesh_sum_the_weight_over_the_other_axis(rng):
     """Rows over "dp", the contraction over "tp": w is replicated over dp,
