@@ -141,22 +141,23 @@ def main() -> int:
         x, w = _put(mesh, (m, k), P(None, "x"), rng), _put(mesh, (k, nn), P("x"), rng, k ** -0.5)
         times = {name: time_ms(lambda: f(x, w)) for name, f in ar_impls(mesh).items()}
         record("matmul_all_reduce", shape, times, 2.0 * m * k * nn)
-    if not only & {"gemm_world_size_1", "mlp_fwd_bwd"}:
-        return _finish(rows, table, write=only == set(OPS))
-    # World size 1: pk's GEMM (no peers) against XLA's dot on one GPU.
-    one = one_axis_mesh(devices[:1])
-    m = k = nn = 8192
-    x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
-    impls = ag_impls(one)
-    times = {name: time_ms(lambda: impls[name](x, w)) for name in ("pk", "xla")}
-    record("gemm_world_size_1", (m, k, nn), times, 2.0 * m * k * nn, gpus=1)
-    # MLP pair, forward + backward, hidden 8192 (ffn 28672), 8192 tokens.
-    tokens, d, ffn = 8192, 8192, 28672
-    x = _put(mesh, (tokens, d), P("x"), rng)
-    w1, w2 = _put(mesh, (d, ffn), P(None, "x"), rng, d ** -0.5), _put(mesh, (ffn, d), P("x"), rng,
-                                                                       ffn ** -0.5)
-    times = {name: time_ms(lambda: f(x, w1, w2), calls=5) for name, f in mlp_impls(mesh).items()}
-    record("mlp_fwd_bwd", (tokens, d, ffn), times, 3 * 2 * 2.0 * tokens * d * ffn)
+    if "gemm_world_size_1" in only:
+        # World size 1: pk's GEMM (no peers) against XLA's dot on one GPU.
+        one = one_axis_mesh(devices[:1])
+        m = k = nn = 8192
+        x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
+        impls = ag_impls(one)
+        times = {name: time_ms(lambda: impls[name](x, w)) for name in ("pk", "xla")}
+        record("gemm_world_size_1", (m, k, nn), times, 2.0 * m * k * nn, gpus=1)
+    if "mlp_fwd_bwd" in only:
+        # MLP pair, forward + backward, hidden 8192 (ffn 28672), 8192 tokens.
+        tokens, d, ffn = 8192, 8192, 28672
+        x = _put(mesh, (tokens, d), P("x"), rng)
+        w1 = _put(mesh, (d, ffn), P(None, "x"), rng, d ** -0.5)
+        w2 = _put(mesh, (ffn, d), P("x"), rng, ffn ** -0.5)
+        times = {name: time_ms(lambda: f(x, w1, w2), calls=5)
+                 for name, f in mlp_impls(mesh).items()}
+        record("mlp_fwd_bwd", (tokens, d, ffn), times, 3 * 2 * 2.0 * tokens * d * ffn)
     return _finish(rows, table, write=only == set(OPS))
 
 
