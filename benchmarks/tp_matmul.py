@@ -1,8 +1,8 @@
 """Tensor-parallel matmuls: pk_jax against XLA (all_gather + dot, dot +
-psum_scatter) and against gemm-only (the same local GEMM with no
+psum_scatter, dot + psum) and against gemm-only (the same local GEMM with no
 communication: the floor perfect overlap reaches), in one run.
 
-Usage: python benchmarks/tp_matmul.py [--quick]
+Usage: python benchmarks/tp_matmul.py [--quick] [--only OP[,OP...]]
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ from common import bench_setup, markdown_table, one_axis_mesh, time_ms, write_re
 # 2 x H200 (a square pair, then an MLP layer's: hidden 8192, ffn 28672).
 AG_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 28672)]
 RS_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 28672, 8192)]
+# matmul_all_reduce (K global: K / n per rank): issue 19's large shape, then
+# decode-sized M (the one_shot range of pk_jax/tuning.py).
+AR_SHAPES = [(8192, 8192, 8192)] + [(m, 8192, 8192) for m in (16, 32, 64, 128, 256)]
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "gemm_world_size_1",
+       "mlp_fwd_bwd")
 
 
 def _put(mesh, shape, spec, rng, scale=1.0):
@@ -56,6 +61,19 @@ def rs_impls(mesh):
     }
 
 
+def ar_impls(mesh):
+    specs = dict(mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P())
+    sm = lambda f: jax.jit(jax.shard_map(f, **specs))
+    impls = {"pk": sm(lambda x, w: pk_jax.matmul_all_reduce(x, w, "x"))}
+    for mechanism in ("chunked", "one_shot"):  # both, to check tuning.py's threshold
+        impls[f"pk_{mechanism}"] = sm(
+            lambda x, w, m=mechanism: pk_jax.matmul_all_reduce(x, w, "x", mechanism=m))
+    impls["xla"] = sm(lambda x, w: lax.psum(x @ w, "x"))
+    # the local GEMM alone (shard_map's check_vma would call its result varying)
+    impls["gemm_only"] = jax.jit(jax.shard_map(lambda x, w: x @ w, check_vma=False, **specs))
+    return impls
+
+
 def mlp_impls(mesh):
     def loss(impl):
         def body(x, w1, w2):
@@ -82,7 +100,12 @@ def mlp_impls(mesh):
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the first shape of each op only")
+    ap.add_argument("--only", default=",".join(OPS),
+                    help=f"comma-separated subset of {', '.join(OPS)}")
     args = ap.parse_args()
+    only = set(args.only.split(","))
+    if only - set(OPS):
+        ap.error(f"--only: unknown {sorted(only - set(OPS))}; choose from {OPS}")
     devices, mesh, rng = bench_setup()
     n = len(devices)
     rows, table = [], []
@@ -102,36 +125,52 @@ def main() -> int:
                           f"{ms / floor:.3f}" if floor else "-", f"{base / ms:.2f}x"])
         print(markdown_table(HEADER, table[-len(times):]), flush=True)
 
-    for shape in AG_SHAPES[: 1 if args.quick else None]:
+    for shape in AG_SHAPES[: 0 if "all_gather_matmul" not in only else 1 if args.quick else None]:
         m, k, nn = shape
         x, w = _put(mesh, (m, k), P("x"), rng), _put(mesh, (k, nn), P(None, "x"), rng, k ** -0.5)
         times = {name: time_ms(lambda: f(x, w)) for name, f in ag_impls(mesh).items()}
         record("all_gather_matmul", shape, times, 2.0 * m * k * nn)
-    for shape in RS_SHAPES[: 1 if args.quick else None]:
+    for shape in RS_SHAPES[: 0 if "matmul_reduce_scatter" not in only
+                           else 1 if args.quick else None]:
         m, k, nn = shape
         x, w = _put(mesh, (m, k), P(None, "x"), rng), _put(mesh, (k, nn), P("x"), rng, k ** -0.5)
         times = {name: time_ms(lambda: f(x, w)) for name, f in rs_impls(mesh).items()}
         record("matmul_reduce_scatter", shape, times, 2.0 * m * k * nn)
-    # World size 1: pk's GEMM (no peers) against XLA's dot on one GPU.
-    one = one_axis_mesh(devices[:1])
-    m = k = nn = 8192
-    x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
-    impls = ag_impls(one)
-    times = {name: time_ms(lambda: impls[name](x, w)) for name in ("pk", "xla")}
-    record("gemm_world_size_1", (m, k, nn), times, 2.0 * m * k * nn, gpus=1)
-    # MLP pair, forward + backward, hidden 8192 (ffn 28672), 8192 tokens.
-    tokens, d, ffn = 8192, 8192, 28672
-    x = _put(mesh, (tokens, d), P("x"), rng)
-    w1, w2 = _put(mesh, (d, ffn), P(None, "x"), rng, d ** -0.5), _put(mesh, (ffn, d), P("x"), rng,
-                                                                       ffn ** -0.5)
-    times = {name: time_ms(lambda: f(x, w1, w2), calls=5) for name, f in mlp_impls(mesh).items()}
-    record("mlp_fwd_bwd", (tokens, d, ffn), times, 3 * 2 * 2.0 * tokens * d * ffn)
+    for shape in AR_SHAPES[: 0 if "matmul_all_reduce" not in only else 2 if args.quick else None]:
+        m, k, nn = shape
+        x, w = _put(mesh, (m, k), P(None, "x"), rng), _put(mesh, (k, nn), P("x"), rng, k ** -0.5)
+        times = {name: time_ms(lambda: f(x, w)) for name, f in ar_impls(mesh).items()}
+        record("matmul_all_reduce", shape, times, 2.0 * m * k * nn)
+    if "gemm_world_size_1" in only:
+        # World size 1: pk's GEMM (no peers) against XLA's dot on one GPU.
+        one = one_axis_mesh(devices[:1])
+        m = k = nn = 8192
+        x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
+        impls = ag_impls(one)
+        times = {name: time_ms(lambda: impls[name](x, w)) for name in ("pk", "xla")}
+        record("gemm_world_size_1", (m, k, nn), times, 2.0 * m * k * nn, gpus=1)
+    if "mlp_fwd_bwd" in only:
+        # MLP pair, forward + backward, hidden 8192 (ffn 28672), 8192 tokens.
+        tokens, d, ffn = 8192, 8192, 28672
+        x = _put(mesh, (tokens, d), P("x"), rng)
+        w1 = _put(mesh, (d, ffn), P(None, "x"), rng, d ** -0.5)
+        w2 = _put(mesh, (ffn, d), P("x"), rng, ffn ** -0.5)
+        times = {name: time_ms(lambda: f(x, w1, w2), calls=5)
+                 for name, f in mlp_impls(mesh).items()}
+        record("mlp_fwd_bwd", (tokens, d, ffn), times, 3 * 2 * 2.0 * tokens * d * ffn)
+    return _finish(rows, table, write=only == set(OPS))
 
+
+def _finish(rows, table, write: bool) -> int:
     md = ("Columns: time per call (ms), TFLOP/s per GPU, time over gemm-only (the same local "
           "GEMM with no communication), speedup over XLA. mlp_fwd_bwd: column- then "
           "row-parallel layer, loss and gradients, 3x the forward FLOPs.\n\n"
           + markdown_table(HEADER, table))
-    write_results("tp_matmul", rows, md, "python benchmarks/tp_matmul.py " + " ".join(sys.argv[1:]))
+    if write:
+        write_results("tp_matmul", rows, md,
+                      "python benchmarks/tp_matmul.py " + " ".join(sys.argv[1:]))
+    else:  # a partial run would replace the full run's results: table only
+        print("--only: results/tp_matmul.json and RESULTS.md left as they are")
     print(md)
     pk_jax.check_errors()
     return 0

@@ -17,6 +17,7 @@ from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
 from pk_jax.ops.ring_attention import ring_attention
 from pk_jax.ops.zigzag import zigzag_shard, zigzag_unshard
 from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
+from pk_jax.ops.tp_matmul import matmul_all_reduce
 from pk_jax.partitioning import dot_general, dot_product_attention, matmul
 from pk_jax.runtime import check_errors
 
@@ -38,6 +39,7 @@ __all__ = [
     "dot_product_attention",
     "get_config",
     "matmul",
+    "matmul_all_reduce",
     "matmul_reduce_scatter",
     "reduce_scatter",
     "ring_attention",

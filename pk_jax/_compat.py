@@ -32,3 +32,16 @@ def sum_to_type_of(ct: jax.Array, primal: jax.Array) -> jax.Array:
     gradient), as JAX's own transpose rules do; a no-op when unchecked."""
     extra = varying_axes(ct) - varying_axes(primal)
     return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+
+def drop_varying(aval, names: tuple[str, ...]):
+    """`aval` made invariant over `names` (the type of a psum's result under
+    shard_map's check_vma); unchanged when unchecked."""
+    mat = getattr(aval, "mat", None) or getattr(aval, "manual_axis_type", None)
+    if mat is not None and hasattr(mat, "varying"):  # jax 0.10
+        return aval.update(manual_axis_type=mat.update(
+            varying=frozenset(a for a in mat.varying if a not in names)))
+    vma = getattr(aval, "vma", None)  # jax >= 0.11
+    if vma is not None:
+        return aval.update(vma=frozenset(a for a in vma if a not in names))
+    return aval

@@ -65,6 +65,12 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
     return lax.psum_scatter(y, _axes(axis_name), scatter_dimension=0, tiled=True)
 
 
+def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
+                      out_dtype=None) -> jax.Array:
+    """psum(x @ w): the partial products in out_dtype, summed by XLA's psum."""
+    return lax.psum(_dot(x, w, out_dtype or x.dtype), _axes(axis_name))
+
+
 # ---- ring attention ------------------------------------------------------------------
 def positions(rank: jax.Array, n: int, s_local: int, layout: str) -> jax.Array:
     """Global token positions [s_local] (int32) of the block that `rank` owns.

@@ -18,6 +18,21 @@ def all_gather_mechanism(ll_eligible: bool) -> str:
     return "ld_st_ll" if ll_eligible else "ld_st_push"
 
 
+def matmul_all_reduce_mechanism(rows: int, n: int) -> str:
+    """The matmul_all_reduce mechanism `auto` takes for `rows` rows of x.
+
+    PROVISIONAL, not measured yet (the 2-GPU runs of benchmarks/tp_matmul.py
+    will decide): one_shot (each rank's whole partial product pushed to every
+    peer, summed by every rank) up to 256 rows, where chunking the rows by
+    rank leaves GEMMs too small to hide anything; chunked above (the
+    reduce-scatter of the partials overlapped with the GEMMs, then the
+    reduced chunks exchanged). Rows that do not divide by n take one_shot.
+    """
+    return "one_shot" if rows <= MATMUL_ALL_REDUCE_ONE_SHOT_ROWS or rows % n else "chunked"
+
+
+MATMUL_ALL_REDUCE_ONE_SHOT_ROWS = 256
+
 # The fused ring attention's mechanism under `auto`: copy_engine was faster
 # than ld_st (16 communicator CTAs) by 3% at S_local 8192 and 16384
 # non-causal and within 1% everywhere else measured (n = 2, S_local 8k-32k,

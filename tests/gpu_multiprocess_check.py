@@ -109,6 +109,8 @@ def main() -> None:
         check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
               f"tensor-parallel MLP gradient {name} across processes")
 
+    _matmul_all_reduce(mesh, put, cpu, rng, sm, bf)
+
     # Ring attention (both kernel mechanisms), forward and gradients.
     s, hq, hkv, hd = 2 * 512, 8, 2, 128
     q, k, v = (rng.standard_normal((1, s, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
@@ -205,6 +207,43 @@ def _ring_grads_timeout(mesh, put, cpu, rng, bf):
               f"check_errors raises on both processes after a fused-backward timeout "
               f"({str(e)[:80]}...)")
     grads = jax.jit(lambda f, c: f(c))(vjp_fn, c)
+
+def _matmul_all_reduce(mesh, put, cpu, rng, sm, bf):
+    """psum(x @ w) across processes, both mechanisms: the same bits on both
+    ranks (compared through pk's own all_gather), close to the fp32 product;
+    gradients against the fp32 vector-Jacobian product."""
+    # chunked at 4096 rows: 2048 per rank, pushed in two pieces
+    for mechanism, m in (("chunked", 1024), ("chunked", 4096), ("one_shot", 64),
+                         ("auto", 128)):
+        k, n_cols = 512, 768
+        x = rng.standard_normal((m, 2 * k)).astype(np.float32)
+        w = (rng.standard_normal((2 * k, n_cols)) / np.sqrt(2 * k)).astype(np.float32)
+        xr, wr = (np.asarray(bf(a), np.float32) for a in (x, w))
+        args = (put(bf(x), P(None, "x")), put(bf(w), P("x", None)))
+
+        def both(a, b, mech=mechanism):  # every rank's copy of the result
+            y = pk_jax.matmul_all_reduce(a, b, "x", mechanism=mech)
+            return pk_jax.all_gather(y[None], "x", tiled=True)
+        for _ in range(3):  # repeated calls: the epochs advance
+            _, got = local(sm(both, (P(None, "x"), P("x", None)), P("x"))(*args))
+        got = np.asarray(got)  # [2 (one per rank) * 1, m, n_cols] on this process's shard
+        got = got.reshape(2, m, n_cols)
+        check(np.array_equal(got[0].view(np.uint16), got[1].view(np.uint16)),
+              f"matmul_all_reduce {mechanism} M={m}: both ranks hold the same bits")
+        check(rel(got[0].astype(np.float32), xr @ wr) < 1e-2,
+              f"matmul_all_reduce {mechanism} M={m} across processes")
+    f = jax.shard_map(lambda a, b: pk_jax.matmul_all_reduce(a, b, "x", mechanism="chunked"),
+                      mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P())
+    cot = rng.standard_normal((m, n_cols)).astype(np.float32)
+    grads = jax.jit(lambda c, *a: jax.vjp(f, *a)[1](c))(put(bf(cot), P()), *args)
+    with jax.default_device(cpu):
+        ref = jax.vjp(lambda a, b: a @ b, xr, wr)[1](cot)
+    for name, gr, r in zip(("dx", "dw"), grads, ref):
+        shard, = gr.addressable_shards
+        check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
+              f"matmul_all_reduce gradient {name} across processes")
+
+
     with jax.default_device(cpu):
         ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True),
                       q, k, v)[1](cot)

@@ -110,6 +110,25 @@ def check_tp(mesh):
     _fresh_calls(f, draw, check, "all_gather_matmul + matmul_reduce_scatter")
 
 
+def check_matmul_all_reduce(mesh, mechanism):
+    """psum(x @ w) against fp32 XLA; chunked: 2048 rows per rank, two pieces
+    pushed from the side stream."""
+    put = lambda a, s: jax.device_put(jnp.asarray(a, jnp.bfloat16), NamedSharding(mesh, s))
+    specs = (P(None, "x"), P("x", None))
+    f = jax.jit(jax.shard_map(
+        lambda x, w: pk_jax.matmul_all_reduce(x, w, "x", mechanism=mechanism),
+        mesh=mesh, in_specs=specs, out_specs=P()))
+    draw = lambda rng: (put(rng.standard_normal((4096, 1024)), specs[0]),  # 2 pieces
+                        put(rng.standard_normal((1024, 512)) / 32, specs[1]))
+
+    def check(args, out, what):
+        x, w = (np.asarray(a, np.float64) for a in args)
+        err = rel_err(out, x @ w)
+        assert err <= 1e-2, f"{what}: rel err {err:.3g}"
+
+    _fresh_calls(f, draw, check, f"matmul_all_reduce {mechanism}")
+
+
 if __name__ == "__main__":
     mesh, sp = gpu_mesh(2), gpu_mesh(2, "sp")
     checks = [("ring copy_engine", lambda: check_ring(sp)),
@@ -117,7 +136,9 @@ if __name__ == "__main__":
               ("ring grad", lambda: check_ring(sp, grad=True)),
               ("all_gather copy_engine", lambda: check_all_gather(mesh, "copy_engine")),
               ("all_gather ld_st_push", lambda: check_all_gather(mesh, "ld_st_push")),
-              ("tp matmuls", lambda: check_tp(mesh))]
+              ("tp matmuls", lambda: check_tp(mesh)),
+              ("matmul_all_reduce chunked", lambda: check_matmul_all_reduce(mesh, "chunked")),
+              ("matmul_all_reduce one_shot", lambda: check_matmul_all_reduce(mesh, "one_shot"))]
     from all_reduce_checks import check_fresh_buffers
     checks += [(f"all_reduce {m}", lambda m=m: check_fresh_buffers(mesh, m))
                for m in ("ld_st_oneshot", "two_shot", "copy_engine")]

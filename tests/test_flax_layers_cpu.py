@@ -85,6 +85,11 @@ CASES = {
                 lambda n, m: RowParallelLinear(24 // n["tp"], F, axis_name="tp", use_bias=True,
                                                rngs=nnx.Rngs(0), mechanism=m),
                 lambda n: (4 * n, 24), P(None, "tp"), P("tp"), _linear),
+    "row_all_reduce": Case(lambda n: (n,), ("tp",),
+                           lambda n, m: RowParallelLinear(24 // n["tp"], F, axis_name="tp",
+                                                          use_bias=True, rngs=nnx.Rngs(0),
+                                                          mechanism=m, reduce="all_reduce"),
+                           lambda n: (5, 3, 24), P(None, None, "tp"), P(), _linear),
     "mlp": Case(lambda n: (n,), ("tp",),
                 lambda n, m: ParallelMLP(F, HIDDEN // n["tp"], axis_name="tp", use_bias=True,
                                          rngs=nnx.Rngs(0), mechanism=m),
@@ -198,6 +203,12 @@ def test_bad_configurations():
         ColumnParallelLinear(F, 8, axis_name="tp", mechanism="nccl", rngs=rngs)
     with pytest.raises(ValueError, match="positive int"):
         RowParallelLinear(0, F, axis_name="tp", rngs=rngs)
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        RowParallelLinear(8, F, axis_name="tp", reduce="psum", rngs=rngs)
+    with pytest.raises(ValueError, match="mechanism"):  # one_shot: all_reduce only
+        RowParallelLinear(8, F, axis_name="tp", mechanism="one_shot", rngs=rngs)
+    RowParallelLinear(8, F, axis_name="tp", mechanism="one_shot", reduce="all_reduce",
+                      rngs=rngs)
     with pytest.raises(ValueError, match="expected input"):
         ColumnParallelLinear(F, 8, axis_name=None, rngs=rngs)(jnp.ones((4, F + 1)))
 

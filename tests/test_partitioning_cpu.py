@@ -67,7 +67,7 @@ DOT_CASES = {
     "contraction_rows_out": ((16, 32), P(None, "x"), (32, 24), P("x", None), P("x", None),
                              "matmul_reduce_scatter", {"reduce-scatter"}),
     "contraction_replicated_out": ((16, 32), P(None, "x"), (32, 24), P("x", None), P(),
-                                   "all_reduce", {"all-reduce"}),
+                                   "matmul_all_reduce", {"all-reduce"}),
     "unsharded": ((16, 32), P(), (32, 24), P(), None, "local", set()),
     "rows_only": ((16, 32), P("x", None), (32, 24), P(), None, "local", set()),
 }
@@ -318,7 +318,8 @@ def test_flax_multi_head_attention_sequence_and_heads_parallel(rng):
     [attention] = {r for r in routes if r.op == "attention"}
     assert (attention.route, attention.axes) == ("ring_attention", ("sp",))
     assert attention.out_specs == (P(None, "sp", "tp", None),)
-    assert ("all_reduce", ("tp",)) in _routes(routes, "dot_general")  # the out projection
+    # the out projection: a sharded contraction, result replicated
+    assert ("matmul_all_reduce", ("tp",)) in _routes(routes, "dot_general")
 
 
 def test_flax_attention_mask_falls_back(rng):

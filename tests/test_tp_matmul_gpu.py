@@ -1,6 +1,7 @@
-"""all_gather_matmul / matmul_reduce_scatter kernels on GPUs against the fp32
-reference of the unsharded product, with a tolerance set by XLA's own
-same-precision result. Skipped with a reason when there are too few GPUs."""
+"""all_gather_matmul / matmul_reduce_scatter / matmul_all_reduce kernels on
+GPUs against the fp32 reference of the unsharded product, with a tolerance set
+by XLA's own same-precision result (matmul_all_reduce: also the same bits on
+every rank). Skipped with a reason when there are too few GPUs."""
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,7 @@ import pk_jax
 from pk_jax import runtime
 from conftest import gpu_mesh, rel_err
 from gpu_chains import check_tp_chain
-from gpu_util import poison_allocator
+from gpu_util import as_bits, poison_allocator
 from tp_models import mlp_loss
 
 pytestmark = pytest.mark.gpu
@@ -205,4 +206,120 @@ def test_reduce_scatter_timeout_raises():
     x = _put(mesh, jnp.ones((256, 256), jnp.bfloat16), P(None, "x"))
     w = _put(mesh, jnp.ones((256, 256), jnp.bfloat16), P("x", None))
     np.testing.assert_array_equal(np.asarray(_rs(mesh, "chunked")(x, w), np.float32), 256.0)
+    pk_jax.check_errors()
+
+
+# ---- matmul_all_reduce -----------------------------------------------------------
+def _ar(mesh, mechanism, stacked=False, **kw):
+    """psum(x @ w); `stacked`: every device's copy of the result, [n, M, N]
+    (so that the ranks' bits can be compared)."""
+    def body(x, w):
+        y = pk_jax.matmul_all_reduce(x, w, "x", mechanism=mechanism, **kw)
+        return y[None] if stacked else y
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "x"), P("x", None)),
+                                 out_specs=P("x") if stacked else P(), check_vma=not stacked))
+
+
+# (M, K per rank, N): decode-sized, square-ish, an N off the 256-column tile,
+# and 2 x 2048 rows (two ranks' chunked sequence then pushes two pieces).
+AR_SHAPES = [(16, 1024, 1024), (256, 512, 2048), (1024, 1024, 512), (512, 256, 200),
+             (4096, 256, 512)]
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("mechanism", ["chunked", "one_shot", "auto"])
+@pytest.mark.parametrize("m,k,n_cols", AR_SHAPES)
+def test_matmul_all_reduce(rng, n, dtype, mechanism, m, k, n_cols):
+    """Close to the fp32 product (as XLA's dot + psum is), and the same bits
+    on every rank."""
+    mesh = gpu_mesh(n)
+    x = rng.standard_normal((m, n * k)).astype(np.float32)
+    w = (rng.standard_normal((n * k, n_cols)) / np.sqrt(n * k)).astype(np.float32)
+    xs, ws = _put(mesh, x.astype(dtype), P(None, "x")), _put(mesh, w.astype(dtype), P("x"))
+    exact = np.asarray(xs, np.float32) @ np.asarray(ws, np.float32)
+    xla = _ar(mesh, "xla")(xs, ws)
+    poison_allocator(mesh, 2 * exact.size * 2 + 4096)
+    for _ in range(2):  # the second call reuses the channels (next epoch)
+        copies = np.asarray(_ar(mesh, mechanism, stacked=True)(xs, ws))
+        assert copies.shape == (n, m, n_cols) and copies.dtype == dtype
+        _check(copies[0], xla, exact, f"matmul_all_reduce {mechanism}")
+        for r in range(1, n):
+            np.testing.assert_array_equal(as_bits(copies[r]), as_bits(copies[0]),
+                                          err_msg=f"rank {r} differs from rank 0")
+    pk_jax.check_errors()
+
+
+def test_matmul_all_reduce_fp32_output(rng):
+    mesh = gpu_mesh(2)
+    x = _put(mesh, jnp.asarray(rng.standard_normal((512, 512)), jnp.bfloat16), P(None, "x"))
+    w = _put(mesh, jnp.asarray(rng.standard_normal((512, 256)) / 22, jnp.bfloat16), P("x"))
+    exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    for mechanism in ("chunked", "one_shot"):
+        out = _ar(mesh, mechanism, preferred_element_type=jnp.float32)(x, w)
+        assert out.dtype == jnp.float32
+        assert rel_err(out, exact) < 1e-5, mechanism  # only the inputs' rounding is left
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("mechanism", ["chunked", "one_shot"])
+def test_matmul_all_reduce_gradients(rng, n, mechanism):
+    """jax.grad against lax.psum(x @ w)'s, in fp32 and bf16."""
+    mesh = gpu_mesh(n)
+    m, k, n_cols = 256, 512, 768
+    x = _put(mesh, jnp.asarray(rng.standard_normal((m, n * k)), jnp.bfloat16), P(None, "x"))
+    w = _put(mesh, jnp.asarray(rng.standard_normal((n * k, n_cols)) / 32, jnp.bfloat16),
+             P("x", None))
+    t = jnp.asarray(rng.standard_normal((m, n_cols)), jnp.float32)
+
+    def grads(mechanism, x, w):
+        loss = lambda x, w: jnp.sum(_ar(mesh, mechanism)(x, w).astype(jnp.float32) * t)
+        return jax.jit(jax.grad(loss, (0, 1)))(x, w)
+    exact = grads("xla", x.astype(jnp.float32), w.astype(jnp.float32))
+    xla = grads("xla", x, w)
+    for name, o, r, e in zip(("dx", "dw"), grads(mechanism, x, w), xla, exact):
+        assert o.dtype == jnp.bfloat16 and o.shape == e.shape, f"{name}: {o.dtype} {o.shape}"
+        _check(o, r, e, f"matmul_all_reduce {mechanism} n={n} {name}")
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("mechanism", ["chunked", "one_shot"])
+def test_matmul_all_reduce_in_scan(rng, mechanism):
+    """200 calls in a lax.scan, each on the previous result (a decode loop)."""
+    mesh = gpu_mesh(2)
+    w = _put(mesh, jnp.asarray(rng.standard_normal((512, 512)) / 16, jnp.bfloat16), P("x"))
+    x = jnp.asarray(rng.standard_normal((64, 512)), jnp.bfloat16)
+
+    def run(mechanism, x, w):
+        def body(x, w):
+            def step(c, _):  # c replicated; this rank's share of the features
+                i = lax.axis_index("x")
+                part = lax.dynamic_slice_in_dim(jnp.tanh(c), i * 256, 256, axis=1)
+                return pk_jax.matmul_all_reduce(part, w, "x", mechanism=mechanism), None
+            return lax.scan(step, x, None, length=200)[0]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x", None)),
+                                     out_specs=P()))(x, w)
+    exact = run("xla", x.astype(jnp.float32), w.astype(jnp.float32))
+    ours = rel_err(run(mechanism, x, w), exact)
+    xla = rel_err(run("xla", x, w), exact)
+    assert np.isfinite(ours) and ours <= 1.5 * xla + 1e-2, f"{ours=} {xla=}"
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("mechanism", ["chunked", "one_shot"])
+def test_matmul_all_reduce_timeout_raises_and_poisons(mechanism):
+    """A rank that never posts: the peer's wait gives up, its output is NaN
+    (never plausible numbers), the error names the op and the peer, and once
+    cleared the next call is right."""
+    mesh = gpu_mesh(2)
+    x = _put(mesh, jnp.ones((256, 256), jnp.bfloat16), P(None, "x"))
+    w = _put(mesh, jnp.ones((256, 256), jnp.bfloat16), P("x", None))
+    with pk_jax.configured(timeout_s=0.2):
+        with runtime.testing_skip_post(1):
+            copies = np.asarray(_ar(mesh, mechanism, stacked=True)(x, w), np.float32)
+        assert np.isnan(copies[0]).all(), "rank 0 waited in vain: its output must be poison"
+        with pytest.raises(pk_jax.PkJaxTimeoutError, match="matmul_all_reduce.*peer rank 1"):
+            pk_jax.check_errors()
+    np.testing.assert_array_equal(np.asarray(_ar(mesh, mechanism)(x, w), np.float32), 256.0)
     pk_jax.check_errors()

@@ -53,6 +53,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_all_gather"] = as_capsule(pk::ffi_handlers::AllGather);
     d["pk_all_gather_matmul"] = as_capsule(pk::ffi_handlers::AllGatherMatmul);
     d["pk_matmul_reduce_scatter"] = as_capsule(pk::ffi_handlers::MatmulReduceScatter);
+    d["pk_matmul_all_reduce"] = as_capsule(pk::ffi_handlers::MatmulAllReduce);
     d["pk_ring_attention"] = as_capsule(pk::ffi_handlers::RingAttention);
     d["pk_attention_block_bwd"] = as_capsule(pk::ffi_handlers::AttentionBlockBwd);
     d["pk_ring_attention_bwd"] = as_capsule(pk::ffi_handlers::RingAttentionBwd);

@@ -1,4 +1,5 @@
-// FFI handlers for pk_jax.all_gather_matmul and pk_jax.matmul_reduce_scatter.
+// FFI handlers for pk_jax.all_gather_matmul, pk_jax.matmul_reduce_scatter and
+// pk_jax.matmul_all_reduce.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -120,7 +121,60 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::An
   return launched(kOp, tp_matmul::matmul_reduce_scatter(p));
 }
 
+ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                               ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                               ffi_common::ChannelAttrs channel,
+                               ffi_common::ChannelAttrs gather_channel, bool one_shot) {
+  constexpr const char* kOp = "matmul_all_reduce";
+  // With peers: chunked, each region holds one reduced chunk per rank
+  // ([M / n, N] each: out's bytes in all); one_shot, one partial [M, N] per
+  // rank (tp_matmul.h).
+  const size_t n = size_t(channel.group_size);
+  const size_t needed = n > 1 ? (one_shot ? n : 1) * out->size_bytes() : 0;
+  tp_matmul::Params p;
+  if (ffi::Error e = prepare(kOp, kOpMatmulAllReduce, stream, ordinal, x, w, *out, channel,
+                             needed, &p);
+      e.failure())
+    return e;
+  const auto xd = x.dimensions();
+  int64_t wk = 0;
+  if (xd.size() != 2 || !read_w(w, false, &wk, &p.n_cols, &p) || xd[1] != wk ||
+      (!one_shot && xd[0] % p.n != 0))
+    return ffi_common::invalid_argument(
+        kOp, "expected x [M, K], w [K, N], M divisible by the group unless one_shot");
+  if (out->size_bytes() != size_t(xd[0]) * p.n_cols * gemm::itemsize(p.out_type))
+    return ffi_common::invalid_argument(kOp, "expected out [M, N]");
+  p.one_shot = one_shot;
+  p.m = one_shot ? xd[0] : xd[0] / p.n;
+  p.k = xd[1];
+  if (p.n > 1 && !one_shot) {  // the reduced chunks travel on their own channel
+    ffi_common::GroupContext gather;
+    if (ffi::Error e = ffi_common::make_group_context(kOp, kOpMatmulAllReduce, ordinal,
+                                                      gather_channel, needed, &gather);
+        e.failure())
+      return e;
+    if (gather.group.n != p.n || gather.group.rank != p.rank)
+      return ffi_common::invalid_argument(kOp, "the two channels name different groups");
+    for (int q = 0; q < p.n; ++q) p.gather_region[q] = gather.regions[q];
+    p.gather_ch = gather.channel;
+  }
+  return launched(kOp, tp_matmul::matmul_all_reduce(p));
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MatmulAllReduce, MatmulAllReduceImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()                             // x: [M, K_local]
+        .Arg<ffi::AnyBuffer>()                             // w: [K_local, N]
+        .Ret<ffi::AnyBuffer>()                             // out: the sum [M, N]
+        .Attr<ffi_common::ChannelAttrs>("channel")         // partial products
+        .Attr<ffi_common::ChannelAttrs>("gather_channel")  // reduced chunks (chunked)
+        .Attr<bool>("one_shot"),                           // decode-sized M
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AllGatherMatmul, AllGatherMatmulImpl,

@@ -45,6 +45,18 @@ __global__ void post_kernel(const __grid_constant__ Channel ch, int peer) {
   if (addressed(ch, peer, q)) store_release_sys(&ch.flags[q]->posted[ch.rank], ch.next_epoch());
 }
 
+__global__ void __launch_bounds__(kFinishThreads) post_checked_kernel(
+    const __grid_constant__ Channel ch, int peer, const __grid_constant__ Outputs remote) {
+  const int q = threadIdx.x;
+  if (__syncthreads_or(q == 0 && device_failed(ch.wait)))
+    for (int i = 0; i < Outputs::kMax; ++i)
+      if (remote.ptr[i] != nullptr)
+        poison_bytes(remote.ptr[i], remote.bytes[i], remote.pattern, q, blockDim.x);
+  __syncthreads();
+  __threadfence_system();
+  if (addressed(ch, peer, q)) store_release_sys(&ch.flags[q]->posted[ch.rank], ch.next_epoch());
+}
+
 __global__ void wait_posted_kernel(const __grid_constant__ Channel ch, int peer) {
   const int q = threadIdx.x;
   if (addressed(ch, peer, q))
@@ -111,6 +123,13 @@ cudaError_t post(const Channel& ch, int peer, bool skip, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t post_checked(const Channel& ch, int peer, const Outputs& remote, bool skip,
+                         cudaStream_t stream) {
+  if (skip) return cudaSuccess;
+  post_checked_kernel<<<1, kFinishThreads, 0, stream>>>(ch, peer, remote);
+  return cudaGetLastError();
+}
+
 cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream) {
   wait_posted_kernel<<<1, kThreads, 0, stream>>>(ch, peer);
   return cudaGetLastError();
@@ -143,6 +162,7 @@ cudaError_t wait_stamp(const Channel& ch, int peer, int index, int count, cudaSt
 cudaError_t load_kernels() {
   const void* kernels[] = {reinterpret_cast<const void*>(wait_credit_kernel),
                            reinterpret_cast<const void*>(post_kernel),
+                           reinterpret_cast<const void*>(post_checked_kernel),
                            reinterpret_cast<const void*>(wait_posted_kernel),
                            reinterpret_cast<const void*>(finish_kernel),
                            reinterpret_cast<const void*>(stamp_kernel),

@@ -62,6 +62,14 @@ cudaError_t wait_credit(const Channel& ch, cudaStream_t stream);
 // `skip` (testing) launches nothing.
 cudaError_t post(const Channel& ch, int peer, bool skip, cudaStream_t stream);
 
+// `post` to one peer of data this call computed after its own waits (e.g. a
+// reduced chunk pushed by the copy engine): when this device holds a claimed
+// error, first overwrite `remote` (what the call staged in that peer's
+// region) with poison, so the peer reads NaN, never numbers computed from a
+// wait that gave up. One block; the poison path is the slow one.
+cudaError_t post_checked(const Channel& ch, int peer, const Outputs& remote, bool skip,
+                         cudaStream_t stream);
+
 // Wait until posted[q] >= e for `peer` (or every peer).
 cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream);
 

@@ -36,7 +36,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from pk_jax.ops.ring_attention import LAYOUTS, ring_attention
-from pk_jax.ops.tp_matmul import MECHANISMS, all_gather_matmul, matmul_reduce_scatter
+from pk_jax.ops.tp_matmul import (ALL_REDUCE_MECHANISMS, MECHANISMS, all_gather_matmul,
+                                  matmul_all_reduce, matmul_reduce_scatter)
 
 AxisName = str | tuple[str, ...] | None
 Initializer = Callable[..., jax.Array]
@@ -112,9 +113,9 @@ def _check_positive(**sizes: int) -> None:
             raise ValueError(f"pk_jax.flax: {name} must be a positive int, got {size!r}")
 
 
-def _check_mechanism(mechanism: str) -> None:
-    if mechanism not in MECHANISMS:
-        raise ValueError(f"pk_jax.flax: mechanism must be one of {MECHANISMS}, "
+def _check_mechanism(mechanism: str, mechanisms: tuple[str, ...] = MECHANISMS) -> None:
+    if mechanism not in mechanisms:
+        raise ValueError(f"pk_jax.flax: mechanism must be one of {mechanisms}, "
                          f"got {mechanism!r}")
 
 
@@ -127,9 +128,9 @@ class _ParallelLinear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, axis_name: AxisName,
                  kernel_spec: P, bias_spec: P, rngs: nnx.Rngs, dtype: Any, param_dtype: Any,
                  use_bias: bool, mechanism: str, kernel_init: Initializer,
-                 bias_init: Initializer) -> None:
+                 bias_init: Initializer, mechanisms: tuple[str, ...] = MECHANISMS) -> None:
         _check_positive(in_features=in_features, out_features=out_features)
-        _check_mechanism(mechanism)
+        _check_mechanism(mechanism, mechanisms)
         self.in_features, self.out_features = in_features, out_features
         self.axis_name, self.mechanism = axis_name, mechanism
         self.dtype, self.param_dtype = dtype, param_dtype
@@ -198,39 +199,56 @@ class ColumnParallelLinear(_ParallelLinear):
         return self._add_bias(x @ kernel)
 
 
+REDUCTIONS = ("reduce_scatter", "all_reduce")
+
+
 class RowParallelLinear(_ParallelLinear):
-    """y = reduce_scatter(x @ W) (+ b), with the rows of W sharded.
+    """y = reduce_scatter(x @ W) (+ b), or all_reduce(x @ W) (+ b), with the
+    rows of W sharded.
 
     Sharding over `axis_name` (n devices):
       * input x [rows, ..., in_features_local]: all rows, this device's
         share of the features (e.g. a ColumnParallelLinear's output);
       * kernel [in_features_local, out_features]: global [n * in_local, out],
         rows sharded (spec P(axis, None)); bias [out_features], replicated,
-        added once after the scatter;
-      * output [rows / n, ..., out_features]: the first dim sharded again.
-    Communication: the reduce-scatter of the partial products, overlapped
-    with the matmul (`pk_jax.matmul_reduce_scatter`); the backward pass
-    all-gathers dy. rows must divide by n. With axis_name=None the layer is
-    a plain replicated Linear.
+        added once after the reduction;
+      * output: reduce="reduce_scatter" (the default) [rows / n, ...,
+        out_features], the first dim sharded again (sequence parallelism;
+        rows must divide by n); reduce="all_reduce" [rows, ...,
+        out_features], replicated (Megatron without sequence parallelism,
+        tensor-parallel decoding).
+    Communication: the reduction of the partial products, fused with the
+    matmul (`pk_jax.matmul_reduce_scatter` or `pk_jax.matmul_all_reduce`);
+    the backward pass all-gathers dy (reduce_scatter) or needs nothing
+    (all_reduce: dy is replicated). With axis_name=None the layer is a plain
+    replicated Linear.
     """
 
     def __init__(self, in_features_local: int, out_features: int, *, axis_name: AxisName,
                  rngs: nnx.Rngs, dtype: Any = None, param_dtype: Any = jnp.float32,
                  use_bias: bool = False, mechanism: str = "auto",
+                 reduce: str = "reduce_scatter",
                  kernel_init: Initializer = default_kernel_init,
                  bias_init: Initializer = default_bias_init) -> None:
+        if reduce not in REDUCTIONS:
+            raise ValueError(f"pk_jax.flax.RowParallelLinear: reduce must be one of "
+                             f"{REDUCTIONS}, got {reduce!r}")
+        self.reduce = reduce
         super().__init__(in_features_local, out_features, axis_name=axis_name,
                          kernel_spec=P(axis_name, None), bias_spec=P(), rngs=rngs,
                          dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
-                         mechanism=mechanism, kernel_init=kernel_init, bias_init=bias_init)
+                         mechanism=mechanism, kernel_init=kernel_init, bias_init=bias_init,
+                         mechanisms=(ALL_REDUCE_MECHANISMS if reduce == "all_reduce"
+                                     else MECHANISMS))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """y [rows / n, ..., out_features]."""
+        """y [rows / n, ..., out_features] (reduce_scatter) or [rows, ...,
+        out_features] (all_reduce)."""
         x, kernel = self._operands(x)
         if self.axis_name is None:
             return self._add_bias(x @ kernel)
-        return self._add_bias(matmul_reduce_scatter(x, kernel, self.axis_name,
-                                                    mechanism=self.mechanism))
+        op = matmul_all_reduce if self.reduce == "all_reduce" else matmul_reduce_scatter
+        return self._add_bias(op(x, kernel, self.axis_name, mechanism=self.mechanism))
 
 
 # ---- blocks --------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Tensor-parallel matmuls with the communication overlapped:
-`all_gather_matmul` and `matmul_reduce_scatter`, each the other's transpose.
+`all_gather_matmul` and `matmul_reduce_scatter`, each the other's transpose,
+and `matmul_all_reduce` (psum(x @ w), the same bits on every rank).
 
 Call inside `jax.shard_map`. On CUDA GPUs the GEMMs run on row chunks while
 the copy engines bring the rows in (all_gather_matmul), or write their tiles
@@ -15,23 +16,27 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from pk_jax import groups, reference, runtime
+from pk_jax import groups, reference, runtime, tuning
 from pk_jax._compat import make_varying, sum_to_type_of
 from pk_jax._warnings import warn_once
 from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_p,
-                                             matmul_reduce_scatter_p)
+                                             matmul_all_reduce_p, matmul_reduce_scatter_p)
 
 MECHANISMS = ("auto", "chunked", "xla")
+ALL_REDUCE_MECHANISMS = ("auto", "chunked", "one_shot", "xla")
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism) -> TpConfig:
-    """The call's config, with the mechanism resolved: "chunked" where the
-    kernels take the operands, else "xla" (an error if "chunked" was forced)."""
-    if mechanism not in MECHANISMS:
-        raise ValueError(f"pk_jax.{op}: mechanism must be one of {MECHANISMS}, got "
+def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism,
+              mechanisms=MECHANISMS, pick=None) -> TpConfig:
+    """The call's config, with the mechanism resolved: a kernel mechanism
+    (`pick(n)` under "auto", else "chunked") where the kernels take the
+    operands, else "xla" (an error if a kernel mechanism was forced)."""
+    if mechanism not in mechanisms:
+        raise ValueError(f"pk_jax.{op}: mechanism must be one of {mechanisms}, got "
                          f"{mechanism!r}")
     if x.ndim < 2 or w.ndim != 2:
         raise ValueError(f"pk_jax.{op}: expected x [..., rows, K] and w [K, N], got x "
@@ -50,11 +55,16 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism) -> Tp
     if mechanism == "xla":
         return TpConfig(names, n, out_dtype, "xla")
     why = _kernel_unsupported(x, w, out_dtype)
-    if why and mechanism == "chunked":
-        raise ValueError(f"pk_jax.{op}(mechanism='chunked'): {why}")
+    forced = mechanism != "auto"
+    if why and forced:
+        raise ValueError(f"pk_jax.{op}(mechanism={mechanism!r}): {why}")
     if why and runtime.available():  # elsewhere the reference is the plan, not a fallback
         warn_once(f"{op}-{why}", f"pk_jax.{op}: {why}; using the XLA reference path")
-    return TpConfig(names, n, out_dtype, "xla" if why else "chunked", mechanism == "chunked")
+    if why:
+        return TpConfig(names, n, out_dtype, "xla")
+    if not forced:
+        mechanism = pick(n) if pick else "chunked"
+    return TpConfig(names, n, out_dtype, mechanism, forced)
 
 
 def _kernel_unsupported(x, w, out_dtype) -> str:
@@ -155,6 +165,29 @@ def _rs_backward(cfg: TpConfig, res, dy):
 _rs.defvjp(_rs_forward, _rs_backward)
 
 
+# ---- matmul_all_reduce: 2-D core with its VJP --------------------------------------
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ar(x, w, cfg):
+    return matmul_all_reduce_p.bind(x, w, cfg=cfg)
+
+
+def _ar_forward(x, w, cfg):
+    return _ar(x, w, cfg), (x, w)
+
+
+def _ar_backward(cfg: TpConfig, res, dy):
+    """psum's transpose hands every rank the (invariant) cotangent, made
+    varying (pvary): dx = dy @ w^T, dw = x^T @ dy, both local."""
+    x, w = res
+    dy = make_varying(dy, cfg.names)
+    dx = lax.dot_general(dy, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dw = _dot_f32(x, dy, w.dtype)
+    return sum_to_type_of(dx.astype(x.dtype), x), sum_to_type_of(dw, w)
+
+
+_ar.defvjp(_ar_forward, _ar_backward)
+
+
 # ---- public API ----------------------------------------------------------------
 def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
                       return_gathered: bool = False, preferred_element_type=None,
@@ -215,3 +248,47 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
     w = make_varying(w, cfg.names)
     out = _rs(x2, w, cfg)
     return out.reshape((x.shape[0] // cfg.n,) + x.shape[1:-1] + (w.shape[1],))
+
+
+def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
+                      preferred_element_type=None, mechanism: str = "auto") -> jax.Array:
+    """`lax.psum(x @ w, axis_name)`, fused; every rank gets the same bits.
+
+    Call inside `jax.shard_map`, e.g. for the output of a row-parallel layer
+    without sequence parallelism, or a tensor-parallel decode step. Like
+    `lax.psum`, the result is invariant over `axis_name` (shard_map's
+    check_vma) and its gradient is psum's: every rank gets the full
+    cotangent dy, dx = dy @ w^T and dw = x^T @ dy (no collective).
+
+    Args:
+      x: [M, K_local] or [batch..., K_local], this device's share of the
+        contraction (e.g. a column-parallel layer's output).
+      w: [K_local, N], the row shard of the weight.
+      axis_name: mesh axis (or tuple of axes) to sum over.
+      preferred_element_type: output dtype; None: the operands' dtype. The
+        partial products travel in it and are summed in fp32, each output
+        element once, in one fixed order.
+      mechanism: "auto" (pk_jax/tuning.py, by M), "chunked" (M divisible by
+        the axis size: the reduce-scatter of the partials overlapped with
+        the GEMMs, as matmul_reduce_scatter, then the reduced chunks
+        exchanged by the copy engines), "one_shot" (for decode-sized M: each
+        rank's partial pushed to every peer and summed by every rank) or
+        "xla" (dot + psum). The kernels take bf16/fp16 operands, K and N
+        multiples of 8; other inputs take XLA (a one-time warning under
+        "auto" on GPUs, a ValueError when a kernel mechanism is forced).
+
+    Returns:
+      The sum, [*x.shape[:-1], N], replicated over `axis_name`.
+    """
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    rows = int(np.prod(x.shape[:-1])) if x.ndim >= 2 else 0
+    cfg = _validate("matmul_all_reduce", x, w, axis_name, preferred_element_type, mechanism,
+                    ALL_REDUCE_MECHANISMS,
+                    lambda n: tuning.matmul_all_reduce_mechanism(rows, n))
+    if cfg.mechanism == "chunked" and rows % cfg.n:
+        raise ValueError(f"pk_jax.matmul_all_reduce(mechanism='chunked'): the rows of x "
+                         f"({rows}, x {x.shape}) must divide by the size of axis {cfg.names} "
+                         f"({cfg.n}); use 'one_shot' or 'auto'")
+    x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
+    w = make_varying(w, cfg.names)
+    return _ar(x2, w, cfg).reshape(x.shape[:-1] + (w.shape[1],))

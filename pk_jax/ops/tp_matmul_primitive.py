@@ -3,6 +3,9 @@
 `pk_all_gather_matmul`:     x [m, K], w [K, N] -> (all_gather(x) @ w [n*m, N],
                                                    all_gather(x) [n*m, K] or [0, K])
 `pk_matmul_reduce_scatter`: x [M, K], w [K, N] -> psum_scatter(x @ w) [M/n, N]
+`pk_matmul_all_reduce`:     x [M, K], w [K, N] -> psum(x @ w) [M, N], invariant
+                            over the axes (shard_map's check_vma) as psum's
+                            result is
 
 Parameters: the op's frozen `TpConfig`, and `transpose_w` (w is given as
 [N, K] and the product is x @ w^T: the backward passes multiply by the
@@ -10,8 +13,9 @@ forward's weight transposed, and the kernels read it in place as a K-major
 operand instead of XLA materializing w^T); all_gather_matmul also
 `return_gathered`.
 
-Lowering: on CUDA with the extension built with CUTLASS and
-`cfg.mechanism == "chunked"`, the FFI kernels of xla_ffi/tp_matmul.cc;
+Lowering: on CUDA with the extension built with CUTLASS and a kernel
+mechanism ("chunked"; matmul_all_reduce also "one_shot"), the FFI kernels of
+xla_ffi/tp_matmul.cc;
 anywhere else the reference (pk_jax/reference.py). Differentiation lives one
 level up (pk_jax/ops/tp_matmul.py, custom_vjp).
 """
@@ -26,6 +30,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import reference
+from pk_jax._compat import drop_varying
 from pk_jax.ops._lowering import channel_attr, kernel_group
 
 
@@ -37,7 +42,8 @@ class TpConfig:
       names: the mesh axes of the collective.
       n: the group size.
       out_dtype: the result dtype (accumulation is fp32 either way).
-      mechanism: "chunked" (the kernels) or "xla", resolved at trace time.
+      mechanism: "chunked" or "one_shot" (the kernels; one_shot only for
+        matmul_all_reduce) or "xla", resolved at trace time.
       forced: the user asked for `mechanism` (else "auto" chose it).
     """
 
@@ -51,6 +57,7 @@ class TpConfig:
 all_gather_matmul_p = Primitive("pk_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
 matmul_reduce_scatter_p = Primitive("pk_matmul_reduce_scatter")
+matmul_all_reduce_p = Primitive("pk_matmul_all_reduce")
 
 
 def _n_cols(w, transpose_w: bool) -> int:
@@ -123,9 +130,41 @@ def _rs_cuda(ctx, x, w, *, cfg: TpConfig, transpose_w: bool):
         ctx, x, w, w_transposed=bool(transpose_w), **attr)
 
 
+# ---- matmul_all_reduce ------------------------------------------------------------
+def _ar_abstract(x, w, *, cfg: TpConfig):
+    return drop_varying(x.update(shape=(x.shape[0], w.shape[1]), dtype=cfg.out_dtype), cfg.names)
+
+
+def _ar_reference(ctx, x, w, *, cfg: TpConfig):
+    def fn(a, b):
+        return reference.matmul_all_reduce(a, b, cfg.names, out_dtype=cfg.out_dtype)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x, w)
+
+
+def _ar_cuda(ctx, x, w, *, cfg: TpConfig):
+    """chunked: two channels, the partial products' (n slots of [M/n, N]) and
+    the reduced chunks' (the same); one_shot: one channel, n slots of [M, N]
+    (`gather_channel` repeats it, unused)."""
+    table = _group(ctx, "matmul_all_reduce", cfg)
+    if table is None:
+        return _ar_reference(ctx, x, w, cfg=cfg)
+    (rows, _), (_, cols) = ctx.avals_in[0].shape, ctx.avals_in[1].shape
+    one_shot = cfg.mechanism == "one_shot"
+    slot_rows = rows if one_shot else rows // cfg.n
+    nbytes = _region_bytes(cfg.n, slot_rows, cols, cfg.out_dtype)
+    reduce = channel_attr(table, "matmul_all_reduce", cfg.mechanism, nbytes)["channel"]
+    gather = reduce if one_shot else channel_attr(table, "matmul_all_reduce", "gather",
+                                                  nbytes)["channel"]
+    return jax.ffi.ffi_lowering("pk_matmul_all_reduce")(
+        ctx, x, w, channel=reduce, gather_channel=gather, one_shot=one_shot)
+
+
 all_gather_matmul_p.def_abstract_eval(_ag_abstract)
 mlir.register_lowering(all_gather_matmul_p, _ag_reference)
 mlir.register_lowering(all_gather_matmul_p, _ag_cuda, platform="cuda")
 matmul_reduce_scatter_p.def_abstract_eval(_rs_abstract)
 mlir.register_lowering(matmul_reduce_scatter_p, _rs_reference)
 mlir.register_lowering(matmul_reduce_scatter_p, _rs_cuda, platform="cuda")
+matmul_all_reduce_p.def_abstract_eval(_ar_abstract)
+mlir.register_lowering(matmul_all_reduce_p, _ar_reference)
+mlir.register_lowering(matmul_all_reduce_p, _ar_cuda, platform="cuda")

@@ -16,10 +16,12 @@ Rules, in order (n = the devices along the axes in question):
      gathered on those axes first.
   4. Sharded contraction (axes C): `matmul_reduce_scatter` when the wanted
      result has an lhs free dim sharded over (that dim's own axes + C) and no
-     batch dims; otherwise the local dot + `psum` over C ("all_reduce").
+     batch dims; otherwise `matmul_all_reduce` over C (result replicated over
+     C) when the lhs has a free dim and there are no batch dims, else the
+     local dot + `psum` over C ("all_reduce").
   5. Else the local dot ("local"): every dim keeps its operand's sharding.
 The fused ops take floating-point, non-empty operands; other dtypes or
-empty arrays use the all-reduce / local routes.
+empty arrays use the all_reduce (dot + psum) / local routes.
 """
 
 from __future__ import annotations
@@ -137,5 +139,7 @@ def plan_dot(dims: DotDims, lhs: Sequence[Axes], rhs: Sequence[Axes],
                 if want_dot[nb + t] == L[i] + contraction and local % n == 0:
                     return done("matmul_reduce_scatter", contraction, i,
                                 {i: L[i] + contraction})
+        if fusable and not dims.lb and lf:
+            return done("matmul_all_reduce", contraction, lf[0])
         return done("all_reduce", contraction)
     return done("local")

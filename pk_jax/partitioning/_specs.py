@@ -28,7 +28,8 @@ class Route:
       op: "dot_general", "dot_general_transpose" (a gradient), "attention"
         or "attention_vjp".
       route: what runs per device: "all_gather_matmul",
-        "matmul_reduce_scatter", "all_reduce" (local dot + psum), "local"
+        "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce" (local
+        dot + psum: operands matmul_all_reduce does not take), "local"
         (no communication inside the op), "ring_attention" or "attention".
       axes: the mesh axes of the fused collective (empty for "local").
       in_specs: the partition specs the operands are given (the partitioner

@@ -7,7 +7,8 @@ shardings through it with an einsum-like rule; when XLA partitions the
 program, the partition callback reads the operand shardings (and the one the
 program wants for the result), picks a route (`_dot_plan.plan_dot`: rows
 sharded like the weight's output features -> `all_gather_matmul`; sharded
-contraction -> `matmul_reduce_scatter` or dot + psum; else the local dot),
+contraction -> `matmul_reduce_scatter` or `matmul_all_reduce` (dot + psum
+for operands it does not take); else the local dot),
 fixes the operand and result shardings explicitly, and emits the per-device
 program.
 
@@ -30,14 +31,15 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
+from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from pk_jax.partitioning._dot_plan import DotDims, DotPlan, plan_dot
 from pk_jax._explicit import (explicit_mesh, replicated_fun, reshard, spec_of,
                                            type_sharding)
 from pk_jax.partitioning._specs import Route, dim_axes, named, record, spec
 
 _FUSED = {"all_gather_matmul": all_gather_matmul,
-          "matmul_reduce_scatter": matmul_reduce_scatter}
+          "matmul_reduce_scatter": matmul_reduce_scatter,
+          "matmul_all_reduce": matmul_all_reduce}
 
 
 # ---- per-device programs -------------------------------------------------------
@@ -251,7 +253,8 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision: An
         rows gathered, the result sharded on features, rows replicated);
       * contraction sharded over A on both operands: the local dot, then
         `pk_jax.matmul_reduce_scatter` when the result is wanted sharded on
-        rows over A, else a psum over A (result replicated over A);
+        rows over A, else `pk_jax.matmul_all_reduce` over A (result
+        replicated over A; the local dot + psum with batch dims);
       * anything else: the local dot with the operands' shardings.
     Leading lhs free dims (e.g. [batch, seq, features] activations) flatten
     into rows, as in the tensor-parallel ops. The rules are in

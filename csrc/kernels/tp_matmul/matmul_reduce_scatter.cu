@@ -19,9 +19,6 @@
 #include "pk/signals.h"
 
 namespace pk::tp_matmul {
-
-cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s);
-
 namespace {
 
 size_t slot_bytes(const Params& p) {

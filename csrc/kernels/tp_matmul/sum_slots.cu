@@ -1,5 +1,8 @@
 // out = sum over q < n of slot q (each m x N of the output type), accumulated
-// in fp32: the reduction step of matmul_reduce_scatter.
+// in fp32 in rank order: the reduction step of matmul_reduce_scatter and
+// matmul_all_reduce. With `wait`, every block first waits (bounded) until
+// every peer posted this call on the channel: the wait and the sum in one
+// launch, for the latency-bound one-shot path.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -7,6 +10,7 @@
 
 #include "kernels/tp_matmul/tp_matmul.h"
 #include "pk/cuda_check.h"
+#include "pk/sync.cuh"
 
 namespace pk::tp_matmul {
 namespace {
@@ -22,6 +26,8 @@ struct SumArgs {
   T* out;
   int64_t count;
   int n;
+  bool wait;  // wait for every peer's post on `ch` first
+  Channel ch;
 };
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
@@ -37,6 +43,12 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float v) { return
 // ---- entry point -----------------------------------------------------------
 template <typename T>
 __global__ void __launch_bounds__(kThreads) sum_slots_kernel(const __grid_constant__ SumArgs<T> a) {
+  if (a.wait) {  // thread q waits for rank q; the barrier orders the block's reads after
+    const int q = threadIdx.x;
+    if (q < a.ch.n && q != a.ch.rank)
+      wait_geq(&a.ch.mine()->posted[q], a.ch.next_epoch(), a.ch.wait, q, kWaitPosted);
+    __syncthreads();
+  }
   const int64_t stride = int64_t(gridDim.x) * blockDim.x * kVec;
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kVec; i < a.count;
        i += stride) {
@@ -55,8 +67,9 @@ __global__ void __launch_bounds__(kThreads) sum_slots_kernel(const __grid_consta
 }
 
 template <typename T>
-cudaError_t launch_typed(const Params& p, const char* slots, cudaStream_t s) {
-  SumArgs<T> a{reinterpret_cast<const T*>(slots), static_cast<T*>(p.out), p.m * p.n_cols, p.n};
+cudaError_t launch_typed(const Params& p, const char* slots, cudaStream_t s, bool wait) {
+  SumArgs<T> a{reinterpret_cast<const T*>(slots), static_cast<T*>(p.out), p.m * p.n_cols, p.n,
+               wait, p.ch};
   const int64_t per_block = int64_t(kThreads) * kVec;
   const int blocks = int(std::clamp<int64_t>((a.count + per_block - 1) / per_block, 1,
                                              int64_t(p.gemm_dev.sm_count) * 8));
@@ -66,11 +79,12 @@ cudaError_t launch_typed(const Params& p, const char* slots, cudaStream_t s) {
 
 }  // namespace
 
-cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s) {
+cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s,
+                             bool wait_posted) {
   switch (p.out_type) {
-    case gemm::DType::kBF16: return launch_typed<__nv_bfloat16>(p, slots, s);
-    case gemm::DType::kF16: return launch_typed<__half>(p, slots, s);
-    default: return launch_typed<float>(p, slots, s);
+    case gemm::DType::kBF16: return launch_typed<__nv_bfloat16>(p, slots, s, wait_posted);
+    case gemm::DType::kF16: return launch_typed<__half>(p, slots, s, wait_posted);
+    default: return launch_typed<float>(p, slots, s, wait_posted);
   }
 }
 

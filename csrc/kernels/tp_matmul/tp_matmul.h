@@ -10,7 +10,15 @@
 //   into slot r of q's region over NVLink; then our own rows: with two ranks
 //   their GEMM adds the peer's slot in its epilogue and writes our shard;
 //   with more, it fills our slot and a sum of the n slots follows.
-// Both: every GEMM of the call is checked (gemm::check) before anything is
+// matmul_all_reduce: out[M, N] = sum_q (x_q @ w_q), the same bits on every rank
+//   chunked: matmul_reduce_scatter's sequence reduces our chunk of rows (its
+//   owner, in one fixed order), in row pieces with two ranks; as each piece
+//   lands the side stream's copy engine pushes it into every peer's gather
+//   region (a second channel), and each rank copies the peers' chunks into
+//   place;
+//   one_shot (decode-sized M): one GEMM of all rows, its partial pushed to
+//   every peer, and every rank sums the n partials in rank order (fp32).
+// All: every GEMM of the call is checked (gemm::check) before anything is
 // enqueued, and the call always ends in signals::finish (also with one rank,
 // and after a CUDA error from an enqueue, as aborted): the outputs of a call
 // that failed are poison (NaN), whatever stage it failed in.
@@ -45,6 +53,13 @@ struct Params {
   // block, x [m, K] for all_gather_matmul, the output shard [m, N] for
   // matmul_reduce_scatter (with n = 2 our own slot stays unused).
   char* region[kMaxRanks] = {};
+  // matmul_all_reduce: the reduced chunks travel on a second channel (its
+  // own epochs and posts), one slot of [m, N] per rank in its region; with
+  // one_shot, m = all the rows, each rank's partial product staged in
+  // `region` and no second channel.
+  Channel gather_ch{};
+  char* gather_region[kMaxRanks] = {};
+  bool one_shot = false;
   bool skip_post = false;
   gemm::Device gemm_dev{};
   cudaStream_t stream = nullptr;
@@ -55,6 +70,14 @@ struct Params {
 
 cudaError_t all_gather_matmul(const Params& p);
 cudaError_t matmul_reduce_scatter(const Params& p);
+cudaError_t matmul_all_reduce(const Params& p);
+
+// out = the sum over q < p.n of the slots (p.m x p.n_cols of the output type
+// each, back to back from `slots`), accumulated in fp32 in rank order; with
+// wait_posted, after a bounded wait for every peer's post on p.ch (as
+// signals::wait_posted, in the same launch).
+cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s,
+                             bool wait_posted = false);
 
 // Load the helper kernels (the slot sum) on the current device.
 cudaError_t load_kernels();
