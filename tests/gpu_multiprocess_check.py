@@ -207,6 +207,14 @@ def _ring_grads_timeout(mesh, put, cpu, rng, bf):
               f"check_errors raises on both processes after a fused-backward timeout "
               f"({str(e)[:80]}...)")
     grads = jax.jit(lambda f, c: f(c))(vjp_fn, c)
+    with jax.default_device(cpu):
+        ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True),
+                      q, k, v)[1](cot)
+    for name, gr, r in zip(("dq", "dk", "dv"), grads, ref):
+        shard, = gr.addressable_shards
+        check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
+              f"after the reset the fused backward's {name} is right")
+
 
 def _matmul_all_reduce(mesh, put, cpu, rng, sm, bf):
     """psum(x @ w) across processes, both mechanisms: the same bits on both
@@ -242,15 +250,6 @@ def _matmul_all_reduce(mesh, put, cpu, rng, sm, bf):
         shard, = gr.addressable_shards
         check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
               f"matmul_all_reduce gradient {name} across processes")
-
-
-    with jax.default_device(cpu):
-        ref = jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True),
-                      q, k, v)[1](cot)
-    for name, gr, r in zip(("dq", "dk", "dv"), grads, ref):
-        shard, = gr.addressable_shards
-        check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
-              f"after the reset the fused backward's {name} is right")
 
 
 def _timeout_and_reset(mesh, put, sm, rng):
