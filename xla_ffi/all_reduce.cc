@@ -51,11 +51,12 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   geo.chunk = uint64_t(chunk);
   geo.n = int(n);
   const uint64_t es = all_reduce::elem_bytes(elem);
-  uint64_t in_elems = 0, in_bytes = 0, cover = 0, slot = 0, slot_bytes = 0, n_slots = 0;
+  uint64_t in_elems = 0, in_bytes = 0, cover = 0, slot = 0, slot_bytes = 0, n_slots = 0,
+           all_in_bytes = 0;
   if (!mul_ok(geo.rows, geo.stride, &in_elems) || !mul_ok(in_elems, es, &in_bytes) ||
       !mul_ok(geo.chunk, uint64_t(n), &cover) || !mul_ok(geo.rows, geo.chunk, &slot) ||
       !mul_ok(slot, es, &slot_bytes) || !mul_ok(slot_bytes, uint64_t(n), &n_slots) ||
-      !mul_ok(in_bytes, uint64_t(n), &cover))
+      !mul_ok(in_bytes, uint64_t(n), &all_in_bytes))
     return ffi_common::invalid_argument(op, "sizes overflow 64 bits");
   const bool scatter = kind == all_reduce::kReduceScatter;
   const uint64_t out_bytes = scatter ? slot_bytes : in_bytes;
