@@ -101,13 +101,19 @@ def main() -> None:
           "tensor-parallel MLP across processes")
     mlp_sm = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=False)
     cot = rng.standard_normal((2 * m, d)).astype(np.float32)
-    grads = jax.jit(lambda c, *a: jax.vjp(mlp_sm, *a)[1](c))(put(bf(cot), P("x")), *args)
+    mlp_grad = jax.jit(lambda c, *a: jax.vjp(mlp_sm, *a)[1](c))
+    text = mlp_grad.lower(put(bf(cot), P("x")), *args).as_text()
+    check("@pk_all_gather_matmul_bwd(" in text and "@pk_matmul_reduce_scatter_bwd(" in text
+          and "dot_general" not in text,
+          "tensor-parallel MLP backward: one pk call per op computing dx and dw, no XLA dot")
+    grads = mlp_grad(put(bf(cot), P("x")), *args)
     with jax.default_device(cpu):
         ref = jax.vjp(lambda *a: jnp.tanh(a[0] @ a[1]) @ a[2], xr, w1r, w2r)[1](cot)
     for name, gr, r in zip(("dx", "dw1", "dw2"), grads, ref):
         shard, = gr.addressable_shards
         check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
               f"tensor-parallel MLP gradient {name} across processes")
+    _tp_grads_timeout(mlp_sm, args, put(bf(cot), P("x")), ref)
 
     _matmul_all_reduce(mesh, put, cpu, rng, sm, bf)
 
@@ -180,6 +186,34 @@ def _ring_grads(mesh, put, cpu, rng, bf):
                   < 3e-2, f"ring attention gradient {name} ({mechanism}, {layout}) across "
                   "processes")
     pk_jax.check_errors()
+
+
+def _tp_grads_timeout(mlp_sm, args, c, ref):
+    """The tensor-parallel MLP's fused backward with rank 1 never posting (the
+    forward ran normally before): rank 0's waits give up and all its
+    gradients are NaN (dw too: the dW GEMM ran, then the call was poisoned),
+    check_errors raises on both processes, and the next backward is right."""
+    _, vjp_fn = jax.jit(lambda *a: jax.vjp(mlp_sm, *a))(*args)  # the forward, normally
+    with pk_jax.configured(timeout_s=0.5), runtime.testing_skip_post(1):
+        bad = jax.jit(lambda f, c: f(c))(vjp_fn, c)
+        bad = [np.asarray(g.addressable_shards[0].data, np.float32) for g in bad]
+    rank0 = int(os.environ["PK_JAX_PROCESS_ID"]) == 0
+    if rank0:
+        check(all(not np.isfinite(g).any() for g in bad),
+              "rank 0's MLP gradients (dx, dw1, dw2) are NaN after its backward wait timed out")
+    try:
+        pk_jax.check_errors()
+        check(False, "check_errors raises on both processes after a tensor-parallel "
+              "backward timeout")
+    except pk_jax.PkJaxTimeoutError as e:
+        check(("(backward)" in str(e)) if rank0 else True,
+              f"check_errors raises on both processes after a tensor-parallel backward "
+              f"timeout ({str(e)[:80]}...)")
+    grads = jax.jit(lambda f, c: f(c))(vjp_fn, c)
+    for name, gr, r in zip(("dx", "dw1", "dw2"), grads, ref):
+        shard, = gr.addressable_shards
+        check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
+              f"after the reset the tensor-parallel MLP gradient {name} is right")
 
 
 def _ring_grads_timeout(mesh, put, cpu, rng, bf):

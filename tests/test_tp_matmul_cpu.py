@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
@@ -143,3 +144,102 @@ def test_bad_input(call, match, error):
     f = jax.shard_map(lambda: call(), mesh=mesh, in_specs=(), out_specs=P(), check_vma=False)
     with pytest.raises(error, match=match):
         jax.jit(f)()
+
+
+# ---- the backward passes: dx and dw in one call ------------------------------------
+def _primitives(jaxpr) -> list[str]:
+    """Every primitive's name in `jaxpr` and the jaxprs in its equations' params."""
+    names = []
+    for eqn in jaxpr.eqns:
+        names.append(eqn.primitive.name)
+        for v in eqn.params.values():
+            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    names += _primitives(inner)
+    return names
+
+
+def _op_grads(mesh, op, mechanism, x, w, t, **kw):
+    """jax.grad of sum(op(x, w) * t), with the jaxpr it ran."""
+    ag = op == "all_gather_matmul"
+    specs = (P("tp"), P(None, "tp"), P(None, "tp")) if ag else (P(None, "tp"), P("tp", None),
+                                                                  P("tp"))
+    x, w, t = (jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w, t), specs))
+    f = jax.shard_map(lambda x, w: getattr(pk_jax, op)(x, w, "tp", mechanism=mechanism, **kw),
+                      mesh=mesh, in_specs=specs[:2], out_specs=specs[2])
+    loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * t)
+    g = jax.jit(jax.grad(loss, (0, 1)))
+    return g(x, w), _primitives(jax.make_jaxpr(g)(x, w).jaxpr)
+
+
+def _op_inputs(rng, op, n, m=12, k=16, n_cols=24):
+    """bf16 x, w and an fp32 output cotangent of one op, per-rank sizes m, k, n_cols."""
+    ag = op == "all_gather_matmul"
+    x = _normal(rng, (n * m, k) if ag else (n * m, n * k), jnp.bfloat16)
+    w = _normal(rng, (k, n * n_cols) if ag else (n * k, n_cols), jnp.bfloat16) / 4
+    t = _normal(rng, (n * m, n * n_cols if ag else n_cols))
+    return x, w, t
+
+
+_BWD = {"all_gather_matmul": "pk_all_gather_matmul_bwd",
+        "matmul_reduce_scatter": "pk_matmul_reduce_scatter_bwd"}
+
+
+@pytest.mark.parametrize("op", list(_BWD))
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_backward_is_one_call_computing_dx_and_dw(rng, sharding_mode, op, n):
+    """bf16 operands: the backward is the op's one backward primitive (dx and
+    dw, no dot left for dw), its gradients those of XLA's path on the same
+    inputs and of the fp32 computation."""
+    mesh = cpu_mesh((n,), ("tp",))
+    x, w, t = _op_inputs(rng, op, n)
+    (dx, dw), prims = _op_grads(mesh, op, "auto", x, w, t)
+    assert prims.count(_BWD[op]) == 1 and "dot_general" not in prims, prims
+    (rx, rw), ref_prims = _op_grads(mesh, op, "xla", x, w, t)
+    assert _BWD[op] not in ref_prims and "dot_general" in ref_prims  # the check can fail
+    (ex, ew), _ = _op_grads(mesh, op, "xla", x.astype(jnp.float32), w.astype(jnp.float32), t)
+    for name, ours, xla, exact in (("dx", dx, rx, ex), ("dw", dw, rw, ew)):
+        assert ours.dtype == jnp.bfloat16 and ours.shape == exact.shape, name
+        assert rel_err(ours, xla) < 1e-6, name  # the same products, rounded the same
+        assert rel_err(ours, exact) < 2e-2, name
+
+
+@pytest.mark.parametrize("op", list(_BWD))
+def test_backward_falls_back_to_two_steps_for_fp32_cotangents(rng, op):
+    """An fp32 output (preferred_element_type) gives an fp32 dy, which the
+    kernels do not take with bf16 operands: the two-step backward (XLA's dot
+    for dw), with the same gradients."""
+    mesh = cpu_mesh((2,), ("tp",))
+    x, w, t = _op_inputs(rng, op, 2)
+    (dx, dw), prims = _op_grads(mesh, op, "auto", x, w, t, preferred_element_type=jnp.float32)
+    assert _BWD[op] not in prims and "dot_general" in prims, prims
+    (ex, ew), _ = _op_grads(mesh, op, "xla", x.astype(jnp.float32), w.astype(jnp.float32), t)
+    assert rel_err(dx, ex) < 2e-2 and rel_err(dw, ew) < 2e-2
+
+
+def test_fused_backward_through_gathered_output(rng):
+    """bf16 all_gather_matmul with return_gathered: the gathered output's
+    cotangent is scattered onto the fused call's dx."""
+    mesh = cpu_mesh((4,), ("tp",))
+    x, w = _normal(rng, (16, 16), jnp.bfloat16), _normal(rng, (16, 64), jnp.bfloat16) / 4
+
+    def loss(pk, x, w):
+        def body(x, w):
+            if pk:
+                out, g = pk_jax.all_gather_matmul(x, w, "tp", return_gathered=True)
+            else:
+                g = lax.all_gather(x, "tp", tiled=True)
+                out = jnp.dot(g, w, preferred_element_type=jnp.float32).astype(g.dtype)
+            return (jnp.sum(out.astype(jnp.float32) ** 2)[None]
+                    + jnp.sum(jnp.cos(g.astype(jnp.float32)))[None])
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P("tp"))
+        return jnp.sum(f(x, w))
+
+    g = jax.jit(jax.grad(lambda *a: loss(True, *a), (0, 1)))
+    assert "pk_all_gather_matmul_bwd" in _primitives(jax.make_jaxpr(g)(x, w).jaxpr)
+    ours = g(x, w)
+    ref = jax.grad(lambda *a: loss(False, *a), (0, 1))(x.astype(jnp.float32),
+                                                       w.astype(jnp.float32))
+    for o, r in zip(ours, ref):
+        assert rel_err(o, r) < 2e-2

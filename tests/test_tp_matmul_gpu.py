@@ -3,6 +3,8 @@ GPUs against the fp32 reference of the unsharded product, with a tolerance set
 by XLA's own same-precision result (matmul_all_reduce: also the same bits on
 every rank). Skipped with a reason when there are too few GPUs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -118,11 +120,14 @@ def test_mlp_gradients(rng):
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_op_gradients(rng, op, n, dtype):
-    """jax.grad of each op alone (its backward runs the other op with w^T read
-    in place) against the fp32 gradient of the XLA version."""
+@pytest.mark.parametrize("m", [512, 100])
+def test_op_gradients(rng, op, n, dtype, m):
+    """jax.grad of each op alone (its backward is one call: the other op's
+    sequence with w^T read in place, and the dW GEMM reading the activations
+    transposed in place) against the fp32 gradient of the XLA version; m
+    rows per rank, 100 off every tile."""
     mesh = gpu_mesh(n)
-    m, k, n_cols = 512, 1024, 768  # per rank; non-square
+    k, n_cols = 1024, 768  # per rank; non-square
     ag = op == "all_gather_matmul"
     x_spec, w_spec, out_spec = ((P("x"), P(None, "x"), P(None, "x")) if ag
                                 else (P(None, "x"), P("x", None), P("x")))
@@ -146,6 +151,47 @@ def test_op_gradients(rng, op, n, dtype):
     for name, o, r, e in zip(("dx", "dw"), ours, xla, exact):
         assert o.dtype == dtype and o.shape == e.shape, f"{name}: {o.dtype} {o.shape}"
         _check(o, r, e, f"{op} n={n} {jnp.dtype(dtype).name} {name}")
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_mlp_backward_is_one_call_per_op(rng, n):
+    """The compiled MLP gradient: each op's backward is one pk call computing
+    dx and dw; no XLA dot (cuBLAS or Triton) is left for the weight
+    gradients."""
+    mesh = gpu_mesh(n)
+    d, h = 256, 512 * n
+    args = [_put(mesh, jnp.asarray(rng.standard_normal(s) / 8, jnp.bfloat16), p)
+            for s, p in (((128 * n, d), P("x")), ((d, h), P(None, "x")), ((h, d), P("x", None)))]
+    grad = jax.jit(jax.grad(lambda *b: mlp_loss(mesh, "x", True, *b), (0, 1, 2)))
+    hlo = grad.lower(*args).compile().as_text()
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    for t in ("pk_all_gather_matmul_bwd", "pk_matmul_reduce_scatter_bwd"):
+        assert targets.count(t) == 1, targets
+    assert not any("cublas" in t or "gemm" in t for t in targets), targets
+    assert " dot(" not in hlo
+    xla = jax.jit(jax.grad(lambda *b: mlp_loss(mesh, "x", False, *b), (0, 1, 2)))
+    xla_hlo = xla.lower(*args).compile().as_text()
+    assert " dot(" in xla_hlo or "cublas" in xla_hlo  # the check can fail
+
+
+def test_backward_with_fp32_output_takes_two_steps(rng):
+    """An fp32 output gives an fp32 dy (bf16 operands): the two-step
+    backward, with the right gradients."""
+    mesh = gpu_mesh(1)
+    x = _put(mesh, jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16), P("x"))
+    w = _put(mesh, jnp.asarray(rng.standard_normal((512, 384)) / 22, jnp.bfloat16), P(None, "x"))
+    t = _put(mesh, jnp.asarray(rng.standard_normal((256, 384)), jnp.float32), P(None, "x"))
+
+    def grads(mechanism, x, w):
+        f = jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(
+            x, w, "x", mechanism=mechanism, preferred_element_type=jnp.float32),
+            mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) * t), (0, 1)))(x, w)
+
+    exact = grads("xla", x.astype(jnp.float32), w.astype(jnp.float32))
+    for name, o, r, e in zip(("dx", "dw"), grads("chunked", x, w), grads("xla", x, w), exact):
+        _check(o, r, e, f"fp32-output {name}")
     pk_jax.check_errors()
 
 

@@ -53,6 +53,8 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_all_gather"] = as_capsule(pk::ffi_handlers::AllGather);
     d["pk_all_gather_matmul"] = as_capsule(pk::ffi_handlers::AllGatherMatmul);
     d["pk_matmul_reduce_scatter"] = as_capsule(pk::ffi_handlers::MatmulReduceScatter);
+    d["pk_all_gather_matmul_bwd"] = as_capsule(pk::ffi_handlers::AllGatherMatmulBwd);
+    d["pk_matmul_reduce_scatter_bwd"] = as_capsule(pk::ffi_handlers::MatmulReduceScatterBwd);
     d["pk_matmul_all_reduce"] = as_capsule(pk::ffi_handlers::MatmulAllReduce);
     d["pk_ring_attention"] = as_capsule(pk::ffi_handlers::RingAttention);
     d["pk_attention_block_bwd"] = as_capsule(pk::ffi_handlers::AttentionBlockBwd);

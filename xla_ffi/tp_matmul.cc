@@ -1,5 +1,7 @@
 // FFI handlers for pk_jax.all_gather_matmul, pk_jax.matmul_reduce_scatter and
-// pk_jax.matmul_all_reduce.
+// pk_jax.matmul_all_reduce, and the backward passes of the first two (dx and
+// dw in one call: the other op's sequence with the weight gradient's GEMM
+// placed where it would wait).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -70,54 +72,137 @@ ffi::Error launched(const char* op, cudaError_t err) {
   return ffi_common::cuda_error(op, "launch", err);
 }
 
+// The weight gradient of a backward call: dw [N, K] of the forward's
+// activations act [n * m, N] (tp_matmul.h: weight_grad), both the input type.
+ffi::Error read_weight_grad(const char* op, ffi::AnyBuffer act, ffi::AnyBuffer dw,
+                            ffi::AnyBuffer x, tp_matmul::Params* p) {
+  const auto ad = act.dimensions();
+  const auto dd = dw.dimensions();
+  if (act.element_type() != x.element_type() || dw.element_type() != x.element_type())
+    return ffi_common::invalid_argument(op, "act and dw must have the operands' dtype");
+  if (ad.size() != 2 || ad[0] != int64_t(p->n) * p->m || ad[1] != p->n_cols || dd.size() != 2 ||
+      dd[0] != p->n_cols || dd[1] != p->k)
+    return ffi_common::invalid_argument(op, "expected act [n * m, N] and dw [N, K]");
+  p->act = act.untyped_data();
+  p->dw = dw.untyped_data();
+  return ffi::Error::Success();
+}
+
+// all_gather_matmul's call (the forward, or with act/dw the backward of
+// matmul_reduce_scatter) after `prepare`: x [m, K], w, out [n*m, N].
+ffi::Error read_all_gather_matmul(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                  ffi::AnyBuffer out, bool w_transposed,
+                                  tp_matmul::Params* p) {
+  const auto xd = x.dimensions();
+  int64_t wk = 0;
+  if (xd.size() != 2 || !read_w(w, w_transposed, &wk, &p->n_cols, p) || xd[1] != wk)
+    return ffi_common::invalid_argument(op, "expected x [m, K], w [K, N] (or [N, K] transposed)");
+  p->m = xd[0];
+  p->k = xd[1];
+  if (out.size_bytes() != size_t(p->n) * p->m * p->n_cols * gemm::itemsize(p->out_type))
+    return ffi_common::invalid_argument(op, "expected out [n * m, N]");
+  return ffi::Error::Success();
+}
+
+// With peers, the region holds every rank's x (tp_matmul.h).
+size_t all_gather_matmul_region(const ffi_common::ChannelAttrs& channel, ffi::AnyBuffer x) {
+  return channel.group_size > 1 ? size_t(channel.group_size) * x.size_bytes() : 0;
+}
+
 ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> gathered,
                                ffi_common::ChannelAttrs channel, bool return_gathered,
                                bool w_transposed) {
   constexpr const char* kOp = "all_gather_matmul";
-  // With peers, the region holds every rank's x (tp_matmul.h).
-  const size_t needed = channel.group_size > 1 ? size_t(channel.group_size) * x.size_bytes() : 0;
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpAllGatherMatmul, stream, ordinal, x, w, *out, channel,
-                             needed, &p);
+                             all_gather_matmul_region(channel, x), &p);
       e.failure())
     return e;
-  const auto xd = x.dimensions();
-  int64_t wk = 0;
-  if (xd.size() != 2 || !read_w(w, w_transposed, &wk, &p.n_cols, &p) || xd[1] != wk)
-    return ffi_common::invalid_argument(kOp, "expected x [m, K], w [K, N] (or [N, K] transposed)");
-  p.m = xd[0];
-  p.k = xd[1];
-  if (out->size_bytes() != size_t(p.n) * p.m * p.n_cols * gemm::itemsize(p.out_type) ||
-      (return_gathered && gathered->size_bytes() != size_t(p.n) * x.size_bytes()))
-    return ffi_common::invalid_argument(kOp, "expected out [n * m, N] and gathered [n * m, K]");
+  if (ffi::Error e = read_all_gather_matmul(kOp, x, w, *out, w_transposed, &p); e.failure())
+    return e;
+  if (return_gathered && gathered->size_bytes() != size_t(p.n) * x.size_bytes())
+    return ffi_common::invalid_argument(kOp, "expected gathered [n * m, K]");
   p.gathered = return_gathered ? gathered->untyped_data() : nullptr;
   return launched(kOp, tp_matmul::all_gather_matmul(p));
+}
+
+// The backward of matmul_reduce_scatter: dx = all_gather(dy) @ w^T and
+// dw = x^T @ all_gather(dy), one all_gather_matmul sequence.
+ffi::Error MatmulReduceScatterBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dy,
+                                      ffi::AnyBuffer w, ffi::AnyBuffer x,
+                                      ffi::Result<ffi::AnyBuffer> dx,
+                                      ffi::Result<ffi::AnyBuffer> dw,
+                                      ffi_common::ChannelAttrs channel) {
+  constexpr const char* kOp = "matmul_reduce_scatter (backward)";
+  tp_matmul::Params p;
+  if (ffi::Error e = prepare(kOp, kOpMatmulReduceScatterBwd, stream, ordinal, dy, w, *dx, channel,
+                             all_gather_matmul_region(channel, dy), &p);
+      e.failure())
+    return e;
+  if (ffi::Error e = read_all_gather_matmul(kOp, dy, w, *dx, /*w_transposed=*/true, &p);
+      e.failure())
+    return e;
+  if (ffi::Error e = read_weight_grad(kOp, x, *dw, dy, &p); e.failure()) return e;
+  return launched(kOp, tp_matmul::all_gather_matmul(p));
+}
+
+// matmul_reduce_scatter's call (the forward, or with act/dw the backward of
+// all_gather_matmul) after `prepare`: x [M, K], w, out [M / n, N].
+ffi::Error read_matmul_reduce_scatter(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                      ffi::AnyBuffer out, bool w_transposed,
+                                      tp_matmul::Params* p) {
+  const auto xd = x.dimensions();
+  int64_t wk = 0;
+  if (xd.size() != 2 || !read_w(w, w_transposed, &wk, &p->n_cols, p) || xd[1] != wk ||
+      xd[0] % p->n != 0)
+    return ffi_common::invalid_argument(
+        op, "expected x [M, K], w [K, N] (or [N, K] transposed), M divisible by the group");
+  p->m = xd[0] / p->n;
+  p->k = xd[1];
+  if (out.size_bytes() != size_t(p->m) * p->n_cols * gemm::itemsize(p->out_type))
+    return ffi_common::invalid_argument(op, "expected out [M / n, N]");
+  return ffi::Error::Success();
+}
+
+// With peers, the region holds one partial shard per rank (tp_matmul.h).
+size_t matmul_reduce_scatter_region(const ffi_common::ChannelAttrs& channel,
+                                    ffi::AnyBuffer out) {
+  return channel.group_size > 1 ? size_t(channel.group_size) * out.size_bytes() : 0;
 }
 
 ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                    ffi_common::ChannelAttrs channel, bool w_transposed) {
   constexpr const char* kOp = "matmul_reduce_scatter";
-  // With peers, the region holds one partial shard per rank (tp_matmul.h).
-  const size_t needed =
-      channel.group_size > 1 ? size_t(channel.group_size) * out->size_bytes() : 0;
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpMatmulReduceScatter, stream, ordinal, x, w, *out, channel,
-                             needed, &p);
+                             matmul_reduce_scatter_region(channel, *out), &p);
       e.failure())
     return e;
-  const auto xd = x.dimensions();
-  int64_t wk = 0;
-  if (xd.size() != 2 || !read_w(w, w_transposed, &wk, &p.n_cols, &p) || xd[1] != wk ||
-      xd[0] % p.n != 0)
-    return ffi_common::invalid_argument(
-        kOp, "expected x [M, K], w [K, N] (or [N, K] transposed), M divisible by the group");
-  p.m = xd[0] / p.n;
-  p.k = xd[1];
-  if (out->size_bytes() != size_t(p.m) * p.n_cols * gemm::itemsize(p.out_type))
-    return ffi_common::invalid_argument(kOp, "expected out [M / n, N]");
+  if (ffi::Error e = read_matmul_reduce_scatter(kOp, x, w, *out, w_transposed, &p); e.failure())
+    return e;
+  return launched(kOp, tp_matmul::matmul_reduce_scatter(p));
+}
+
+// The backward of all_gather_matmul: dx = psum_scatter(dy @ w^T) and
+// dw = gathered x^T @ dy, one matmul_reduce_scatter sequence.
+ffi::Error AllGatherMatmulBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer dy,
+                                  ffi::AnyBuffer w, ffi::AnyBuffer gathered,
+                                  ffi::Result<ffi::AnyBuffer> dx,
+                                  ffi::Result<ffi::AnyBuffer> dw,
+                                  ffi_common::ChannelAttrs channel) {
+  constexpr const char* kOp = "all_gather_matmul (backward)";
+  tp_matmul::Params p;
+  if (ffi::Error e = prepare(kOp, kOpAllGatherMatmulBwd, stream, ordinal, dy, w, *dx, channel,
+                             matmul_reduce_scatter_region(channel, *dx), &p);
+      e.failure())
+    return e;
+  if (ffi::Error e = read_matmul_reduce_scatter(kOp, dy, w, *dx, /*w_transposed=*/true, &p);
+      e.failure())
+    return e;
+  if (ffi::Error e = read_weight_grad(kOp, gathered, *dw, dy, &p); e.failure()) return e;
   return launched(kOp, tp_matmul::matmul_reduce_scatter(p));
 }
 
@@ -188,6 +273,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<ffi_common::ChannelAttrs>("channel")  // group, slot, region, timeout
         .Attr<bool>("return_gathered")              // fill the second result
         .Attr<bool>("w_transposed"),                // w holds w^T
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    AllGatherMatmulBwd, AllGatherMatmulBwdImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()                       // dy: [n*m, N]
+        .Arg<ffi::AnyBuffer>()                       // w: [K, N] (read as w^T)
+        .Arg<ffi::AnyBuffer>()                       // the forward's gathered x [n*m, K]
+        .Ret<ffi::AnyBuffer>()                       // dx: [m, K]
+        .Ret<ffi::AnyBuffer>()                       // dw: [K, N]
+        .Attr<ffi_common::ChannelAttrs>("channel"),  // matmul_reduce_scatter's
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MatmulReduceScatterBwd, MatmulReduceScatterBwdImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Ctx<ffi::DeviceOrdinal>()
+        .Arg<ffi::AnyBuffer>()                       // dy: our shard [m, N]
+        .Arg<ffi::AnyBuffer>()                       // w: [K_local, N] (read as w^T)
+        .Arg<ffi::AnyBuffer>()                       // the forward's x [n*m, K_local]
+        .Ret<ffi::AnyBuffer>()                       // dx: [n*m, K_local]
+        .Ret<ffi::AnyBuffer>()                       // dw: [K_local, N]
+        .Attr<ffi_common::ChannelAttrs>("channel"),  // all_gather_matmul's
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -132,6 +132,8 @@ enum OpId : int32_t {
   kOpAllReduce = 6,
   kOpReduceScatter = 7,
   kOpMatmulAllReduce = 8,
+  kOpAllGatherMatmulBwd = 9,        // its dx and dw in one call
+  kOpMatmulReduceScatterBwd = 10,   // its dx and dw in one call
 };
 // What a failed wait waited for (ErrorRecord::what, with kErrTimeout).
 enum WaitKind : int32_t {

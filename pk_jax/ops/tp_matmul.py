@@ -20,10 +20,12 @@ import numpy as np
 from jax import lax
 
 from pk_jax import groups, reference, runtime, tuning
-from pk_jax._compat import make_varying, sum_to_type_of
+from pk_jax._compat import make_varying, sum_to_type_of, varying_axes
 from pk_jax._warnings import warn_once
-from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_p,
-                                             matmul_all_reduce_p, matmul_reduce_scatter_p)
+from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_bwd_p,
+                                             all_gather_matmul_p, matmul_all_reduce_p,
+                                             matmul_reduce_scatter_bwd_p,
+                                             matmul_reduce_scatter_p)
 
 MECHANISMS = ("auto", "chunked", "xla")
 ALL_REDUCE_MECHANISMS = ("auto", "chunked", "one_shot", "xla")
@@ -95,20 +97,41 @@ def _ag_forward(x, w, cfg):
     return (out, gathered), (gathered, w)
 
 
+def _fused_backward(cfg: TpConfig, dy, act, w) -> bool:
+    """Whether one kernel call computes dx and dw: a kernel mechanism and dy
+    in the operands' dtype (else the two-step path: XLA or the kernels for
+    dx, XLA's dot for dw)."""
+    return cfg.mechanism != "xla" and dy.dtype == act.dtype == w.dtype
+
+
+def _bind_backward(prim, cfg: TpConfig, dy, w, act):
+    """dx, dw from one call; the operands made to vary over the same axes
+    (the primitive's outputs take dy's type)."""
+    axes = tuple(sorted(varying_axes(dy) | varying_axes(w) | varying_axes(act)))
+    if axes:
+        dy, w, act = (make_varying(a, axes) for a in (dy, w, act))
+    return prim.bind(dy, w, act, cfg=dataclasses.replace(cfg, out_dtype=jnp.dtype(act.dtype)))
+
+
 def _ag_backward(cfg: TpConfig, res, dy, dgathered=None):
     """dx = matmul_reduce_scatter(dy, w^T) (+ the gathered output's share),
-    dw = gathered^T @ dy. The kernels read w^T in place (transpose_w)."""
+    dw = gathered^T @ dy: one kernel call (the dW GEMM hides the wait for
+    the peers' partials), else the reduce-scatter then XLA's dot. The
+    kernels read w^T in place."""
     gathered, w = res
     x_dtype = gathered.dtype
-    if dy.dtype == x_dtype and cfg.mechanism != "xla":
-        dx = _rs_bind(dy, w, dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype)),
-                      transpose_w=True)
+    if _fused_backward(cfg, dy, gathered, w):
+        dx, dw = _bind_backward(all_gather_matmul_bwd_p, cfg, dy, w, gathered)
     else:
-        dx = reference.matmul_reduce_scatter(dy.astype(x_dtype), w.T.astype(x_dtype),
-                                             cfg.names)
+        if dy.dtype == x_dtype and cfg.mechanism != "xla":
+            dx = _rs_bind(dy, w, dataclasses.replace(cfg, out_dtype=jnp.dtype(x_dtype)),
+                          transpose_w=True)
+        else:
+            dx = reference.matmul_reduce_scatter(dy.astype(x_dtype), w.T.astype(x_dtype),
+                                                 cfg.names)
+        dw = _dot_f32(gathered, dy.astype(x_dtype), w.dtype)
     if dgathered is not None:
         dx = dx + lax.psum_scatter(dgathered, cfg.names, scatter_dimension=0, tiled=True)
-    dw = _dot_f32(gathered, dy.astype(x_dtype), w.dtype)
     # the gathered x varies over exactly x's axes
     return sum_to_type_of(dx.astype(x_dtype), gathered), sum_to_type_of(dw, w)
 
@@ -149,9 +172,14 @@ def _rs_forward(x, w, cfg):
 
 
 def _rs_backward(cfg: TpConfig, res, dy):
-    """dx, gathered dy = all_gather_matmul(dy, w^T); dw = x^T @ gathered dy.
-    The kernels read w^T in place (transpose_w)."""
+    """dx, gathered dy = all_gather_matmul(dy, w^T); dw = x^T @ gathered dy:
+    one kernel call (the dW GEMM after the GEMMs of the landed rows, on the
+    gathered dy in the staging region), else the all-gather matmul then
+    XLA's dot. The kernels read w^T in place."""
     x, w = res
+    if _fused_backward(cfg, dy, x, w):
+        dx, dw = _bind_backward(matmul_reduce_scatter_bwd_p, cfg, dy, w, x)
+        return sum_to_type_of(dx, x), sum_to_type_of(dw, w)
     if dy.dtype == x.dtype and cfg.mechanism != "xla":
         dx, gathered_dy = _ag(dy, w, dataclasses.replace(cfg, out_dtype=x.dtype), True,
                               transpose_w=True)

@@ -7,6 +7,18 @@
                             over the axes (shard_map's check_vma) as psum's
                             result is
 
+The backward passes of the first two, dx and dw in one call (the other op's
+sequence with the weight gradient's GEMM placed where it would wait; w is
+the forward's [K, N], read transposed in place):
+`pk_all_gather_matmul_bwd`:     dy [n*m, N], w [K, N], gathered x [n*m, K]
+                                -> (psum_scatter(dy @ w^T) [m, K],
+                                    gathered^T @ dy [K, N])
+`pk_matmul_reduce_scatter_bwd`: dy [m, N], w [K, N], x [n*m, K]
+                                -> (all_gather(dy) @ w^T [n*m, K],
+                                    x^T @ all_gather(dy) [K, N])
+dx in cfg.out_dtype, dw in w's dtype, both accumulated in fp32. The operands
+must vary over the same mesh axes (the callers pvary them).
+
 Parameters: the op's frozen `TpConfig`, and `transpose_w` (w is given as
 [N, K] and the product is x @ w^T: the backward passes multiply by the
 forward's weight transposed, and the kernels read it in place as a K-major
@@ -25,7 +37,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
@@ -58,6 +72,10 @@ all_gather_matmul_p = Primitive("pk_all_gather_matmul")
 all_gather_matmul_p.multiple_results = True
 matmul_reduce_scatter_p = Primitive("pk_matmul_reduce_scatter")
 matmul_all_reduce_p = Primitive("pk_matmul_all_reduce")
+all_gather_matmul_bwd_p = Primitive("pk_all_gather_matmul_bwd")
+all_gather_matmul_bwd_p.multiple_results = True
+matmul_reduce_scatter_bwd_p = Primitive("pk_matmul_reduce_scatter_bwd")
+matmul_reduce_scatter_bwd_p.multiple_results = True
 
 
 def _n_cols(w, transpose_w: bool) -> int:
@@ -159,6 +177,64 @@ def _ar_cuda(ctx, x, w, *, cfg: TpConfig):
         ctx, x, w, channel=reduce, gather_channel=gather, one_shot=one_shot)
 
 
+# ---- the backward passes: dx and dw in one call ------------------------------------
+def weight_grad(act, rows, dtype):
+    """act^T @ rows, accumulated in fp32, in `dtype` (the reference's dW)."""
+    return lax.dot_general(act, rows, (((0,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32).astype(dtype)
+
+
+def _ag_bwd_abstract(dy, w, gathered, *, cfg: TpConfig):
+    k = w.shape[0]
+    return (dy.update(shape=(dy.shape[0] // cfg.n, k), dtype=cfg.out_dtype),
+            dy.update(shape=w.shape, dtype=w.dtype))
+
+
+def _ag_bwd_reference(ctx, dy, w, gathered, *, cfg: TpConfig):
+    def fn(dy, w, gathered):
+        dx = reference.matmul_reduce_scatter(dy, w.T, cfg.names, out_dtype=cfg.out_dtype)
+        return dx, weight_grad(gathered, dy, w.dtype)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, dy, w, gathered)
+
+
+def _ag_bwd_cuda(ctx, dy, w, gathered, *, cfg: TpConfig):
+    """matmul_reduce_scatter's sequence and channel (dy @ w^T scattered),
+    the dW GEMM before its wait."""
+    table = _group(ctx, "all_gather_matmul", cfg)
+    if table is None:
+        return _ag_bwd_reference(ctx, dy, w, gathered, cfg=cfg)
+    dy_aval, w_aval = ctx.avals_in[:2]
+    attr = channel_attr(table, "matmul_reduce_scatter", None,
+                        _region_bytes(cfg.n, dy_aval.shape[0] // cfg.n, w_aval.shape[0],
+                                      cfg.out_dtype))
+    return jax.ffi.ffi_lowering("pk_all_gather_matmul_bwd")(ctx, dy, w, gathered, **attr)
+
+
+def _rs_bwd_abstract(dy, w, x, *, cfg: TpConfig):
+    return (dy.update(shape=(cfg.n * dy.shape[0], w.shape[0]), dtype=cfg.out_dtype),
+            dy.update(shape=w.shape, dtype=w.dtype))
+
+
+def _rs_bwd_reference(ctx, dy, w, x, *, cfg: TpConfig):
+    def fn(dy, w, x):
+        dx, gathered = reference.all_gather_matmul(dy, w.T, cfg.names, out_dtype=cfg.out_dtype)
+        return dx, weight_grad(x, gathered, w.dtype)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, dy, w, x)
+
+
+def _rs_bwd_cuda(ctx, dy, w, x, *, cfg: TpConfig):
+    """all_gather_matmul's sequence and channel (dy gathered, @ w^T), the dW
+    GEMM on the gathered dy at the end."""
+    table = _group(ctx, "matmul_reduce_scatter", cfg)
+    if table is None:
+        return _rs_bwd_reference(ctx, dy, w, x, cfg=cfg)
+    dy_aval = ctx.avals_in[0]
+    m, n_cols = dy_aval.shape
+    attr = channel_attr(table, "all_gather_matmul", None,
+                        _region_bytes(cfg.n, m, n_cols, dy_aval.dtype))
+    return jax.ffi.ffi_lowering("pk_matmul_reduce_scatter_bwd")(ctx, dy, w, x, **attr)
+
+
 all_gather_matmul_p.def_abstract_eval(_ag_abstract)
 mlir.register_lowering(all_gather_matmul_p, _ag_reference)
 mlir.register_lowering(all_gather_matmul_p, _ag_cuda, platform="cuda")
@@ -168,3 +244,9 @@ mlir.register_lowering(matmul_reduce_scatter_p, _rs_cuda, platform="cuda")
 matmul_all_reduce_p.def_abstract_eval(_ar_abstract)
 mlir.register_lowering(matmul_all_reduce_p, _ar_reference)
 mlir.register_lowering(matmul_all_reduce_p, _ar_cuda, platform="cuda")
+all_gather_matmul_bwd_p.def_abstract_eval(_ag_bwd_abstract)
+mlir.register_lowering(all_gather_matmul_bwd_p, _ag_bwd_reference)
+mlir.register_lowering(all_gather_matmul_bwd_p, _ag_bwd_cuda, platform="cuda")
+matmul_reduce_scatter_bwd_p.def_abstract_eval(_rs_bwd_abstract)
+mlir.register_lowering(matmul_reduce_scatter_bwd_p, _rs_bwd_reference)
+mlir.register_lowering(matmul_reduce_scatter_bwd_p, _rs_bwd_cuda, platform="cuda")

@@ -5,7 +5,9 @@
 // the rows arrive (all_gather_matmul) or point D at a peer's memory so the
 // epilogue's stores travel over NVLink, and add the peer's partial sums as C
 // (matmul_reduce_scatter). The backward passes multiply by w^T: B may be
-// given transposed, so no transposed copy of a weight is ever made.
+// given transposed, so no transposed copy of a weight is ever made; A may be
+// given transposed for the weight gradients (dW = X^T @ dY reads X [k, m]
+// row-major in place: the contraction runs over the rows of both operands).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,11 +24,12 @@ using pk::itemsize;
 
 struct Problem {
   int64_t m = 0, n = 0, k = 0;
-  const void* a = nullptr;  // [m, k] row-major
+  const void* a = nullptr;  // [m, k] row-major, or [k, m] row-major if a_transposed
   const void* b = nullptr;  // [k, n] row-major, or [n, k] row-major if b_transposed
   const void* c = nullptr;  // null, or [m, n] row-major of the output type: D = A @ B + C
   void* d = nullptr;        // [m, n] row-major, may live on a peer GPU
   bool b_transposed = false;
+  bool a_transposed = false;  // only with B row-major and the output in the input type
   DType in = DType::kBF16;  // A and B
   DType out = DType::kBF16;
 };
@@ -43,7 +46,9 @@ struct Device {
 bool available();
 
 // Inputs bf16 or f16; output the input type or f32 (the input type only when
-// b_transposed); k and n multiples of 8 (16-byte rows for the TMA copies).
+// b_transposed or a_transposed; not both transposed); n and the row length of
+// A (k, or m when a_transposed) multiples of 8 (16-byte rows for the TMA
+// copies).
 bool supported(const Problem& p);
 
 // Load every instantiation on the current device (no lazy loading later).
@@ -59,17 +64,20 @@ cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream);
 cudaError_t check(const Problem& p, const Device& dev);
 
 // The instantiations (kernels/common/variants.h): one per (input type, output
-// type, B layout), gemm_<in>_<out>[_bt].cu; defined in gemm_sm90.cuh.
+// type, B layout, A layout), gemm_<in>_<out>[_bt|_at].cu; defined in
+// gemm_sm90.cuh.
 struct VariantKey {
   DType in, out;
   bool b_transposed;
+  bool a_transposed = false;
 };
 constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
-  return a.in == b.in && a.out == b.out && a.b_transposed == b.b_transposed;
+  return a.in == b.in && a.out == b.out && a.b_transposed == b.b_transposed &&
+         a.a_transposed == b.a_transposed;
 }
-template <DType kIn, DType kOut, bool kBTransposed>
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed = false>
 struct Variant {
-  static constexpr VariantKey key{kIn, kOut, kBTransposed};
+  static constexpr VariantKey key{kIn, kOut, kBTransposed, kATransposed};
   static cudaError_t check(const Problem& p, const Device& dev);
   static cudaError_t launch(const Problem& p, const Device& dev, cudaStream_t stream);
   static cudaError_t load();

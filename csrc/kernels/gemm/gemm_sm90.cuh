@@ -1,9 +1,11 @@
 // The sm90 GEMM: CUTLASS's TMA warp-specialized kernel with a persistent tile
 // scheduler, its tiles a template parameter (DefaultTiles for the ops:
 // 128x256x64, 2x1 clusters, cooperative), instantiated once per (input type,
-// output type, B layout) in gemm_<in>_<out>[_bt].cu (gemm.h: Variant).
-// B row-major is [k, n]; column-major is B^T stored row-major [n, k]
-// (K-major, wgmma's native operand order).
+// output type, B layout, A layout) in gemm_<in>_<out>[_bt|_at].cu (gemm.h:
+// Variant). B row-major is [k, n]; column-major is B^T stored row-major
+// [n, k] (K-major, wgmma's native operand order). A row-major is [m, k];
+// column-major is A^T stored row-major [k, m] (M-major: wgmma reads 16-bit
+// operands of either major from shared memory), the weight gradients' X^T.
 //
 // Launch config: CUTLASS's (persistent grid of at most one CTA per SM, 2x1
 // clusters). Arguments: gemm.h's Problem. Roles: one producer warpgroup (TMA
@@ -72,7 +74,8 @@ cudaError_t load_kernel() {
   return cudaFuncGetAttributes(&attr, cutlass::device_kernel<Kernel>);
 }
 
-template <typename In, typename Out, typename LayoutB, typename Tiles = DefaultTiles>
+template <typename In, typename Out, typename LayoutB, typename Tiles = DefaultTiles,
+          typename LayoutA = cutlass::layout::RowMajor>
 struct Sm90Gemm {
   using Row = cutlass::layout::RowMajor;
   using TileShape = typename Tiles::TileShape;
@@ -83,10 +86,11 @@ struct Sm90Gemm {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Out, Row, kAlignOut, Out,
       Row, kAlignOut, typename Tiles::EpilogueSchedule>::CollectiveOp;
-  // TMA loads of A [m, k] row-major and B, wgmma, fp32 accumulators; the
+  // TMA loads of A and B, wgmma, fp32 accumulators; the
   // stage count fills the shared memory the epilogue leaves.
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, In, Row, 16 / sizeof(In), In, LayoutB,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, In, LayoutA, 16 / sizeof(In), In,
+      LayoutB,
       16 / sizeof(In), float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
@@ -134,26 +138,32 @@ struct Sm90Gemm {
 };
 
 // The instantiations (gemm.h: Variant) over the types the ops take.
-// B [k, n] row-major, or transposed: [n, k] row-major, i.e. column-major [k, n].
-template <DType kIn, DType kOut, bool kBTransposed>
+// B [k, n] row-major, or transposed: [n, k] row-major, i.e. column-major [k, n];
+// A [m, k] row-major, or transposed: [k, m] row-major, i.e. column-major [m, k].
+template <bool kTransposed>
+using Major = std::conditional_t<kTransposed, cutlass::layout::ColumnMajor,
+                                 cutlass::layout::RowMajor>;
+
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed>
 using VariantGemm = Sm90Gemm<typename CutlassType<kIn>::Type, typename CutlassType<kOut>::Type,
-                             std::conditional_t<kBTransposed, cutlass::layout::ColumnMajor,
-                                                cutlass::layout::RowMajor>>;
+                             Major<kBTransposed>, DefaultTiles, Major<kATransposed>>;
 
-template <DType kIn, DType kOut, bool kBTransposed>
-cudaError_t Variant<kIn, kOut, kBTransposed>::check(const Problem& p, const Device& dev) {
-  return VariantGemm<kIn, kOut, kBTransposed>::check(p, dev);
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed>
+cudaError_t Variant<kIn, kOut, kBTransposed, kATransposed>::check(const Problem& p,
+                                                                  const Device& dev) {
+  return VariantGemm<kIn, kOut, kBTransposed, kATransposed>::check(p, dev);
 }
 
-template <DType kIn, DType kOut, bool kBTransposed>
-cudaError_t Variant<kIn, kOut, kBTransposed>::launch(const Problem& p, const Device& dev,
-                                                     cudaStream_t stream) {
-  return VariantGemm<kIn, kOut, kBTransposed>::run(p, dev, stream);
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed>
+cudaError_t Variant<kIn, kOut, kBTransposed, kATransposed>::launch(const Problem& p,
+                                                                   const Device& dev,
+                                                                   cudaStream_t stream) {
+  return VariantGemm<kIn, kOut, kBTransposed, kATransposed>::run(p, dev, stream);
 }
 
-template <DType kIn, DType kOut, bool kBTransposed>
-cudaError_t Variant<kIn, kOut, kBTransposed>::load() {
-  return VariantGemm<kIn, kOut, kBTransposed>::load();
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed>
+cudaError_t Variant<kIn, kOut, kBTransposed, kATransposed>::load() {
+  return VariantGemm<kIn, kOut, kBTransposed, kATransposed>::load();
 }
 
 }  // namespace pk::gemm

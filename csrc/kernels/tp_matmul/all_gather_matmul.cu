@@ -6,12 +6,18 @@
 //   main:  GEMM on x -> our rows of out; then for each peer q in the order
 //          their copies reach us: wait posted[q] >= e, GEMM on slot q -> q's
 //          rows (and slot q -> q's rows of `gathered`).
+//   dW:    with p.dw (the backward of matmul_reduce_scatter): the side stream
+//          also copies x into slot r of our own region, so the region holds
+//          every rank's rows in rank order; after the last GEMM of landed
+//          rows, join the side stream and dw = act^T @ region (with one
+//          rank: act^T @ x). Nothing left to wait on by then.
 //   end:   join the side stream, finish (done[r] = e to every peer: our slots
 //          may be overwritten; the outputs poisoned if the call failed;
 //          epoch = e). With one rank: the GEMM (and copy), then finish.
 // Every GEMM of the call is checked before anything is enqueued; a CUDA
 // error from an enqueue still joins the side stream and finishes the call,
-// as aborted (signals::finish), so the protocol never stops halfway.
+// as aborted (signals::finish, which also poisons dw), so the protocol never
+// stops halfway.
 #include "kernels/tp_matmul/tp_matmul.h"
 #include "pk/cuda_check.h"
 #include "pk/signals.h"
@@ -48,6 +54,11 @@ cudaError_t copy_gathered(const Params& p, const void* rows, int q, cudaStream_t
                          cudaMemcpyDeviceToDevice, s);
 }
 
+// The dW GEMM reads every rank's rows from our region (n > 1).
+gemm::Problem weight_grad_problem(const Params& p) {
+  return weight_grad(p, p.n > 1 ? static_cast<const void*>(p.region[p.rank]) : p.x);
+}
+
 // Everything up to the join; *forked once the side stream waits on ours.
 cudaError_t enqueue(const Params& p, bool* forked) {
   const size_t block = block_bytes(p);
@@ -64,6 +75,9 @@ cudaError_t enqueue(const Params& p, bool* forked) {
       PK_CUDA_TRY(signals::post(p.ch, q, p.skip_post, side));
     }
     PK_CUDA_TRY(copy_gathered(p, p.x, p.rank, side));
+    if (p.dw != nullptr)  // our rows into our own slot, for the dW GEMM
+      PK_CUDA_TRY(cudaMemcpyAsync(p.region[p.rank] + size_t(p.rank) * block, p.x, block,
+                                  cudaMemcpyDeviceToDevice, side));
   } else {
     PK_CUDA_TRY(copy_gathered(p, p.x, p.rank, s));
   }
@@ -75,7 +89,12 @@ cudaError_t enqueue(const Params& p, bool* forked) {
     PK_CUDA_TRY(gemm::run(rows_problem(p, slot, q), p.gemm_dev, s));
     PK_CUDA_TRY(copy_gathered(p, slot, q, s));
   }
-  return cudaSuccess;
+  if (p.dw == nullptr) return cudaSuccess;
+  if (p.n > 1) {  // our own slot is the side stream's last copy
+    PK_CUDA_TRY(cudaEventRecord(p.join, side));
+    PK_CUDA_TRY(cudaStreamWaitEvent(s, p.join, 0));
+  }
+  return gemm::run(weight_grad_problem(p), p.gemm_dev, s);
 }
 
 }  // namespace
@@ -84,9 +103,11 @@ cudaError_t all_gather_matmul(const Params& p) {
   // Refuse before the first enqueue: a GEMM CUTLASS would reject.
   for (int q = 0; q < p.n; ++q)
     PK_CUDA_TRY(gemm::check(rows_problem(p, rows_of(p, q), q), p.gemm_dev));
+  if (p.dw != nullptr) PK_CUDA_TRY(gemm::check(weight_grad_problem(p), p.gemm_dev));
   signals::Outputs out(p.out, size_t(p.n) * size_t(p.m) * size_t(p.n_cols) *
                                   gemm::itemsize(p.out_type));
   out.add(p.gathered, size_t(p.n) * block_bytes(p));
+  out.add(p.dw, weight_grad_bytes(p));
   bool forked = false;
   const cudaError_t err = enqueue(p, &forked);
   if (forked) {  // join even after an error: the side stream never dangles

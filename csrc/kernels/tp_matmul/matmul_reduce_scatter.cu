@@ -9,9 +9,13 @@
 //           n > 2: GEMM x[our rows] @ w -> slot r of our region; wait every
 //           peer; out = sum of the n slots, accumulated in fp32 (one rounding
 //           of each partial, as with n = 2).
+//   dW:     with p.dw (the backward of all_gather_matmul): dw = act^T @ x,
+//           local and long, between the last post and the wait (n = 2), or
+//           between our own GEMM and the wait (n > 2): it runs while the
+//           peers catch up and our stores drain.
 //   finish: done[r] = e to every peer (our slots may be overwritten), the
-//           output poisoned if the call failed, epoch = e. With one rank:
-//           the GEMM, then finish.
+//           outputs (and dw) poisoned if the call failed, epoch = e. With one
+//           rank: the GEMM (and the dW GEMM), then finish.
 // Every GEMM of the call is checked before anything is enqueued; a CUDA
 // error from an enqueue still finishes the call, as aborted.
 #include "kernels/tp_matmul/tp_matmul.h"
@@ -63,12 +67,19 @@ bool problem(const Params& p, int i, gemm::Problem* g) {
   return true;
 }
 
+// The dW GEMM where the sequence would wait (none without p.dw).
+cudaError_t weight_grad_gemm(const Params& p, cudaStream_t s) {
+  if (p.dw == nullptr) return cudaSuccess;
+  return gemm::run(weight_grad(p, p.x), p.gemm_dev, s);
+}
+
 cudaError_t enqueue(const Params& p) {
   cudaStream_t s = p.stream;
   gemm::Problem g;
   if (p.n == 1) {
     problem(p, 0, &g);
-    return gemm::run(g, p.gemm_dev, s);
+    PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
+    return weight_grad_gemm(p, s);
   }
   PK_CUDA_TRY(signals::wait_credit(p.ch, s));
   for (int k = 1; k < p.n; ++k) {
@@ -79,10 +90,12 @@ cudaError_t enqueue(const Params& p) {
   }
   problem(p, p.n - 1, &g);
   if (p.n == 2) {
+    PK_CUDA_TRY(weight_grad_gemm(p, s));
     PK_CUDA_TRY(signals::wait_posted(p.ch, 1 - p.rank, s));
     PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
   } else {
     PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
+    PK_CUDA_TRY(weight_grad_gemm(p, s));
     PK_CUDA_TRY(signals::wait_posted(p.ch, signals::kAllPeers, s));
     PK_CUDA_TRY(launch_sum_slots(p, p.region[p.rank], s));
   }
@@ -95,7 +108,9 @@ cudaError_t matmul_reduce_scatter(const Params& p) {
   // Refuse before the first enqueue: a GEMM CUTLASS would reject.
   gemm::Problem g;
   for (int i = 0; problem(p, i, &g); ++i) PK_CUDA_TRY(gemm::check(g, p.gemm_dev));
-  const signals::Outputs out(p.out, slot_bytes(p));
+  if (p.dw != nullptr) PK_CUDA_TRY(gemm::check(weight_grad(p, p.x), p.gemm_dev));
+  signals::Outputs out(p.out, slot_bytes(p));
+  out.add(p.dw, weight_grad_bytes(p));
   if (cudaError_t err = enqueue(p); err != cudaSuccess) {
     signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
     return err;

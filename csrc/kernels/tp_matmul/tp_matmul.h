@@ -18,6 +18,18 @@
 //   place;
 //   one_shot (decode-sized M): one GEMM of all rows, its partial pushed to
 //   every peer, and every rank sums the n partials in rank order (fp32).
+// The backward passes (Params::dw set) also compute the weight gradient
+// dw [N, K] = act^T [N, n*m] @ rows [n*m, K] in the same call (N = n_cols,
+// K = k here; act the forward's activations, rows all the group's rows of x,
+// one GEMM over the whole contraction, fp32 accumulation), placed where the
+// sequence would otherwise wait:
+//   matmul_reduce_scatter (the backward of all_gather_matmul): after the
+//   remote GEMMs and posts, before the wait for the peers' partials (it
+//   hides the peers' skew and the drain of the NVLink stores); rows = x;
+//   all_gather_matmul (the backward of matmul_reduce_scatter): after the
+//   GEMMs of the landed rows; our own rows are copied into our own slot by
+//   the side stream, so our region holds all the rows and the dW GEMM reads
+//   them there.
 // All: every GEMM of the call is checked (gemm::check) before anything is
 // enqueued, and the call always ends in signals::finish (also with one rank,
 // and after a CUDA error from an enqueue, as aborted): the outputs of a call
@@ -60,6 +72,10 @@ struct Params {
   Channel gather_ch{};
   char* gather_region[kMaxRanks] = {};
   bool one_shot = false;
+  // Backward passes: the weight gradient dw [n_cols, k] (input type) of the
+  // forward's activations `act` [n * m, n_cols]; null: none.
+  void* dw = nullptr;
+  const void* act = nullptr;
   bool skip_post = false;
   gemm::Device gemm_dev{};
   cudaStream_t stream = nullptr;
@@ -67,6 +83,26 @@ struct Params {
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
 };
+
+// The weight gradient's GEMM (p.dw set): dw = p.act^T @ rows, rows
+// [n * m, k] in rank order.
+inline gemm::Problem weight_grad(const Params& p, const void* rows) {
+  gemm::Problem g;
+  g.m = p.n_cols;
+  g.n = p.k;
+  g.k = int64_t(p.n) * p.m;
+  g.a = p.act;
+  g.a_transposed = true;
+  g.b = rows;
+  g.d = p.dw;
+  g.in = p.in;
+  g.out = p.in;
+  return g;
+}
+
+inline size_t weight_grad_bytes(const Params& p) {
+  return p.dw ? size_t(p.n_cols) * size_t(p.k) * gemm::itemsize(p.in) : 0;
+}
 
 cudaError_t all_gather_matmul(const Params& p);
 cudaError_t matmul_reduce_scatter(const Params& p);
