@@ -36,9 +36,15 @@ linear and each other's transposes (custom_vjp pairs them), so moe_dispatch's
 backward runs combine's exchange and moe_combine's backward runs dispatch's.
 combine's output is differentiable in the router weights.
 
-Mechanisms: "xla" (a dense `lax.all_to_all` of per-pair blocks bounded by
-min(T * k, num_rows) rows, then gathers; runs everywhere) is the only one so
-far; "auto" takes it on every platform.
+Mechanisms (no pk kernel yet: "auto" takes "ragged"):
+  "ragged": `jax.lax.ragged_all_to_all` of each peer's rows (contiguous,
+    sorted by local expert) into a staging buffer of num_rows rows, then one
+    local gather into the (expert, source) order; XLA:CPU has no
+    ragged-all-to-all (jax 0.10), so on CPU this lowers to the "xla"
+    exchange (`lax.platform_dependent`), with identical results.
+  "xla": a dense `lax.all_to_all` of per-pair blocks bounded by
+    min(T * k, num_rows) rows (n times the ragged traffic at worst), then
+    gathers; runs everywhere.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from jax import lax
 from pk_jax import groups
 from pk_jax._compat import make_varying
 
-MECHANISMS = ("auto", "xla")
+MECHANISMS = ("auto", "ragged", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +73,7 @@ class MoeConfig:
     tokens: int             # T, tokens of each rank
     top_k: int              # k, choices per token
     capacity: int | None    # rows kept per local expert, None: drop-less
-    mechanism: str
+    mechanism: str          # "ragged" or "xla"
 
     @property
     def experts_per_rank(self) -> int:
@@ -92,7 +98,8 @@ class MoeConfig:
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=("group_sizes", "src_rank", "src_slot", "dest_rank", "dest_row",
-                                "num_dropped", "num_invalid", "send_index", "recv_index"),
+                                "num_dropped", "num_invalid", "send_counts", "recv_counts",
+                                "peer_offsets", "return_offsets", "send_index", "recv_index"),
                    meta_fields=("cfg",))
 @dataclasses.dataclass(frozen=True)
 class MoeLayout:
@@ -111,8 +118,15 @@ class MoeLayout:
         invalid.
       num_dropped: [] this rank's slots dropped by the capacity.
       num_invalid: [] this rank's slots with an expert id out of range.
-      send_index, recv_index: positions in the per-pair blocks of the "xla"
-        exchange ([T * k] and [num_rows], -1 where unused).
+      send_counts: [n] rows this rank sends each rank.
+      recv_counts: [n] rows this rank receives from each rank.
+      peer_offsets: [n] where this rank's rows start in each receiver's
+        staging buffer (ragged exchange: receivers stage rows by source).
+      return_offsets: [n] where each receiver's returned rows start in this
+        rank's send buffer (combine's ragged exchange).
+      send_index, recv_index: a row's position inside its (source,
+        destination) block, ordered by local expert ([T * k] and
+        [num_rows], -1 where unused).
     """
     group_sizes: jax.Array
     src_rank: jax.Array
@@ -121,6 +135,10 @@ class MoeLayout:
     dest_row: jax.Array
     num_dropped: jax.Array
     num_invalid: jax.Array
+    send_counts: jax.Array
+    recv_counts: jax.Array
+    peer_offsets: jax.Array
+    return_offsets: jax.Array
     send_index: jax.Array
     recv_index: jax.Array
     cfg: MoeConfig
@@ -161,7 +179,8 @@ def _config(x, expert_ids, names, num_experts, capacity, mechanism) -> MoeConfig
         raise ValueError(f"pk_jax.moe_dispatch: top-k = {k} (expert_ids.shape[1]) must be in "
                          f"1..num_experts={e}")
     cap = None if capacity is None else _int("capacity", capacity, 1)
-    return MoeConfig(names, n, e, x.shape[0], k, cap, "xla")
+    return MoeConfig(names, n, e, x.shape[0], k, cap,
+                     "ragged" if mechanism == "auto" else mechanism)
 
 
 # ---- routing metadata (on the device; no host sync) --------------------------------
@@ -215,10 +234,12 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     src_rank = jnp.where(used, s_of, -1)
     dropped = (valid & ~keep).sum().astype(jnp.int32)
     invalid = (~valid).sum().astype(jnp.int32)
+    pair = kept.sum(2)                                                # [src, dst] rows
     lay = MoeLayout(group_sizes, src_rank, jnp.zeros_like(src_rank),
                     jnp.where(valid, dest, -1).reshape(cfg.tokens, cfg.top_k),
                     dest_row.reshape(cfg.tokens, cfg.top_k), dropped, invalid,
-                    send_index, recv_index, cfg)
+                    pair[me], pair[:, me], _exclusive_cumsum(pair, 0)[me],
+                    _exclusive_cumsum(pair, 1)[:, me], send_index, recv_index, cfg)
     # Source slots travel with the rows (the receiver cannot derive them).
     slot_ids = jnp.arange(1, s + 1, dtype=jnp.int32)[:, None]
     src_slot = _exchange_forward(slot_ids, lay)[:, 0] - 1
@@ -226,13 +247,73 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
 
 
 # ---- the exchange: slots -> rows and its transpose rows -> slots -------------------
-def _a2a(buf: jax.Array, cfg: MoeConfig) -> jax.Array:
+def _axis(cfg: MoeConfig):
     names = cfg.axis_names
-    return lax.all_to_all(buf, names[0] if len(names) == 1 else names, 0, 0)
+    return names[0] if len(names) == 1 else names
+
+
+def _a2a(buf: jax.Array, cfg: MoeConfig) -> jax.Array:
+    return lax.all_to_all(buf, _axis(cfg), 0, 0)
 
 
 def _exchange_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
     """slots [T*k, H] -> rows [num_rows, H] (zeros where nothing landed)."""
+    if lay.cfg.mechanism == "ragged":
+        return lax.platform_dependent(slots, lay, cpu=_dense_forward,
+                                      default=_ragged_forward)
+    return _dense_forward(slots, lay)
+
+
+def _exchange_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
+    """rows [num_rows, H] -> slots [T*k, H] (zeros for dropped and invalid slots)."""
+    if lay.cfg.mechanism == "ragged":
+        return lax.platform_dependent(rows, lay, cpu=_dense_backward,
+                                      default=_ragged_backward)
+    return _dense_backward(rows, lay)
+
+
+def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
+
+
+def _ragged_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
+    cfg = lay.cfg
+    kept = lay.send_index >= 0
+    send_start = _exclusive_cumsum(lay.send_counts, 0)
+    pos = jnp.where(kept, send_start[jnp.where(kept, lay.dest_rank.reshape(-1), 0)]
+                    + lay.send_index, cfg.slots)                     # out of bounds: dropped
+    send = jnp.zeros_like(slots).at[pos].set(slots, mode="drop")
+    staging = make_varying(jnp.zeros((cfg.num_rows,) + slots.shape[1:], slots.dtype),
+                           cfg.axis_names)
+    staging = lax.ragged_all_to_all(make_varying(send, cfg.axis_names), staging, send_start,
+                                    lay.send_counts, lay.peer_offsets, lay.recv_counts,
+                                    axis_name=_axis(cfg))
+    used = lay.recv_index >= 0
+    recv_start = _exclusive_cumsum(lay.recv_counts, 0)
+    rows = staging[jnp.where(used, recv_start[jnp.where(used, lay.src_rank, 0)]
+                             + lay.recv_index, 0)]
+    return jnp.where(_expand(used, rows), rows, 0)
+
+
+def _ragged_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
+    cfg = lay.cfg
+    used = lay.recv_index >= 0
+    recv_start = _exclusive_cumsum(lay.recv_counts, 0)
+    pos = jnp.where(used, recv_start[jnp.where(used, lay.src_rank, 0)] + lay.recv_index,
+                    cfg.num_rows)
+    staging = jnp.zeros_like(rows).at[pos].set(rows, mode="drop")
+    back = make_varying(jnp.zeros((cfg.slots,) + rows.shape[1:], rows.dtype), cfg.axis_names)
+    back = lax.ragged_all_to_all(make_varying(staging, cfg.axis_names), back, recv_start,
+                                 lay.recv_counts, lay.return_offsets, lay.send_counts,
+                                 axis_name=_axis(cfg))
+    kept = lay.send_index >= 0
+    send_start = _exclusive_cumsum(lay.send_counts, 0)
+    slots = back[jnp.where(kept, send_start[jnp.where(kept, lay.dest_rank.reshape(-1), 0)]
+                           + lay.send_index, 0)]
+    return jnp.where(_expand(kept, slots), slots, 0)
+
+
+def _dense_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
     cfg = lay.cfg
     n, b = cfg.axis_size, cfg.pair_rows
     kept = lay.send_index >= 0
@@ -245,8 +326,7 @@ def _exchange_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
     return jnp.where(used.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, 0)
 
 
-def _exchange_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
-    """rows [num_rows, H] -> slots [T*k, H] (zeros for dropped and invalid slots)."""
+def _dense_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
     cfg = lay.cfg
     n, b = cfg.axis_size, cfg.pair_rows
     used = lay.recv_index >= 0
@@ -257,7 +337,7 @@ def _exchange_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
     kept = lay.send_index >= 0
     slots = back[jnp.where(kept, lay.dest_rank.reshape(-1), 0),
                  jnp.where(kept, lay.send_index, 0)]
-    return jnp.where(kept[:, None], slots, 0)
+    return jnp.where(_expand(kept, slots), slots, 0)
 
 
 @jax.custom_vjp
@@ -312,7 +392,8 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str | Sequence[
       capacity: None (drop-less: `num_rows = n * T * k`, the worst case) or
         the rows each local expert keeps (`num_rows = (E / n) * capacity`;
         the rest are dropped and counted in `layout.num_dropped`).
-      mechanism: "auto" or "xla" (see the module docstring).
+      mechanism: "auto" (today "ragged"), "ragged" or "xla" (see the module
+        docstring).
 
     Returns:
       (rows, layout): rows [layout.num_rows, H] in x's dtype, grouped by
