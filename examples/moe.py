@@ -105,40 +105,56 @@ def _ragged_a2a(operand, rows, in_off, send, out_off, recv, axis_name):
         default=lambda *a: lax.ragged_all_to_all(*a, axis_name=axis_name))
 
 
+def xla_ragged_dispatch(tokens: jax.Array, ids: jax.Array, axis: str, num_experts: int):
+    """Drop-less dispatch as a JAX user writes it: sort the [T, k] slots by
+    expert, exchange the counts (lax.all_to_all) and the rows
+    (ragged_all_to_all), regroup the received (source, expert) blocks by
+    local expert. Returns (rows [n*T*k, H], group_sizes, state for combine)."""
+    n = lax.axis_size(axis)
+    local = num_experts // n
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)                      # by destination, local expert
+    counts = jnp.zeros((num_experts,), jnp.int32).at[flat].add(1).reshape(n, local)
+    send = counts.sum(1)
+    in_off = _exclusive_cumsum(send)
+    recv_counts = lax.all_to_all(counts, axis, 0, 0)              # [source, local expert]
+    recv = recv_counts.sum(1)
+    recv_off = _exclusive_cumsum(recv)
+    out_off = lax.all_to_all(recv_off[:, None], axis, 0, 0)[:, 0]
+    back_off = lax.all_to_all(in_off[:, None], axis, 0, 0)[:, 0]
+    rows = n * t * k
+    got = _ragged_a2a(tokens[order // k], rows, in_off, send, out_off, recv, axis)
+    ends = jnp.cumsum(recv_counts.reshape(-1))
+    p = jnp.arange(rows)
+    label = jnp.where(p < ends[-1], jnp.searchsorted(ends, p, side="right") % local, local)
+    perm = jnp.argsort(label, stable=True)
+    state = (order, perm, send, recv, recv_off, back_off, (t, k), axis)
+    return got[perm], recv_counts.sum(0), state
+
+
+def xla_ragged_combine(y: jax.Array, weights: jax.Array, state) -> jax.Array:
+    """The way back: undo the regrouping, ragged_all_to_all to the sources,
+    unsort, weighted sum over the k choices (fp32). [T, H] in y's dtype."""
+    order, perm, send, recv, recv_off, back_off, (t, k), axis = state
+    y = jnp.zeros_like(y).at[perm].set(y)
+    back = _ragged_a2a(y, t * k, recv_off, recv, back_off, send, axis)
+    out = jnp.zeros_like(back).at[order].set(back).reshape(t, k, -1)
+    return jnp.einsum("tk,tkh->th", weights.astype(jnp.float32),
+                      out.astype(jnp.float32)).astype(y.dtype)
+
+
 class XlaRaggedMoE(MoE):
     """The same layer and parameters as `MoE`, with the exchange a JAX user
-    writes (drop-less)."""
+    writes (drop-less): xla_ragged_dispatch / xla_ragged_combine."""
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        n, axis = self.num_shards, self.axis_name
-        local = self.num_experts // n
         dt = jnp.dtype(self.dtype) if self.dtype is not None else x.dtype
         tokens = x.reshape(-1, self.features).astype(dt)
         weights, ids = self.route(tokens)
-        t, k = ids.shape
-        slots = t * k
-        flat = ids.reshape(-1)
-        order = jnp.argsort(flat, stable=True)                  # by destination, local expert
-        counts = jnp.zeros((self.num_experts,), jnp.int32).at[flat].add(1).reshape(n, local)
-        send = counts.sum(1)
-        in_off = _exclusive_cumsum(send)
-        recv_counts = lax.all_to_all(counts, axis, 0, 0)          # [source, local expert]
-        recv = recv_counts.sum(1)
-        recv_off = _exclusive_cumsum(recv)
-        out_off = lax.all_to_all(recv_off[:, None], axis, 0, 0)[:, 0]
-        back_off = lax.all_to_all(in_off[:, None], axis, 0, 0)[:, 0]
-        rows = n * slots
-        got = _ragged_a2a(tokens[order // k], rows, in_off, send, out_off, recv, axis)
-        # Regroup the received (source, expert) blocks by local expert.
-        ends = jnp.cumsum(recv_counts.reshape(-1))
-        p = jnp.arange(rows)
-        label = jnp.where(p < ends[-1], jnp.searchsorted(ends, p, side="right") % local, local)
-        perm = jnp.argsort(label, stable=True)
-        y = self.experts(got[perm], recv_counts.sum(0))
-        y = jnp.zeros_like(y).at[perm].set(y)
-        back = _ragged_a2a(y, slots, recv_off, recv, back_off, send, axis)
-        out = jnp.zeros_like(back).at[order].set(back).reshape(t, k, -1)
-        out = jnp.einsum("tk,tkh->th", weights, out.astype(jnp.float32))
+        rows, group_sizes, state = xla_ragged_dispatch(tokens, ids, self.axis_name,
+                                                       self.num_experts)
+        out = xla_ragged_combine(self.experts(rows, group_sizes), weights, state)
         return out.reshape(x.shape).astype(dt)
 
 
