@@ -21,7 +21,8 @@ from pk_jax import runtime
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The FFI targets the extension registers (xla_ffi/module.cc).
 REGISTRATIONS = {"pk_all_gather", "pk_all_gather_matmul", "pk_matmul_reduce_scatter",
-                 "pk_ring_attention", "pk_attention_block_bwd"}
+                 "pk_ring_attention", "pk_attention_block_bwd",
+                 "pk_moe_exchange"}
 
 
 def _decision_module():

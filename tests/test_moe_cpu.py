@@ -3,6 +3,8 @@ values and gradients against a dense reference (every token through its
 top-k experts), the layout metadata, uneven routing, capacity drops,
 out-of-range ids and input checks, on Auto and Explicit meshes."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from conftest import cpu_mesh, rel_err
+from conftest import cpu_mesh, ffi_attr, rel_err
 
 
 def _put(mesh, spec, *arrays):
@@ -76,11 +78,11 @@ def _dense(x, ids, w, wts, num_experts):
     return jnp.einsum("tk,tkf->tf", jnp.where(valid, w, 0), h)
 
 
-def _moe_fn(mesh, num_experts, capacity=None, extra=False):
+def _moe_fn(mesh, num_experts, capacity=None, extra=False, mechanism="auto"):
     """shard_map'd dispatch -> ragged_dot with the local experts -> combine."""
     def body(x, ids, w, wts):
         rows, lay = pk_jax.moe_dispatch(x, ids, "ep", num_experts=num_experts,
-                                        capacity=capacity)
+                                        capacity=capacity, mechanism=mechanism)
         y = lax.ragged_dot(rows, wts, lay.group_sizes)
         out = pk_jax.moe_combine(y, w, lay)
         if not extra:
@@ -101,9 +103,9 @@ def _inputs(rng, n, t, k, h, e, f=6, ids=None, dtype=jnp.float32):
     return x, jnp.asarray(ids, jnp.int32), w, wts
 
 
-def _check_values_and_grads(mesh, x, ids, w, wts, e, tol=1e-5):
+def _check_values_and_grads(mesh, x, ids, w, wts, e, tol=1e-5, mechanism="auto"):
     args = _put(mesh, P("ep"), x, ids, w, wts)
-    f = _moe_fn(mesh, e)
+    f = _moe_fn(mesh, e, mechanism=mechanism)
     with jax.set_mesh(mesh):
         return _values_and_grads(f, args, x, ids, w, wts, e, tol)
 
@@ -355,3 +357,43 @@ def test_ragged_exchange_logic(rng, monkeypatch, capacity):
                      argnums=(0, 1))(x, w)
     for a, b in zip(g, g_ref):
         assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("mechanism", ["xla", "ld_st"])
+def test_mechanisms_match_dense_reference(rng, mechanism):
+    """"xla" and the kernel primitive's plumbing ("ld_st": on CPU the
+    primitive lowers to its dense reference) give the dense reference."""
+    mesh = cpu_mesh((4,), ("ep",))
+    _check_values_and_grads(mesh, *_inputs(rng, 4, 6, 2, 8, 8), 8, mechanism=mechanism)
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_ld_st_layout_and_drops(rng, capacity):
+    mesh = cpu_mesh((4,), ("ep",))
+    n, t, k, e = 4, 6, 2, 8
+    ids = np.stack([rng.choice(3, 2, replace=False) for _ in range(n * t)])
+    x, ids, w, wts = _inputs(rng, n, t, k, 8, e, ids=ids)
+    keep = _kept_mask(ids, n, t, k, e, capacity or n * t * k)
+    args = _put(mesh, P("ep"), x, ids, w, wts)
+    ours = _moe_fn(mesh, e, capacity, extra=True, mechanism="ld_st")(*args)
+    ref = _moe_fn(mesh, e, capacity, extra=True, mechanism="xla")(*args)
+    for a, b in zip(ours, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert rel_err(ours[0], _dense(x, ids, jnp.where(keep, w, 0), wts, e)) < 1e-5
+
+
+def test_ld_st_lowers_to_the_kernel(cuda_lowering):
+    """On CUDA, mechanism="ld_st" is pk_moe_exchange custom calls (the source
+    slots, the rows) with the staging region sized for the output rows."""
+    mesh = cpu_mesh((4,), ("ep",))
+    ids = jnp.zeros((8, 2), jnp.int32)
+
+    def fn(a):
+        rows, lay = pk_jax.moe_dispatch(a, ids, "ep", num_experts=8, mechanism="ld_st")
+        return pk_jax.moe_combine(rows, jnp.ones((8, 2)), lay)
+    hlo = cuda_lowering(fn, mesh, P("ep"), (32, 16))
+    calls = re.findall(r"custom_call @pk_moe_exchange\((.*)", hlo)
+    assert len(calls) == 3, hlo  # source slots, dispatch, combine
+    assert "custom_call @pk_all_gather(" in hlo  # the count table: no XLA collective at all
+    assert not re.search(r"stablehlo\.(all_to_all|all_gather|collective)", hlo)
+    assert sorted(int(ffi_attr(c, "row_bytes")) for c in calls) == [4, 64, 64]

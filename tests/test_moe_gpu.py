@@ -1,10 +1,11 @@
 """moe_dispatch / moe_combine, pk_jax.flax.MoE and examples/moe.py on a GPU.
 
-No pk kernel exists yet for the MoE exchange: this checks that the "ragged"
-mechanism (the real jax.lax.ragged_all_to_all, which XLA:CPU lacks) and the
-"xla" one give the dense reference's values and gradients on CUDA, and that
-the example and the benchmark run there. One GPU is a world-size-1 expert
-axis; more GPUs (if present) give a wider one. Skipped without GPUs.
+Every mechanism: "ld_st" (pk's exchange kernel, xla_ffi/moe.cc), "ragged"
+(the real jax.lax.ragged_all_to_all, which XLA:CPU lacks) and "xla", against
+the dense reference's values and gradients, outputs poisoned beforehand; the
+example and the benchmark run. One GPU is a world-size-1 expert axis; two
+GPUs (if present) a 2-rank one. Two processes sharing one GPU:
+tests/gpu_multiprocess_check.py. Skipped without GPUs.
 """
 
 import pathlib
@@ -21,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from conftest import gpus, rel_err
+from gpu_util import poison_allocator
 from test_moe_cpu import _dense, _inputs, _kept_mask
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +37,7 @@ def _mesh():
     return Mesh(np.array(devices[:n]), ("ep",), axis_types=(AxisType.Explicit,))
 
 
-@pytest.mark.parametrize("mechanism", ["ragged", "xla"])
+@pytest.mark.parametrize("mechanism", ["ld_st", "ragged", "xla"])
 @pytest.mark.parametrize("k,capacity", [(1, None), (2, None), (8, None), (2, 3)])
 def test_values_and_gradients(rng, mechanism, k, capacity):
     mesh = _mesh()
@@ -54,7 +56,9 @@ def test_values_and_gradients(rng, mechanism, k, capacity):
                               out_specs=(P("ep"), P("ep"))))
     args = [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in (x, ids, w, wts)]
     with jax.set_mesh(mesh), jax.default_matmul_precision("float32"):
-        out, dropped = f(*args)
+        for _ in range(2):  # a second call: the channel's epochs advance
+            poison_allocator(mesh, 64 << 20)
+            out, dropped = f(*args)
         g = jax.jit(jax.grad(lambda a, b: jnp.sum(f(a, args[1], b, args[3])[0] ** 2),
                              argnums=(0, 1)))(args[0], args[2])
     masked = jnp.where(keep, w, 0)
@@ -64,6 +68,26 @@ def test_values_and_gradients(rng, mechanism, k, capacity):
                      argnums=(0, 1))(x, w)
     for a, b in zip(g, g_ref):
         assert rel_err(a, b) < 1e-3
+    pk_jax.check_errors()
+
+
+def test_ld_st_takes_the_kernel():
+    """With the extension built, mechanism="ld_st" compiles to pk's custom call."""
+    mesh = _mesh()
+    from pk_jax import runtime
+    if not runtime.available():
+        pytest.skip(f"pk_jax extension unavailable: {runtime.extension_error()}")
+    ids = jnp.zeros((64, 2), jnp.int32)
+
+    def body(x):
+        rows, lay = pk_jax.moe_dispatch(x, ids, "ep", num_experts=4, mechanism="ld_st")
+        return pk_jax.moe_combine(rows, jnp.ones((64, 2)), lay)
+    n = mesh.shape["ep"]
+    x = jax.device_put(jnp.ones((64 * n, 32)), NamedSharding(mesh, P("ep")))
+    with jax.set_mesh(mesh):
+        text = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"),
+                                     check_vma=False)).lower(x).compile().as_text()
+    assert "pk_moe_exchange" in text
 
 
 def test_example_trains_on_gpu():

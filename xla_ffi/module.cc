@@ -8,6 +8,7 @@
 #include <string>
 
 #include "kernels/all_gather/all_gather.h"
+#include "kernels/moe/moe.h"
 #include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/ring_attention/ring_attention.h"
@@ -35,6 +36,7 @@ const std::vector<pk::runtime::KernelLoader>& kernel_loaders() {
       pk::signals::load_kernels,        pk::all_gather::load_kernels,
       pk::gemm::load_kernels,           pk::tp_matmul::load_kernels,
       pk::ring_attention::load_kernels, pk::attention_bwd::load_kernels,
+      pk::moe::load_kernels,
   };
   return loaders;
 }
@@ -51,6 +53,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_matmul_reduce_scatter"] = as_capsule(pk::ffi_handlers::MatmulReduceScatter);
     d["pk_ring_attention"] = as_capsule(pk::ffi_handlers::RingAttention);
     d["pk_attention_block_bwd"] = as_capsule(pk::ffi_handlers::AttentionBlockBwd);
+    d["pk_moe_exchange"] = as_capsule(pk::ffi_handlers::MoeExchange);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 

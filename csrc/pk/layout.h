@@ -128,6 +128,7 @@ enum OpId : int32_t {
   kOpAllGatherMatmul = 2,
   kOpMatmulReduceScatter = 3,
   kOpRingAttention = 4,
+  kOpMoe = 5,
 };
 // What a failed wait waited for (ErrorRecord::what, with kErrTimeout).
 enum WaitKind : int32_t {

@@ -764,7 +764,7 @@ std::string waited_for(const ErrorRecord& r) {
 
 std::string describe(const ErrorRecord& r, int ordinal) {
   static const char* kOps[] = {"?", "all_gather", "all_gather_matmul",
-                               "matmul_reduce_scatter", "ring_attention"};
+                               "matmul_reduce_scatter", "ring_attention", "moe"};
   const char* op = (r.op > 0 && r.op < int(std::size(kOps))) ? kOps[r.op] : "?";
   const std::string where = std::string("pk_jax.") + op + " on device " +
                             std::to_string(ordinal) + " (rank " + std::to_string(r.rank) + "): ";

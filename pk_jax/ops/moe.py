@@ -36,7 +36,14 @@ linear and each other's transposes (custom_vjp pairs them), so moe_dispatch's
 backward runs combine's exchange and moe_combine's backward runs dispatch's.
 combine's output is differentiable in the router weights.
 
-Mechanisms (no pk kernel yet: "auto" takes "ragged"):
+Mechanisms ("auto" takes "ragged" until the pk kernel is measured):
+  "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): every rank
+    stores each row straight into its destination rank's staging region at
+    the row the layout computed on the device, posts a flag per peer, waits
+    (bounded) for every peer's flag and copies its region into the output.
+    Works across processes of one host (staging through the shared
+    workspaces). Where the kernel cannot run it raises (forced mechanism);
+    on other platforms the primitive lowers to a dense all_to_all.
   "ragged": `jax.lax.ragged_all_to_all` of each peer's rows (contiguous,
     sorted by local expert) into a staging buffer of num_rows rows, then one
     local gather into the (expert, source) order; XLA:CPU has no
@@ -60,8 +67,10 @@ from jax import lax
 
 from pk_jax import groups
 from pk_jax._compat import make_varying
+from pk_jax.ops.all_gather import all_gather as _pk_all_gather
+from pk_jax.ops.moe_primitive import ExchangeConfig, moe_exchange_p
 
-MECHANISMS = ("auto", "ragged", "xla")
+MECHANISMS = ("auto", "ld_st", "ragged", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +82,7 @@ class MoeConfig:
     tokens: int             # T, tokens of each rank
     top_k: int              # k, choices per token
     capacity: int | None    # rows kept per local expert, None: drop-less
-    mechanism: str          # "ragged" or "xla"
+    mechanism: str          # "ld_st", "ragged" or "xla"
 
     @property
     def experts_per_rank(self) -> int:
@@ -159,8 +168,9 @@ def _config(x, expert_ids, names, num_experts, capacity, mechanism) -> MoeConfig
     if mechanism not in MECHANISMS:
         raise ValueError(f"pk_jax.moe_dispatch: mechanism must be one of {MECHANISMS}, got "
                          f"{mechanism!r}")
-    if x.ndim != 2:
-        raise ValueError(f"pk_jax.moe_dispatch: x must be [tokens, hidden], got shape {x.shape}")
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"pk_jax.moe_dispatch: x must be [tokens, hidden] with hidden >= 1, "
+                         f"got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"pk_jax.moe_dispatch: x must be floating point, got {x.dtype}")
     if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
@@ -197,7 +207,9 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     key = jnp.where(valid, ids, e)                                  # invalid last
     counts = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)[:e]     # [E]
     # The n x n x E_local count matrix, on every rank: C[src, dst, local expert].
-    table = lax.all_gather(counts.reshape(n, el), names)             # [n, n, el]
+    # pk's gather with the pk kernel (no XLA collective: runs across processes sharing a GPU).
+    gather = _pk_all_gather if cfg.mechanism == "ld_st" else lax.all_gather
+    table = gather(counts.reshape(n, el), names)                      # [n, n, el]
     if cfg.capacity is None:
         kept = table
     else:
@@ -261,6 +273,10 @@ def _exchange_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
     if lay.cfg.mechanism == "ragged":
         return lax.platform_dependent(slots, lay, cpu=_dense_forward,
                                       default=_ragged_forward)
+    if lay.cfg.mechanism == "ld_st":
+        kept = lay.send_index >= 0
+        return _kernel_exchange(slots, jnp.where(kept, lay.dest_rank.reshape(-1), -1),
+                                lay.dest_row.reshape(-1), lay.recv_index, lay.cfg)
     return _dense_forward(slots, lay)
 
 
@@ -269,7 +285,17 @@ def _exchange_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
     if lay.cfg.mechanism == "ragged":
         return lax.platform_dependent(rows, lay, cpu=_dense_backward,
                                       default=_ragged_backward)
+    if lay.cfg.mechanism == "ld_st":
+        return _kernel_exchange(rows, lay.src_rank, lay.src_slot, lay.send_index, lay.cfg)
     return _dense_backward(rows, lay)
+
+
+def _kernel_exchange(src, peer, index, valid, cfg: MoeConfig) -> jax.Array:
+    """pk's exchange primitive (moe_primitive.py): row i to (peer[i], index[i])."""
+    names = cfg.axis_names
+    args = [make_varying(a, names) for a in (src, peer.astype(jnp.int32),
+                                              index.astype(jnp.int32), valid.astype(jnp.int32))]
+    return moe_exchange_p.bind(*args, cfg=ExchangeConfig(names, cfg.axis_size))
 
 
 def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
@@ -392,8 +418,8 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str | Sequence[
       capacity: None (drop-less: `num_rows = n * T * k`, the worst case) or
         the rows each local expert keeps (`num_rows = (E / n) * capacity`;
         the rest are dropped and counted in `layout.num_dropped`).
-      mechanism: "auto" (today "ragged"), "ragged" or "xla" (see the module
-        docstring).
+      mechanism: "auto" (today "ragged"), "ld_st" (pk's kernel), "ragged" or
+        "xla" (see the module docstring).
 
     Returns:
       (rows, layout): rows [layout.num_rows, H] in x's dtype, grouped by
