@@ -174,8 +174,8 @@ def _moe(mesh, put, cpu, rng):
         rank = sl.start or 0
         check(int(dr.sum()) == int(np.sum(~keep[rank * t:(rank + 1) * t])),
               f"moe drop count capacity={capacity}")
-        grads = jax.jit(lambda c, a, b: jax.vjp(lambda a, b: f(a, args[1], b, args[3])[0],
-                                                a, b)[1](c))(put(cot, P("x")), args[0], args[2])
+        vjp = lambda c, a, i, b, ws: jax.vjp(lambda a, b: f(a, i, b, ws)[0], a, b)[1](c)
+        grads = jax.jit(vjp)(put(cot, P("x")), *args)
         for name, gr, r in zip(("dx", "dweights"), grads, (ref_dx, ref_dw)):
             shard, = gr.addressable_shards
             check(rel(np.asarray(shard.data), np.asarray(r)[shard.index]) < 1e-4,
