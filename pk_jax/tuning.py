@@ -23,3 +23,9 @@ def all_gather_mechanism(ll_eligible: bool) -> str:
 # non-causal and within 1% everywhere else measured (n = 2, S_local 8k-32k,
 # causal and not), and it leaves every SM to the attention.
 RING_ATTENTION_MECHANISM = "copy_engine"
+
+
+# The MoE exchange's mechanism under `auto`: "ragged" (XLA's ragged_all_to_all
+# under pk's layout; the dense equivalent on CPU). pk's "ld_st" exchange kernel
+# has not been measured on two GPUs yet (benchmarks/moe.py has its rows).
+MOE_MECHANISM = "ragged"

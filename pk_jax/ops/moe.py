@@ -36,7 +36,7 @@ linear and each other's transposes (custom_vjp pairs them), so moe_dispatch's
 backward runs combine's exchange and moe_combine's backward runs dispatch's.
 combine's output is differentiable in the router weights.
 
-Mechanisms ("auto" takes "ragged" until the pk kernel is measured):
+Mechanisms ("auto": pk_jax/tuning.py, "ragged" until the pk kernel is measured):
   "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): every rank
     stores each row straight into its destination rank's staging region at
     the row the layout computed on the device, posts a flag per peer, waits
@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pk_jax import groups
+from pk_jax import groups, tuning
 from pk_jax._compat import make_varying
 from pk_jax.ops.all_gather import all_gather as _pk_all_gather
 from pk_jax.ops.moe_primitive import ExchangeConfig, moe_exchange_p
@@ -190,7 +190,7 @@ def _config(x, expert_ids, names, num_experts, capacity, mechanism) -> MoeConfig
                          f"1..num_experts={e}")
     cap = None if capacity is None else _int("capacity", capacity, 1)
     return MoeConfig(names, n, e, x.shape[0], k, cap,
-                     "ragged" if mechanism == "auto" else mechanism)
+                     tuning.MOE_MECHANISM if mechanism == "auto" else mechanism)
 
 
 # ---- routing metadata (on the device; no host sync) --------------------------------
