@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The FFI targets the extension registers (xla_ffi/module.cc).
 REGISTRATIONS = {"pk_all_gather", "pk_all_gather_matmul", "pk_matmul_reduce_scatter",
                  "pk_ring_attention", "pk_attention_block_bwd", "pk_ring_attention_bwd",
-                 "pk_all_reduce"}
+                 "pk_all_reduce", "pk_moe_exchange"}
 
 
 def _decision_module():

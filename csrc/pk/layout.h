@@ -132,6 +132,7 @@ enum OpId : int32_t {
   kOpAllReduce = 6,
   kOpReduceScatter = 7,
   kOpMatmulAllReduce = 8,
+  kOpMoe = 9,
 };
 // What a failed wait waited for (ErrorRecord::what, with kErrTimeout).
 enum WaitKind : int32_t {
