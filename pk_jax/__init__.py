@@ -14,6 +14,8 @@ from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
+from pk_jax.ops.all_to_all import all_to_all
+from pk_jax.ops.moe import MoeLayout, moe_combine, moe_dispatch
 from pk_jax.ops.ring_attention import ring_attention
 from pk_jax.ops.zigzag import zigzag_shard, zigzag_unshard
 from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
@@ -31,6 +33,10 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_gather_matmul",
+    "all_to_all",
+    "MoeLayout",
+    "moe_combine",
+    "moe_dispatch",
     "check_errors",
     "configure",
     "configured",

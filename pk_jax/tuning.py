@@ -62,3 +62,9 @@ def all_reduce_mechanism(kind: str, per_rank_bytes: int) -> str:
     if kind == "all_reduce" and per_rank_bytes <= ALL_REDUCE_ONESHOT_MAX_BYTES:
         return "ld_st_oneshot"
     return "two_shot"
+
+
+# The MoE exchange's mechanism under `auto`: "ragged" (XLA's ragged_all_to_all
+# under pk's layout; the dense equivalent on CPU). pk's "ld_st" exchange kernel
+# has not been measured on two GPUs yet (benchmarks/moe.py has its rows).
+MOE_MECHANISM = "ragged"

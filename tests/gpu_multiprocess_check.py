@@ -135,7 +135,9 @@ def main() -> None:
     _ring_grads(mesh, put, cpu, rng, bf)
     _ring_grads_timeout(mesh, put, cpu, rng, bf)
     run_multiprocess_checks(mesh, put, sm, local, check, rng)  # all_reduce, reduce_scatter
+    _moe(mesh, put, cpu, rng)
     _timeout_and_reset(mesh, put, sm, rng)
+    _moe_timeout(mesh, put, sm, rng)
     print("GPU_MULTIPROCESS_DONE", flush=True)
 
 
@@ -286,6 +288,56 @@ def _matmul_all_reduce(mesh, put, cpu, rng, sm, bf):
               f"matmul_all_reduce gradient {name} across processes")
 
 
+def _moe(mesh, put, cpu, rng):
+    """moe_dispatch / moe_combine with pk's exchange kernel (mechanism "ld_st":
+    the count table through pk's all_gather, rows through the staging
+    regions; no XLA collective), values and gradients against the dense
+    reference, drop-less and with a capacity."""
+    t, h, e, k = 64, 128, 8, 2
+    x = rng.standard_normal((2 * t, h)).astype(np.float32)
+    ids = np.stack([rng.choice(5, k, replace=False) for _ in range(2 * t)]).astype(np.int32)
+    w = rng.random((2 * t, k)).astype(np.float32)
+    wts = (rng.standard_normal((e, h, h)) / np.sqrt(h)).astype(np.float32)
+    cot = rng.standard_normal((2 * t, h)).astype(np.float32)
+    for capacity in (None, 24):
+        def layer(x, ids, w, wts, capacity=capacity):
+            rows, lay = pk_jax.moe_dispatch(x, ids, "x", num_experts=e, capacity=capacity,
+                                            mechanism="ld_st")
+            y = jax.lax.ragged_dot(rows, wts, lay.group_sizes,
+                                   precision=jax.lax.Precision.HIGHEST)
+            return pk_jax.moe_combine(y, w, lay), lay.num_dropped[None]
+        f = jax.shard_map(layer, mesh=mesh, in_specs=(P("x"),) * 4,
+                          out_specs=(P("x"), P("x")), check_vma=False)
+        args = [put(a, P("x")) for a in (x, ids, w, wts)]
+        for _ in range(3):  # repeated calls: the epochs advance
+            out, dropped = jax.jit(f)(*args)
+        # Which slots the experts keep: first `capacity` in (source rank, slot) order.
+        keep = np.ones_like(ids, bool)
+        if capacity is not None:
+            seen = np.zeros(e, int)
+            for i, ex in enumerate(ids.reshape(-1)):
+                keep.reshape(-1)[i] = seen[ex] < capacity
+                seen[ex] += 1
+        with jax.default_device(cpu):
+            dense = lambda x, w: jnp.einsum("tk,tkf->tf", jnp.where(keep, w, 0), jnp.einsum(
+                "th,tkhf->tkf", x, wts[ids], precision="highest"), precision="highest")
+            want = np.asarray(dense(x, w))
+            ref_dx, ref_dw = jax.vjp(dense, x, w)[1](cot)
+        idx, got = local(out)
+        check(rel(got, want[idx]) < 1e-4, f"moe dispatch+combine ld_st capacity={capacity} "
+                                          "across processes")
+        (sl,), dr = local(dropped)
+        rank = sl.start or 0
+        check(int(dr.sum()) == int(np.sum(~keep[rank * t:(rank + 1) * t])),
+              f"moe drop count capacity={capacity}")
+        vjp = lambda c, a, i, b, ws: jax.vjp(lambda a, b: f(a, i, b, ws)[0], a, b)[1](c)
+        grads = jax.jit(vjp)(put(cot, P("x")), *args)
+        for name, gr, r in zip(("dx", "dweights"), grads, (ref_dx, ref_dw)):
+            i, gl = local(gr)
+            check(rel(gl, np.asarray(r)[i]) < 1e-4,
+                  f"moe gradient {name} capacity={capacity} across processes")
+
+
 def _timeout_and_reset(mesh, put, sm, rng):
     pk_jax.check_errors()
     check(True, "no failed wait so far")
@@ -305,6 +357,30 @@ def _timeout_and_reset(mesh, put, sm, rng):
     idx, got = local(gather()(put(x, P("x"))))
     check(np.array_equal(got, np.tile(x, (2, 1))[idx]),
           "after the collective reset the next gather is right")
+    pk_jax.check_errors()
+
+
+def _moe_timeout(mesh, put, sm, rng):
+    """Rank 1 never posts: rank 0's bounded waits give up, its MoE output is
+    poison (NaN), check_errors raises on both processes; then it works again."""
+    x = rng.standard_normal((128, 64)).astype(np.float32)
+    ids = rng.integers(0, 4, size=(128, 2)).astype(np.int32)
+
+    def layer(x, ids):
+        rows, lay = pk_jax.moe_dispatch(x, ids, "x", num_experts=4, mechanism="ld_st")
+        return pk_jax.moe_combine(rows, jnp.ones(ids.shape, x.dtype), lay)
+    args = (put(x, P("x")), put(ids, P("x")))
+    with pk_jax.configured(timeout_s=0.5), runtime.testing_skip_post(1):
+        idx, got = local(sm(layer, (P("x"), P("x")), P("x"))(*args))
+    if (idx[0].start or 0) == 0:
+        check(bool(np.isnan(got).all()), "moe ld_st: the waiting rank's output is poison")
+    try:
+        pk_jax.check_errors()
+        check(False, "moe ld_st: check_errors raises after a timeout")
+    except pk_jax.PkJaxTimeoutError:
+        check(True, "moe ld_st: check_errors raises after a timeout")
+    idx, got = local(sm(layer, (P("x"), P("x")), P("x"))(*args))
+    check(rel(got, (2 * x)[idx]) < 1e-6, "moe ld_st right again after the reset")
     pk_jax.check_errors()
 
 

@@ -9,6 +9,7 @@
 
 #include "kernels/all_gather/all_gather.h"
 #include "kernels/all_reduce/all_reduce.h"
+#include "kernels/moe/moe.h"
 #include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/ring_attention/ring_attention.h"
@@ -39,6 +40,7 @@ const std::vector<pk::runtime::KernelLoader>& kernel_loaders() {
       pk::ring_attention::load_kernels, pk::attention_bwd::load_kernels,
       pk::ring_attention_bwd::load_kernels,
       pk::all_reduce::load_kernels,
+      pk::moe::load_kernels,
   };
   return loaders;
 }
@@ -60,6 +62,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_attention_block_bwd"] = as_capsule(pk::ffi_handlers::AttentionBlockBwd);
     d["pk_ring_attention_bwd"] = as_capsule(pk::ffi_handlers::RingAttentionBwd);
     d["pk_all_reduce"] = as_capsule(pk::ffi_handlers::AllReduce);
+    d["pk_moe_exchange"] = as_capsule(pk::ffi_handlers::MoeExchange);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 

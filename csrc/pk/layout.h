@@ -132,8 +132,9 @@ enum OpId : int32_t {
   kOpAllReduce = 6,
   kOpReduceScatter = 7,
   kOpMatmulAllReduce = 8,
-  kOpAllGatherMatmulBwd = 9,        // its dx and dw in one call
-  kOpMatmulReduceScatterBwd = 10,   // its dx and dw in one call
+  kOpMoe = 9,
+  kOpAllGatherMatmulBwd = 10,      // its dx and dw in one call
+  kOpMatmulReduceScatterBwd = 11,  // its dx and dw in one call
 };
 // What a failed wait waited for (ErrorRecord::what, with kErrTimeout).
 enum WaitKind : int32_t {

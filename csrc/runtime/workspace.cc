@@ -766,7 +766,7 @@ std::string describe(const ErrorRecord& r, int ordinal) {
   static const char* kOps[] = {"?", "all_gather", "all_gather_matmul",
                                "matmul_reduce_scatter", "ring_attention",
                                "ring_attention_bwd", "all_reduce", "reduce_scatter",
-                               "matmul_all_reduce", "all_gather_matmul (backward)",
+                               "matmul_all_reduce", "moe", "all_gather_matmul (backward)",
                                "matmul_reduce_scatter (backward)"};
   const char* op = (r.op > 0 && r.op < int(std::size(kOps))) ? kOps[r.op] : "?";
   const std::string where = std::string("pk_jax.") + op + " on device " +

@@ -4,6 +4,7 @@
 `jax.jit` (see `pk_jax.flax.dropins`)."""
 
 from pk_jax.flax.dropins import attention_fn, dot_general
+from pk_jax.flax.moe import MoE
 from pk_jax.flax.layers import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -16,6 +17,7 @@ from pk_jax.flax.layers import (
 
 __all__ = [
     "ColumnParallelLinear",
+    "MoE",
     "ParallelMLP",
     "RingSelfAttention",
     "RowParallelLinear",

@@ -1,0 +1,156 @@
+"""Expert parallelism: pk_jax.moe_dispatch / moe_combine and pk_jax.flax.MoE
+against the XLA baseline (jax.lax.ragged_all_to_all + ragged_dot, written as
+a JAX user would: examples/moe.py's xla_ragged_dispatch / _combine), same run.
+
+Rows (benchmarks/results/moe.json with --save):
+  * op "dispatch_combine": dispatch then combine of [T, H] tokens per rank
+    with top-k routing (identity experts), one jitted call;
+  * op "moe_layer_fwd_bwd": value_and_grad of the SwiGLU MoE layer (router,
+    dispatch, three ragged_dot GEMMs, combine) with respect to x and the
+    parameters.
+
+Drop-less routing, uniform random expert choices (k distinct per token).
+Every visible device is a rank of the expert axis; with one GPU this is a
+world-size-1 smoke run (no communication). `--smoke` is a tiny shape that
+also runs on CPU.
+
+Usage: python benchmarks/moe.py [--tokens 4096] [--hidden 4096] [--experts 8]
+       [--topk 2] [--ffn 2048] [--smoke] [--save]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax import runtime
+from common import bench_setup, markdown_table, time_ms, write_results
+from pk_jax.flax import MoE, init_sharded, partition_specs
+
+_EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "moe.py"
+_spec = importlib.util.spec_from_file_location("moe_example", _EXAMPLE)
+example = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = example
+_spec.loader.exec_module(example)
+
+
+def _routing(rng, n, t, k, e):
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(n * t)]).astype(np.int32)
+    w = rng.random((n * t, k)).astype(np.float32)
+    return ids, w / w.sum(1, keepdims=True)
+
+
+def pk_mechanisms() -> dict:
+    """{implementation: moe mechanism}: "pk" is "auto"; "pk_ld_st" (pk's
+    exchange kernel) where it can run (the extension on GPUs; on CPU its
+    primitive's reference)."""
+    impls = {"pk": "auto"}
+    if jax.devices()[0].platform == "cpu" or runtime.available():
+        impls["pk_ld_st"] = "ld_st"
+    return impls
+
+
+def dispatch_combine_fns(mesh, e):
+    """{implementation: jitted f(x, ids, w) -> [T, H]} (identity experts)."""
+    def pk(x, ids, w, mechanism):
+        rows, lay = pk_jax.moe_dispatch(x, ids, "ep", num_experts=e, mechanism=mechanism)
+        return pk_jax.moe_combine(rows, w, lay)
+
+    def xla(x, ids, w):
+        rows, _, state = example.xla_ragged_dispatch(x, ids, "ep", e)
+        return example.xla_ragged_combine(rows, w, state)
+    fns = {name: functools.partial(pk, mechanism=m) for name, m in pk_mechanisms().items()}
+    fns["xla_ragged"] = xla
+    spec = P("ep")
+    return {name: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+            for name, f in fns.items()}
+
+
+def layer_fns(mesh, n, h, ffn, e, k, dtype):
+    """{implementation: (jitted grad fn(state, x), state)} of the MoE layer."""
+    out = {}
+    layers = {name: functools.partial(MoE, mechanism=m) for name, m in pk_mechanisms().items()}
+    layers["xla_ragged"] = example.XlaRaggedMoE
+    for name, cls in layers.items():
+        graphdef, state = init_sharded(
+            lambda: cls(h, ffn, e, k, axis_name="ep", num_shards=n, dtype=dtype,
+                        rngs=nnx.Rngs(0)), mesh)
+
+        @jax.shard_map(mesh=mesh, in_specs=(partition_specs(state), P("ep")),
+                       out_specs=P("ep"))
+        def apply(state, x, graphdef=graphdef):
+            return nnx.merge(graphdef, state)(x)
+
+        loss = lambda s, x, apply=apply: jnp.sum(apply(s, x).astype(jnp.float32) ** 2)
+        out[name] = (jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), state)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--ffn", type=int, default=2048, help="each expert's hidden width")
+    parser.add_argument("--experts", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU too)")
+    parser.add_argument("--save", action="store_true", help="write results/moe.json")
+    args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.hidden, args.ffn, args.experts = 64, 128, 64, 8
+    devices, mesh, rng = bench_setup("ep")
+    n, t, h, e, k = len(devices), args.tokens, args.hidden, args.experts, args.topk
+    dtype = jnp.dtype(args.dtype)
+    if e % n:
+        parser.error(f"--experts {e} must be a multiple of the {n} devices")
+    shape = dict(ranks=n, tokens_per_rank=t, hidden=h, experts=e, top_k=k, ffn=args.ffn,
+                 dtype=str(dtype))
+    sharding = NamedSharding(mesh, P("ep"))
+    put = lambda a: jax.device_put(a, sharding)
+    x = put(jnp.asarray(rng.standard_normal((n * t, h)), dtype))
+    ids, w = map(put, _routing(rng, n, t, k, e))
+    rows, times = [], {}
+
+    with jax.set_mesh(mesh):
+        fns = dispatch_combine_fns(mesh, e)
+        outs = {name: np.asarray(f(x, ids, w), np.float32) for name, f in fns.items()}
+        err = max(float(np.abs(o - outs["xla_ragged"]).max()) for o in outs.values())
+        assert err <= 1e-2 * float(np.abs(outs["xla_ragged"]).max()), err
+        for name, f in fns.items():
+            times[("dispatch_combine", name)] = time_ms(lambda f=f: f(x, ids, w))
+        for name, (f, state) in layer_fns(mesh, n, h, args.ffn, e, k, dtype).items():
+            times[("moe_layer_fwd_bwd", name)] = time_ms(lambda f=f, s=state: f(s, x))
+    pk_jax.check_errors()
+    for (op, name), ms in times.items():
+        rows.append(dict(op=op, implementation=name, median_ms=ms, baseline="xla_ragged",
+                         baseline_median_ms=times[(op, "xla_ragged")], **shape))
+    table = markdown_table(
+        ["op", "impl", "ms", "vs xla_ragged"],
+        [[r["op"], r["implementation"], f"{r['median_ms']:.3f}",
+          f"{r['baseline_median_ms'] / r['median_ms']:.2f}x"] for r in rows])
+    print(f"{n} ranks x {t} tokens, hidden {h}, {e} experts, top-{k}, ffn {args.ffn}, "
+          f"{dtype}; largest |pk* - xla_ragged| {err:.2e}\n{table}")
+    if args.save:
+        write_results("moe", rows,
+                      f"MoE dispatch + combine and layer fwd+bwd ({n} ranks, {t} tokens per "
+                      f"rank, hidden {h}, {e} experts, top-{k}, ffn {args.ffn}, {dtype}); "
+                      f"pk: pk_jax.moe_dispatch/combine with mechanism 'auto' (today "
+                      f"'ragged': XLA's ragged_all_to_all under pk's layout); pk_ld_st: pk's "
+                      f"exchange kernel; xla_ragged: examples/moe.py's baseline.\n\n{table}",
+                      "python benchmarks/moe.py " + " ".join(sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    main()

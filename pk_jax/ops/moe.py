@@ -1,0 +1,470 @@
+"""pk_jax.moe_dispatch / pk_jax.moe_combine: expert-parallel token exchange.
+
+Inside `jax.shard_map` over an expert axis of n devices, each holding
+`num_experts // n` consecutive experts (global expert e lives on rank
+`e // experts_per_rank` as its local expert `e % experts_per_rank`):
+
+    rows, layout = pk_jax.moe_dispatch(x, expert_ids, axis_name="ep",
+                                       num_experts=E)
+    h = expert_mlp(rows, layout.group_sizes)          # e.g. lax.ragged_dot
+    out = pk_jax.moe_combine(h, weights, layout)      # [T, H], token order
+
+Layout of `rows` on the receiving rank (static size `layout.num_rows`):
+grouped by local expert; inside an expert, by source rank; inside a source,
+by slot order (token t, then choice j). `layout.group_sizes[l]` rows belong
+to local expert l, so `rows` feeds `jax.lax.ragged_dot` directly; the rows
+past `sum(group_sizes)` are zeros (padding) and are ignored by combine.
+
+Static bound: drop-less (capacity=None) means the worst case, every slot of
+every rank of the axis choosing this rank: `num_rows = n * T * k`. With
+`capacity=c`, every local expert keeps at most c rows (`num_rows =
+experts_per_rank * c`); the rows an expert keeps are the first c in the
+order above (lower source ranks first, then token order), the others are
+dropped: they contribute nothing to combine's output and are counted in
+`layout.num_dropped` (this rank's slots that were dropped).
+
+Data-dependent bad input is never a wrong row: an expert id outside
+[0, num_experts) drops its slot (no row anywhere, no contribution to the
+output) and is counted in `layout.num_invalid`. Everything static (shapes,
+dtypes, k > num_experts, experts not divisible by n) raises a ValueError.
+
+The ragged sizes are exchanged on the device (an all-gather of the n x E
+count matrix inside the program): no host synchronization.
+
+Gradients: the exchange `slots -> rows` and the return `rows -> slots` are
+linear and each other's transposes (custom_vjp pairs them), so moe_dispatch's
+backward runs combine's exchange and moe_combine's backward runs dispatch's.
+combine's output is differentiable in the router weights.
+
+Mechanisms ("auto": pk_jax/tuning.py, "ragged" until the pk kernel is measured):
+  "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): every rank
+    stores each row straight into its destination rank's staging region at
+    the row the layout computed on the device, posts a flag per peer, waits
+    (bounded) for every peer's flag and copies its region into the output.
+    Works across processes of one host (staging through the shared
+    workspaces). Where the kernel cannot run it raises (forced mechanism);
+    on other platforms the primitive lowers to a dense all_to_all.
+  "ragged": `jax.lax.ragged_all_to_all` of each peer's rows (contiguous,
+    sorted by local expert) into a staging buffer of num_rows rows, then one
+    local gather into the (expert, source) order; XLA:CPU has no
+    ragged-all-to-all (jax 0.10), so on CPU this lowers to the "xla"
+    exchange (`lax.platform_dependent`), with identical results.
+  "xla": a dense `lax.all_to_all` of per-pair blocks bounded by
+    min(T * k, num_rows) rows (n times the ragged traffic at worst), then
+    gathers; runs everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pk_jax import groups, tuning
+from pk_jax._compat import make_varying
+from pk_jax.ops.all_gather import all_gather as _pk_all_gather
+from pk_jax.ops.moe_primitive import ExchangeConfig, moe_exchange_p
+
+MECHANISMS = ("auto", "ld_st", "ragged", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig:
+    """Everything static about one dispatch/combine pair."""
+    axis_names: tuple[str, ...]
+    axis_size: int          # n: ranks of the expert axis
+    num_experts: int        # E, global
+    tokens: int             # T, tokens of each rank
+    top_k: int              # k, choices per token
+    capacity: int | None    # rows kept per local expert, None: drop-less
+    mechanism: str          # "ld_st", "ragged" or "xla"
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.axis_size
+
+    @property
+    def slots(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def num_rows(self) -> int:
+        """Static bound on the rows a rank receives."""
+        if self.capacity is None:
+            return self.axis_size * self.slots
+        return self.experts_per_rank * self.capacity
+
+    @property
+    def pair_rows(self) -> int:
+        """Static bound on the rows one rank sends one other rank."""
+        return min(self.slots, self.num_rows)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("group_sizes", "src_rank", "src_slot", "dest_rank", "dest_row",
+                                "num_dropped", "num_invalid", "send_counts", "recv_counts",
+                                "peer_offsets", "return_offsets", "send_index", "recv_index"),
+                   meta_fields=("cfg",))
+@dataclasses.dataclass(frozen=True)
+class MoeLayout:
+    """What moe_dispatch computed and moe_combine needs (a pytree of int32
+    arrays, all per rank, plus the static config).
+
+    Attributes:
+      group_sizes: [experts_per_rank] rows of each local expert, in order
+        (`jax.lax.ragged_dot`'s group_sizes; their sum is at most num_rows).
+      src_rank: [num_rows] the rank each row came from, -1 on padding rows.
+      src_slot: [num_rows] its slot on that rank, `token * k + choice`, -1 on
+        padding rows (token = src_slot // k).
+      dest_rank: [T, k] the rank each of this rank's slots went to, -1 for an
+        out-of-range expert id.
+      dest_row: [T, k] its row there, -1 if it was dropped (capacity) or
+        invalid.
+      num_dropped: [] this rank's slots dropped by the capacity.
+      num_invalid: [] this rank's slots with an expert id out of range.
+      send_counts: [n] rows this rank sends each rank.
+      recv_counts: [n] rows this rank receives from each rank.
+      peer_offsets: [n] where this rank's rows start in each receiver's
+        staging buffer (ragged exchange: receivers stage rows by source).
+      return_offsets: [n] where each receiver's returned rows start in this
+        rank's send buffer (combine's ragged exchange).
+      send_index, recv_index: a row's position inside its (source,
+        destination) block, ordered by local expert ([T * k] and
+        [num_rows], -1 where unused).
+    """
+    group_sizes: jax.Array
+    src_rank: jax.Array
+    src_slot: jax.Array
+    dest_rank: jax.Array
+    dest_row: jax.Array
+    num_dropped: jax.Array
+    num_invalid: jax.Array
+    send_counts: jax.Array
+    recv_counts: jax.Array
+    peer_offsets: jax.Array
+    return_offsets: jax.Array
+    send_index: jax.Array
+    recv_index: jax.Array
+    cfg: MoeConfig
+
+    @property
+    def num_rows(self) -> int:
+        return self.cfg.num_rows
+
+
+# ---- validation ------------------------------------------------------------------
+def _int(name: str, v, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < minimum:
+        raise ValueError(f"pk_jax.moe_dispatch: {name} must be an int >= {minimum}, got {v!r}")
+    return int(v)
+
+
+def _config(x, expert_ids, names, num_experts, capacity, mechanism) -> MoeConfig:
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"pk_jax.moe_dispatch: mechanism must be one of {MECHANISMS}, got "
+                         f"{mechanism!r}")
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError(f"pk_jax.moe_dispatch: x must be [tokens, hidden] with hidden >= 1, "
+                         f"got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"pk_jax.moe_dispatch: x must be floating point, got {x.dtype}")
+    if expert_ids.ndim != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"pk_jax.moe_dispatch: expert_ids must be [tokens, k] with tokens = "
+                         f"{x.shape[0]} (x's rows), got shape {expert_ids.shape}")
+    if not jnp.issubdtype(expert_ids.dtype, jnp.integer):
+        raise ValueError(f"pk_jax.moe_dispatch: expert_ids must be integers, got "
+                         f"{expert_ids.dtype}")
+    n = lax.axis_size(names)
+    e = _int("num_experts", num_experts, 1)
+    if e % n:
+        raise ValueError(f"pk_jax.moe_dispatch: num_experts={e} must be a multiple of the {n} "
+                         f"devices of {names} (each holds num_experts / {n} experts)")
+    k = expert_ids.shape[1]
+    if not 1 <= k <= e:
+        raise ValueError(f"pk_jax.moe_dispatch: top-k = {k} (expert_ids.shape[1]) must be in "
+                         f"1..num_experts={e}")
+    cap = None if capacity is None else _int("capacity", capacity, 1)
+    return MoeConfig(names, n, e, x.shape[0], k, cap,
+                     tuning.MOE_MECHANISM if mechanism == "auto" else mechanism)
+
+
+# ---- routing metadata (on the device; no host sync) --------------------------------
+def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
+    n, e, el, s = cfg.axis_size, cfg.num_experts, cfg.experts_per_rank, cfg.slots
+    names = cfg.axis_names
+    me = lax.axis_index(names)
+    ids = expert_ids.reshape(s).astype(jnp.int32)
+    valid = (ids >= 0) & (ids < e)
+    key = jnp.where(valid, ids, e)                                  # invalid last
+    counts = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)[:e]     # [E]
+    # The n x n x E_local count matrix, on every rank: C[src, dst, local expert].
+    # pk's gather with the pk kernel (no XLA collective: runs across processes sharing a GPU).
+    gather = _pk_all_gather if cfg.mechanism == "ld_st" else lax.all_gather
+    table = gather(counts.reshape(n, el), names)                      # [n, n, el]
+    if cfg.capacity is None:
+        kept = table
+    else:
+        before = _exclusive_cumsum(table, 0)                          # earlier sources first
+        kept = jnp.clip(cfg.capacity - before, 0, table)
+    # q: a slot's rank among this rank's slots of the same expert (slot order).
+    order = jnp.argsort(key, stable=True)
+    starts = _exclusive_cumsum(jnp.zeros((e + 1,), jnp.int32).at[key].add(1), 0)
+    q = jnp.zeros((s,), jnp.int32).at[order].set(
+        jnp.arange(s, dtype=jnp.int32) - starts[key[order]])
+    dest = jnp.where(valid, ids // el, 0)
+    local = jnp.where(valid, ids % el, 0)
+    kept_mine = kept[me]                                              # [dst, el]
+    keep = valid & (q < kept_mine[dest, local])
+    # Row at the receiver: its earlier experts, this expert's earlier sources, q.
+    expert_base = _exclusive_cumsum(kept.sum(0), 1)                   # [dst, el]
+    source_base = _exclusive_cumsum(kept, 0)[me]                      # [dst, el]
+    dest_row = jnp.where(keep, expert_base[dest, local] + source_base[dest, local] + q, -1)
+    # Position in the per-pair block of the xla exchange: (local expert, q).
+    send_index = jnp.where(keep, _exclusive_cumsum(kept_mine, 1)[dest, local] + q, -1)
+
+    # Receiver side: rows in (local expert, source, q) order.
+    mine = kept[:, me, :]                                             # [src, el]
+    group_sizes = mine.sum(0)
+    block = mine.T.reshape(el * n)                                    # (l, s) blocks
+    block_end = jnp.cumsum(block)
+    p = jnp.arange(cfg.num_rows, dtype=jnp.int32)
+    b = jnp.searchsorted(block_end, p, side="right").astype(jnp.int32)
+    used = p < block_end[-1]
+    b = jnp.minimum(b, el * n - 1)
+    l_of, s_of = b // n, b % n
+    q_of = p - (block_end[b] - block[b])
+    recv_index = jnp.where(used, _exclusive_cumsum(kept[:, me, :], 1)[s_of, l_of] + q_of, -1)
+    src_rank = jnp.where(used, s_of, -1)
+    dropped = (valid & ~keep).sum().astype(jnp.int32)
+    invalid = (~valid).sum().astype(jnp.int32)
+    pair = kept.sum(2)                                                # [src, dst] rows
+    lay = MoeLayout(group_sizes, src_rank, jnp.zeros_like(src_rank),
+                    jnp.where(valid, dest, -1).reshape(cfg.tokens, cfg.top_k),
+                    dest_row.reshape(cfg.tokens, cfg.top_k), dropped, invalid,
+                    pair[me], pair[:, me], _exclusive_cumsum(pair, 0)[me],
+                    _exclusive_cumsum(pair, 1)[:, me], send_index, recv_index, cfg)
+    # Source slots travel with the rows (the receiver cannot derive them).
+    slot_ids = jnp.arange(1, s + 1, dtype=jnp.int32)[:, None]
+    src_slot = _exchange_forward(slot_ids, lay)[:, 0] - 1
+    return dataclasses.replace(lay, src_slot=src_slot)
+
+
+# ---- the exchange: slots -> rows and its transpose rows -> slots -------------------
+def _axis(cfg: MoeConfig):
+    names = cfg.axis_names
+    return names[0] if len(names) == 1 else names
+
+
+def _a2a(buf: jax.Array, cfg: MoeConfig) -> jax.Array:
+    return lax.all_to_all(buf, _axis(cfg), 0, 0)
+
+
+def _exchange_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
+    """slots [T*k, H] -> rows [num_rows, H] (zeros where nothing landed)."""
+    if lay.cfg.mechanism == "ragged":
+        return lax.platform_dependent(slots, lay, cpu=_dense_forward,
+                                      default=_ragged_forward)
+    if lay.cfg.mechanism == "ld_st":
+        kept = lay.send_index >= 0
+        return _kernel_exchange(slots, jnp.where(kept, lay.dest_rank.reshape(-1), -1),
+                                lay.dest_row.reshape(-1), lay.recv_index, lay.cfg)
+    return _dense_forward(slots, lay)
+
+
+def _exchange_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
+    """rows [num_rows, H] -> slots [T*k, H] (zeros for dropped and invalid slots)."""
+    if lay.cfg.mechanism == "ragged":
+        return lax.platform_dependent(rows, lay, cpu=_dense_backward,
+                                      default=_ragged_backward)
+    if lay.cfg.mechanism == "ld_st":
+        return _kernel_exchange(rows, lay.src_rank, lay.src_slot, lay.send_index, lay.cfg)
+    return _dense_backward(rows, lay)
+
+
+def _kernel_exchange(src, peer, index, valid, cfg: MoeConfig) -> jax.Array:
+    """pk's exchange primitive (moe_primitive.py): row i to (peer[i], index[i])."""
+    names = cfg.axis_names
+    args = [make_varying(a, names) for a in (src, peer.astype(jnp.int32),
+                                              index.astype(jnp.int32), valid.astype(jnp.int32))]
+    return moe_exchange_p.bind(*args, cfg=ExchangeConfig(names, cfg.axis_size))
+
+
+def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
+    return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
+
+
+def _ragged_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
+    cfg = lay.cfg
+    kept = lay.send_index >= 0
+    send_start = _exclusive_cumsum(lay.send_counts, 0)
+    pos = jnp.where(kept, send_start[jnp.where(kept, lay.dest_rank.reshape(-1), 0)]
+                    + lay.send_index, cfg.slots)                     # out of bounds: dropped
+    send = jnp.zeros_like(slots).at[pos].set(slots, mode="drop")
+    staging = make_varying(jnp.zeros((cfg.num_rows,) + slots.shape[1:], slots.dtype),
+                           cfg.axis_names)
+    staging = lax.ragged_all_to_all(make_varying(send, cfg.axis_names), staging, send_start,
+                                    lay.send_counts, lay.peer_offsets, lay.recv_counts,
+                                    axis_name=_axis(cfg))
+    used = lay.recv_index >= 0
+    recv_start = _exclusive_cumsum(lay.recv_counts, 0)
+    rows = staging[jnp.where(used, recv_start[jnp.where(used, lay.src_rank, 0)]
+                             + lay.recv_index, 0)]
+    return jnp.where(_expand(used, rows), rows, 0)
+
+
+def _ragged_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
+    cfg = lay.cfg
+    used = lay.recv_index >= 0
+    recv_start = _exclusive_cumsum(lay.recv_counts, 0)
+    pos = jnp.where(used, recv_start[jnp.where(used, lay.src_rank, 0)] + lay.recv_index,
+                    cfg.num_rows)
+    staging = jnp.zeros_like(rows).at[pos].set(rows, mode="drop")
+    back = make_varying(jnp.zeros((cfg.slots,) + rows.shape[1:], rows.dtype), cfg.axis_names)
+    back = lax.ragged_all_to_all(make_varying(staging, cfg.axis_names), back, recv_start,
+                                 lay.recv_counts, lay.return_offsets, lay.send_counts,
+                                 axis_name=_axis(cfg))
+    kept = lay.send_index >= 0
+    send_start = _exclusive_cumsum(lay.send_counts, 0)
+    slots = back[jnp.where(kept, send_start[jnp.where(kept, lay.dest_rank.reshape(-1), 0)]
+                           + lay.send_index, 0)]
+    return jnp.where(_expand(kept, slots), slots, 0)
+
+
+def _dense_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
+    cfg = lay.cfg
+    n, b = cfg.axis_size, cfg.pair_rows
+    kept = lay.send_index >= 0
+    dst = jnp.where(kept, lay.dest_rank.reshape(-1), n)               # n: out of bounds
+    buf = jnp.zeros((n, b) + slots.shape[1:], slots.dtype)
+    buf = buf.at[dst, jnp.where(kept, lay.send_index, 0)].set(slots, mode="drop")
+    recv = _a2a(make_varying(buf, cfg.axis_names), cfg)
+    used = lay.recv_index >= 0
+    rows = recv[jnp.where(used, lay.src_rank, 0), jnp.where(used, lay.recv_index, 0)]
+    return jnp.where(used.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, 0)
+
+
+def _dense_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
+    cfg = lay.cfg
+    n, b = cfg.axis_size, cfg.pair_rows
+    used = lay.recv_index >= 0
+    src = jnp.where(used, lay.src_rank, n)
+    buf = jnp.zeros((n, b) + rows.shape[1:], rows.dtype)
+    buf = buf.at[src, jnp.where(used, lay.recv_index, 0)].set(rows, mode="drop")
+    back = _a2a(make_varying(buf, cfg.axis_names), cfg)
+    kept = lay.send_index >= 0
+    slots = back[jnp.where(kept, lay.dest_rank.reshape(-1), 0),
+                 jnp.where(kept, lay.send_index, 0)]
+    return jnp.where(_expand(kept, slots), slots, 0)
+
+
+@jax.custom_vjp
+def _to_experts(slots, lay):
+    return _exchange_forward(slots, lay)
+
+
+def _to_experts_fwd(slots, lay):
+    return _exchange_forward(slots, lay), lay
+
+
+def _to_experts_bwd(lay, d_rows):
+    return _exchange_backward(d_rows, lay), None
+
+
+_to_experts.defvjp(_to_experts_fwd, _to_experts_bwd)
+
+
+@jax.custom_vjp
+def _from_experts(rows, lay):
+    return _exchange_backward(rows, lay)
+
+
+def _from_experts_fwd(rows, lay):
+    return _exchange_backward(rows, lay), lay
+
+
+def _from_experts_bwd(lay, d_slots):
+    return _exchange_forward(d_slots, lay), None
+
+
+_from_experts.defvjp(_from_experts_fwd, _from_experts_bwd)
+
+
+# ---- public API ------------------------------------------------------------------
+def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str | Sequence[str], *,
+                 num_experts: int, capacity: int | None = None,
+                 mechanism: str = "auto") -> tuple[jax.Array, MoeLayout]:
+    """Send every token to the ranks of its top-k experts, grouped by local expert.
+
+    Call inside `jax.shard_map` over `axis_name` (the expert axis, n devices;
+    device r holds experts [r * E / n, (r + 1) * E / n)).
+
+    Args:
+      x: [T, H] this rank's tokens, floating point.
+      expert_ids: [T, k] integer global expert ids of each token's choices
+        (e.g. `lax.top_k(router_logits, k)[1]`); 1 <= k <= num_experts. An id
+        outside [0, num_experts) drops that choice (counted in
+        `layout.num_invalid`). Duplicate ids in a row are separate rows.
+      axis_name: the expert mesh axis (or tuple of axes, row-major).
+      num_experts: E, a multiple of n.
+      capacity: None (drop-less: `num_rows = n * T * k`, the worst case) or
+        the rows each local expert keeps (`num_rows = (E / n) * capacity`;
+        the rest are dropped and counted in `layout.num_dropped`).
+      mechanism: "auto" (today "ragged"), "ld_st" (pk's kernel), "ragged" or
+        "xla" (see the module docstring).
+
+    Returns:
+      (rows, layout): rows [layout.num_rows, H] in x's dtype, grouped by
+      local expert (`layout.group_sizes`), zero padded; `layout` is a
+      `MoeLayout` for `moe_combine` (and for inspection).
+    """
+    names = groups.axis_names(axis_name)
+    x = jnp.asarray(x)
+    expert_ids = jnp.asarray(expert_ids)
+    cfg = _config(x, expert_ids, names, num_experts, capacity, mechanism)
+    lay = _layout(expert_ids, cfg)
+    slots = jnp.repeat(x, cfg.top_k, axis=0)                          # slot t*k+j = token t
+    return _to_experts(slots, lay), lay
+
+
+def moe_combine(y: jax.Array, weights: jax.Array, layout: MoeLayout) -> jax.Array:
+    """Return expert outputs to their tokens and sum them, weighted.
+
+    `out[t] = sum_j weights[t, j] * y_row(t, j)` where y_row(t, j) is the
+    row that moe_dispatch made of token t's j-th choice (zero when it was
+    dropped or invalid). Call inside the same shard_map as moe_dispatch.
+
+    Args:
+      y: [layout.num_rows, H'] expert outputs, in dispatch's row layout
+        (padding rows are ignored), floating point.
+      weights: [T, k] router weights, floating point (accumulation is fp32).
+      layout: moe_dispatch's layout.
+
+    Returns:
+      [T, H'] in y's dtype, in this rank's token order.
+    """
+    if not isinstance(layout, MoeLayout):
+        raise ValueError(f"pk_jax.moe_combine: layout must be moe_dispatch's MoeLayout, got "
+                         f"{type(layout).__name__}")
+    cfg = layout.cfg
+    y, weights = jnp.asarray(y), jnp.asarray(weights)
+    if y.ndim != 2 or y.shape[0] != cfg.num_rows:
+        raise ValueError(f"pk_jax.moe_combine: y must be [num_rows={cfg.num_rows}, features], "
+                         f"got shape {y.shape}")
+    if weights.shape != (cfg.tokens, cfg.top_k):
+        raise ValueError(f"pk_jax.moe_combine: weights must be [T, k] = "
+                         f"{(cfg.tokens, cfg.top_k)}, got shape {weights.shape}")
+    for what, a in (("y", y), ("weights", weights)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"pk_jax.moe_combine: {what} must be floating point, got {a.dtype}")
+    slots = _from_experts(y, layout).reshape(cfg.tokens, cfg.top_k, y.shape[1])
+    out = jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), slots.astype(jnp.float32))
+    return out.astype(y.dtype)

@@ -1,0 +1,399 @@
+"""pk_jax.all_to_all, moe_dispatch and moe_combine on 8 fake CPU devices:
+values and gradients against a dense reference (every token through its
+top-k experts), the layout metadata, uneven routing, capacity drops,
+out-of-range ids and input checks, on Auto and Explicit meshes."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from conftest import cpu_mesh, ffi_attr, rel_err
+
+
+def _put(mesh, spec, *arrays):
+    return [jax.device_put(a, NamedSharding(mesh, spec)) for a in arrays]
+
+
+# ---- all_to_all -------------------------------------------------------------------
+@pytest.mark.parametrize("split,concat,tiled", [(0, 0, False), (0, 1, False), (1, 2, False),
+                                                (1, 0, True), (2, 1, True), (-2, 0, False)])
+def test_all_to_all_matches_lax(rng, sharding_mode, split, concat, tiled):
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    x = jnp.asarray(rng.standard_normal((8, 16, 8)), jnp.float32)  # [4, 4, 8] per device
+    (x,) = _put(mesh, P("x", "y"), x)
+
+    def run(fn, s):
+        f = jax.shard_map(lambda a: fn(a, "y", s, concat, tiled=tiled), mesh=mesh,
+                          in_specs=P("x", "y"), out_specs=P("x", "y"))
+        return np.asarray(jax.jit(f)(x))
+    # lax.all_to_all crashes XLA:CPU (jax 0.10.2) on a negative split axis; ours normalizes.
+    np.testing.assert_array_equal(run(pk_jax.all_to_all, split), run(lax.all_to_all, split % 3))
+
+
+def test_all_to_all_gradient_and_tuple_axes(rng):
+    mesh = cpu_mesh((2, 4), ("x", "y"))
+    x = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((128, 1)), jnp.float32)
+
+    def loss(fn):
+        f = jax.shard_map(lambda a: fn(a, ("x", "y"), 1, 0, tiled=True), mesh=mesh,
+                          in_specs=P(("x", "y")), out_specs=P(("x", "y")))
+        return lambda a: jnp.sum(f(a) ** 2 * c)
+    g, g_ref = (jax.grad(loss(fn))(x) for fn in (pk_jax.all_to_all, lax.all_to_all))
+    assert np.linalg.norm(g_ref) > 0
+    np.testing.assert_allclose(g, g_ref, rtol=1e-6)
+
+
+def test_all_to_all_errors():
+    mesh = cpu_mesh((4,), ("x",))
+    x = jnp.ones((6, 4))
+
+    def call(**kw):
+        f = jax.shard_map(lambda a: pk_jax.all_to_all(a, "x", **kw), mesh=mesh,
+                          in_specs=P(), out_specs=P(), check_vma=False)
+        return jax.jit(f)(x)
+    with pytest.raises(ValueError, match="not equal to"):
+        call(split_axis=0, concat_axis=0)
+    with pytest.raises(ValueError, match="not divisible"):
+        call(split_axis=0, concat_axis=0, tiled=True)
+    with pytest.raises(ValueError, match="out of range"):
+        call(split_axis=2, concat_axis=0)
+    with pytest.raises(ValueError, match="mechanism"):
+        call(split_axis=1, concat_axis=0, mechanism="nccl")
+
+
+# ---- dispatch / combine -----------------------------------------------------------
+def _dense(x, ids, w, wts, num_experts):
+    """Every token through its top-k experts (linear experts W[e]), weighted;
+    out-of-range ids contribute nothing."""
+    valid = (ids >= 0) & (ids < num_experts)
+    h = jnp.einsum("th,tkhf->tkf", x, wts[jnp.clip(ids, 0, num_experts - 1)])
+    return jnp.einsum("tk,tkf->tf", jnp.where(valid, w, 0), h)
+
+
+def _moe_fn(mesh, num_experts, capacity=None, extra=False, mechanism="auto"):
+    """shard_map'd dispatch -> ragged_dot with the local experts -> combine."""
+    def body(x, ids, w, wts):
+        rows, lay = pk_jax.moe_dispatch(x, ids, "ep", num_experts=num_experts,
+                                        capacity=capacity, mechanism=mechanism)
+        y = lax.ragged_dot(rows, wts, lay.group_sizes)
+        out = pk_jax.moe_combine(y, w, lay)
+        if not extra:
+            return out
+        return (out, rows, lay.group_sizes[None], lay.src_rank, lay.src_slot,
+                lay.dest_row, lay.num_dropped[None], lay.num_invalid[None])
+    spec = P("ep")
+    outs = spec if not extra else (spec,) * 8
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 4, out_specs=outs))
+
+
+def _inputs(rng, n, t, k, h, e, f=6, ids=None, dtype=jnp.float32):
+    x = jnp.asarray(rng.standard_normal((n * t, h)), dtype)
+    if ids is None:
+        ids = np.stack([rng.permutation(e)[:k] for _ in range(n * t)])
+    w = jnp.asarray(rng.random((n * t, k)), dtype)
+    wts = jnp.asarray(rng.standard_normal((e, h, f)) / np.sqrt(h), dtype)
+    return x, jnp.asarray(ids, jnp.int32), w, wts
+
+
+def _check_values_and_grads(mesh, x, ids, w, wts, e, tol=1e-5, mechanism="auto"):
+    args = _put(mesh, P("ep"), x, ids, w, wts)
+    f = _moe_fn(mesh, e, mechanism=mechanism)
+    with jax.set_mesh(mesh):
+        return _values_and_grads(f, args, x, ids, w, wts, e, tol)
+
+
+def _values_and_grads(f, args, x, ids, w, wts, e, tol):
+    out = f(*args)
+    ref = _dense(x, ids, w, wts, e)
+    assert rel_err(out, ref) < tol
+    cot = jnp.asarray(np.random.default_rng().standard_normal(ref.shape), ref.dtype)
+    g = jax.grad(lambda a, b, c: jnp.sum(f(a, args[1], b, c) * cot), argnums=(0, 1, 2))(
+        args[0], args[2], args[3])
+    g_ref = jax.grad(lambda a, b, c: jnp.sum(_dense(a, ids, b, c, e) * cot),
+                     argnums=(0, 1, 2))(x, w, wts)
+    for name, a, b in zip(("x", "weights", "experts"), g, g_ref):
+        if np.linalg.norm(np.asarray(b, np.float64)) == 0:
+            assert np.linalg.norm(np.asarray(a, np.float64)) == 0, name
+        else:
+            assert rel_err(a, b) < tol, name
+
+
+@pytest.mark.parametrize("k,e", [(1, 8), (2, 8), (8, 16), (2, 4)])
+def test_matches_dense_reference(rng, sharding_mode, k, e):
+    mesh = cpu_mesh((4,), ("ep",))
+    _check_values_and_grads(mesh, *_inputs(rng, 4, 6, k, 8, e), e)
+
+
+def test_eight_ranks_one_expert_each(rng, sharding_mode):
+    mesh = cpu_mesh((8,), ("ep",))
+    _check_values_and_grads(mesh, *_inputs(rng, 8, 5, 2, 4, 8), 8)
+
+
+def test_uneven_routing(rng, sharding_mode):
+    """Expert 3 takes every token's first choice, experts 4..7 nothing at
+    all (rank 2 receives no rows), duplicate choices allowed."""
+    mesh = cpu_mesh((4,), ("ep",))
+    n, t, e = 4, 6, 8
+    ids = np.stack([np.full(n * t, 3), rng.integers(0, 4, n * t)], axis=1)
+    x, ids, w, wts = _inputs(rng, n, t, 2, 8, e, ids=ids)
+    _check_values_and_grads(mesh, x, ids, w, wts, e)
+    out = _moe_fn(mesh, e, extra=True)(*_put(mesh, P("ep"), x, ids, w, wts))
+    sizes = np.asarray(out[2]).reshape(n, 2)
+    np.testing.assert_array_equal(sizes.reshape(-1), np.bincount(np.asarray(ids).ravel(),
+                                                                 minlength=e))
+    assert sizes[2].sum() == sizes[3].sum() == 0
+
+
+def test_everything_to_one_expert(rng):
+    mesh = cpu_mesh((4,), ("ep",))
+    x, ids, w, wts = _inputs(rng, 4, 5, 1, 8, 4, ids=np.full((20, 1), 2))
+    _check_values_and_grads(mesh, x, ids, w, wts, 4)
+
+
+def test_layout_metadata(rng, sharding_mode):
+    """Rows land grouped by local expert, then source rank, then slot; each
+    row is its source token; padding rows are zero."""
+    mesh = cpu_mesh((4,), ("ep",))
+    n, t, k, e = 4, 6, 2, 8
+    x, ids, w, wts = _inputs(rng, n, t, k, 8, e)
+    out = _moe_fn(mesh, e, extra=True)(*_put(mesh, P("ep"), x, ids, w, wts))
+    _, rows, sizes, src_rank, src_slot, dest_row, dropped, invalid = map(np.asarray, out)
+    r = n * t * k                                  # drop-less bound: n * T * k rows per rank
+    assert rows.shape == (n * r, 8)
+    assert dropped.sum() == invalid.sum() == 0
+    xs, idn = np.asarray(x).reshape(n, t, 8), np.asarray(ids).reshape(n, t, k)
+    sizes = sizes.reshape(n, 2)
+    for d in range(n):
+        got = rows[d * r:(d + 1) * r]
+        sr, ss = src_rank[d * r:(d + 1) * r], src_slot[d * r:(d + 1) * r]
+        used = int(sizes[d].sum())
+        assert (sr[:used] >= 0).all() and (sr[used:] == -1).all() and (ss[used:] == -1).all()
+        np.testing.assert_array_equal(got[used:], 0)
+        keys = []
+        for p in range(used):
+            s, slot = sr[p], ss[p]
+            np.testing.assert_array_equal(got[p], xs[s, slot // k])
+            expert = idn[s, slot // k, slot % k]
+            assert expert // 2 == d
+            keys.append((expert % 2, s, slot))
+            # the sender knows where it went
+            assert dest_row.reshape(n, t, k)[s, slot // k, slot % k] == p
+        assert keys == sorted(keys)
+        np.testing.assert_array_equal([sum(1 for q in keys if q[0] == l) for l in range(2)],
+                                      sizes[d])
+
+
+def _kept_mask(ids, n, t, k, e, capacity):
+    """numpy: which slots an expert keeps (first `capacity` rows in
+    (source rank, slot) order)."""
+    flat = np.asarray(ids).reshape(n, t * k)
+    seen = np.zeros(e, int)
+    keep = np.zeros_like(flat, bool)
+    for s in range(n):
+        for slot in range(t * k):
+            ex = flat[s, slot]
+            if 0 <= ex < e and seen[ex] < capacity:
+                keep[s, slot] = True
+                seen[ex] += 1
+    return keep.reshape(n * t, k)
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 100])
+def test_capacity_drops_and_counts(rng, sharding_mode, capacity):
+    mesh = cpu_mesh((4,), ("ep",))
+    n, t, k, e = 4, 6, 2, 8
+    ids = np.stack([rng.choice(3, 2, replace=False) for _ in range(n * t)])  # hot experts 0..2
+    x, ids, w, wts = _inputs(rng, n, t, k, 8, e, ids=ids)
+    keep = _kept_mask(ids, n, t, k, e, capacity)
+    args = _put(mesh, P("ep"), x, ids, w, wts)
+    f = _moe_fn(mesh, e, capacity=capacity, extra=True)
+    out, rows, sizes, _, _, dest_row, dropped, invalid = f(*args)
+    assert rows.shape == (n * 2 * capacity, 8)
+    np.testing.assert_array_equal(np.asarray(dropped), (~keep).reshape(n, -1).sum(1))
+    assert np.asarray(invalid).sum() == 0
+    assert ((np.asarray(dest_row) >= 0) == keep).all()
+    ref = _dense(x, ids, jnp.where(keep, w, 0), wts, e)
+    assert rel_err(out, ref) < 1e-5
+    with jax.set_mesh(mesh):
+        g = jax.grad(lambda a, b: jnp.sum(f(a, args[1], b, args[3])[0] ** 2), argnums=(0, 1))(
+            args[0], args[2])
+    g_ref = jax.grad(lambda a, b: jnp.sum(_dense(a, ids, jnp.where(keep, b, 0), wts, e) ** 2),
+                     argnums=(0, 1))(x, w)
+    for a, b in zip(g, g_ref):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_out_of_range_ids_dropped_and_counted(rng, sharding_mode):
+    mesh = cpu_mesh((4,), ("ep",))
+    n, t, k, e = 4, 6, 2, 8
+    x, ids, w, wts = _inputs(rng, n, t, k, 8, e)
+    bad = np.asarray(ids).copy()
+    bad[0, 1], bad[7, 0], bad[23, 1] = -1, e, 1000
+    bad = jnp.asarray(bad)
+    out = _moe_fn(mesh, e, extra=True)(*_put(mesh, P("ep"), x, bad, w, wts))
+    np.testing.assert_array_equal(np.asarray(out[7]), [1, 1, 0, 1])
+    assert np.asarray(out[6]).sum() == 0
+    assert rel_err(out[0], _dense(x, bad, w, wts, e)) < 1e-5
+    assert int(np.asarray(out[2]).sum()) == n * t * k - 3
+
+
+def test_bfloat16(rng):
+    mesh = cpu_mesh((4,), ("ep",))
+    x, ids, w, wts = _inputs(rng, 4, 8, 2, 16, 8, dtype=jnp.bfloat16)
+    out = _moe_fn(mesh, 8)(*_put(mesh, P("ep"), x, ids, w, wts))
+    assert out.dtype == jnp.bfloat16
+    ref = _dense(*(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+                   for a in (x, ids, w, wts)), 8)
+    assert rel_err(out, ref) < 2e-2
+
+
+def test_dispatch_and_combine_are_transposes(rng):
+    """<dispatch(x), r> == <x, dispatch^T(r)> and the same for combine's exchange."""
+    mesh = cpu_mesh((4,), ("ep",))
+    n, t, k, e = 4, 5, 2, 8
+    x, ids, w, _ = _inputs(rng, n, t, k, 3, e)
+    r = jnp.asarray(rng.standard_normal((n * n * t * k, 3)), jnp.float32)
+
+    def body(x, ids, w, r):
+        rows, lay = pk_jax.moe_dispatch(x, ids, "ep", num_experts=e)
+        back = jax.vjp(lambda a: pk_jax.moe_dispatch(a, ids, "ep", num_experts=e)[0], x)[1](r)
+        lhs = lax.psum(jnp.sum(rows * r), "ep")
+        rhs = lax.psum(jnp.sum(x * back[0]), "ep")
+        comb = pk_jax.moe_combine(r, jnp.ones_like(w), lay)
+        back_c = jax.vjp(lambda a: pk_jax.moe_combine(a, jnp.ones_like(w), lay), r)[1](x)
+        lhs_c = lax.psum(jnp.sum(comb * x), "ep")
+        rhs_c = lax.psum(jnp.sum(r * back_c[0]), "ep")
+        return jnp.stack([lhs, rhs, lhs_c, rhs_c])[None]
+    vals = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4, out_specs=P("ep")))(
+        *_put(mesh, P("ep"), x, ids, w, r))
+    lhs, rhs, lhs_c, rhs_c = np.asarray(vals)[0]
+    assert abs(lhs - rhs) < 1e-4 * abs(lhs) and abs(lhs_c - rhs_c) < 1e-4 * abs(lhs_c)
+
+
+def test_static_errors():
+    mesh = cpu_mesh((4,), ("ep",))
+
+    def dispatch(x, ids, **kw):
+        kw.setdefault("num_experts", 8)
+        f = jax.shard_map(lambda a, b: pk_jax.moe_dispatch(a, b, "ep", **kw)[0], mesh=mesh,
+                          in_specs=P("ep"), out_specs=P("ep"))
+        return jax.jit(f)(x, ids)
+    x, ids = jnp.ones((16, 4)), jnp.zeros((16, 2), jnp.int32)
+    with pytest.raises(ValueError, match="top-k = 9"):
+        dispatch(x, jnp.zeros((16, 9), jnp.int32))
+    with pytest.raises(ValueError, match="multiple of the 4 devices"):
+        dispatch(x, ids, num_experts=6)
+    with pytest.raises(ValueError, match="integers"):
+        dispatch(x, ids.astype(jnp.float32))
+    with pytest.raises(ValueError, match="floating point"):
+        dispatch(x.astype(jnp.int32), ids)
+    with pytest.raises(ValueError, match="tokens"):
+        dispatch(x, jnp.zeros((8, 2), jnp.int32))
+    with pytest.raises(ValueError, match="capacity"):
+        dispatch(x, ids, capacity=0)
+    with pytest.raises(ValueError, match="mechanism"):
+        dispatch(x, ids, mechanism="nccl")
+
+    def combine(y_rows, w):
+        def body(a, b):
+            rows, lay = pk_jax.moe_dispatch(a, b, "ep", num_experts=8)
+            return pk_jax.moe_combine(rows[:y_rows], w, lay)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(
+            x, ids)
+    with pytest.raises(ValueError, match="num_rows=32"):
+        combine(5, jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match="weights must be"):
+        combine(None, jnp.ones((4, 3)))
+    with pytest.raises(ValueError, match="floating point"):
+        combine(None, jnp.ones((4, 2), jnp.int32))
+
+
+def _emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                                recv_sizes, *, axis_name):
+    """lax.ragged_all_to_all's semantics from all_gathers (XLA:CPU has none)."""
+    ops = lax.all_gather(operand, axis_name)
+    starts, sizes, dests = (lax.all_gather(a, axis_name)
+                            for a in (input_offsets, send_sizes, output_offsets))
+    me = lax.axis_index(axis_name)
+    p = jnp.arange(output.shape[0])
+    for s in range(ops.shape[0]):
+        lo, size = dests[s, me], sizes[s, me]
+        inside = (p >= lo) & (p < lo + size)
+        src = jnp.clip(starts[s, me] + p - lo, 0, operand.shape[0] - 1)
+        output = jnp.where(inside.reshape((-1,) + (1,) * (output.ndim - 1)), ops[s, src],
+                           output)
+    return output
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_ragged_exchange_logic(rng, monkeypatch, capacity):
+    """The "ragged" mechanism's GPU branch (offsets and sizes of
+    ragged_all_to_all), run on CPU against an emulation of the collective."""
+    calls = []
+    monkeypatch.setattr(lax, "ragged_all_to_all",
+                        lambda *a, **kw: calls.append(1) or _emulated_ragged_all_to_all(*a, **kw))
+    monkeypatch.setattr(lax, "platform_dependent", lambda *a, cpu, default: default(*a))
+    mesh = cpu_mesh((4,), ("ep",))
+    n, t, k, e = 4, 6, 2, 8
+    ids = np.stack([rng.choice(5, 2, replace=False) for _ in range(n * t)])
+    x, ids, w, wts = _inputs(rng, n, t, k, 8, e, ids=ids)
+    keep = _kept_mask(ids, n, t, k, e, capacity or n * t * k)
+    args = _put(mesh, P("ep"), x, ids, w, wts)
+    f = _moe_fn(mesh, e, capacity=capacity, extra=True)
+    out = f(*args)
+    assert len(calls) == 3  # source slots, dispatch, combine
+    assert rel_err(out[0], _dense(x, ids, jnp.where(keep, w, 0), wts, e)) < 1e-5
+    g = jax.grad(lambda a, b: jnp.sum(f(a, args[1], b, args[3])[0] ** 2), argnums=(0, 1))(
+        args[0], args[2])
+    g_ref = jax.grad(lambda a, b: jnp.sum(_dense(a, ids, jnp.where(keep, b, 0), wts, e) ** 2),
+                     argnums=(0, 1))(x, w)
+    for a, b in zip(g, g_ref):
+        assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("mechanism", ["xla", "ld_st"])
+def test_mechanisms_match_dense_reference(rng, mechanism):
+    """"xla" and the kernel primitive's plumbing ("ld_st": on CPU the
+    primitive lowers to its dense reference) give the dense reference."""
+    mesh = cpu_mesh((4,), ("ep",))
+    _check_values_and_grads(mesh, *_inputs(rng, 4, 6, 2, 8, 8), 8, mechanism=mechanism)
+
+
+@pytest.mark.parametrize("capacity", [None, 2])
+def test_ld_st_layout_and_drops(rng, capacity):
+    mesh = cpu_mesh((4,), ("ep",))
+    n, t, k, e = 4, 6, 2, 8
+    ids = np.stack([rng.choice(3, 2, replace=False) for _ in range(n * t)])
+    x, ids, w, wts = _inputs(rng, n, t, k, 8, e, ids=ids)
+    keep = _kept_mask(ids, n, t, k, e, capacity or n * t * k)
+    args = _put(mesh, P("ep"), x, ids, w, wts)
+    ours = _moe_fn(mesh, e, capacity, extra=True, mechanism="ld_st")(*args)
+    ref = _moe_fn(mesh, e, capacity, extra=True, mechanism="xla")(*args)
+    for a, b in zip(ours, ref):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert rel_err(ours[0], _dense(x, ids, jnp.where(keep, w, 0), wts, e)) < 1e-5
+
+
+def test_ld_st_lowers_to_the_kernel(cuda_lowering):
+    """On CUDA, mechanism="ld_st" is pk_moe_exchange custom calls (the source
+    slots, the rows) with the staging region sized for the output rows."""
+    mesh = cpu_mesh((4,), ("ep",))
+    ids = jnp.zeros((8, 2), jnp.int32)
+
+    def fn(a):
+        rows, lay = pk_jax.moe_dispatch(a, ids, "ep", num_experts=8, mechanism="ld_st")
+        return pk_jax.moe_combine(rows, jnp.ones((8, 2)), lay)
+    hlo = cuda_lowering(fn, mesh, P("ep"), (32, 16))
+    calls = re.findall(r"custom_call @pk_moe_exchange\((.*)", hlo)
+    assert len(calls) == 3, hlo  # source slots, dispatch, combine
+    assert "custom_call @pk_all_gather(" in hlo  # the count table: no XLA collective at all
+    assert not re.search(r"stablehlo\.(all_to_all|all_gather|collective)", hlo)
+    assert sorted(int(ffi_attr(c, "row_bytes")) for c in calls) == [4, 64, 64]
