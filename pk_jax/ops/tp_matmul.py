@@ -5,7 +5,9 @@ and `matmul_all_reduce` (psum(x @ w), the same bits on every rank).
 Call inside `jax.shard_map`. On CUDA GPUs the GEMMs run on row chunks while
 the copy engines bring the rows in (all_gather_matmul), or write their tiles
 straight into the owner's memory (matmul_reduce_scatter); elsewhere, and for
-inputs the kernels do not take, XLA's collectives and dot run.
+inputs the kernels do not take, XLA's collectives and dot run. The backward
+of each of the first two is one kernel call computing dx and dw (the other
+op's sequence, with the weight gradient's GEMM placed where it would wait).
 """
 
 from __future__ import annotations
