@@ -156,6 +156,11 @@ PROGRAMS = {
         pk_jax.all_gather_matmul(x, w1, "x"), w2, "x"),
         [P("x"), P(None, "x"), P("x", None)], [(256, 128), (128, 512), (512, 128)],
         jnp.bfloat16),
+    # Its gradient: each op's backward is one call (dx and dw), channels agreed too.
+    "tp_mlp_grad": (lambda x, w1, w2: jax.grad(lambda x: jnp.sum(pk_jax.matmul_reduce_scatter(
+        pk_jax.all_gather_matmul(x, w1, "x"), w2, "x").astype(jnp.float32)))(x),
+        [P("x"), P(None, "x"), P("x", None)], [(256, 128), (128, 512), (512, 128)],
+        jnp.bfloat16),
     "ring_attention": (lambda q: pk_jax.ring_attention(q, q, q, "x", causal=True,
                                                        layout="zigzag"),
                        [P(None, "x")], [(1, 8 * 256, 4, 128)], jnp.bfloat16),
@@ -180,6 +185,10 @@ def cuda_lowering(mesh, out_dir: pathlib.Path):
     (out_dir / f"hlo_{jax.process_index()}.json").write_text(json.dumps(texts))
     for name, text in texts.items():
         check("custom_call @pk_" in text, f"{name} lowers to a pk kernel across processes")
+    check("custom_call @pk_all_gather_matmul_bwd" in texts["tp_mlp_grad"]
+          and "custom_call @pk_matmul_reduce_scatter_bwd" in texts["tp_mlp_grad"],
+          "the tensor-parallel MLP's gradient lowers to one backward call per op across "
+          "processes")
     check("custom_call @pk_ring_attention_bwd" in texts["ring_attention_grad"],
           "ring attention's gradient lowers to the fused backward across processes")
     ag = re.search(r"custom_call @pk_all_gather\(.*?mechanism = (\d+)",

@@ -43,8 +43,9 @@ def test_same_host(tmp_path):
     log = _launch("same_host", tmp_path)
     assert "OK causal zigzag ring attention across processes" in log
     assert log.count("OK ring attention's gradient lowers to the fused backward") == 2
+    assert log.count("OK the tensor-parallel MLP's gradient lowers to one backward call") == 2
     hlo = [json.loads((tmp_path / f"hlo_{p}.json").read_text()) for p in (0, 1)]
-    assert hlo[0].keys() == hlo[1].keys() and len(hlo[0]) == 5
+    assert hlo[0].keys() == hlo[1].keys() and len(hlo[0]) == 6
     for name in hlo[0]:
         assert hlo[0][name] == hlo[1][name], f"{name}: the processes compiled different programs"
 
