@@ -60,7 +60,7 @@ def main() -> None:
         return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
 
     def inputs(layout):
-        s, hq, hkv, hd = n * 256, 8, 2, 128
+        s, hq, hkv, hd = n * 512, 8, 2, 128  # the 2-process check's per-rank shape
         q, k, v, cot = (rng.standard_normal((1, s, h, hd)).astype(np.float32)
                         for h in (hq, hkv, hkv, hq))
         q, k, v = (np.asarray(bf(a), np.float32) for a in (q, k, v))
