@@ -21,7 +21,7 @@ from jax import lax
 import pk_jax
 from common import (COLLECTIVE_HEADER, bandwidth_fn, bench_setup, bf16_input, collective_args,
                     collective_row, collective_table_row, finish_collective, markdown_table,
-                    parse_size, time_collective, time_ms)
+                    parse_size, size_inputs, time_collective, time_ms)
 
 IMPLS = {
     # No communication: the cost of the loop, slice and add alone (the floor).
@@ -42,18 +42,13 @@ def step(gather, c):
 
 
 def main() -> int:
-    ap = collective_args("8K,16K,64K,1M,16M,64M,256M")
-    ap.add_argument("--sweep-blocks", default="", help="e.g. 32,66,132,264: grid sweep at the largest size")
-    args = ap.parse_args()
-    if args.smoke:
-        args.sizes, args.loop = "8K,1M", 20
+    args = collective_args("8K,16K,64K,1M,16M,64M,256M", lambda ap: ap.add_argument(
+        "--sweep-blocks", default="", help="e.g. 32,66,132,264: grid sweep at the largest size"))
 
     devices, mesh, rng = bench_setup()
     n = len(devices)
     rows, table = [], []
-    for per_rank in map(parse_size, args.sizes.split(",")):
-        elems = per_rank // 2
-        x = bf16_input(mesh, rng, elems)
+    for per_rank, elems, x in size_inputs(args, mesh, rng):
         impls = {k: v for k, v in IMPLS.items() if k != "pk_ld_st_ll" or per_rank <= LL_MAX}
         bw_ms, lat_us = time_collective(mesh, impls, step, x, loop=args.loop,
                                         latency=per_rank <= parse_size(args.latency_max),

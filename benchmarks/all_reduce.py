@@ -21,9 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 
 import pk_jax
-from common import (COLLECTIVE_HEADER, bench_setup, bf16_input, collective_args,
-                    collective_row, collective_table_row, finish_collective, markdown_table,
-                    parse_size, time_collective)
+from common import (COLLECTIVE_HEADER, bench_setup, collective_args, collective_row,
+                    collective_table_row, finish_collective, markdown_table, parse_size,
+                    size_inputs, time_collective)
 
 IMPLS = {
     # No communication: the cost of the loop, add and scale alone (the floor).
@@ -41,17 +41,12 @@ def step(reduce, c):
 
 
 def main() -> int:
-    ap = collective_args("8K,64K,256K,1M,16M,64M,256M")
-    args = ap.parse_args()
-    if args.smoke:
-        args.sizes, args.loop = "8K,1M", 20
+    args = collective_args("8K,64K,256K,1M,16M,64M,256M")
 
     devices, mesh, rng = bench_setup()
     n = len(devices)
     rows, table = [], []
-    for per_rank in map(parse_size, args.sizes.split(",")):
-        elems = per_rank // 2
-        x = bf16_input(mesh, rng, elems)
+    for per_rank, elems, x in size_inputs(args, mesh, rng):
         bw_ms, lat_us = time_collective(mesh, IMPLS, step, x, loop=args.loop,
                                         latency=per_rank <= parse_size(args.latency_max),
                                         smoke=args.smoke)

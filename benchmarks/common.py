@@ -194,16 +194,31 @@ def bf16_input(mesh: Mesh, rng: np.random.Generator, elems: int):
                                       jnp.bfloat16), NamedSharding(mesh, P("x")))
 
 
-def collective_args(default_sizes: str) -> argparse.ArgumentParser:
-    """The collective benchmarks' shared command line (--sizes, --loop,
-    --latency-max, --smoke); returns the parser, so a script can add its own."""
+def collective_args(default_sizes: str,
+                    extra: Callable[[argparse.ArgumentParser], None] | None = None
+                    ) -> argparse.Namespace:
+    """The collective benchmarks' command line (--sizes, --loop, --latency-max,
+    --smoke, and what `extra` adds), parsed; --smoke sets two tiny sizes and
+    a short loop."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default=default_sizes)
     ap.add_argument("--loop", type=int, default=200, help="calls in the latency program")
     ap.add_argument("--latency-max", default="16M", help="largest size timed in the loop")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny sizes, few calls, nothing written (checks the script runs)")
-    return ap
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args()
+    if args.smoke:
+        args.sizes, args.loop = "8K,1M", 20
+    return args
+
+
+def size_inputs(args: argparse.Namespace, mesh: Mesh, rng: np.random.Generator):
+    """Per --sizes entry: (per-rank bytes, bf16 elements per rank, a fresh
+    random input [n * elements] sharded along "x")."""
+    for per_rank in map(parse_size, args.sizes.split(",")):
+        yield per_rank, per_rank // 2, bf16_input(mesh, rng, per_rank // 2)
 
 
 def finish_collective(op: str, rows: list[dict], md: str, smoke: bool) -> None:
