@@ -19,6 +19,7 @@
 #include <algorithm>
 
 #include "kernels/moe/moe.h"
+#include "pk/copy.cuh"
 #include "pk/cuda_check.h"
 #include "pk/signals.h"
 
@@ -93,9 +94,7 @@ int access_width(const Params& p) {
   uint64_t bits = p.row_bytes | reinterpret_cast<uintptr_t>(p.src) |
                   reinterpret_cast<uintptr_t>(p.dst);
   for (int q = 0; q < p.ch.n; ++q) bits |= reinterpret_cast<uintptr_t>(p.region[q]);
-  for (int w = 16; w > 1; w /= 2)
-    if (bits % w == 0) return w;
-  return 1;
+  return pk::access_width(bits);
 }
 
 int grid(uint64_t rows) { return int(std::clamp<uint64_t>(rows, 1, kMaxBlocks)); }
@@ -129,13 +128,9 @@ cudaError_t enqueue_typed(const Params& p) {
 }
 
 cudaError_t enqueue(const Params& p) {
-  switch (access_width(p)) {
-    case 16: return enqueue_typed<uint4>(p);
-    case 8:  return enqueue_typed<uint2>(p);
-    case 4:  return enqueue_typed<unsigned int>(p);
-    case 2:  return enqueue_typed<unsigned short>(p);
-    default: return enqueue_typed<unsigned char>(p);
-  }
+  return with_access_width(access_width(p), [&](auto vec) {
+    return enqueue_typed<typename decltype(vec)::type>(p);
+  });
 }
 
 }  // namespace
