@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "pk/cuda_check.h"
 #include "pk/type_tag.h"
 
 namespace pk {
@@ -29,6 +30,19 @@ cudaError_t with_access_width(int width, F&& f) {
     case 2:  return f(TypeTag<unsigned short>{});
     default: return f(TypeTag<unsigned char>{});
   }
+}
+
+// preload_kernel for every address `kernels(TypeTag<V>{})` lists (an array of
+// kernel addresses), for every access width's V; the first error.
+template <typename F>
+cudaError_t preload_per_width(F&& kernels) {
+  for (int width : {16, 8, 4, 2, 1}) {
+    PK_CUDA_TRY(with_access_width(width, [&](auto tag) {
+      for (const void* k : kernels(tag)) PK_CUDA_TRY(preload_kernel(k));
+      return cudaSuccess;
+    }));
+  }
+  return cudaSuccess;
 }
 
 // Bytes moved by one thread per step, per access width: enough loads in

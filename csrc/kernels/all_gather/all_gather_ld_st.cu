@@ -281,10 +281,7 @@ cudaError_t launch_ld_st(const Params& p, bool push) {
 }
 
 cudaError_t load_kernels() {
-  for (const void* k : kKernels) {
-    cudaFuncAttributes attr;
-    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-  }
+  for (const void* k : kKernels) PK_CUDA_TRY(preload_kernel(k));
   PK_CUDA_TRY(load_ll_kernel());
   int device = 0;
   PK_CUDA_TRY(cudaGetDevice(&device));

@@ -188,7 +188,7 @@ cudaError_t launch_one_shot(const Params& p) {
 }
 
 cudaError_t load_one_shot_kernels() {
-  return load_sum_kernels([](auto t, auto packed) {
+  return preload_sum_kernels([](auto t, auto packed) {
     return reinterpret_cast<const void*>(
         one_shot_kernel<typename decltype(t)::type, decltype(packed)::value>);
   });

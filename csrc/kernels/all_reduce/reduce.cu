@@ -56,7 +56,7 @@ cudaError_t launch_reduce(const ReduceArgs& a, Elem t, int sm_count, cudaStream_
 }
 
 cudaError_t load_reduce_kernels() {
-  return load_sum_kernels([](auto t, auto packed) {
+  return preload_sum_kernels([](auto t, auto packed) {
     return reinterpret_cast<const void*>(
         reduce_kernel<typename decltype(t)::type, decltype(packed)::value>);
   });

@@ -32,12 +32,11 @@ cudaError_t with_elem_type(Elem t, F&& f) {
 // element type (`kernel(tag, packed)`: its address), so that no first call
 // loads a module lazily; the first error.
 template <typename F>
-cudaError_t load_sum_kernels(F&& kernel) {
+cudaError_t preload_sum_kernels(F&& kernel) {
   for (Elem t : {Elem::kBF16, Elem::kF16, Elem::kF32, Elem::kS32}) {
     PK_CUDA_TRY(with_elem_type(t, [&](auto tag) {
-      cudaFuncAttributes attr;
-      PK_CUDA_TRY(cudaFuncGetAttributes(&attr, kernel(tag, std::true_type{})));
-      return cudaFuncGetAttributes(&attr, kernel(tag, std::false_type{}));
+      PK_CUDA_TRY(preload_kernel(kernel(tag, std::true_type{})));
+      return preload_kernel(kernel(tag, std::false_type{}));
     }));
   }
   return cudaSuccess;

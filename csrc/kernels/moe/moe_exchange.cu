@@ -17,6 +17,7 @@
 // that safe (only pk's staging memory can be overwritten late, and the call
 // that read it is caught and poisoned).
 #include <algorithm>
+#include <array>
 
 #include "kernels/moe/moe.h"
 #include "pk/copy.cuh"
@@ -145,22 +146,11 @@ cudaError_t launch_exchange(const Params& p) {
 }
 
 cudaError_t load_kernels() {
-  const void* kernels[] = {
-      reinterpret_cast<const void*>(scatter_kernel<uint4>),
-      reinterpret_cast<const void*>(scatter_kernel<uint2>),
-      reinterpret_cast<const void*>(scatter_kernel<unsigned int>),
-      reinterpret_cast<const void*>(scatter_kernel<unsigned short>),
-      reinterpret_cast<const void*>(scatter_kernel<unsigned char>),
-      reinterpret_cast<const void*>(drain_kernel<uint4>),
-      reinterpret_cast<const void*>(drain_kernel<uint2>),
-      reinterpret_cast<const void*>(drain_kernel<unsigned int>),
-      reinterpret_cast<const void*>(drain_kernel<unsigned short>),
-      reinterpret_cast<const void*>(drain_kernel<unsigned char>)};
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr;
-    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-  }
-  return cudaSuccess;
+  return preload_per_width([](auto tag) {
+    using V = typename decltype(tag)::type;
+    return std::array{reinterpret_cast<const void*>(scatter_kernel<V>),
+                      reinterpret_cast<const void*>(drain_kernel<V>)};
+  });
 }
 
 }  // namespace pk::moe
