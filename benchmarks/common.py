@@ -8,18 +8,23 @@ end of each batch.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
 import pathlib
 import statistics
 import subprocess
+import sys
 import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
@@ -110,3 +115,116 @@ def markdown_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+# --- collective benchmarks (all_gather.py, all_reduce.py) --------------------
+
+COLLECTIVE_HEADER = ["per rank", "impl", "ms/call", "bus GB/s", "vs xla", "us/call in program",
+                     "vs xla"]
+UNROLL = 10  # dependent calls per loop iteration: amortizes the loop's own cost
+
+
+def parse_size(s: str) -> int:
+    """"8K" / "1M" / "2G" / "4096" -> bytes."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(s[:-1]) * units[s[-1]] if s[-1] in units else int(s)
+
+
+def collective_row(name: str, shape: list[int], per_rank: int, bus_bytes: float,
+                   bw_ms: dict, lat_us: dict) -> dict:
+    """One implementation at one size (bf16), as written to results/<op>.json;
+    `bus_bytes` is what the op's convention counts as carried per call."""
+    return {"shape": shape, "dtype": "bfloat16", "per_rank_bytes": per_rank,
+            "implementation": name, "median_ms": bw_ms[name], "baseline": "xla",
+            "baseline_median_ms": bw_ms["xla"],
+            "bus_GBps": bus_bytes / (bw_ms[name] * 1e-3) / 1e9,
+            "loop_latency_us": lat_us.get(name), "baseline_loop_latency_us": lat_us.get("xla")}
+
+
+def collective_table_row(r: dict) -> list:
+    """A collective_row as a COLLECTIVE_HEADER table row (ratios are xla / ours)."""
+    ratio = lambda base, ours: "-" if r["implementation"] == "no_comm" or ours is None \
+        else f"{base / ours:.2f}x"
+    lat = r["loop_latency_us"]
+    return [f"{r['per_rank_bytes'] >> 10} KiB", r["implementation"], f"{r['median_ms']:.4f}",
+            "-" if r["implementation"] == "no_comm" else f"{r['bus_GBps']:.1f}",
+            ratio(r["baseline_median_ms"], r["median_ms"]),
+            "-" if lat is None else f"{lat:.1f}",
+            ratio(r["baseline_loop_latency_us"], lat)]
+
+
+def bandwidth_fn(mesh: Mesh, op: Callable) -> Callable:
+    """One jitted call of the per-shard `op` over the mesh's axis "x"."""
+    return jax.jit(jax.shard_map(op, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                 check_vma=False))
+
+
+def latency_fn(mesh: Mesh, step: Callable, calls: int) -> Callable:
+    """`calls` dependent calls in one program: a fori_loop whose body runs
+    UNROLL `step`s (one op call each, shaped so its result feeds the next)."""
+    def body(i, c):
+        for _ in range(UNROLL):
+            c = step(c)
+        return c
+    return jax.jit(jax.shard_map(lambda c: lax.fori_loop(0, calls // UNROLL, body, c),
+                                 mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+
+
+def time_collective(mesh: Mesh, impls: dict[str, Callable], step: Callable, x, *,
+                    loop: int, latency: bool, smoke: bool = False) -> tuple[dict, dict]:
+    """Per implementation: host-timed ms per jitted call (bandwidth) and, where
+    `latency`, us per call inside a `loop`-call program whose body is
+    step(op, c). `smoke`: the fewest calls (checks the script runs)."""
+    bw_ms, lat_us = {}, {}
+    timing = dict(calls=2, batches=2, warmup=1) if smoke else {}
+    for name, op in impls.items():
+        f = bandwidth_fn(mesh, op)
+        bw_ms[name] = time_ms(lambda: f(x), **timing)
+        if latency:
+            g = latency_fn(mesh, lambda c, op=op: step(op, c), loop)
+            lat_us[name] = time_ms(lambda: g(x), calls=1 if smoke else 3,
+                                   batches=1 if smoke else 3) * 1e3 / loop
+    return bw_ms, lat_us
+
+
+def bf16_input(mesh: Mesh, rng: np.random.Generator, elems: int):
+    """Fresh random bf16 [n * elems], sharded along "x"."""
+    n = mesh.devices.size
+    return jax.device_put(jnp.asarray(rng.standard_normal(n * elems, dtype=np.float32),
+                                      jnp.bfloat16), NamedSharding(mesh, P("x")))
+
+
+def collective_args(default_sizes: str,
+                    extra: Callable[[argparse.ArgumentParser], None] | None = None
+                    ) -> argparse.Namespace:
+    """The collective benchmarks' command line (--sizes, --loop, --latency-max,
+    --smoke, and what `extra` adds), parsed; --smoke sets two tiny sizes and
+    a short loop."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default=default_sizes)
+    ap.add_argument("--loop", type=int, default=200, help="calls in the latency program")
+    ap.add_argument("--latency-max", default="16M", help="largest size timed in the loop")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny sizes, few calls, nothing written (checks the script runs)")
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args()
+    if args.smoke:
+        args.sizes, args.loop = "8K,1M", 20
+    return args
+
+
+def size_inputs(args: argparse.Namespace, mesh: Mesh, rng: np.random.Generator):
+    """Per --sizes entry: (per-rank bytes, bf16 elements per rank, a fresh
+    random input [n * elements] sharded along "x")."""
+    for per_rank in map(parse_size, args.sizes.split(",")):
+        yield per_rank, per_rank // 2, bf16_input(mesh, rng, per_rank // 2)
+
+
+def finish_collective(op: str, rows: list[dict], md: str, smoke: bool) -> None:
+    """Write the results (or, under --smoke, say that nothing was written)."""
+    if smoke:
+        print("SMOKE_OK (nothing written)")
+    else:
+        write_results(op, rows, md, f"python benchmarks/{op}.py " + " ".join(sys.argv[1:]))
+        print(md)

@@ -38,53 +38,41 @@ either run and splits its GPU time by op.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import importlib.util
 import os
+import sys
+from typing import Callable
 
-# Only affects the CPU backend: gives 8 fake devices when there is no GPU.
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import importlib.util  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from pk_jax.flax import ParallelMLP, RingSelfAttention, init_sharded, shard_size
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/ is not a package
+from _train_util import (  # noqa: E402
+    LMConfig, Trainer, adam_trainer, batches, fake_cpu_devices, largest_relative_difference,
+    sharded_lm_loss, train_loop)
 
-import pk_jax  # noqa: E402
-from pk_jax.flax import (ParallelMLP, RingSelfAttention, init_sharded,  # noqa: E402
-                         partition_specs, shard_size)
+fake_cpu_devices(8)  # only affects the CPU backend: 8 fake devices when there is no GPU
 
 TOKENS = P("tp", "sp")  # [batch, seq]: batch over "tp", sequence over "sp"
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """Model, data and optimizer sizes (small defaults: CPU in seconds)."""
+class Config(LMConfig):
+    """Model, data and optimizer sizes (small defaults: CPU in seconds):
+    LMConfig's (vocab, d_model, num_heads, num_layers, batch, seq_len,
+    period, learning_rate, dtype) and attention's and the MLP's."""
 
-    vocab: int = 64
-    d_model: int = 64
-    num_heads: int = 4
     num_kv_heads: int = 2
     head_dim: int = 16
     hidden: int = 128
-    num_layers: int = 2
-    batch: int = 8
-    seq_len: int = 64
-    period: int = 16  # length of the repeating token pattern
-    learning_rate: float = 3e-3
-    dtype: str = "float32"  # computation dtype; parameters stay float32
 
 
 class Block(nnx.Module):
@@ -144,29 +132,11 @@ def make_mesh(sp: int | None = None, tp: int | None = None,
                          devices=jax.devices()[:sp * tp])
 
 
-def batches(cfg: Config, seed: int = 0):
-    """Endless (inputs, targets) [batch, seq_len] int32: one fixed pattern
-    of `period` distinct tokens, repeating from a random offset per row."""
-    rng = np.random.default_rng(seed)
-    pattern = rng.permutation(cfg.vocab)[:cfg.period]
-    while True:
-        offsets = rng.integers(cfg.period, size=(cfg.batch, 1))
-        tokens = pattern[(offsets + np.arange(cfg.seq_len + 1)) % cfg.period].astype(np.int32)
-        yield tokens[:, :-1], tokens[:, 1:]
-
-
 def make_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh) -> Callable:
     """loss(params, inputs, targets): mean next-token cross-entropy over the
-    global batch, with the model run per shard."""
-
-    @jax.shard_map(mesh=mesh, in_specs=(partition_specs(params), TOKENS, TOKENS),
-                   out_specs=P(("sp", "tp")))
-    def per_shard(params, inputs, targets):
-        logits = nnx.merge(graphdef, params)(inputs)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()[None]
-
-    # Every shard holds as many tokens: the mean of the shard means is the mean.
-    return lambda params, inputs, targets: per_shard(params, inputs, targets).mean()
+    global batch, with the model run per shard (tokens laid out as TOKENS).
+    The data: `batches(cfg)`, a repeating token pattern (_train_util.py)."""
+    return sharded_lm_loss(graphdef, params, mesh, TOKENS)
 
 
 # Model sizes by name: "small" trains in seconds on CPU; "gpu" is shaped for
@@ -271,28 +241,7 @@ def baseline_attention(cfg: Config, mesh: Mesh, blocks=None) -> Attention:
                                           f"{blocks.note})")
 
 
-# ---- training ----------------------------------------------------------------
-@dataclasses.dataclass
-class Trainer:
-    """One run's jitted Adam step and its state: `step(inputs, targets)`
-    trains one step on host batches and returns the loss (not waited for)."""
-
-    train_step: Callable
-    params: Any
-    opt_state: Any
-    sharding: NamedSharding
-    description: str
-
-    def put(self, inputs, targets):
-        """The batch on the mesh (tokens [batch, seq] laid out as TOKENS)."""
-        return tuple(jax.device_put(a, self.sharding) for a in (inputs, targets))
-
-    def step(self, inputs, targets) -> jax.Array:
-        self.params, self.opt_state, loss = self.train_step(self.params, self.opt_state,
-                                                            inputs, targets)
-        return loss
-
-
+# ---- training (the loop and the Adam step: _train_util.py) -------------------
 def build(collectives: str, cfg: Config, mesh: Mesh,
           attention: Attention | None = None) -> Trainer:
     """The training step of `collectives`: "pk" (every pk_jax op at
@@ -309,20 +258,11 @@ def build(collectives: str, cfg: Config, mesh: Mesh,
         attention = baseline_attention(cfg, mesh)
     graphdef, params = init_sharded(
         lambda: Transformer(cfg, tp, mechanism, nnx.Rngs(0), attention.fn), mesh)
-    loss_fn = make_loss(graphdef, params, mesh)
-    tx = optax.adam(cfg.learning_rate)
-    opt_state = jax.jit(tx.init)(params)
-
-    @jax.jit
-    def train_step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return Trainer(train_step, params, opt_state, NamedSharding(mesh, TOKENS),
-                   f"mesh sp={sp} x tp={tp} on {mesh.devices.flat[0].device_kind}; "
-                   f"collectives={collectives} (mechanism={mechanism!r}, attention: "
-                   f"{attention.name}, {attention.note}); dtype={cfg.dtype}")
+    return adam_trainer(make_loss(graphdef, params, mesh), params, cfg.learning_rate,
+                        NamedSharding(mesh, TOKENS),
+                        f"mesh sp={sp} x tp={tp} on {mesh.devices.flat[0].device_kind}; "
+                        f"collectives={collectives} (mechanism={mechanism!r}, attention: "
+                        f"{attention.name}, {attention.note}); dtype={cfg.dtype}")
 
 
 def train(steps: int = 50, collectives: str = "pk", cfg: Config = Config(),
@@ -341,28 +281,7 @@ def train_timed(steps: int, collectives: str, cfg: Config, mesh: Mesh | None = N
     mesh = mesh or make_mesh()
     with jax.set_mesh(mesh):  # explicit sharding: jit's outputs live on this mesh
         trainer = build(collectives, cfg, mesh, attention)
-        return _train(steps, trainer, cfg, log)
-
-
-def _train(steps: int, trainer: Trainer, cfg: Config,
-           log: Callable[[str], None]) -> tuple[list[float], float]:
-    log(trainer.description)
-    data, losses, times = batches(cfg), [], []
-    for step in range(1, steps + 1):
-        inputs, targets = trainer.put(*next(data))
-        start = time.perf_counter()
-        losses.append(float(trainer.step(inputs, targets)))  # waits for the step
-        times.append(time.perf_counter() - start)
-        if step % 10 == 0 or step == 1:
-            # A wait for a peer GPU that gave up poisons the outputs (NaN) and is
-            # raised here, before a poisoned loss is trusted.
-            pk_jax.check_errors()
-            log(f"step {step:4d}  loss {losses[-1]:.4f}")
-    step_ms = float(1e3 * np.mean(times[1:])) if steps > 1 else float("nan")
-    if steps > 1:
-        log(f"mean step time {step_ms:.1f} ms (steps 2-{steps}; step 1 "
-            f"with compilation: {times[0]:.1f} s)")
-    return losses, step_ms
+        return train_loop(steps, trainer, batches(cfg), log, statistic="mean")
 
 
 def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str,
@@ -374,8 +293,7 @@ def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str,
     runs = {c: train_timed(steps, c, cfg, mesh, attention=attention) for c in ("pk", "xla")}
     (pk_loss, pk_ms), (xla_loss, xla_ms) = runs["pk"], runs["xla"]
     base = attention.name
-    agree = float(np.max(np.abs(np.array(pk_loss) - np.array(xla_loss)) /
-                      np.maximum(np.abs(np.array(xla_loss)), 1e-6)))
+    agree = largest_relative_difference(pk_loss, xla_loss)
     print(f"step time: pk {pk_ms:.1f} ms, baseline {base} {xla_ms:.1f} ms: "
           f"{xla_ms / pk_ms:.2f}x; largest relative loss difference {agree:.1e}")
     if not save:

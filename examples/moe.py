@@ -21,56 +21,49 @@ sharded over "ep", grouped GEMMs with `jax.lax.ragged_dot`).
 
     python examples/moe.py [--steps 30] [--collectives {pk,xla_ragged,both}]
 
-The data is the synthetic repeating pattern of examples/flax_transformer.py.
+The data is the synthetic repeating pattern of examples/flax_transformer.py;
+the training loop is examples/_train_util.py's (shared with it).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
+import sys
+from typing import Callable
 
-# Only affects the CPU backend: gives 8 fake devices when there is no GPU.
-_FLAG = "--xla_force_host_platform_device_count=8"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import time  # noqa: E402
-from typing import Callable  # noqa: E402
+from pk_jax.flax import MoE, init_sharded, shard_size
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax import lax  # noqa: E402
-from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/ is not a package
+from _train_util import (  # noqa: E402
+    LMConfig, adam_trainer, batches, fake_cpu_devices, largest_relative_difference,
+    sharded_lm_loss, train_loop)
 
-import pk_jax  # noqa: E402
-from pk_jax.flax import MoE, init_sharded, partition_specs, shard_size  # noqa: E402
+fake_cpu_devices(8)  # only affects the CPU backend: 8 fake devices when there is no GPU
 
 TOKENS = P("ep")  # [batch, seq]: batch over "ep"
 COLLECTIVES = ("pk", "xla_ragged")
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
-    """Model, data and optimizer sizes (small defaults: CPU in seconds)."""
+class Config(LMConfig):
+    """Model, data and optimizer sizes (small defaults: CPU in seconds):
+    LMConfig's (vocab, d_model, num_heads, num_layers, period, learning_rate,
+    dtype) and the experts'."""
 
-    vocab: int = 64
-    d_model: int = 64
-    num_heads: int = 4
     hidden: int = 64          # each expert's hidden width
     num_experts: int = 8
     top_k: int = 2
-    num_layers: int = 2
     batch: int = 16
     seq_len: int = 32
-    period: int = 16
-    learning_rate: float = 3e-3
-    dtype: str = "float32"
 
 
 # ---- the XLA baseline: ragged_all_to_all + ragged_dot ------------------------------
@@ -204,28 +197,6 @@ def make_mesh(ep: int | None = None, axis_types: AxisType = AxisType.Explicit) -
                          devices=jax.devices()[:ep])
 
 
-def batches(cfg: Config, seed: int = 0):
-    """Endless (inputs, targets) [batch, seq_len] int32 of a repeating pattern."""
-    rng = np.random.default_rng(seed)
-    pattern = rng.permutation(cfg.vocab)[:cfg.period]
-    while True:
-        offsets = rng.integers(cfg.period, size=(cfg.batch, 1))
-        tokens = pattern[(offsets + np.arange(cfg.seq_len + 1)) % cfg.period].astype(np.int32)
-        yield tokens[:, :-1], tokens[:, 1:]
-
-
-def make_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh) -> Callable:
-    """loss(params, inputs, targets): mean next-token cross-entropy."""
-
-    @jax.shard_map(mesh=mesh, in_specs=(partition_specs(params), TOKENS, TOKENS),
-                   out_specs=P("ep"))
-    def per_shard(params, inputs, targets):
-        logits = nnx.merge(graphdef, params)(inputs)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()[None]
-
-    return lambda params, inputs, targets: per_shard(params, inputs, targets).mean()
-
-
 PRESETS = {
     "small": Config(),
     "gpu": Config(vocab=4096, d_model=1024, num_heads=8, hidden=1024, num_experts=8,
@@ -236,8 +207,9 @@ PRESETS = {
 
 def train_timed(steps: int, collectives: str, cfg: Config, mesh: Mesh | None = None,
                 log: Callable[[str], None] = print) -> tuple[list[float], float]:
-    """Train `steps` Adam steps; (loss of every step, mean step time in ms over
-    steps 2.. (step 1 compiles); nan with one step)."""
+    """Train `steps` Adam steps on the repeating token pattern (`batches`);
+    (loss of every step, median step time in ms over steps 2.. (step 1
+    compiles); nan with one step)."""
     mesh = mesh or make_mesh()
     with jax.set_mesh(mesh):
         return _train(steps, collectives, cfg, mesh, log)
@@ -248,34 +220,12 @@ def _train(steps, collectives, cfg, mesh, log):
     shard_size(cfg.batch, ep, "batch")
     graphdef, params = init_sharded(lambda: Transformer(cfg, ep, collectives, nnx.Rngs(0)),
                                     mesh)
-    loss_fn = make_loss(graphdef, params, mesh)
-    tx = optax.adam(cfg.learning_rate)
-    opt_state = jax.jit(tx.init)(params)
-
-    @jax.jit
-    def train_step(params, opt_state, inputs, targets):
-        loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    log(f"mesh ep={ep} on {mesh.devices.flat[0].device_kind}; collectives={collectives}; "
+    trainer = adam_trainer(
+        sharded_lm_loss(graphdef, params, mesh, TOKENS), params, cfg.learning_rate,
+        NamedSharding(mesh, TOKENS),
+        f"mesh ep={ep} on {mesh.devices.flat[0].device_kind}; collectives={collectives}; "
         f"{cfg.num_experts} experts, top-{cfg.top_k}; dtype={cfg.dtype}")
-    sharding = NamedSharding(mesh, TOKENS)
-    data, losses, times = batches(cfg), [], []
-    for step in range(1, steps + 1):
-        inputs, targets = (jax.device_put(a, sharding) for a in next(data))
-        start = time.perf_counter()
-        params, opt_state, loss = train_step(params, opt_state, inputs, targets)
-        losses.append(float(loss))
-        times.append(time.perf_counter() - start)
-        if step % 10 == 0 or step == 1:
-            pk_jax.check_errors()
-            log(f"step {step:4d}  loss {losses[-1]:.4f}")
-    step_ms = float(1e3 * np.median(times[1:])) if steps > 1 else float("nan")
-    if steps > 1:
-        log(f"median step time {step_ms:.1f} ms (steps 2-{steps}; step 1 with "
-            f"compilation: {times[0]:.1f} s)")
-    return losses, step_ms
+    return train_loop(steps, trainer, batches(cfg), log, statistic="median")
 
 
 def compare(steps: int, cfg: Config, mesh: Mesh,
@@ -284,8 +234,7 @@ def compare(steps: int, cfg: Config, mesh: Mesh,
     and the largest relative loss difference; return both runs."""
     runs = {c: train_timed(steps, c, cfg, mesh, log) for c in COLLECTIVES}
     (pk_loss, pk_ms), (xla_loss, xla_ms) = runs["pk"], runs["xla_ragged"]
-    diff = float(np.max(np.abs(np.array(pk_loss) - np.array(xla_loss))
-                        / np.maximum(np.abs(np.array(xla_loss)), 1e-6)))
+    diff = largest_relative_difference(pk_loss, xla_loss)
     log(f"step time: pk {pk_ms:.1f} ms, xla_ragged {xla_ms:.1f} ms: {xla_ms / pk_ms:.2f}x; "
         f"largest relative loss difference {diff:.1e}")
     return dict(runs=runs, loss_diff=diff)

@@ -6,6 +6,7 @@ ranks; the CPU lowerings are the reference's; kernel_problem names what the
 block kernel does not take."""
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import pk_jax
 from pk_jax import _channels, reference, runtime, tuning
 from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.ops.attention_bwd_primitive import block_bwd, kernel_problem
+from pk_jax.ops import ring_attention_bwd_primitive as ring_bwd
 from pk_jax.ops.ring_attention_primitive import RingConfig
 from conftest import cpu_mesh, ffi_attr
 
@@ -76,10 +78,11 @@ def test_ring_backward_is_one_fused_call(cuda_lowering, layout, n):
     assert "causal = true" in attrs and "scale = 2.500000e-01" in attrs
     assert ffi_attr(attrs, "group_size") == str(n)
     e = 2 * 512 * 2 * 128  # K and V elements of one block
-    assert int(ffi_attr(attrs, "data_bytes")) >= (n - 1) * 6 * e + 2 * e
+    # Two K/V slots and one fp32 partial slot, whatever n.
+    assert int(ffi_attr(attrs, "data_bytes")) == _channels.size_class(8 * e)
     assert (f"tensor<1x8x512xf32>, tensor<2x1x512x2x128xbf16>, tensor<{n}xi32>) -> ("
             in types)
-    assert (f"-> (tensor<1x512x8x128xf32>, tensor<2x1x512x2x128xbf16>, tensor<{256 + 10 * e}xui8>)"
+    assert (f"-> (tensor<1x512x8x128xf32>, tensor<2x1x512x2x128xbf16>, tensor<{512 + 10 * e}xui8>)"
             in types)
     assert _block_calls(hlo) == []
     assert "collective_permute" not in hlo and "all_gather" not in hlo
@@ -103,6 +106,49 @@ def test_fused_backward_falls_back_when_staging_does_not_fit(cuda_lowering, monk
         hlo = _grad_hlo("copy_engine", "zigzag", shape=(1, 2 * 2048, 8, 128))
     assert _fused_calls(hlo) == [] and len(_block_calls(hlo)) == 2
     assert "collective_permute" in hlo
+
+
+def test_fused_backward_region_is_bounded_in_n():
+    """The staging region does not grow with the ring: two stacked K/V slots
+    and one fp32 dK/dV slot, i.e. 8 bf16 K blocks, at n = 2, 4, 8 and 16
+    (a slot per ring step needed 6(n - 1) + 2 K blocks)."""
+    kv_shape = (2, 1, 4096, 16, 128)
+    k_block = int(np.prod(kv_shape[1:])) * 2  # bytes of one bf16 K block
+    sizes = [ring_bwd.region_bytes(n, kv_shape) for n in (2, 4, 8, 16)]
+    assert sizes == [8 * k_block] * 4
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_fused_backward_fits_the_default_workspace_at_16k(cuda_lowering, monkeypatch, n):
+    """S_local = 16k, 16 K/V heads, D = 128, bf16: the forward's region and
+    the fused backward's both fit the default 1 GiB workspace (n = 4: 384
+    MiB -> a 512 MiB class and 512 MiB), so the backward is the fused call,
+    with no fallback warning. (At n = 8 the forward's region alone, 7 K/V
+    blocks = 896 MiB, takes the whole 1 GiB class.)"""
+    monkeypatch.setitem(_channels._used, "data", 0)
+    monkeypatch.setattr(_channels, "_regions", {})
+    monkeypatch.setattr(runtime, "workspace_data_bytes", lambda: 1 << 30)
+    s_local, heads, d = 16384, 16, 128
+    mesh = cpu_mesh((n,), ("sp",))
+    spec = P(None, "sp")
+    x = jax.ShapeDtypeStruct((1, n * s_local, heads, d), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, spec))
+
+    def loss(q, k, v):
+        f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(
+            q, k, v, "sp", causal=True, mechanism="copy_engine"),
+            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+        return jnp.sum(f(q, k, v).astype(jnp.float32))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PkJaxFallbackWarning)
+        hlo = jax.jit(jax.grad(loss, (0, 1, 2))).trace(x, x, x).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = _fused_calls(hlo)
+    assert len(calls) == 1 and "collective_permute" not in hlo
+    k_block = s_local * heads * d * 2
+    assert int(ffi_attr(calls[0][0], "data_bytes")) == 8 * k_block == 512 << 20
+    assert _channels._used["data"] <= 1 << 30
 
 
 def test_fused_primitive_carries_the_config():

@@ -100,7 +100,8 @@ def test_fused_backward_layout_matches_header():
     partial_bytes = 4 e."""
     src = _source(RING_BWD)
     e = 2 * 3 * 256 * 2 * 64
-    names = {"kv_bytes": 2 * e, "partial_bytes": 4 * e, "kStampBytes": 256}
+    names = {"kv_bytes": 2 * e, "partial_bytes": 4 * e,
+             "kStampBytes": ring_attention_bwd_primitive.STAMP_BYTES}
 
     def method(name, n):
         body = re.search(rf"size_t {name}\(\) const \{{\s*return ([^;]+);", src)
@@ -110,13 +111,22 @@ def test_fused_backward_layout_matches_header():
             expr = expr.replace(f"{call}()", f"({method(call, n)})")
         return _int_expr(expr, {**names, "n": n})
 
-    for n in (2, 3, 8):
-        # home() = the slots before it: n - 1 K/V blocks and n - 1 partials.
-        assert method("home", n) == (n - 1) * (2 * e + 4 * e)
+    for n in (2, 3, 8, 16):
+        # partial() = the two K/V slots before it, whatever n.
+        assert method("partial", n) == 2 * (2 * e)
         assert method("region_bytes", n) == ring_attention_bwd_primitive.region_bytes(
-            n, (2, 3, 256, 2, 64))
+            n, (2, 3, 256, 2, 64)) == 8 * e
     assert method("scratch_bytes", 2) == ring_attention_bwd_primitive.scratch_bytes(
         (2, 3, 256, 2, 64))
+
+
+def test_fused_backward_stamp_table_fits():
+    """Posts::count = 3n - 2 (ring_attention_bwd.h: make_posts) u64 stamps
+    fit kStampBytes for every ring size up to kMaxRanks."""
+    src = _source(RING_BWD)
+    assert re.search(r"static_assert\(\(3 \* kMaxRanks - 2\) \* sizeof\(uint64_t\) <= "
+                     r"kStampBytes", src)
+    assert (3 * runtime.MAX_RANKS - 2) * 8 <= ring_attention_bwd_primitive.STAMP_BYTES
 
 
 def test_ring_attention_mechanism_ids_match_enum():

@@ -206,22 +206,24 @@ def _kept_mask(ids, n, t, k, e, capacity):
     return keep.reshape(n * t, k)
 
 
-@pytest.mark.parametrize("capacity", [1, 3, 100])
-def test_capacity_drops_and_counts(rng, sharding_mode, capacity):
+def _hot_routing(rng, hot, capacity):
+    """4 ranks x 6 tokens, each choosing 2 of the first `hot` of 8 experts
+    (crowded: drops under a capacity). (mesh, inputs (x, ids, w, wts), the
+    kept mask under `capacity` (None: drop-less), the sharded inputs)."""
     mesh = cpu_mesh((4,), ("ep",))
     n, t, k, e = 4, 6, 2, 8
-    ids = np.stack([rng.choice(3, 2, replace=False) for _ in range(n * t)])  # hot experts 0..2
+    ids = np.stack([rng.choice(hot, 2, replace=False) for _ in range(n * t)])
     x, ids, w, wts = _inputs(rng, n, t, k, 8, e, ids=ids)
-    keep = _kept_mask(ids, n, t, k, e, capacity)
-    args = _put(mesh, P("ep"), x, ids, w, wts)
-    f = _moe_fn(mesh, e, capacity=capacity, extra=True)
-    out, rows, sizes, _, _, dest_row, dropped, invalid = f(*args)
-    assert rows.shape == (n * 2 * capacity, 8)
-    np.testing.assert_array_equal(np.asarray(dropped), (~keep).reshape(n, -1).sum(1))
-    assert np.asarray(invalid).sum() == 0
-    assert ((np.asarray(dest_row) >= 0) == keep).all()
-    ref = _dense(x, ids, jnp.where(keep, w, 0), wts, e)
-    assert rel_err(out, ref) < 1e-5
+    keep = _kept_mask(ids, n, t, k, e, capacity or n * t * k)
+    return mesh, (x, ids, w, wts), keep, _put(mesh, P("ep"), x, ids, w, wts)
+
+
+def _check_kept(mesh, f, args, inputs, keep):
+    """f's output and its gradients (tokens, weights) against the dense
+    reference with the dropped choices' weights zeroed."""
+    x, ids, w, wts = inputs
+    e = wts.shape[0]
+    assert rel_err(f(*args)[0], _dense(x, ids, jnp.where(keep, w, 0), wts, e)) < 1e-5
     with jax.set_mesh(mesh):
         g = jax.grad(lambda a, b: jnp.sum(f(a, args[1], b, args[3])[0] ** 2), argnums=(0, 1))(
             args[0], args[2])
@@ -229,6 +231,19 @@ def test_capacity_drops_and_counts(rng, sharding_mode, capacity):
                      argnums=(0, 1))(x, w)
     for a, b in zip(g, g_ref):
         assert rel_err(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 100])
+def test_capacity_drops_and_counts(rng, sharding_mode, capacity):
+    mesh, inputs, keep, args = _hot_routing(rng, 3, capacity)  # hot experts 0..2
+    n, e = 4, 8
+    f = _moe_fn(mesh, e, capacity=capacity, extra=True)
+    out, rows, sizes, _, _, dest_row, dropped, invalid = f(*args)
+    assert rows.shape == (n * 2 * capacity, 8)
+    np.testing.assert_array_equal(np.asarray(dropped), (~keep).reshape(n, -1).sum(1))
+    assert np.asarray(invalid).sum() == 0
+    assert ((np.asarray(dest_row) >= 0) == keep).all()
+    _check_kept(mesh, f, args, inputs, keep)
 
 
 def test_out_of_range_ids_dropped_and_counted(rng, sharding_mode):
@@ -341,22 +356,11 @@ def test_ragged_exchange_logic(rng, monkeypatch, capacity):
     monkeypatch.setattr(lax, "ragged_all_to_all",
                         lambda *a, **kw: calls.append(1) or _emulated_ragged_all_to_all(*a, **kw))
     monkeypatch.setattr(lax, "platform_dependent", lambda *a, cpu, default: default(*a))
-    mesh = cpu_mesh((4,), ("ep",))
-    n, t, k, e = 4, 6, 2, 8
-    ids = np.stack([rng.choice(5, 2, replace=False) for _ in range(n * t)])
-    x, ids, w, wts = _inputs(rng, n, t, k, 8, e, ids=ids)
-    keep = _kept_mask(ids, n, t, k, e, capacity or n * t * k)
-    args = _put(mesh, P("ep"), x, ids, w, wts)
-    f = _moe_fn(mesh, e, capacity=capacity, extra=True)
-    out = f(*args)
+    mesh, inputs, keep, args = _hot_routing(rng, 5, capacity)
+    f = _moe_fn(mesh, 8, capacity=capacity, extra=True)
+    f(*args)
     assert len(calls) == 3  # source slots, dispatch, combine
-    assert rel_err(out[0], _dense(x, ids, jnp.where(keep, w, 0), wts, e)) < 1e-5
-    g = jax.grad(lambda a, b: jnp.sum(f(a, args[1], b, args[3])[0] ** 2), argnums=(0, 1))(
-        args[0], args[2])
-    g_ref = jax.grad(lambda a, b: jnp.sum(_dense(a, ids, jnp.where(keep, b, 0), wts, e) ** 2),
-                     argnums=(0, 1))(x, w)
-    for a, b in zip(g, g_ref):
-        assert rel_err(a, b) < 1e-5
+    _check_kept(mesh, f, args, inputs, keep)
 
 
 @pytest.mark.parametrize("mechanism", ["xla", "ld_st"])
@@ -369,12 +373,8 @@ def test_mechanisms_match_dense_reference(rng, mechanism):
 
 @pytest.mark.parametrize("capacity", [None, 2])
 def test_ld_st_layout_and_drops(rng, capacity):
-    mesh = cpu_mesh((4,), ("ep",))
-    n, t, k, e = 4, 6, 2, 8
-    ids = np.stack([rng.choice(3, 2, replace=False) for _ in range(n * t)])
-    x, ids, w, wts = _inputs(rng, n, t, k, 8, e, ids=ids)
-    keep = _kept_mask(ids, n, t, k, e, capacity or n * t * k)
-    args = _put(mesh, P("ep"), x, ids, w, wts)
+    mesh, (x, ids, w, wts), keep, args = _hot_routing(rng, 3, capacity)
+    e = 8
     ours = _moe_fn(mesh, e, capacity, extra=True, mechanism="ld_st")(*args)
     ref = _moe_fn(mesh, e, capacity, extra=True, mechanism="xla")(*args)
     for a, b in zip(ours, ref):

@@ -33,3 +33,23 @@ def test_every_op_across_two_processes():
                           env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and log.count("GPU_MULTIPROCESS_DONE") == 2, log[-8000:]
+
+
+def test_fused_ring_backward_across_four_processes():
+    """The fused ring attention backward on a ring of 4 processes
+    (tests/gpu_ring_bwd_check.py; all on GPU 0 where there are fewer than 4):
+    3 ring steps, so its two K/V slots and its partial slot are reused under
+    the per-slot credits within each call."""
+    if not gpus():
+        pytest.skip("needs a GPU")
+    if not runtime.available() or not runtime.extension().has_gemm:
+        pytest.skip("pk_jax extension without CUTLASS kernels")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, "-m", "pk_jax.launch", "-n", "4",
+                           "--gpus-per-process", "0",
+                           str(ROOT / "tests" / "gpu_ring_bwd_check.py")],
+                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and log.count("GPU_RING_BWD_DONE") == 4, log[-8000:]

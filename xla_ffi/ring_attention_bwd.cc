@@ -109,8 +109,6 @@ ffi::Error RingAttentionBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   p.side_stream = d.side_stream;
   p.fork = d.fork;
   p.join = d.join;
-  p.copy_stream = d.copy_stream;
-  p.copy_done = d.copy_done;
   if (cudaError_t err = ring_attention_bwd::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "launch", err);
   return ffi::Error::Success();

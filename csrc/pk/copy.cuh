@@ -1,9 +1,49 @@
 // Vectorized row copies used by communication kernels.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
+#include "pk/cuda_check.h"
+#include "pk/type_tag.h"
+
 namespace pk {
+
+// Widest access, in bytes (16, 8, 4, 2 or 1), that divides `bits`: the OR
+// of every address, size and offset a kernel forms.
+inline int access_width(uint64_t bits) {
+  for (int w = 16; w > 1; w /= 2)
+    if (bits % w == 0) return w;
+  return 1;
+}
+
+// f(TypeTag<V>{}) with V the type of `width` bytes (uint4, uint2, unsigned
+// int, unsigned short, unsigned char): a kernel's launch, instantiated per
+// width.
+template <typename F>
+cudaError_t with_access_width(int width, F&& f) {
+  switch (width) {
+    case 16: return f(TypeTag<uint4>{});
+    case 8:  return f(TypeTag<uint2>{});
+    case 4:  return f(TypeTag<unsigned int>{});
+    case 2:  return f(TypeTag<unsigned short>{});
+    default: return f(TypeTag<unsigned char>{});
+  }
+}
+
+// preload_kernel for every address `kernels(TypeTag<V>{})` lists (an array of
+// kernel addresses), for every access width's V; the first error.
+template <typename F>
+cudaError_t preload_per_width(F&& kernels) {
+  for (int width : {16, 8, 4, 2, 1}) {
+    PK_CUDA_TRY(with_access_width(width, [&](auto tag) {
+      for (const void* k : kernels(tag)) PK_CUDA_TRY(preload_kernel(k));
+      return cudaSuccess;
+    }));
+  }
+  return cudaSuccess;
+}
 
 // Bytes moved by one thread per step, per access width: enough loads in
 // flight per thread to cover NVLink latency (about 1-2 us) at full rate.

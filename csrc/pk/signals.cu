@@ -104,10 +104,18 @@ __global__ void stamp_table_kernel(const __grid_constant__ Channel ch, uint64_t*
 }
 
 __global__ void wait_stamp_kernel(const __grid_constant__ Channel ch, int peer, int index,
-                                  int count) {
-  if (threadIdx.x == 0)
-    wait_geq(&ch.mine()->posted[peer], (ch.next_epoch() - 1) * uint64_t(count) + index + 1,
-             ch.wait, peer, kWaitPosted);
+                                  int count, bool mark) {
+  const uint64_t e = ch.next_epoch();
+  if (threadIdx.x == 0 &&
+      !wait_geq(&ch.mine()->posted[peer], (e - 1) * uint64_t(count) + index + 1, ch.wait, peer,
+                kWaitPosted) &&
+      mark) {
+    // A credit that never came: the copies after this kernel overwrite what
+    // `peer` may still read in its call e, so that call poisons itself at
+    // its finish (clobbered > e there; see wait_credit).
+    store_release_sys(&ch.flags[peer]->clobbered[ch.rank], e + 1);
+    __threadfence_system();
+  }
 }
 
 }  // namespace
@@ -152,10 +160,11 @@ cudaError_t stamp_table(const Channel& ch, uint64_t* table, int count, cudaStrea
   return cudaGetLastError();
 }
 
-cudaError_t wait_stamp(const Channel& ch, int peer, int index, int count, cudaStream_t stream) {
+cudaError_t wait_stamp(const Channel& ch, int peer, int index, int count, cudaStream_t stream,
+                       bool mark_clobbered) {
   if (peer < 0 || peer >= ch.n || peer == ch.rank || index < 0 || index >= count)
     return cudaErrorInvalidValue;
-  wait_stamp_kernel<<<1, kThreads, 0, stream>>>(ch, peer, index, count);
+  wait_stamp_kernel<<<1, kThreads, 0, stream>>>(ch, peer, index, count, mark_clobbered);
   return cudaGetLastError();
 }
 

@@ -101,7 +101,12 @@ cudaError_t stamp_table(const Channel& ch, uint64_t* table, int count, cudaStrea
 
 // Wait until posted[peer] >= (e - 1) * count + index + 1: `peer` posted step
 // `index` (or a later one) of call e with stamp_table's values.
-cudaError_t wait_stamp(const Channel& ch, int peer, int index, int count, cudaStream_t stream);
+// `mark_clobbered` (the wait is for a credit: `peer` freed a slot that the
+// copies after this kernel overwrite): on a timeout, first mark peer's
+// channel (clobbered[rank] = e + 1), so its call e poisons its outputs at
+// `finish` instead of computing from a slot overwritten under it.
+cudaError_t wait_stamp(const Channel& ch, int peer, int index, int count, cudaStream_t stream,
+                       bool mark_clobbered = false);
 
 // Load the kernels on the current device (no lazy loading while peers spin).
 cudaError_t load_kernels();

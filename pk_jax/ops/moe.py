@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -268,26 +268,43 @@ def _a2a(buf: jax.Array, cfg: MoeConfig) -> jax.Array:
     return lax.all_to_all(buf, _axis(cfg), 0, 0)
 
 
+class _Side(NamedTuple):
+    """One end of the exchange, per row of its array: the peer rank it goes
+    to (or came from), its index in that (source, destination) block (-1:
+    none), and per peer the rows of their block. The slots' side is
+    (dest_rank, send_index, send_counts), the rows' (src_rank, recv_index,
+    recv_counts); the backward exchange is the forward one with the sides
+    swapped."""
+
+    peer: jax.Array
+    index: jax.Array
+    counts: jax.Array
+
+
+def _exchange(x: jax.Array, lay: MoeLayout, forward: bool) -> jax.Array:
+    """forward: slots [T*k, H] -> rows [num_rows, H] (zeros where nothing
+    landed); else rows -> slots (zeros for dropped and invalid slots)."""
+    cfg = lay.cfg
+    slots = _Side(lay.dest_rank.reshape(-1), lay.send_index, lay.send_counts)
+    rows = _Side(lay.src_rank, lay.recv_index, lay.recv_counts)
+    src, dst, offsets, target = ((slots, rows, lay.peer_offsets, lay.dest_row.reshape(-1))
+                                 if forward else (rows, slots, lay.return_offsets, lay.src_slot))
+    if cfg.mechanism == "ragged":
+        return lax.platform_dependent(x, src, dst, offsets,
+                                      cpu=functools.partial(_dense_move, cfg=cfg),
+                                      default=functools.partial(_ragged_move, cfg=cfg))
+    if cfg.mechanism == "ld_st":
+        return _kernel_exchange(x, jnp.where(src.index >= 0, src.peer, -1), target, dst.index,
+                                cfg)
+    return _dense_move(x, src, dst, offsets, cfg=cfg)
+
+
 def _exchange_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
-    """slots [T*k, H] -> rows [num_rows, H] (zeros where nothing landed)."""
-    if lay.cfg.mechanism == "ragged":
-        return lax.platform_dependent(slots, lay, cpu=_dense_forward,
-                                      default=_ragged_forward)
-    if lay.cfg.mechanism == "ld_st":
-        kept = lay.send_index >= 0
-        return _kernel_exchange(slots, jnp.where(kept, lay.dest_rank.reshape(-1), -1),
-                                lay.dest_row.reshape(-1), lay.recv_index, lay.cfg)
-    return _dense_forward(slots, lay)
+    return _exchange(slots, lay, forward=True)
 
 
 def _exchange_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
-    """rows [num_rows, H] -> slots [T*k, H] (zeros for dropped and invalid slots)."""
-    if lay.cfg.mechanism == "ragged":
-        return lax.platform_dependent(rows, lay, cpu=_dense_backward,
-                                      default=_ragged_backward)
-    if lay.cfg.mechanism == "ld_st":
-        return _kernel_exchange(rows, lay.src_rank, lay.src_slot, lay.send_index, lay.cfg)
-    return _dense_backward(rows, lay)
+    return _exchange(rows, lay, forward=False)
 
 
 def _kernel_exchange(src, peer, index, valid, cfg: MoeConfig) -> jax.Array:
@@ -302,100 +319,54 @@ def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
     return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
 
 
-def _ragged_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
-    cfg = lay.cfg
-    kept = lay.send_index >= 0
-    send_start = _exclusive_cumsum(lay.send_counts, 0)
-    pos = jnp.where(kept, send_start[jnp.where(kept, lay.dest_rank.reshape(-1), 0)]
-                    + lay.send_index, cfg.slots)                     # out of bounds: dropped
-    send = jnp.zeros_like(slots).at[pos].set(slots, mode="drop")
-    staging = make_varying(jnp.zeros((cfg.num_rows,) + slots.shape[1:], slots.dtype),
-                           cfg.axis_names)
+def _ragged_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
+                 cfg: MoeConfig) -> jax.Array:
+    """The exchange with lax.ragged_all_to_all: x's rows packed by peer, one
+    ragged exchange (`offsets`: where this rank's block lands on each peer),
+    then dst's rows picked out of the received blocks."""
+    sent = src.index >= 0
+    send_start = _exclusive_cumsum(src.counts, 0)
+    pos = jnp.where(sent, send_start[jnp.where(sent, src.peer, 0)] + src.index,
+                    x.shape[0])                                      # out of bounds: dropped
+    send = jnp.zeros_like(x).at[pos].set(x, mode="drop")
+    staging = make_varying(jnp.zeros(dst.peer.shape + x.shape[1:], x.dtype), cfg.axis_names)
     staging = lax.ragged_all_to_all(make_varying(send, cfg.axis_names), staging, send_start,
-                                    lay.send_counts, lay.peer_offsets, lay.recv_counts,
-                                    axis_name=_axis(cfg))
-    used = lay.recv_index >= 0
-    recv_start = _exclusive_cumsum(lay.recv_counts, 0)
-    rows = staging[jnp.where(used, recv_start[jnp.where(used, lay.src_rank, 0)]
-                             + lay.recv_index, 0)]
-    return jnp.where(_expand(used, rows), rows, 0)
+                                    src.counts, offsets, dst.counts, axis_name=_axis(cfg))
+    got = dst.index >= 0
+    recv_start = _exclusive_cumsum(dst.counts, 0)
+    out = staging[jnp.where(got, recv_start[jnp.where(got, dst.peer, 0)] + dst.index, 0)]
+    return jnp.where(_expand(got, out), out, 0)
 
 
-def _ragged_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
-    cfg = lay.cfg
-    used = lay.recv_index >= 0
-    recv_start = _exclusive_cumsum(lay.recv_counts, 0)
-    pos = jnp.where(used, recv_start[jnp.where(used, lay.src_rank, 0)] + lay.recv_index,
-                    cfg.num_rows)
-    staging = jnp.zeros_like(rows).at[pos].set(rows, mode="drop")
-    back = make_varying(jnp.zeros((cfg.slots,) + rows.shape[1:], rows.dtype), cfg.axis_names)
-    back = lax.ragged_all_to_all(make_varying(staging, cfg.axis_names), back, recv_start,
-                                 lay.recv_counts, lay.return_offsets, lay.send_counts,
-                                 axis_name=_axis(cfg))
-    kept = lay.send_index >= 0
-    send_start = _exclusive_cumsum(lay.send_counts, 0)
-    slots = back[jnp.where(kept, send_start[jnp.where(kept, lay.dest_rank.reshape(-1), 0)]
-                           + lay.send_index, 0)]
-    return jnp.where(_expand(kept, slots), slots, 0)
-
-
-def _dense_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
-    cfg = lay.cfg
+def _dense_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
+                cfg: MoeConfig) -> jax.Array:
+    """The exchange with a padded lax.all_to_all ([n, pair_rows] blocks)."""
+    del offsets  # every block starts at 0
     n, b = cfg.axis_size, cfg.pair_rows
-    kept = lay.send_index >= 0
-    dst = jnp.where(kept, lay.dest_rank.reshape(-1), n)               # n: out of bounds
-    buf = jnp.zeros((n, b) + slots.shape[1:], slots.dtype)
-    buf = buf.at[dst, jnp.where(kept, lay.send_index, 0)].set(slots, mode="drop")
+    sent = src.index >= 0
+    buf = jnp.zeros((n, b) + x.shape[1:], x.dtype)
+    buf = buf.at[jnp.where(sent, src.peer, n),                         # n: out of bounds
+                 jnp.where(sent, src.index, 0)].set(x, mode="drop")
     recv = _a2a(make_varying(buf, cfg.axis_names), cfg)
-    used = lay.recv_index >= 0
-    rows = recv[jnp.where(used, lay.src_rank, 0), jnp.where(used, lay.recv_index, 0)]
-    return jnp.where(used.reshape((-1,) + (1,) * (rows.ndim - 1)), rows, 0)
+    got = dst.index >= 0
+    out = recv[jnp.where(got, dst.peer, 0), jnp.where(got, dst.index, 0)]
+    return jnp.where(_expand(got, out), out, 0)
 
 
-def _dense_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
-    cfg = lay.cfg
-    n, b = cfg.axis_size, cfg.pair_rows
-    used = lay.recv_index >= 0
-    src = jnp.where(used, lay.src_rank, n)
-    buf = jnp.zeros((n, b) + rows.shape[1:], rows.dtype)
-    buf = buf.at[src, jnp.where(used, lay.recv_index, 0)].set(rows, mode="drop")
-    back = _a2a(make_varying(buf, cfg.axis_names), cfg)
-    kept = lay.send_index >= 0
-    slots = back[jnp.where(kept, lay.dest_rank.reshape(-1), 0),
-                 jnp.where(kept, lay.send_index, 0)]
-    return jnp.where(_expand(kept, slots), slots, 0)
+def _transposed_pair(forward: Callable, backward: Callable) -> Callable:
+    """f(x, lay) = forward(x, lay), a linear exchange whose gradient is the
+    exchange the other way: backward(dy, lay) (the layout has none)."""
+
+    @jax.custom_vjp
+    def f(x, lay):
+        return forward(x, lay)
+
+    f.defvjp(lambda x, lay: (forward(x, lay), lay), lambda lay, dy: (backward(dy, lay), None))
+    return f
 
 
-@jax.custom_vjp
-def _to_experts(slots, lay):
-    return _exchange_forward(slots, lay)
-
-
-def _to_experts_fwd(slots, lay):
-    return _exchange_forward(slots, lay), lay
-
-
-def _to_experts_bwd(lay, d_rows):
-    return _exchange_backward(d_rows, lay), None
-
-
-_to_experts.defvjp(_to_experts_fwd, _to_experts_bwd)
-
-
-@jax.custom_vjp
-def _from_experts(rows, lay):
-    return _exchange_backward(rows, lay)
-
-
-def _from_experts_fwd(rows, lay):
-    return _exchange_backward(rows, lay), lay
-
-
-def _from_experts_bwd(lay, d_slots):
-    return _exchange_forward(d_slots, lay), None
-
-
-_from_experts.defvjp(_from_experts_fwd, _from_experts_bwd)
+_to_experts = _transposed_pair(_exchange_forward, _exchange_backward)      # slots -> rows
+_from_experts = _transposed_pair(_exchange_backward, _exchange_forward)    # rows -> slots
 
 
 # ---- public API ------------------------------------------------------------------

@@ -18,8 +18,10 @@ primitive or einsums), the hops `lax.ppermute`s between them.
 `pk_ring_attention_bwd` (`fused_backward`, for block_grads "kernel" on
 rings of 2 or more): one FFI call per backward (xla_ffi/ring_attention_bwd.cc,
 csrc/kernels/ring_attention_bwd) runs the block kernel at every step while
-the copy engines push K/V and the partial dK/dV into the peers' staging
-regions with posted flags: no XLA collective in between. Its lowering is
+the copy engines move K/V and the partial dK/dV hop by hop into the next
+rank's staging region (two K/V slots and one partial slot, reused under
+per-slot credits, so the region does not grow with n) with posted flags: no
+XLA collective in between. Its lowering is
 `ppermute_backward` off CUDA, and on CUDA wherever the fused call cannot run
 (no peer access on the axis, the extension missing, or a staging region
 that does not fit the workspace: then with a one-time warning), so every
@@ -45,7 +47,7 @@ from pk_jax.ops import attention_bwd_primitive as block_bwd
 from pk_jax.ops._lowering import channel_attr, kernel_group
 from pk_jax.ops.ring_attention_primitive import RingConfig
 
-STAMP_BYTES = 256  # kStampBytes (csrc/kernels/ring_attention_bwd/ring_attention_bwd.h)
+STAMP_BYTES = 512  # kStampBytes (csrc/kernels/ring_attention_bwd/ring_attention_bwd.h)
 
 
 def _block_elems(kv_shape) -> int:
@@ -53,17 +55,20 @@ def _block_elems(kv_shape) -> int:
 
 
 def region_bytes(n: int, kv_shape) -> int:
-    """The fused call's staging region (Layout::region_bytes): n - 1 K/V
-    blocks (input type) and n - 1 partial dK/dV (fp32) of the blocks that
-    visit, and the home slot of our own dK/dV."""
+    """The fused call's staging region (Layout::region_bytes), the same for
+    every ring size n: two K/V slots (input type; K/V travel hop by hop, one
+    slot read by the step's kernel while the next block fills the other) and
+    one fp32 partial dK/dV slot (it receives our own dK/dV at the end), i.e.
+    8 bytes per element of one K block."""
+    del n  # bounded: slots are reused under per-slot credits
     e = _block_elems(kv_shape)
-    return (n - 1) * (2 * e + 4 * e) + 2 * e
+    return 2 * (2 * e) + 4 * e
 
 
 def scratch_bytes(kv_shape) -> int:
     """The fused call's local buffers (Layout::scratch_bytes): the stamp
-    table, the block kernel's fp32 dK/dV, step 0's partial (fp32), the cast
-    home value."""
+    table, the block kernel's fp32 dK/dV, the partial we push on (fp32), the
+    cast home value."""
     e = _block_elems(kv_shape)
     return STAMP_BYTES + 4 * e + 4 * e + 2 * e
 
@@ -176,8 +181,10 @@ def _cuda(ctx, q, dout, lse, delta, kv, ranks, *, cfg: RingConfig):
         attr = channel_attr(table, "ring_attention_bwd", (), region_bytes(cfg.n, kv_shape))
     except PkJaxError as e:  # the staging region does not fit the workspace
         warn_once(f"ring_attention_bwd-region-{kv_shape}",
-                  f"pk_jax.ring_attention: the fused backward's staging does not fit ({e}); "
-                  "this backward uses XLA's collective-permutes between the block kernels")
+                  f"pk_jax.ring_attention: the fused backward's staging (8 bytes per element "
+                  f"of one K block, {region_bytes(cfg.n, kv_shape)} bytes, any ring size) does "
+                  f"not fit ({e}); this backward uses XLA's collective-permutes between the "
+                  "block kernels")
         return _reference(ctx, q, dout, lse, delta, kv, ranks, cfg=cfg)
     return jax.ffi.ffi_lowering("pk_ring_attention_bwd")(
         ctx, q, dout, lse, delta, kv, ranks, scale=np.float32(cfg.scale),

@@ -206,11 +206,8 @@ cudaError_t launch_typed(const LdStArgs& a, bool push, int blocks, cudaStream_t 
 
 // Widest access that divides every offset the kernel forms.
 int access_width(const Params& p) {
-  const uint64_t bits = p.row_bytes | reinterpret_cast<uintptr_t>(p.src) |
-                        reinterpret_cast<uintptr_t>(p.dst);
-  for (int w = 16; w > 1; w /= 2)
-    if (bits % w == 0) return w;
-  return 1;
+  return pk::access_width(p.row_bytes | reinterpret_cast<uintptr_t>(p.src) |
+                         reinterpret_cast<uintptr_t>(p.dst));
 }
 
 const void* const kKernels[] = {
@@ -278,20 +275,13 @@ cudaError_t launch_ld_st(const Params& p, bool push) {
   const uint64_t chunk_bytes = uint64_t(kThreads) * kCopyUnroll * width;
   const uint64_t chunks = p.ch.n * ((p.rows * p.row_bytes + chunk_bytes - 1) / chunk_bytes);
   const int blocks = int(std::clamp<uint64_t>(chunks, 1, uint64_t(cap)));
-  switch (width) {
-    case 16: return launch_typed<uint4>(a, push, blocks, p.stream);
-    case 8:  return launch_typed<uint2>(a, push, blocks, p.stream);
-    case 4:  return launch_typed<unsigned int>(a, push, blocks, p.stream);
-    case 2:  return launch_typed<unsigned short>(a, push, blocks, p.stream);
-    default: return launch_typed<unsigned char>(a, push, blocks, p.stream);
-  }
+  return with_access_width(width, [&](auto vec) {
+    return launch_typed<typename decltype(vec)::type>(a, push, blocks, p.stream);
+  });
 }
 
 cudaError_t load_kernels() {
-  for (const void* k : kKernels) {
-    cudaFuncAttributes attr;
-    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-  }
+  for (const void* k : kKernels) PK_CUDA_TRY(preload_kernel(k));
   PK_CUDA_TRY(load_ll_kernel());
   int device = 0;
   PK_CUDA_TRY(cudaGetDevice(&device));

@@ -2,8 +2,10 @@
 // in one launch, SM loads of local memory and stores that may cross NVLink
 // into a peer's workspace (or stay local: the all-gather phase's drain).
 #include <algorithm>
+#include <array>
 
 #include "kernels/all_reduce/all_reduce.h"
+#include "pk/copy.cuh"
 #include "pk/cuda_check.h"
 
 namespace pk::all_reduce {
@@ -76,24 +78,16 @@ cudaError_t launch_copy_jobs(const CopyJobs& jobs, int sm_count, cudaStream_t s)
     bytes += j.rows * j.row_bytes;
   }
   if (a.count == 0) return cudaSuccess;
-  if (bits % 16 == 0) return launch_typed<uint4>(a, bytes, sm_count, s);
-  if (bits % 8 == 0) return launch_typed<uint2>(a, bytes, sm_count, s);
-  if (bits % 4 == 0) return launch_typed<uint32_t>(a, bytes, sm_count, s);
-  if (bits % 2 == 0) return launch_typed<uint16_t>(a, bytes, sm_count, s);
-  return launch_typed<uint8_t>(a, bytes, sm_count, s);
+  return with_access_width(access_width(bits), [&](auto tag) {
+    return launch_typed<typename decltype(tag)::type>(a, bytes, sm_count, s);
+  });
 }
 
 cudaError_t load_copy_kernels() {
-  const void* kernels[] = {reinterpret_cast<const void*>(copy_jobs_kernel<uint4>),
-                           reinterpret_cast<const void*>(copy_jobs_kernel<uint2>),
-                           reinterpret_cast<const void*>(copy_jobs_kernel<uint32_t>),
-                           reinterpret_cast<const void*>(copy_jobs_kernel<uint16_t>),
-                           reinterpret_cast<const void*>(copy_jobs_kernel<uint8_t>)};
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr;
-    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-  }
-  return cudaSuccess;
+  return preload_per_width([](auto tag) {
+    using V = typename decltype(tag)::type;
+    return std::array{reinterpret_cast<const void*>(copy_jobs_kernel<V>)};
+  });
 }
 
 }  // namespace pk::all_reduce

@@ -153,13 +153,6 @@ cudaError_t launch_typed(const OneShotArgs& a, int blocks, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-template <typename T>
-cudaError_t load_typed() {
-  cudaFuncAttributes attr;
-  PK_CUDA_TRY(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(one_shot_kernel<T, true>)));
-  return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(one_shot_kernel<T, false>));
-}
-
 }  // namespace
 
 uint64_t one_shot_slot_bytes(uint64_t bytes) { return (bytes + 15) / 16 * 16; }
@@ -189,20 +182,16 @@ cudaError_t launch_one_shot(const Params& p) {
   a.poison = p.poison;
   const int blocks = int(std::clamp<uint64_t>((a.bytes + kBytesPerBlock - 1) / kBytesPerBlock, 1,
                                               uint64_t(std::max(p.sm_count, 1))));
-  switch (p.elem) {
-    case Elem::kBF16: return launch_typed<__nv_bfloat16>(a, blocks, p.stream);
-    case Elem::kF16: return launch_typed<__half>(a, blocks, p.stream);
-    case Elem::kF32: return launch_typed<float>(a, blocks, p.stream);
-    case Elem::kS32: return launch_typed<int32_t>(a, blocks, p.stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_elem_type(p.elem, [&](auto t) {
+    return launch_typed<typename decltype(t)::type>(a, blocks, p.stream);
+  });
 }
 
 cudaError_t load_one_shot_kernels() {
-  PK_CUDA_TRY(load_typed<__nv_bfloat16>());
-  PK_CUDA_TRY(load_typed<__half>());
-  PK_CUDA_TRY(load_typed<float>());
-  return load_typed<int32_t>();
+  return preload_sum_kernels([](auto t, auto packed) {
+    return reinterpret_cast<const void*>(
+        one_shot_kernel<typename decltype(t)::type, decltype(packed)::value>);
+  });
 }
 
 }  // namespace pk::all_reduce

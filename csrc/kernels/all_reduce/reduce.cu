@@ -47,30 +47,19 @@ cudaError_t launch_typed(const ReduceArgs& a, int sm_count, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-template <typename T>
-cudaError_t load_typed() {
-  cudaFuncAttributes attr;
-  PK_CUDA_TRY(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(reduce_kernel<T, true>)));
-  return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(reduce_kernel<T, false>));
-}
-
 }  // namespace
 
 cudaError_t launch_reduce(const ReduceArgs& a, Elem t, int sm_count, cudaStream_t s) {
-  switch (t) {
-    case Elem::kBF16: return launch_typed<__nv_bfloat16>(a, sm_count, s);
-    case Elem::kF16: return launch_typed<__half>(a, sm_count, s);
-    case Elem::kF32: return launch_typed<float>(a, sm_count, s);
-    case Elem::kS32: return launch_typed<int32_t>(a, sm_count, s);
-  }
-  return cudaErrorInvalidValue;
+  return with_elem_type(t, [&](auto tag) {
+    return launch_typed<typename decltype(tag)::type>(a, sm_count, s);
+  });
 }
 
 cudaError_t load_reduce_kernels() {
-  PK_CUDA_TRY(load_typed<__nv_bfloat16>());
-  PK_CUDA_TRY(load_typed<__half>());
-  PK_CUDA_TRY(load_typed<float>());
-  return load_typed<int32_t>();
+  return preload_sum_kernels([](auto t, auto packed) {
+    return reinterpret_cast<const void*>(
+        reduce_kernel<typename decltype(t)::type, decltype(packed)::value>);
+  });
 }
 
 }  // namespace pk::all_reduce

@@ -7,10 +7,40 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/all_reduce/all_reduce.h"
+#include "pk/cuda_check.h"
+#include "pk/type_tag.h"
 
 namespace pk::all_reduce {
+
+// f(TypeTag<T>{}) with T the C++ type of `t` (a kernel's launch,
+// instantiated per element type); cudaErrorInvalidValue for an unknown `t`.
+template <typename F>
+cudaError_t with_elem_type(Elem t, F&& f) {
+  switch (t) {
+    case Elem::kBF16: return f(TypeTag<__nv_bfloat16>{});
+    case Elem::kF16: return f(TypeTag<__half>{});
+    case Elem::kF32: return f(TypeTag<float>{});
+    case Elem::kS32: return f(TypeTag<int32_t>{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Loads the packed and unpacked instantiations of a sum kernel for every
+// element type (`kernel(tag, packed)`: its address), so that no first call
+// loads a module lazily; the first error.
+template <typename F>
+cudaError_t preload_sum_kernels(F&& kernel) {
+  for (Elem t : {Elem::kBF16, Elem::kF16, Elem::kF32, Elem::kS32}) {
+    PK_CUDA_TRY(with_elem_type(t, [&](auto tag) {
+      PK_CUDA_TRY(preload_kernel(kernel(tag, std::true_type{})));
+      return preload_kernel(kernel(tag, std::false_type{}));
+    }));
+  }
+  return cudaSuccess;
+}
 
 template <typename T> struct Acc { using type = T; };
 template <> struct Acc<__nv_bfloat16> { using type = float; };

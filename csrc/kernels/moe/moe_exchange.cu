@@ -17,8 +17,10 @@
 // that safe (only pk's staging memory can be overwritten late, and the call
 // that read it is caught and poisoned).
 #include <algorithm>
+#include <array>
 
 #include "kernels/moe/moe.h"
+#include "pk/copy.cuh"
 #include "pk/cuda_check.h"
 #include "pk/signals.h"
 
@@ -93,9 +95,7 @@ int access_width(const Params& p) {
   uint64_t bits = p.row_bytes | reinterpret_cast<uintptr_t>(p.src) |
                   reinterpret_cast<uintptr_t>(p.dst);
   for (int q = 0; q < p.ch.n; ++q) bits |= reinterpret_cast<uintptr_t>(p.region[q]);
-  for (int w = 16; w > 1; w /= 2)
-    if (bits % w == 0) return w;
-  return 1;
+  return pk::access_width(bits);
 }
 
 int grid(uint64_t rows) { return int(std::clamp<uint64_t>(rows, 1, kMaxBlocks)); }
@@ -129,13 +129,9 @@ cudaError_t enqueue_typed(const Params& p) {
 }
 
 cudaError_t enqueue(const Params& p) {
-  switch (access_width(p)) {
-    case 16: return enqueue_typed<uint4>(p);
-    case 8:  return enqueue_typed<uint2>(p);
-    case 4:  return enqueue_typed<unsigned int>(p);
-    case 2:  return enqueue_typed<unsigned short>(p);
-    default: return enqueue_typed<unsigned char>(p);
-  }
+  return with_access_width(access_width(p), [&](auto vec) {
+    return enqueue_typed<typename decltype(vec)::type>(p);
+  });
 }
 
 }  // namespace
@@ -150,22 +146,11 @@ cudaError_t launch_exchange(const Params& p) {
 }
 
 cudaError_t load_kernels() {
-  const void* kernels[] = {
-      reinterpret_cast<const void*>(scatter_kernel<uint4>),
-      reinterpret_cast<const void*>(scatter_kernel<uint2>),
-      reinterpret_cast<const void*>(scatter_kernel<unsigned int>),
-      reinterpret_cast<const void*>(scatter_kernel<unsigned short>),
-      reinterpret_cast<const void*>(scatter_kernel<unsigned char>),
-      reinterpret_cast<const void*>(drain_kernel<uint4>),
-      reinterpret_cast<const void*>(drain_kernel<uint2>),
-      reinterpret_cast<const void*>(drain_kernel<unsigned int>),
-      reinterpret_cast<const void*>(drain_kernel<unsigned short>),
-      reinterpret_cast<const void*>(drain_kernel<unsigned char>)};
-  for (const void* k : kernels) {
-    cudaFuncAttributes attr;
-    PK_CUDA_TRY(cudaFuncGetAttributes(&attr, k));
-  }
-  return cudaSuccess;
+  return preload_per_width([](auto tag) {
+    using V = typename decltype(tag)::type;
+    return std::array{reinterpret_cast<const void*>(scatter_kernel<V>),
+                      reinterpret_cast<const void*>(drain_kernel<V>)};
+  });
 }
 
 }  // namespace pk::moe

@@ -14,7 +14,6 @@ int ring(int x, int n) { return ((x % n) + n) % n; }
 uint64_t* stamps(const Params& p) {
   return reinterpret_cast<uint64_t*>(p.scratch + p.layout().scratch_stamps());
 }
-int post_count(const Params& p) { return p.ch.n + 1; }  // post 0: K/V; s: partials; n: home
 
 // The block kernel's arguments at step s: our queries against B_s (the block
 // of rank r - s), its dK/dV into `dkv` (fp32), dq zeroed at step 0.
@@ -50,81 +49,90 @@ attention_bwd::Params block(const Params& p, int s, float* dkv) {
   return b;
 }
 
-// A stream copy of post `i` into `peer`'s posted[r] (pk/signals.h: stamp_table).
-cudaError_t post(const Params& p, int peer, int i, cudaStream_t stream) {
+// A stream copy of post `i` into `peer`'s posted[r] (pk/signals.h:
+// stamp_table), on the side stream: every post of this rank goes there, in
+// increasing i (Posts).
+cudaError_t post(const Params& p, int peer, int i) {
   if (p.skip_post) return cudaSuccess;
   return cudaMemcpyAsync(&p.ch.flags[peer]->posted[p.ch.rank], stamps(p) + i, sizeof(uint64_t),
-                         cudaMemcpyDeviceToDevice, stream);
+                         cudaMemcpyDeviceToDevice, p.side_stream);
 }
 
-// Copy stream: our K/V into slot k of rank r + k's region, nearest first,
-// each posted (post 0); the side stream's posts to r + 1 wait for the first.
-cudaError_t push_kv(const Params& p) {
+// `bytes` at `src` into `dst_offset` of next's region on the side stream, then post `i` there.
+cudaError_t push(const Params& p, const void* src, size_t dst_offset, size_t bytes, int i) {
+  const int next = ring(p.ch.rank + 1, p.ch.n);
+  PK_CUDA_TRY(cudaMemcpyAsync(p.region[next] + dst_offset, src, bytes, cudaMemcpyDeviceToDevice,
+                              p.side_stream));
+  return post(p, next, i);
+}
+
+// The side stream's share of step s, once main finished that step's add
+// (ring_attention_bwd.h: side). `acc` / `home_value`: what the step made.
+cudaError_t side_step(const Params& p, const Posts& P, int s, const float* acc,
+                      const void* home_value) {
   const Layout L = p.layout();
   const int r = p.ch.rank, n = p.ch.n;
-  for (int k = 1; k < n; ++k) {
-    const int q = ring(r + k, n);
-    PK_CUDA_TRY(cudaMemcpyAsync(p.region[q] + L.kv_slot(k), p.kv, L.kv_bytes,
-                                cudaMemcpyDeviceToDevice, p.copy_stream));
-    PK_CUDA_TRY(post(p, q, 0, p.copy_stream));
-    if (k == 1) {
-      PK_CUDA_TRY(cudaEventRecord(p.copy_done, p.copy_stream));
-      PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.copy_done, 0));
-    }
+  const int prev = ring(r - 1, n), next = ring(r + 1, n);
+  // Reusing one event is safe: each wait binds to the record before it.
+  PK_CUDA_TRY(cudaEventRecord(p.fork, p.stream));
+  PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.fork, 0));
+  if (s >= 1) {
+    PK_CUDA_TRY(post(p, prev, P.credit[s]));  // before our wait: no cycle around the ring
+    PK_CUDA_TRY(signals::wait_stamp(p.ch, next, P.credit[s], P.count, p.side_stream,
+                                    /*mark_clobbered=*/true));
+  }
+  if (s < n - 1) {
+    PK_CUDA_TRY(push(p, acc, L.partial(), L.partial_bytes, P.partial[s + 1]));
+    PK_CUDA_TRY(cudaEventRecord(p.join, p.side_stream));  // main's next add overwrites acc
+  } else {  // finished: B_{n-1} belongs to next
+    PK_CUDA_TRY(push(p, home_value, L.partial(), L.kv_bytes, P.home));
+  }
+  if (s + 2 <= n - 1) {  // forward B_{s+1}: next's B_{s+2}, into its slot of B_s
+    char* block = p.region[r] + L.kv_slot(s + 1);
+    PK_CUDA_TRY(signals::wait_stamp(p.ch, prev, P.kv[s + 1], P.count, p.side_stream));
+    PK_CUDA_TRY(poison_if_failed(block, L.kv_bytes, p.ch.wait.claim, p.side_stream));
+    PK_CUDA_TRY(push(p, block, L.kv_slot(s + 2), L.kv_bytes, P.kv[s + 2]));
   }
   return cudaSuccess;
 }
 
-// Side stream, once main reaches this point: `bytes` at `src` into `dst_offset`
-// of rank r + 1's region, then post `i` there.
-cudaError_t push_next(const Params& p, const void* src, size_t dst_offset, size_t bytes, int i) {
-  const int next = ring(p.ch.rank + 1, p.ch.n);
-  // Reusing one event is safe: each wait binds to the record before it.
-  PK_CUDA_TRY(cudaEventRecord(p.fork, p.stream));
-  PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.fork, 0));
-  PK_CUDA_TRY(cudaMemcpyAsync(p.region[next] + dst_offset, src, bytes, cudaMemcpyDeviceToDevice,
-                              p.side_stream));
-  return post(p, next, i, p.side_stream);
-}
-
-// Everything up to the join (*forked once the side and copy streams wait on ours).
+// Everything up to the join (*forked once the side stream waits on ours).
 cudaError_t enqueue(const Params& p, bool* forked) {
   const Layout L = p.layout();
-  const int r = p.ch.rank, n = p.ch.n, count = post_count(p);
+  const Posts P = make_posts(p.ch.n);
+  const int r = p.ch.rank, n = p.ch.n;
   const int prev = ring(r - 1, n);
   char* mine = p.region[r];
+  const float* partial = reinterpret_cast<const float*>(mine + L.partial());
   float* grads = reinterpret_cast<float*>(p.scratch + L.scratch_grads());
-  float* first = reinterpret_cast<float*>(p.scratch + L.scratch_first());
+  float* acc = reinterpret_cast<float*>(p.scratch + L.scratch_acc());
   void* home_value = p.scratch + L.scratch_home();
   const size_t elems = L.partial_bytes / sizeof(float);
   const int32_t* claim = p.ch.wait.claim;
 
   PK_CUDA_TRY(signals::wait_credit(p.ch, p.stream));
-  PK_CUDA_TRY(signals::stamp_table(p.ch, stamps(p), count, p.stream));
+  PK_CUDA_TRY(signals::stamp_table(p.ch, stamps(p), P.count, p.stream));
   PK_CUDA_TRY(cudaEventRecord(p.fork, p.stream));
   PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.fork, 0));
-  PK_CUDA_TRY(cudaStreamWaitEvent(p.copy_stream, p.fork, 0));
   *forked = true;
-  PK_CUDA_TRY(push_kv(p));
+  PK_CUDA_TRY(push(p, p.kv, L.kv_slot(1), L.kv_bytes, P.kv[1]));  // our block: next's B_1
 
   // Step 0: our own block; its contribution is the whole partial so far.
-  PK_CUDA_TRY(attention_bwd::run(block(p, 0, first)));
-  PK_CUDA_TRY(push_next(p, first, L.partial_slot(1), L.partial_bytes, 1));
+  PK_CUDA_TRY(attention_bwd::run(block(p, 0, acc)));
+  PK_CUDA_TRY(side_step(p, P, 0, acc, home_value));
   for (int s = 1; s < n; ++s) {
-    PK_CUDA_TRY(signals::wait_stamp(p.ch, ring(r - s, n), 0, count, p.stream));  // B_s landed
+    PK_CUDA_TRY(signals::wait_stamp(p.ch, prev, P.kv[s], P.count, p.stream));  // B_s landed
     PK_CUDA_TRY(attention_bwd::run(block(p, s, grads)));
-    PK_CUDA_TRY(signals::wait_stamp(p.ch, prev, s, count, p.stream));  // B_s's partial landed
-    float* partial = reinterpret_cast<float*>(mine + L.partial_slot(s));
-    if (s < n - 1) {
-      PK_CUDA_TRY(add_partial(partial, grads, elems, claim, p.stream));
-      PK_CUDA_TRY(push_next(p, partial, L.partial_slot(s + 1), L.partial_bytes, s + 1));
-    } else {  // finished: B_{n-1} belongs to rank r + 1
+    PK_CUDA_TRY(signals::wait_stamp(p.ch, prev, P.partial[s], P.count, p.stream));
+    PK_CUDA_TRY(cudaStreamWaitEvent(p.stream, p.join, 0));  // acc went on to next
+    if (s < n - 1)
+      PK_CUDA_TRY(add_partial(acc, partial, grads, elems, claim, p.stream));
+    else
       PK_CUDA_TRY(add_cast(home_value, p.dtype, partial, grads, elems, claim, p.stream));
-      PK_CUDA_TRY(push_next(p, home_value, L.home(), L.kv_bytes, n));
-    }
+    PK_CUDA_TRY(side_step(p, P, s, acc, home_value));
   }
-  PK_CUDA_TRY(signals::wait_stamp(p.ch, prev, n, count, p.stream));  // ours came home
-  return cudaMemcpyAsync(p.dkv, mine + L.home(), L.kv_bytes, cudaMemcpyDeviceToDevice,
+  PK_CUDA_TRY(signals::wait_stamp(p.ch, prev, P.home, P.count, p.stream));  // ours came home
+  return cudaMemcpyAsync(p.dkv, mine + L.partial(), L.kv_bytes, cudaMemcpyDeviceToDevice,
                          p.stream);
 }
 
@@ -142,7 +150,7 @@ cudaError_t run(const Params& p) {
   // Refuse before the first enqueue: every step's kernel has these shapes
   // (only the K/V pointers and ranks differ), so step 0's check covers them.
   PK_CUDA_TRY(attention_bwd::check(
-      block(p, 0, reinterpret_cast<float*>(p.scratch + p.layout().scratch_first()))));
+      block(p, 0, reinterpret_cast<float*>(p.scratch + p.layout().scratch_acc()))));
   const Layout L = p.layout();
   signals::Outputs out(p.dq, size_t(p.batch) * size_t(p.s_q) * size_t(p.q_heads) *
                                  size_t(p.head_dim) * sizeof(float));
@@ -151,10 +159,8 @@ cudaError_t run(const Params& p) {
   const cudaError_t err = enqueue(p, &forked);
   if (forked) {
     // Join even after an error, so no stream dangles: main waits for the
-    // copy stream's last push and the side stream's last post.
-    cudaError_t e = cudaEventRecord(p.copy_done, p.copy_stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(p.stream, p.copy_done, 0);
-    if (e == cudaSuccess) e = cudaEventRecord(p.join, p.side_stream);
+    // side stream's last push and post.
+    cudaError_t e = cudaEventRecord(p.join, p.side_stream);
     if (e == cudaSuccess) e = cudaStreamWaitEvent(p.stream, p.join, 0);
     if (err == cudaSuccess && e != cudaSuccess) {
       signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort

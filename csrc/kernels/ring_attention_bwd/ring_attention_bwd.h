@@ -2,51 +2,58 @@
 // the whole ring (block-backward kernels, copy-engine pushes, stamp posts),
 // so no XLA collective runs between the steps.
 //
-// Rank r of n (n >= 2), call epoch e. Block B_s is the K/V of rank r - s
-// (B_0: our own). Step s: the block kernel (kernels/attention_bwd) of our
-// queries against B_s adds into dq (zeroed at step 0) and writes B_s's dK/dV
-// contribution (fp32); the partial dK/dV of B_s, the sum over ranks
-// r - s .. r in ring order, goes on to rank r + 1 with it; after step n - 1
-// the finished sum is cast to the input type and goes home to rank r + 1,
-// the owner of B_{n-1}.
-//   main:  wait_credit (every peer finished the last call's reads of what we
-//          staged with it), stamp_table, fork the side and copy streams;
-//   copy:  the copy engine pushes our stacked K/V into slot k of rank r + k's
-//          region for k = 1 .. n - 1, nearest first, each followed by a stamp
-//          copy (post 0) into that peer's posted[r] (direct pushes: on an
-//          NVLink switch every pair has full bandwidth, so no forwarding
-//          chain; the same layout as the forward's);
-//   main, step s: (s >= 1) wait posted[r - s] >= post 0, the block kernel on
-//          B_s (our kv, or our region's slot s); (s >= 1) wait posted[r - 1]
-//          >= post s (rank r - 1's partial of B_s), then an fp32 add: the
-//          partial += our contribution, in place in our region (the last
-//          step: cast to the input type into a local buffer);
-//   side:  after each step (an event from main), the copy engine pushes that
-//          partial into slot s + 1 of rank r + 1's region (the last step:
-//          its home slot), then a stamp copy posts s + 1 there. Every post
-//          to rank r + 1 is on this stream after the copy stream's post 0
-//          to it (an event), so a post implies every earlier one landed;
-//   main:  wait posted[r - 1] >= post n (our own dK/dV came home), copy it
-//          into dkv, join both streams, finish (done[r] = e to every peer;
-//          dq and dkv poisoned if the call failed).
+// Rank r of n (n >= 2), call epoch e; prev = r - 1, next = r + 1. Block B_s
+// is the K/V of rank r - s (B_0: our own). Step s: the block kernel
+// (kernels/attention_bwd) of our queries against B_s adds into dq (zeroed at
+// step 0) and writes B_s's dK/dV contribution (fp32); the partial dK/dV of
+// B_s, the sum over ranks r - s .. r in ring order, goes on to next; after
+// step n - 1 the finished sum is cast to the input type and goes home to
+// next, the owner of B_{n-1}. K/V travel hop by hop with it: B_s reaches
+// next from us (we forward what prev forwarded to us), so every transfer is
+// r -> r + 1 and the staging region holds two K/V slots (B_s in slot s % 2:
+// one read by this step's kernel, one filling for the next) and one partial
+// slot, whatever n.
+//   main:  wait_credit (every peer finished the last call), stamp_table,
+//          fork the side stream; step 0: the block kernel on our kv into acc
+//          (scratch); step s >= 1: wait posted[prev] >= kv(s), the block
+//          kernel on slot s % 2 into grads; wait posted[prev] >= partial(s)
+//          and for the side stream's push of acc (event); the fp32 add
+//          acc = partial slot + grads (the last step: cast to the input type
+//          into home_value); then let the side stream go on (event). At the
+//          end: wait posted[prev] >= home (our dK/dV, in our partial slot),
+//          copy it into dkv, join, finish (done[r] = e to every peer; dq and
+//          dkv poisoned if the call failed).
+//   side:  first our kv into next's slot 1, post kv(1); then after main's
+//          step s: (s >= 1) post credit(s) to prev (our partial slot and K/V
+//          slot s % 2 are free: the add read the first, the kernel and our
+//          forward of B_s the second), wait next's credit(s) (marking next's
+//          channel clobbered on a timeout), push acc into next's partial
+//          slot and post partial(s + 1) (the last step: home_value, post
+//          home); (s + 2 <= n - 1) wait posted[prev] >= kv(s + 1), NaN our
+//          slot (s + 1) % 2 if the device failed, push it into next's slot
+//          (s + 2) % 2 and post kv(s + 2).
+// Every post of a rank is a stamp copy on its side stream, in the order of
+// Posts (below), so each posted[] flag grows monotonically even at n = 2,
+// where prev = next receives both data posts and credits, and a post implies
+// every earlier one of that rank landed. A credit is posted before the
+// matching wait, so no cycle of waits closes around the ring.
 // The block kernels never wait and take no SM from the transfers: every
 // transfer and post is a copy-engine copy, every wait a one-warp stream
-// kernel (bounded, pk/sync.cuh). Each step's add starts after that step's
-// block kernel, so the partial of B_s flies while rank r + 1 computes its
-// step s + 1 contribution; the fp32 adds happen in ring order (r - s first),
-// as in the XLA-collective ring: dK/dV are deterministic, dq (the kernel's
-// reduce-adds) is not in its last bits.
-// Region of rank r (peers write into it; no slot is reused within a call, so
-// the credit wait of the next call is the only flow control):
-//   [K/V slots 1..n-1: the stacked block B_s][partial slots 1..n-1: fp32
-//   dK/dV of B_s][home: dK/dV of our block in the input type].
-// Local scratch (an XLA buffer): the stamp table (n + 1 u64, in
-// kStampBytes), the block kernel's fp32 dK/dV, step 0's partial (its push
-// may still run when the next step's kernel writes), the cast home value.
+// kernel (bounded, pk/sync.cuh). The fp32 adds happen in ring order (r - s
+// first), as in the XLA-collective ring: dK/dV are deterministic (bitwise
+// those of the XLA transport), dq (the kernel's reduce-adds) is not in its
+// last bits.
+// Region of rank r (2 kv_bytes + partial_bytes = 8 bytes per element of one
+// K block, for every n): [K/V slot 0][K/V slot 1][partial slot: fp32 dK/dV
+// of the block that visits; at the end our own dK/dV in the input type].
+// Local scratch (an XLA buffer): the stamp table (Posts::count u64, in
+// kStampBytes), the block kernel's fp32 dK/dV, acc (the partial we push),
+// the cast home value.
 // Safe aborts: a failed wait claims the device's error; the block kernel
-// (dK/dV, dq fill) and the adds then write NaN, which travels on to the
-// peers, and finish poisons dq and dkv. A CUDA error from an enqueue joins
-// the streams and finishes the call as aborted.
+// (dK/dV, dq fill), the adds and the forwarded K/V then carry NaN on to the
+// peers, a failed credit wait marks the peer clobbered, and finish poisons
+// dq and dkv. A CUDA error from an enqueue joins the streams and finishes
+// the call as aborted.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -62,8 +69,34 @@ namespace pk::ring_attention_bwd {
 
 using pk::DType;  // bf16 or fp16
 
-inline constexpr size_t kStampBytes = 256;  // the stamp table: n + 1 <= kMaxRanks + 1 values
-static_assert((kMaxRanks + 1) * sizeof(uint64_t) <= kStampBytes, "stamps fit");
+// Post indices of one call (stamp_table's table), in the order a rank's
+// side stream issues them: kv(1); then for s = 0 .. n - 1: credit(s) to
+// prev (s >= 1), partial(s + 1) to next (the last step: home), kv(s + 2) to
+// next (s + 2 <= n - 1). Both ends compute them alike.
+struct Posts {
+  int kv[kMaxRanks] = {};       // kv[s]: B_s is in the receiver's slot s % 2 (s = 1 .. n - 1)
+  int partial[kMaxRanks] = {};  // partial[s]: the partial of B_s is in its partial slot
+  int credit[kMaxRanks] = {};   // credit[s]: the receiver's slots of step s are free (to prev)
+  int home = 0;                 // the finished dK/dV is in the owner's partial slot
+  int count = 0;                // 3n - 2
+};
+
+inline Posts make_posts(int n) {
+  Posts p;
+  int i = 0;
+  p.kv[1] = i++;
+  for (int s = 0; s < n; ++s) {
+    if (s >= 1) p.credit[s] = i++;
+    if (s < n - 1) p.partial[s + 1] = i++;
+    else p.home = i++;
+    if (s + 2 <= n - 1) p.kv[s + 2] = i++;
+  }
+  p.count = i;
+  return p;
+}
+
+inline constexpr size_t kStampBytes = 512;  // the stamp table: 3n - 2 <= 3 kMaxRanks - 2 values
+static_assert((3 * kMaxRanks - 2) * sizeof(uint64_t) <= kStampBytes, "stamps fit");
 
 // Byte offsets of the region and the scratch buffer, from the shapes.
 struct Layout {
@@ -71,16 +104,14 @@ struct Layout {
   size_t kv_bytes = 0;       // one stacked K/V block [2, B, T, Hkv, D] (input type)
   size_t partial_bytes = 0;  // its dK/dV in fp32
 
-  size_t kv_slot(int s) const { return size_t(s - 1) * kv_bytes; }
-  size_t partial_slot(int s) const {
-    return size_t(n - 1) * kv_bytes + size_t(s - 1) * partial_bytes;
-  }
-  size_t home() const { return size_t(n - 1) * (kv_bytes + partial_bytes); }
-  size_t region_bytes() const { return home() + kv_bytes; }
-  // Scratch: [stamps][grads fp32][step 0's partial fp32][home value, input type].
+  size_t kv_slot(int s) const { return size_t(s % 2) * kv_bytes; }
+  // The partial dK/dV of the visiting block, then (home) our own dK/dV.
+  size_t partial() const { return 2 * kv_bytes; }
+  size_t region_bytes() const { return partial() + partial_bytes; }
+  // Scratch: [stamps][grads fp32][acc fp32][home value, input type].
   size_t scratch_stamps() const { return 0; }
   size_t scratch_grads() const { return kStampBytes; }
-  size_t scratch_first() const { return kStampBytes + partial_bytes; }
+  size_t scratch_acc() const { return kStampBytes + partial_bytes; }
   size_t scratch_home() const { return kStampBytes + 2 * partial_bytes; }
   size_t scratch_bytes() const { return kStampBytes + 2 * partial_bytes + kv_bytes; }
 };
@@ -112,8 +143,6 @@ struct Params {
   cudaStream_t side_stream = nullptr;
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
-  cudaStream_t copy_stream = nullptr;
-  cudaEvent_t copy_done = nullptr;
 
   Layout layout() const { return make_layout(ch.n, batch, s_kv, kv_heads, head_dim); }
 };
@@ -124,13 +153,17 @@ bool available();
 bool supported(const Params& p);
 cudaError_t run(const Params& p);
 
-// The fp32 adds of the partial dK/dV (partial_sum.cu): acc += x, and
+// The fp32 adds of the partial dK/dV (partial_sum.cu): out = a + b, and
 // out = cast(a + b) to the input type; NaN while the device holds an error
 // (`claim`), so a failed call's garbage never reaches a peer as numbers.
-cudaError_t add_partial(float* acc, const float* x, size_t count, const int32_t* claim,
-                        cudaStream_t stream);
+cudaError_t add_partial(float* out, const float* a, const float* b, size_t count,
+                        const int32_t* claim, cudaStream_t stream);
 cudaError_t add_cast(void* out, DType type, const float* a, const float* b, size_t count,
                      const int32_t* claim, cudaStream_t stream);
+// NaN over `bytes` (a multiple of 16) at `p` while the device holds an
+// error: a K/V block forwarded after a wait that gave up reaches the next
+// rank as NaN, never as numbers.
+cudaError_t poison_if_failed(void* p, size_t bytes, const int32_t* claim, cudaStream_t stream);
 cudaError_t load_kernels();
 
 }  // namespace pk::ring_attention_bwd
