@@ -19,7 +19,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.gpu
 
 
-def test_every_op_across_two_processes():
+def _launch(n: int, script: str, done: str) -> None:
+    """`python -m pk_jax.launch -n n` on tests/<script> (every process on GPU 0
+    where there are fewer GPUs); each of the n processes must print `done`."""
     if not gpus():
         pytest.skip("needs a GPU")
     if not runtime.available() or not runtime.extension().has_gemm:
@@ -27,12 +29,15 @@ def test_every_op_across_two_processes():
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "pk_jax.launch", "-n", "2",
-                           "--gpus-per-process", "0",
-                           str(ROOT / "tests" / "gpu_multiprocess_check.py")],
+    proc = subprocess.run([sys.executable, "-m", "pk_jax.launch", "-n", str(n),
+                           "--gpus-per-process", "0", str(ROOT / "tests" / script)],
                           env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and log.count("GPU_MULTIPROCESS_DONE") == 2, log[-8000:]
+    assert proc.returncode == 0 and log.count(done) == n, log[-8000:]
+
+
+def test_every_op_across_two_processes():
+    _launch(2, "gpu_multiprocess_check.py", "GPU_MULTIPROCESS_DONE")
 
 
 def test_fused_ring_backward_across_four_processes():
@@ -40,16 +45,4 @@ def test_fused_ring_backward_across_four_processes():
     (tests/gpu_ring_bwd_check.py; all on GPU 0 where there are fewer than 4):
     3 ring steps, so its two K/V slots and its partial slot are reused under
     the per-slot credits within each call."""
-    if not gpus():
-        pytest.skip("needs a GPU")
-    if not runtime.available() or not runtime.extension().has_gemm:
-        pytest.skip("pk_jax extension without CUTLASS kernels")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([sys.executable, "-m", "pk_jax.launch", "-n", "4",
-                           "--gpus-per-process", "0",
-                           str(ROOT / "tests" / "gpu_ring_bwd_check.py")],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and log.count("GPU_RING_BWD_DONE") == 4, log[-8000:]
+    _launch(4, "gpu_ring_bwd_check.py", "GPU_RING_BWD_DONE")
