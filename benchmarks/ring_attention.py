@@ -525,7 +525,7 @@ def _size_workspace(bench: Bench, n: int) -> None:
                for s in args.seqs.split(",")) * kinds
     if args.backward and n > 1:  # the fused backward's regions (one channel, by size class)
         need += sum({_channels.size_class(ring_attention_bwd_primitive.region_bytes(
-            n, (2, d.batch, int(s) // n, d.kv_heads, d.head_dim))) for s in args.seqs.split(",")})
+            n, (d.batch, int(s) // n, d.kv_heads, d.head_dim))) for s in args.seqs.split(",")})
     if need + (64 << 20) > pk_jax.get_config().workspace_bytes:
         pk_jax.configure(workspace_bytes=need + (64 << 20))
 

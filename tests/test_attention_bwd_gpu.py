@@ -124,11 +124,11 @@ def _same_precision(q, do, lse, delta, k, v, visible, cfg, dtype):
     return dq, dk, dv
 
 
-@functools.partial(jax.jit, static_argnums=(8,))
-def _kernel(q, do, lse, delta, k, v, q_rank, k_rank, cfg):
-    """(dq, dk, dv) of the block kernel (K and V stacked as the ring passes them)."""
-    dq, dkv = block_bwd(q, do, lse, delta, jnp.stack([k, v]), q_rank, k_rank, cfg)
-    return dq, dkv[0], dkv[1]
+@functools.partial(jax.jit, static_argnums=(8, 9))
+def _kernel(q, do, lse, delta, k, v, q_rank, k_rank, cfg, grad_dtype=jnp.float32):
+    """(dq, dk, dv) of the block kernel; dk and dv as fp32 shares or in the
+    inputs' dtype (`grad_dtype`)."""
+    return block_bwd(q, do, lse, delta, k, v, q_rank, k_rank, cfg, grad_dtype)
 
 
 def _rel(a, b) -> float:
@@ -160,6 +160,15 @@ def _check_pair(mesh, seed, cfg, dims, dtype, q_rank, k_rank, data=None):
         err, base = _rel(g, e), _rel(h, e)
         assert err <= 1.5 * base + 2e-3, (
             f"{name}: rel err {err:.3g} against fp32, same-precision {base:.3g}: {what}")
+    if cfg.n == 1:
+        # A ring of one writes dk, dv in the inputs' dtype: the same (fp32,
+        # deterministic) sums, rounded once at the store.
+        poison_allocator(mesh, 4 * (q.size + 2 * k.size) + 4096)
+        narrow = _kernel(q, do, lse, delta, k, v, *ranks, cfg, jnp.dtype(dtype))
+        for name, g, f in zip(("dk", "dv"), narrow[1:], got[1:]):
+            g = np.asarray(g)
+            assert g.dtype == jnp.dtype(dtype), f"{name} {g.dtype}: {what}"
+            np.testing.assert_array_equal(g, f.astype(dtype), err_msg=f"{name} narrow: {what}")
     pk_jax.check_errors()
 
 
@@ -475,10 +484,10 @@ def _draw(shape, key, dtype):
 
 
 def _big_inputs(seed, hkv):
-    keys = jax.random.split(jax.random.key(seed), 5)
+    keys = jax.random.split(jax.random.key(seed), 6)
     q = _draw((BIG_B, BIG_S, BIG_HQ, BIG_D), keys[0], jnp.bfloat16)
     do = _draw((BIG_B, BIG_S, BIG_HQ, BIG_D), keys[1], jnp.bfloat16)
-    kv = _draw((2, BIG_B, BIG_S, hkv, BIG_D), keys[2], jnp.bfloat16)
+    kv = tuple(_draw((BIG_B, BIG_S, hkv, BIG_D), key, jnp.bfloat16) for key in keys[2:6:3])
     delta = _draw((BIG_B, BIG_HQ, BIG_S), keys[3], jnp.float32)
     # A log-sum-exp near the true one of random scores (log T + 1/2), plus
     # the mass of other blocks: p = exp(s - lse) stays at softmax scale.
@@ -501,7 +510,7 @@ def _p_ds(s, lse, dp, delta, scale, round_to=None):
 def _sampled_dq(q, do, kv, lse, delta, rows, b, h, group, same):
     """dq of query rows `rows` of (batch b, head h), summed over every key."""
     f32, hi = jnp.float32, lax.Precision.HIGHEST
-    k, v = kv[0, b, :, h // group], kv[1, b, :, h // group]
+    k, v = kv[0][b, :, h // group], kv[1][b, :, h // group]
     qr, dor = q[b, :, h][rows], do[b, :, h][rows]
     s = jnp.einsum("rd,td->rt", qr, k, preferred_element_type=f32, precision=hi)
     dp = jnp.einsum("rd,td->rt", dor, v, preferred_element_type=f32, precision=hi)
@@ -518,7 +527,7 @@ def _sampled_dkv(q, do, kv, lse, delta, rows, b, hk, group, same):
     f32, hi = jnp.float32, lax.Precision.HIGHEST
     heads = slice(hk * group, (hk + 1) * group)
     qg, dog = q[b, :, heads], do[b, :, heads]  # [S, g, D]
-    k, v = kv[0, b, :, hk][rows], kv[1, b, :, hk][rows]
+    k, v = kv[0][b, :, hk][rows], kv[1][b, :, hk][rows]
     s = jnp.einsum("sgd,rd->gsr", qg, k, preferred_element_type=f32, precision=hi)
     dp = jnp.einsum("sgd,rd->gsr", dog, v, preferred_element_type=f32, precision=hi)
     p, ds = _p_ds(s, lse[b, heads][:, :, None], dp, delta[b, heads][:, :, None],
@@ -536,8 +545,8 @@ def test_64_bit_offsets_one_gpu(hkv):
     group = BIG_HQ // hkv
     cfg = _cfg(1, False, "contiguous", BIG_D)
     q, do, kv, lse, delta = _big_inputs(seed, hkv)
-    dq, dkv = jax.jit(block_bwd, static_argnums=(7,))(q, do, lse, delta, kv, jnp.int32(0),
-                                                      jnp.int32(0), cfg)
+    dq, dk, dv = jax.jit(block_bwd, static_argnums=(8,))(q, do, lse, delta, *kv, jnp.int32(0),
+                                                         jnp.int32(0), cfg)
     rng = np.random.default_rng(seed)
     pick = lambda: jnp.asarray(np.unique(np.concatenate(
         [[0, BIG_S // 2 + 3, BIG_S - 1], rng.integers(0, BIG_S, 5)])).astype(np.int32))
@@ -550,8 +559,8 @@ def test_64_bit_offsets_one_gpu(hkv):
             exact["dq"].append(_sampled_dq(q, do, kv, lse, delta, rows, b, h, group, False))
             same["dq"].append(_sampled_dq(q, do, kv, lse, delta, rows, b, h, group, True))
         for hk in (0, hkv - 1):
-            got["dk"].append(dkv[0, b, :, hk][rows])
-            got["dv"].append(dkv[1, b, :, hk][rows])
+            got["dk"].append(dk[b, :, hk][rows])
+            got["dv"].append(dv[b, :, hk][rows])
             for want, flag in ((exact, False), (same, True)):
                 dk, dv = _sampled_dkv(q, do, kv, lse, delta, rows, b, hk, group, flag)
                 want["dk"].append(dk)

@@ -67,9 +67,9 @@ def test_ring_backward_is_one_fused_call(cuda_lowering, layout, n):
     """copy_engine's backward on a ring of n >= 2: one pk_ring_attention_bwd
     call (the whole ring: block kernels and pk's transport) with the mask
     and scale as attributes, a channel of the ring's group with a staging
-    region of the size the host sequence needs, K/V stacked, the rank table
-    as an int32 [n] operand; no XLA collective and no separate block kernel
-    call is left."""
+    region of the size the host sequence needs, k and v as they are (no
+    stacking) and dk, dv as results, the rank table as an int32 [n]
+    operand; no XLA collective and no separate block kernel call is left."""
     hlo = _grad_hlo("copy_engine", layout, shape=(1, n * 512, 8, 128), n=n)
     calls = _fused_calls(hlo)
     assert len(calls) == 1, hlo
@@ -80,20 +80,26 @@ def test_ring_backward_is_one_fused_call(cuda_lowering, layout, n):
     e = 2 * 512 * 2 * 128  # K and V elements of one block
     # Two K/V slots and one fp32 partial slot, whatever n.
     assert int(ffi_attr(attrs, "data_bytes")) == _channels.size_class(8 * e)
-    assert (f"tensor<1x8x512xf32>, tensor<2x1x512x2x128xbf16>, tensor<{n}xi32>) -> ("
-            in types)
-    assert (f"-> (tensor<1x512x8x128xf32>, tensor<2x1x512x2x128xbf16>, tensor<{512 + 10 * e}xui8>)"
-            in types)
-    assert _block_calls(hlo) == []
+    kv = "tensor<1x512x2x128xbf16>"
+    assert f"tensor<1x8x512xf32>, {kv}, {kv}, tensor<{n}xi32>) -> (" in types
+    assert f"-> (tensor<1x512x8x128xf32>, {kv}, {kv}, tensor<{512 + 10 * e}xui8>)" in types
+    assert _block_calls(hlo) == [] and "concatenate" not in hlo
     assert "collective_permute" not in hlo and "all_gather" not in hlo
     # Only delta = rowsum(dO * O) is a dot left outside the kernels.
     assert hlo.count("dot_general") == 1
 
 
 def test_world_size_one_keeps_the_block_kernel(cuda_lowering):
-    """One rank: no ring to walk; the block kernel, as before."""
+    """One rank: no ring to walk; one block kernel call on k and v as they
+    are, writing dk and dv in their dtype (nothing stacked, sliced or cast
+    around it)."""
     hlo = _grad_hlo("copy_engine", "zigzag", shape=(1, 512, 8, 128), n=1)
-    assert _fused_calls(hlo) == [] and len(_block_calls(hlo)) == 1
+    calls = _block_calls(hlo)
+    assert _fused_calls(hlo) == [] and len(calls) == 1
+    kv = "tensor<1x512x2x128xbf16>"
+    assert f"{kv}, {kv}, tensor<i32>, tensor<i32>) -> (" in calls[0][1]
+    assert f"-> (tensor<1x512x8x128xf32>, {kv}, {kv})" in calls[0][1]
+    assert "concatenate" not in hlo and "slice" not in hlo
 
 
 def test_fused_backward_falls_back_when_staging_does_not_fit(cuda_lowering, monkeypatch):
@@ -109,12 +115,11 @@ def test_fused_backward_falls_back_when_staging_does_not_fit(cuda_lowering, monk
 
 
 def test_fused_backward_region_is_bounded_in_n():
-    """The staging region does not grow with the ring: two stacked K/V slots
-    and one fp32 dK/dV slot, i.e. 8 bf16 K blocks, at n = 2, 4, 8 and 16
-    (a slot per ring step needed 6(n - 1) + 2 K blocks)."""
-    kv_shape = (2, 1, 4096, 16, 128)
-    k_block = int(np.prod(kv_shape[1:])) * 2  # bytes of one bf16 K block
-    sizes = [ring_bwd.region_bytes(n, kv_shape) for n in (2, 4, 8, 16)]
+    """The staging region does not grow with the ring: two K/V slots and
+    one fp32 dK/dV slot, i.e. 8 bf16 K blocks, at n = 2, 4, 8 and 16."""
+    k_shape = (1, 4096, 16, 128)
+    k_block = int(np.prod(k_shape)) * 2  # bytes of one bf16 K block
+    sizes = [ring_bwd.region_bytes(n, k_shape) for n in (2, 4, 8, 16)]
     assert sizes == [8 * k_block] * 4
 
 
@@ -184,9 +189,12 @@ def test_ring_backward_calls_the_block_kernel(cuda_lowering, xla_transport, layo
         assert "causal = true" in attrs
         assert "scale = 2.500000e-01" in attrs
         assert ffi_attr(attrs, "n") == "2"
-        # K and V travel stacked: one kv operand, one dkv result.
-        assert "tensor<2x1x512x2x128xbf16>, tensor<i32>, tensor<i32>) -> (" in types
-        assert "-> (tensor<1x512x8x128xf32>, tensor<2x1x512x2x128xf32>)" in types
+        # K and V travel stacked (one hop each step); the kernel takes them
+        # apart and writes fp32 shares, summed in ring order.
+        kv = "tensor<1x512x2x128xbf16>"
+        assert f"{kv}, {kv}, tensor<i32>, tensor<i32>) -> (" in types
+        assert ("-> (tensor<1x512x8x128xf32>, tensor<1x512x2x128xf32>, "
+                "tensor<1x512x2x128xf32>)") in types
     assert "collective_permute" in hlo and _fused_calls(hlo) == []
     # Only delta = rowsum(dO * O) is a dot left outside the kernel.
     assert hlo.count("dot_general") == 1
@@ -288,15 +296,26 @@ def test_cpu_lowering_is_block_grads(rng, layout, hq, hkv):
     q, do = draw((b, s, hq, d)), draw((b, s, hq, d))
     k, v = draw((b, s, hkv, d)), draw((b, s, hkv, d))
     lse, delta = (draw((b, hq, s), f32) + 4 for _ in range(2))
-    for q_rank, k_rank in ((1, 0), (2, 2), (0, 3)):
-        got = jax.jit(lambda *a: block_bwd(*a, cfg))(
-            q, do, lse, delta, jnp.stack([k, v]), jnp.int32(q_rank), jnp.int32(k_rank))
+    for (q_rank, k_rank), grad_dtype in zip(((1, 0), (2, 2), (0, 3)),
+                                            (f32, jnp.bfloat16, f32)):
+        got = jax.jit(lambda *a: block_bwd(*a, cfg, grad_dtype))(
+            q, do, lse, delta, k, v, jnp.int32(q_rank), jnp.int32(k_rank))
         dq, dk, dv = reference.attention_block_grads(
             q, do, lse, delta, k, v, reference.positions(jnp.int32(q_rank), n, s, layout),
             reference.positions(jnp.int32(k_rank), n, s, layout), causal=True, scale=0.125)
-        for a, w in zip(got, (dq, jnp.stack([dk, dv]))):
-            assert a.dtype == jnp.float32 and a.shape == w.shape
-            np.testing.assert_allclose(np.asarray(a), np.asarray(w), rtol=2e-4, atol=2e-4)
+        for a, w, dtype in zip(got, (dq, dk, dv), (f32, grad_dtype, grad_dtype)):
+            assert a.dtype == dtype and a.shape == w.shape
+            tol = 2e-4 if dtype == f32 else 2e-2
+            np.testing.assert_allclose(np.asarray(a, f32), np.asarray(w), rtol=tol, atol=tol)
+
+
+def test_block_bwd_refuses_other_gradient_dtypes():
+    cfg = RingConfig(names=(), n=1, causal=False, scale=0.125, layout="contiguous",
+                     mechanism="copy_engine", block_grads="kernel")
+    x = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, 128), jnp.float32)
+    with pytest.raises(ValueError, match="grad_dtype must be float32 or k's dtype"):
+        block_bwd(x, x, lse, lse, x, x, 0, 0, cfg, jnp.float16)
 
 
 @pytest.mark.parametrize("q_shape,k_shape,dtype,layout,what", [

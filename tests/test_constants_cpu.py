@@ -95,7 +95,7 @@ def test_block_backward_query_tile_matches_header():
 
 def test_fused_backward_layout_matches_header():
     """Python sizes the fused backward's region and scratch as the host
-    sequence lays them out (ring_attention_bwd.h: Layout), for K/V [2, B, T,
+    sequence lays them out (ring_attention_bwd.h: Layout), for K and V [B, T,
     Hkv, D] of 2-byte elements: e = 2 B T Hkv D elements, kv_bytes = 2 e,
     partial_bytes = 4 e."""
     src = _source(RING_BWD)
@@ -115,9 +115,9 @@ def test_fused_backward_layout_matches_header():
         # partial() = the two K/V slots before it, whatever n.
         assert method("partial", n) == 2 * (2 * e)
         assert method("region_bytes", n) == ring_attention_bwd_primitive.region_bytes(
-            n, (2, 3, 256, 2, 64)) == 8 * e
+            n, (3, 256, 2, 64)) == 8 * e
     assert method("scratch_bytes", 2) == ring_attention_bwd_primitive.scratch_bytes(
-        (2, 3, 256, 2, 64))
+        (3, 256, 2, 64))
 
 
 def test_fused_backward_stamp_table_fits():

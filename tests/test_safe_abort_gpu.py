@@ -288,12 +288,13 @@ def test_block_backward_on_a_failed_device_is_nan():
         keys = jax.random.split(jax.random.key(1), 4)
         put = lambda a: jax.device_put(a, dev0)
         q, do = (put(jax.random.normal(kk, (1, 256, 4, 128), jnp.bfloat16)) for kk in keys[:2])
-        kv = put(jax.random.normal(keys[2], (2, 1, 256, 4, 128), jnp.bfloat16))
+        k, v = (put(x) for x in jax.random.normal(keys[2], (2, 1, 256, 4, 128), jnp.bfloat16))
         lse = put(jnp.full((1, 4, 256), 8.0, jnp.float32))
         delta = put(jax.random.normal(keys[3], (1, 4, 256), jnp.float32))
-        dq, dkv = jax.jit(block_bwd, static_argnums=(7,))(q, do, lse, delta, kv, jnp.int32(0),
-                                                          jnp.int32(0), cfg)
-        assert _is_poison(np.asarray(dq)) and _is_poison(np.asarray(dkv))
+        for grad_dtype in (jnp.float32, jnp.bfloat16):
+            dq, dk, dv = jax.jit(block_bwd, static_argnums=(8, 9))(
+                q, do, lse, delta, k, v, jnp.int32(0), jnp.int32(0), cfg, grad_dtype)
+            assert all(_is_poison(np.asarray(x)) for x in (dq, dk, dv)), grad_dtype
     finally:
         _expect_errors()
 

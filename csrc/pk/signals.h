@@ -33,7 +33,7 @@ inline constexpr int kAllPeers = -1;
 // type, -1 in signed and the maximum in unsigned integers; callers pass 0x80
 // for the fp8 "fnuz" types, whose only NaN it is).
 struct Outputs {
-  static constexpr int kMax = 2;
+  static constexpr int kMax = 3;  // e.g. dq, dk and dv
   void* ptr[kMax] = {};
   uint64_t bytes[kMax] = {};
   uint8_t pattern = 0xFF;

@@ -5,12 +5,13 @@ queries of this rank, with the probabilities recomputed from the forward's
 log-sum-exp (what `pk_jax.reference.attention_block_grads` computes):
 
     q, dout [B, S, Hq, D]; lse, delta' [B, Hq, S] float32, where
-    delta' = rowsum(dout * out) - dlse; kv [2, B, T, Hkv, D] (K and V
-    stacked, the form the ring passes around: one collective per hop);
-    q_rank, k_rank int32 scalars (the ranks owning the query block and the
-    K/V block: the ring step is a scan variable, so k_rank is traced)
-    -> dq [B, S, Hq, D], dkv [2, B, T, Hkv, D] (dK and dV), float32
-       (dK, dV summed over the query heads of each GQA group).
+    delta' = rowsum(dout * out) - dlse; k, v [B, T, Hkv, D]; q_rank, k_rank
+    int32 scalars (the ranks owning the query block and the K/V block: the
+    ring step is a scan variable, so k_rank is traced)
+    -> dq [B, S, Hq, D] float32, dk, dv [B, T, Hkv, D] of `grad_dtype`
+       (float32 for a ring step's share, summed later; k's dtype where the
+       block's gradients are final, a ring of one; summed over the query
+       heads of each GQA group).
 
 Causal masks compare global token positions (`reference.positions`:
 contiguous or zigzag over a ring of `cfg.n`). Lowering: on CUDA with the
@@ -63,42 +64,47 @@ def kernel_problem(q, k, layout: str) -> str | None:
     return None
 
 
-def block_bwd(q, dout, lse, delta, kv, q_rank, k_rank, cfg: RingConfig):
-    """(dq, dkv) float32 of one block pair, K and V stacked in `kv`; see the
+def block_bwd(q, dout, lse, delta, k, v, q_rank, k_rank, cfg: RingConfig,
+              grad_dtype=jnp.float32):
+    """(dq float32, dk, dv of `grad_dtype`) of one block pair; see the
     module docstring."""
-    args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), kv,
+    grad_dtype = jnp.dtype(grad_dtype)
+    if grad_dtype not in (jnp.dtype(jnp.float32), jnp.dtype(k.dtype)):
+        raise ValueError(f"block_bwd: grad_dtype must be float32 or k's dtype {k.dtype}, "
+                         f"got {grad_dtype}")
+    args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), k, v,
             jnp.asarray(q_rank, jnp.int32), jnp.asarray(k_rank, jnp.int32))
     # One varying-axes type for all operands (shard_map's check_vma), as the
-    # outputs take q's and kv's.
+    # outputs take q's and k's.
     axes = tuple(sorted(set().union(*(varying_axes(x) for x in args))))
     if axes:
         args = tuple(make_varying(x, axes) for x in args)
-    return attention_block_bwd_p.bind(*args, cfg=cfg)
+    return attention_block_bwd_p.bind(*args, cfg=cfg, grad_dtype=grad_dtype)
 
 
 # ---- abstract evaluation ------------------------------------------------------
-def _abstract(q, dout, lse, delta, kv, q_rank, k_rank, *, cfg: RingConfig):
-    f32 = jnp.float32
-    return q.update(dtype=f32), kv.update(dtype=f32)
+def _abstract(q, dout, lse, delta, k, v, q_rank, k_rank, *, cfg: RingConfig, grad_dtype):
+    return (q.update(dtype=jnp.float32), k.update(dtype=grad_dtype),
+            v.update(dtype=grad_dtype))
 
 
 # ---- reference lowering (every platform but CUDA) ------------------------------
-def _reference(ctx, q, dout, lse, delta, kv, q_rank, k_rank, *, cfg: RingConfig):
-    def fn(q, dout, lse, delta, kv, q_rank, k_rank):
+def _reference(ctx, q, dout, lse, delta, k, v, q_rank, k_rank, *, cfg: RingConfig, grad_dtype):
+    def fn(q, dout, lse, delta, k, v, q_rank, k_rank):
         q_pos = reference.positions(q_rank, cfg.n, q.shape[1], cfg.layout)
-        k_pos = reference.positions(k_rank, cfg.n, kv.shape[2], cfg.layout)
+        k_pos = reference.positions(k_rank, cfg.n, k.shape[1], cfg.layout)
         dq, dk, dv = reference.attention_block_grads(
-            q, dout, lse, delta, kv[0], kv[1], q_pos, k_pos, causal=cfg.causal, scale=cfg.scale)
-        return dq, jnp.stack([dk, dv])
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, q, dout, lse, delta, kv, q_rank,
+            q, dout, lse, delta, k, v, q_pos, k_pos, causal=cfg.causal, scale=cfg.scale)
+        return dq, dk.astype(grad_dtype), dv.astype(grad_dtype)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, q, dout, lse, delta, k, v, q_rank,
                                                      k_rank)
 
 
 # ---- CUDA lowering -----------------------------------------------------------
-def _cuda(ctx, *args, cfg: RingConfig):
+def _cuda(ctx, *args, cfg: RingConfig, grad_dtype):
     # The kernel needs CUTLASS like the GEMMs: the same build check.
     if kernels_missing("attention_block_bwd", need_cutlass=True):  # sets up the runtime
-        return _reference(ctx, *args, cfg=cfg)
+        return _reference(ctx, *args, cfg=cfg, grad_dtype=grad_dtype)
     return jax.ffi.ffi_lowering("pk_attention_block_bwd")(
         ctx, *args, scale=np.float32(cfg.scale), causal=bool(cfg.causal),
         zigzag=cfg.layout == "zigzag", n=np.int64(cfg.n))

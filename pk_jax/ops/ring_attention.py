@@ -185,8 +185,8 @@ def _backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse):
         delta = delta - dlse.astype(f32)
     backward = (ring_bwd.fused_backward if cfg.bwd_transport == "pk"
                 else ring_bwd.ppermute_backward)
-    dq, dkv = backward(cfg, q, dout, lse.astype(f32), delta, jnp.stack([k, v]))
-    return dq.astype(q.dtype), dkv[0], dkv[1]
+    dq, dk, dv = backward(cfg, q, dout, lse.astype(f32), delta, k, v)
+    return dq.astype(q.dtype), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

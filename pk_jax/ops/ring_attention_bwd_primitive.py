@@ -4,16 +4,18 @@ the primitive of the fused backward whose transport is pk's.
 Both compute, for this rank's queries and every K/V block of the ring,
 
     q, dout [B, S, Hq, D]; lse, delta' [B, Hq, S] float32 (delta' =
-    rowsum(dout * out) - dlse); kv [2, B, T, Hkv, D] (this rank's K and V
-    stacked) -> dq [B, S, Hq, D] float32 (summed over the n blocks) and
-    dkv [2, B, T, Hkv, D] of kv's dtype (dK and dV of this rank's block,
-    summed over the n ranks' queries),
+    rowsum(dout * out) - dlse); k, v [B, T, Hkv, D] (this rank's block)
+    -> dq [B, S, Hq, D] float32 (summed over the n blocks) and dk, dv
+    [B, T, Hkv, D] of k's dtype (this rank's block, summed over the n
+    ranks' queries),
 
 with each K/V block travelling r -> r + 1 together with its partial dK/dV
 (every rank adds its queries' share in ring order) and one last hop home.
 
 `ppermute_backward`: the steps are `cfg.block_grads` (the block kernel
-primitive or einsums), the hops `lax.ppermute`s between them.
+primitive or einsums), the hops `lax.ppermute`s between them (K and V
+stacked, one collective per hop). A ring of one is one block call writing
+dk and dv in k's dtype: nothing to stack, sum or cast.
 
 `pk_ring_attention_bwd` (`fused_backward`, for block_grads "kernel" on
 rings of 2 or more): one FFI call per backward (xla_ffi/ring_attention_bwd.cc,
@@ -50,26 +52,26 @@ from pk_jax.ops.ring_attention_primitive import RingConfig
 STAMP_BYTES = 512  # kStampBytes (csrc/kernels/ring_attention_bwd/ring_attention_bwd.h)
 
 
-def _block_elems(kv_shape) -> int:
-    return int(np.prod(kv_shape))  # K and V: 2 * B * T * Hkv * D
+def _block_elems(k_shape) -> int:
+    return 2 * int(np.prod(k_shape))  # K and V: 2 * B * T * Hkv * D
 
 
-def region_bytes(n: int, kv_shape) -> int:
+def region_bytes(n: int, k_shape) -> int:
     """The fused call's staging region (Layout::region_bytes), the same for
     every ring size n: two K/V slots (input type; K/V travel hop by hop, one
     slot read by the step's kernel while the next block fills the other) and
     one fp32 partial dK/dV slot (it receives our own dK/dV at the end), i.e.
     8 bytes per element of one K block."""
     del n  # bounded: slots are reused under per-slot credits
-    e = _block_elems(kv_shape)
+    e = _block_elems(k_shape)
     return 2 * (2 * e) + 4 * e
 
 
-def scratch_bytes(kv_shape) -> int:
+def scratch_bytes(k_shape) -> int:
     """The fused call's local buffers (Layout::scratch_bytes): the stamp
     table, the block kernel's fp32 dK/dV, the partial we push on (fp32), the
     cast home value."""
-    e = _block_elems(kv_shape)
+    e = _block_elems(k_shape)
     return STAMP_BYTES + 4 * e + 4 * e + 2 * e
 
 
@@ -119,10 +121,13 @@ def _ring(cfg: RingConfig, kv, grads: Callable, axes, out_dtype):
     return dq, hop(dkv.astype(out_dtype))
 
 
-def ppermute_backward(cfg: RingConfig, q, dout, lse, delta, kv):
-    """(dq fp32, dkv of kv's dtype): the ring of `_ring` whose steps run
+def ppermute_backward(cfg: RingConfig, q, dout, lse, delta, k, v):
+    """(dq fp32, dk, dv of k's dtype): the ring of `_ring` whose steps run
     `cfg.block_grads` and whose hops are XLA collective-permutes."""
     rank = lax.axis_index(cfg.names)
+    if cfg.n == 1 and cfg.block_grads == "kernel":
+        # The whole ring is our own block: the kernel's gradients are final.
+        return block_bwd.block_bwd(q, dout, lse, delta, k, v, rank, rank, cfg, k.dtype)
     q_pos = reference.positions(rank, cfg.n, q.shape[1], cfg.layout)
 
     def grads(kvb, step):
@@ -130,14 +135,17 @@ def ppermute_backward(cfg: RingConfig, q, dout, lse, delta, kv):
         stacked) that started on rank - step."""
         k_rank = (rank - step) % cfg.n
         if cfg.block_grads == "kernel":
-            return block_bwd.block_bwd(q, dout, lse, delta, kvb, rank, k_rank, cfg)
-        k_pos = reference.positions(k_rank, cfg.n, kvb.shape[2], cfg.layout)
-        dq_s, dk_s, dv_s = reference.attention_block_grads(
-            q, dout, lse, delta, kvb[0], kvb[1], q_pos, k_pos, causal=cfg.causal,
-            scale=cfg.scale)
+            dq_s, dk_s, dv_s = block_bwd.block_bwd(q, dout, lse, delta, kvb[0], kvb[1], rank,
+                                                   k_rank, cfg)
+        else:
+            k_pos = reference.positions(k_rank, cfg.n, kvb.shape[2], cfg.layout)
+            dq_s, dk_s, dv_s = reference.attention_block_grads(
+                q, dout, lse, delta, kvb[0], kvb[1], q_pos, k_pos, causal=cfg.causal,
+                scale=cfg.scale)
         return dq_s, jnp.stack([dk_s, dv_s])
 
-    return _ring(cfg, kv, grads, reference.ring_axes(cfg.names, q), kv.dtype)
+    dq, dkv = _ring(cfg, jnp.stack([k, v]), grads, reference.ring_axes(cfg.names, q), k.dtype)
+    return dq, dkv[0], dkv[1]
 
 
 # ---- the fused call ------------------------------------------------------------
@@ -145,49 +153,49 @@ ring_attention_bwd_p = Primitive("pk_ring_attention_bwd")
 ring_attention_bwd_p.multiple_results = True
 
 
-def fused_backward(cfg: RingConfig, q, dout, lse, delta, kv):
-    """(dq fp32, dkv of kv's dtype) by one pk_ring_attention_bwd call
+def fused_backward(cfg: RingConfig, q, dout, lse, delta, k, v):
+    """(dq fp32, dk, dv of k's dtype) by one pk_ring_attention_bwd call
     (cfg.n >= 2, shapes the block kernel takes)."""
-    args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), kv,
+    args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), k, v,
             jnp.arange(cfg.n, dtype=jnp.int32))
     # One varying-axes type for all operands (shard_map's check_vma).
     axes = tuple(sorted(set(cfg.names).union(*(varying_axes(x) for x in args))))
     args = tuple(make_varying(x, axes) for x in args)
-    dq, dkv, _ = ring_attention_bwd_p.bind(*args, cfg=cfg)
-    return dq, dkv
+    dq, dk, dv, _ = ring_attention_bwd_p.bind(*args, cfg=cfg)
+    return dq, dk, dv
 
 
-def _abstract(q, dout, lse, delta, kv, ranks, *, cfg: RingConfig):
-    return (q.update(dtype=jnp.float32), kv.update(),
-            kv.update(shape=(scratch_bytes(kv.shape),), dtype=jnp.uint8))
+def _abstract(q, dout, lse, delta, k, v, ranks, *, cfg: RingConfig):
+    return (q.update(dtype=jnp.float32), k.update(), v.update(),
+            k.update(shape=(scratch_bytes(k.shape),), dtype=jnp.uint8))
 
 
-def _reference(ctx, q, dout, lse, delta, kv, ranks, *, cfg: RingConfig):
-    def fn(q, dout, lse, delta, kv, ranks):
-        dq, dkv = ppermute_backward(cfg, q, dout, lse, delta, kv)
-        scratch = make_varying(jnp.zeros((scratch_bytes(kv.shape),), jnp.uint8),
+def _reference(ctx, q, dout, lse, delta, k, v, ranks, *, cfg: RingConfig):
+    def fn(q, dout, lse, delta, k, v, ranks):
+        dq, dk, dv = ppermute_backward(cfg, q, dout, lse, delta, k, v)
+        scratch = make_varying(jnp.zeros((scratch_bytes(k.shape),), jnp.uint8),
                                reference.ring_axes(cfg.names, q))
-        return dq, dkv, scratch
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, q, dout, lse, delta, kv, ranks)
+        return dq, dk, dv, scratch
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, q, dout, lse, delta, k, v, ranks)
 
 
-def _cuda(ctx, q, dout, lse, delta, kv, ranks, *, cfg: RingConfig):
+def _cuda(ctx, q, dout, lse, delta, k, v, ranks, *, cfg: RingConfig):
     table = kernel_group(ctx, "ring_attention", cfg.names, cfg.n, need_cutlass=True,
                          forced=cfg.mechanism if cfg.forced else None)
     if table is None:
-        return _reference(ctx, q, dout, lse, delta, kv, ranks, cfg=cfg)
-    kv_shape = ctx.avals_in[4].shape
+        return _reference(ctx, q, dout, lse, delta, k, v, ranks, cfg=cfg)
+    k_shape = ctx.avals_in[4].shape
     try:
-        attr = channel_attr(table, "ring_attention_bwd", (), region_bytes(cfg.n, kv_shape))
+        attr = channel_attr(table, "ring_attention_bwd", (), region_bytes(cfg.n, k_shape))
     except PkJaxError as e:  # the staging region does not fit the workspace
-        warn_once(f"ring_attention_bwd-region-{kv_shape}",
+        warn_once(f"ring_attention_bwd-region-{k_shape}",
                   f"pk_jax.ring_attention: the fused backward's staging (8 bytes per element "
-                  f"of one K block, {region_bytes(cfg.n, kv_shape)} bytes, any ring size) does "
+                  f"of one K block, {region_bytes(cfg.n, k_shape)} bytes, any ring size) does "
                   f"not fit ({e}); this backward uses XLA's collective-permutes between the "
                   "block kernels")
-        return _reference(ctx, q, dout, lse, delta, kv, ranks, cfg=cfg)
+        return _reference(ctx, q, dout, lse, delta, k, v, ranks, cfg=cfg)
     return jax.ffi.ffi_lowering("pk_ring_attention_bwd")(
-        ctx, q, dout, lse, delta, kv, ranks, scale=np.float32(cfg.scale),
+        ctx, q, dout, lse, delta, k, v, ranks, scale=np.float32(cfg.scale),
         causal=bool(cfg.causal), zigzag=cfg.layout == "zigzag", **attr)
 
 

@@ -7,11 +7,12 @@
 //   k, v [B, T, Hkv, D], q_rank and k_rank (int32 scalars in device memory:
 //   the ranks that own the query block and the K/V block; read on the device,
 //   so a traced ring step needs no host round trip).
-// Outputs (fp32): dq [B, S, Hq, D] (zeroed here, then accumulated by TMA
+// Outputs: dq [B, S, Hq, D] fp32 (zeroed here, then accumulated by TMA
 //   reduce-adds from every K/V tile: the order of those fp32 adds varies from
 //   run to run, so dq is not bit-reproducible), dk and dv [B, T, Hkv, D]
 //   (summed over the query heads of each GQA group in registers and stored
-//   once: deterministic).
+//   once: deterministic), fp32 or the input type (dkv_in_input_type: a
+//   block whose dK/dV need no further sum, a ring of one).
 // Masks: causal compares global token positions (kv_walk.cuh's Geometry,
 //   the forward's definition: contiguous or zigzag over a ring of n).
 #pragma once
@@ -45,8 +46,9 @@ struct Params {
   // Add this block's dq to what dq holds (no zeroing first): the fused ring
   // backward accumulates every step's dq in one buffer.
   bool accumulate_dq = false;
-  float* dk = nullptr;          // [B, T, Hkv, D]
-  float* dv = nullptr;
+  void* dk = nullptr;           // [B, T, Hkv, D], fp32 or the input type
+  void* dv = nullptr;
+  bool dkv_in_input_type = false;
   int batch = 0, s_q = 0, s_kv = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   DType dtype = DType::kBF16;
   float scale = 1.0f;

@@ -1,7 +1,7 @@
 // The block backward kernel for one (element type, head dim): the FMHA
 // kernel skeleton of CUTLASS's Hopper example (one producer warpgroup, two
-// cooperative math warpgroups) around BwdMainloop, with our scheduler and an
-// fp32 dK/dV epilogue.
+// cooperative math warpgroups) around BwdMainloop, with our scheduler and a
+// dK/dV epilogue (fp32, or the input type for a block that needs no sum).
 //
 // Launch config: one CTA per (128-row K/V tile, batch, K/V head), 384
 // threads, K/V tiles in ascending order (causal: the earliest keys see the
@@ -11,7 +11,7 @@
 // Roles: warpgroup 0: warp 0 adds dQ tiles into global dq (TMA reduce-add),
 //   warp 1 loads K/V once and Q, lse, dO, delta' per visible query tile;
 //   warpgroups 1 and 2 each own 64 K/V rows: S, dP, P, dS, dV and dK
-//   (registers), warpgroup 2 also dQ over the CTA's 128 rows.
+//   (registers) and half of dQ over the CTA's 128 rows.
 // Entry point: Variant<type, head dim>::launch (attention_bwd.h).
 #pragma once
 
@@ -19,6 +19,9 @@
 #include <cutlass/numeric_types.h>
 #include <cutlass/kernel_hardware_info.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
+
+#include <cstdlib>
+#include <type_traits>
 
 #include "kernel/fmha_kernel_tma_warpspecialized.hpp"
 
@@ -58,22 +61,19 @@ struct KvTileScheduler {
   }
 };
 
-// dK and dV of one math warpgroup's 64 rows, fp32, straight from the
-// accumulators into [B, T, Hkv, D] (each CTA owns its rows: plain stores,
-// two adjacent columns per 8-byte store). No shared memory, no pipeline.
-// NaN instead while the device holds an error (`claim`, see Params).
-template <class TileShapeND>
+// dK and dV of one math warpgroup's 64 rows straight from the accumulators
+// into [B, T, Hkv, D] (each CTA owns its rows: plain stores of two adjacent
+// columns, 8 bytes as fp32, 4 in the input type). No shared memory, no
+// pipeline. NaN instead while the device holds an error (`claim`, see Params).
+template <class Element, class TileShapeND>
 struct KvGradEpilogue {
   struct Arguments {
-    float* dk;
-    float* dv;
+    void* dk;
+    void* dv;
+    bool in_input_type;  // Element instead of fp32
     const int32_t* claim;
   };
-  struct Params {
-    float* dk;
-    float* dv;
-    const int32_t* claim;
-  };
+  using Params = Arguments;
   struct TensorStorage {};
   using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
   using PipelineStorage = typename LoadPipeline::SharedStorage;
@@ -81,7 +81,7 @@ struct KvGradEpilogue {
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
-    return Params{a.dk, a.dv, a.claim};
+    return a;
   }
 
   template <class TileShape, class BlkCoord, class Result, class TiledMma, class ProblemShape>
@@ -98,19 +98,33 @@ struct KvGradEpilogue {
     Tensor coords = thr.partition_C(make_identity_tensor(make_shape(Int<kRows>{}, Int<kDim>{})));
     const bool failed = device_failed(p.claim);
     const float nan = __int_as_float(0x7fc00000);
-    auto store = [&](auto const& acc, float* base) {
+    auto store = [&](auto const& acc, void* base, auto elem) {
+      using T = decltype(elem);
+      using Pair = std::conditional_t<std::is_same_v<T, float>, float2, cutlass::Array<T, 2>>;
       static_assert(size(decltype(acc){}) % 2 == 0);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc); i += 2) {
         auto c = coords(i);  // accumulator pairs are adjacent columns
         const int row = row0 + int(get<0>(c));
-        float* dst = base + ((size_t(b) * t_rows + row) * heads + h) * kDim + int(get<1>(c));
-        *reinterpret_cast<float2*>(dst) =
-            failed ? make_float2(nan, nan) : make_float2(acc(i), acc(i + 1));
+        const size_t at = ((size_t(b) * t_rows + row) * heads + h) * kDim + int(get<1>(c));
+        const float x = failed ? nan : acc(i), y = failed ? nan : acc(i + 1);
+        Pair v;
+        if constexpr (std::is_same_v<T, float>) {
+          v = make_float2(x, y);
+        } else {
+          v[0] = T(x);
+          v[1] = T(y);
+        }
+        *reinterpret_cast<Pair*>(static_cast<T*>(base) + at) = v;
       }
     };
-    store(get<0>(result), p.dk);
-    store(get<1>(result), p.dv);
+    if (p.in_input_type) {
+      store(get<0>(result), p.dk, Element{});
+      store(get<1>(result), p.dv, Element{});
+    } else {
+      store(get<0>(result), p.dk, float{});
+      store(get<1>(result), p.dv, float{});
+    }
   }
 };
 
@@ -127,11 +141,11 @@ struct BwdTiles<64> {
   using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
 };
 
-template <typename Element, int kHeadDim>
+template <typename Element, int kHeadDim, bool kAlternateDq = false>
 struct BwdKernel {
   using TileShape = typename BwdTiles<kHeadDim>::Shape;
-  using Mainloop = BwdMainloop<Element, TileShape>;
-  using Epilogue = KvGradEpilogue<typename Mainloop::TileShapeND>;
+  using Mainloop = BwdMainloop<Element, TileShape, kAlternateDq>;
+  using Epilogue = KvGradEpilogue<Element, typename Mainloop::TileShapeND>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, KvTileScheduler>;
   static_assert(cute::get<0>(TileShape{}) == tile_q(kHeadDim), "host checks use tile_q()");
   static_assert(cute::get<1>(TileShape{}) == kTileKv, "host checks use kTileKv");
@@ -154,7 +168,7 @@ struct BwdKernel {
          typename Mainloop::Stride3{int64_t(p.q_heads) * p.s_q, int64_t(p.s_q), cute::_1{}},
          p.delta, p.dq,
          stride(p.s_q, p.q_heads), bwd},
-        {p.dk, p.dv, p.claim},
+        {p.dk, p.dv, p.dkv_in_input_type, p.claim},
         cutlass::KernelHardwareInfo{}};
   }
 
@@ -174,6 +188,16 @@ struct BwdKernel {
 
 template <DType kType, int kHeadDim>
 using VariantKernel = BwdKernel<typename CutlassType<kType>::Type, kHeadDim>;
+// EXPERIMENT (A/B, one build): PK_BWD_ALT_DQ=1 runs the alternating dQ.
+template <DType kType, int kHeadDim>
+using VariantKernelOld = BwdKernel<typename CutlassType<kType>::Type, kHeadDim, true>;
+inline bool experiment_old() {
+  static const bool alt = [] {
+    const char* e = std::getenv("PK_BWD_ALT_DQ");
+    return e != nullptr && e[0] == '1';
+  }();
+  return alt;
+}
 
 template <DType kType, int kHeadDim>
 cudaError_t Variant<kType, kHeadDim>::check(const Params& p) {
@@ -182,11 +206,14 @@ cudaError_t Variant<kType, kHeadDim>::check(const Params& p) {
 
 template <DType kType, int kHeadDim>
 cudaError_t Variant<kType, kHeadDim>::launch(const Params& p) {
+  if (experiment_old()) return VariantKernelOld<kType, kHeadDim>::launch(p);
   return VariantKernel<kType, kHeadDim>::launch(p);
 }
 
 template <DType kType, int kHeadDim>
 cudaError_t Variant<kType, kHeadDim>::load() {
+  using Old = typename VariantKernelOld<kType, kHeadDim>::Kernel;
+  PK_CUDA_TRY(fmha_launch::load_kernel<Old>());
   return fmha_launch::load_kernel<typename VariantKernel<kType, kHeadDim>::Kernel>();
 }
 

@@ -16,34 +16,23 @@ uint64_t* stamps(const Params& p) {
 }
 
 // The block kernel's arguments at step s: our queries against B_s (the block
-// of rank r - s), its dK/dV into `dkv` (fp32), dq zeroed at step 0.
+// of rank r - s: our own k and v at step 0, else slot s % 2 of our region),
+// its dK/dV into `dkv` (fp32, dK then dV), dq zeroed at step 0.
 attention_bwd::Params block(const Params& p, int s, float* dkv) {
   const Layout L = p.layout();
   const int r = p.ch.rank, n = p.ch.n;
-  attention_bwd::Params b;
-  b.q = p.q;
-  b.dout = p.dout;
-  b.lse = p.lse;
-  b.delta = p.delta;
-  b.k = s == 0 ? p.kv : static_cast<const void*>(p.region[r] + L.kv_slot(s));
-  b.v = static_cast<const char*>(b.k) + L.kv_bytes / 2;
+  attention_bwd::Params b = p.block;
+  if (s > 0) {
+    b.k = p.region[r] + L.kv_slot(s);
+    b.v = static_cast<const char*>(b.k) + L.kv_bytes / 2;
+  }
   b.q_rank = p.ranks + r;
   b.k_rank = p.ranks + ring(r - s, n);
   b.dq = p.dq;
   b.accumulate_dq = s > 0;
   b.dk = dkv;
-  b.dv = dkv + L.partial_bytes / 2 / sizeof(float);
-  b.batch = p.batch;
-  b.s_q = p.s_q;
-  b.s_kv = p.s_kv;
-  b.q_heads = p.q_heads;
-  b.kv_heads = p.kv_heads;
-  b.head_dim = p.head_dim;
-  b.dtype = p.dtype;
-  b.scale = p.scale;
-  b.causal = p.causal;
-  b.zigzag = p.zigzag;
-  b.n = n;
+  b.dv = dkv == nullptr ? nullptr : dkv + L.partial_bytes / 2 / sizeof(float);
+  b.dkv_in_input_type = false;
   b.claim = p.ch.wait.claim;
   b.stream = p.stream;
   return b;
@@ -96,6 +85,17 @@ cudaError_t side_step(const Params& p, const Posts& P, int s, const float* acc,
   return cudaSuccess;
 }
 
+// Our k and v into next's slot 1 (K then V, as a slot holds them), then post
+// kv(1) there.
+cudaError_t push_own_block(const Params& p, const Posts& P) {
+  const Layout L = p.layout();
+  const int next = ring(p.ch.rank + 1, p.ch.n);
+  const size_t half = L.kv_bytes / 2;
+  PK_CUDA_TRY(cudaMemcpyAsync(p.region[next] + L.kv_slot(1), p.block.k, half,
+                              cudaMemcpyDeviceToDevice, p.side_stream));
+  return push(p, p.block.v, L.kv_slot(1) + half, half, P.kv[1]);
+}
+
 // Everything up to the join (*forked once the side stream waits on ours).
 cudaError_t enqueue(const Params& p, bool* forked) {
   const Layout L = p.layout();
@@ -115,7 +115,7 @@ cudaError_t enqueue(const Params& p, bool* forked) {
   PK_CUDA_TRY(cudaEventRecord(p.fork, p.stream));
   PK_CUDA_TRY(cudaStreamWaitEvent(p.side_stream, p.fork, 0));
   *forked = true;
-  PK_CUDA_TRY(push(p, p.kv, L.kv_slot(1), L.kv_bytes, P.kv[1]));  // our block: next's B_1
+  PK_CUDA_TRY(push_own_block(p, P));  // next's B_1
 
   // Step 0: our own block; its contribution is the whole partial so far.
   PK_CUDA_TRY(attention_bwd::run(block(p, 0, acc)));
@@ -128,11 +128,14 @@ cudaError_t enqueue(const Params& p, bool* forked) {
     if (s < n - 1)
       PK_CUDA_TRY(add_partial(acc, partial, grads, elems, claim, p.stream));
     else
-      PK_CUDA_TRY(add_cast(home_value, p.dtype, partial, grads, elems, claim, p.stream));
+      PK_CUDA_TRY(add_cast(home_value, p.block.dtype, partial, grads, elems, claim, p.stream));
     PK_CUDA_TRY(side_step(p, P, s, acc, home_value));
   }
   PK_CUDA_TRY(signals::wait_stamp(p.ch, prev, P.home, P.count, p.stream));  // ours came home
-  return cudaMemcpyAsync(p.dkv, mine + L.partial(), L.kv_bytes, cudaMemcpyDeviceToDevice,
+  const size_t half = L.kv_bytes / 2;
+  PK_CUDA_TRY(cudaMemcpyAsync(p.dk, mine + L.partial(), half, cudaMemcpyDeviceToDevice,
+                              p.stream));
+  return cudaMemcpyAsync(p.dv, mine + L.partial() + half, half, cudaMemcpyDeviceToDevice,
                          p.stream);
 }
 
@@ -141,8 +144,8 @@ cudaError_t enqueue(const Params& p, bool* forked) {
 bool available() { return attention_bwd::available(); }
 
 bool supported(const Params& p) {
-  return p.ch.n >= 2 && p.ch.n <= kMaxRanks && p.ranks != nullptr && p.scratch != nullptr &&
-         attention_bwd::supported(block(p, 0, nullptr));
+  return p.ch.n >= 2 && p.ch.n <= kMaxRanks && p.block.n == p.ch.n && p.ranks != nullptr &&
+         p.scratch != nullptr && attention_bwd::supported(block(p, 0, nullptr));
 }
 
 cudaError_t run(const Params& p) {
@@ -152,9 +155,11 @@ cudaError_t run(const Params& p) {
   PK_CUDA_TRY(attention_bwd::check(
       block(p, 0, reinterpret_cast<float*>(p.scratch + p.layout().scratch_acc()))));
   const Layout L = p.layout();
-  signals::Outputs out(p.dq, size_t(p.batch) * size_t(p.s_q) * size_t(p.q_heads) *
-                                 size_t(p.head_dim) * sizeof(float));
-  out.add(p.dkv, L.kv_bytes);
+  const attention_bwd::Params& b = p.block;
+  signals::Outputs out(p.dq, size_t(b.batch) * size_t(b.s_q) * size_t(b.q_heads) *
+                                 size_t(b.head_dim) * sizeof(float));
+  out.add(p.dk, L.kv_bytes / 2);
+  out.add(p.dv, L.kv_bytes / 2);
   bool forked = false;
   const cudaError_t err = enqueue(p, &forked);
   if (forked) {

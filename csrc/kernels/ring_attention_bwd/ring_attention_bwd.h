@@ -21,9 +21,9 @@
 //          acc = partial slot + grads (the last step: cast to the input type
 //          into home_value); then let the side stream go on (event). At the
 //          end: wait posted[prev] >= home (our dK/dV, in our partial slot),
-//          copy it into dkv, join, finish (done[r] = e to every peer; dq and
-//          dkv poisoned if the call failed).
-//   side:  first our kv into next's slot 1, post kv(1); then after main's
+//          copy it into dk and dv, join, finish (done[r] = e to every peer;
+//          dq, dk and dv poisoned if the call failed).
+//   side:  first our k and v into next's slot 1, post kv(1); then after main's
 //          step s: (s >= 1) post credit(s) to prev (our partial slot and K/V
 //          slot s % 2 are free: the add read the first, the kernel and our
 //          forward of B_s the second), wait next's credit(s) (marking next's
@@ -52,7 +52,7 @@
 // Safe aborts: a failed wait claims the device's error; the block kernel
 // (dK/dV, dq fill), the adds and the forwarded K/V then carry NaN on to the
 // peers, a failed credit wait marks the peer clobbered, and finish poisons
-// dq and dkv. A CUDA error from an enqueue joins the streams and finishes
+// dq, dk and dv. A CUDA error from an enqueue joins the streams and finishes
 // the call as aborted.
 #pragma once
 
@@ -61,6 +61,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/common/dtype.h"
 #include "pk/channel.h"
 #include "pk/layout.h"
@@ -101,7 +102,7 @@ static_assert((3 * kMaxRanks - 2) * sizeof(uint64_t) <= kStampBytes, "stamps fit
 // Byte offsets of the region and the scratch buffer, from the shapes.
 struct Layout {
   int n = 2;
-  size_t kv_bytes = 0;       // one stacked K/V block [2, B, T, Hkv, D] (input type)
+  size_t kv_bytes = 0;       // one K/V block, K then V [2, B, T, Hkv, D] (input type)
   size_t partial_bytes = 0;  // its dK/dV in fp32
 
   size_t kv_slot(int s) const { return size_t(s % 2) * kv_bytes; }
@@ -122,20 +123,17 @@ inline Layout make_layout(int n, int batch, int s_kv, int kv_heads, int head_dim
 }
 
 struct Params {
-  const void* q = nullptr;      // [B, S, Hq, D]
-  const void* dout = nullptr;   // [B, S, Hq, D]
-  const float* lse = nullptr;   // [B, Hq, S]
-  const float* delta = nullptr; // [B, Hq, S]: rowsum(dout * out) - dlse
-  const void* kv = nullptr;     // our block, K and V stacked [2, B, T, Hkv, D]
+  // Our queries against our own block (attention_bwd::Params): q, dout,
+  // lse, delta' (rowsum(dout * out) - dlse), k and v [B, T, Hkv, D], the
+  // dimensions, type, scale, mask and ring size. Each step's kernel takes
+  // it with that step's K/V, ranks and outputs (the rest of its fields are
+  // set per step).
+  attention_bwd::Params block;
   const int32_t* ranks = nullptr;  // device table ranks[i] = i, i < n (the kernel's rank scalars)
   float* dq = nullptr;          // [B, S, Hq, D]
-  void* dkv = nullptr;          // [2, B, T, Hkv, D], input type
+  void* dk = nullptr;           // [B, T, Hkv, D], input type
+  void* dv = nullptr;
   char* scratch = nullptr;      // Layout::scratch_bytes()
-  int batch = 0, s_q = 0, s_kv = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
-  DType dtype = DType::kBF16;
-  float scale = 1.0f;
-  bool causal = false;
-  bool zigzag = false;
   bool skip_post = false;       // testing: push the data but never post it
   Channel ch{};
   char* region[kMaxRanks] = {};
@@ -144,12 +142,15 @@ struct Params {
   cudaEvent_t fork = nullptr;
   cudaEvent_t join = nullptr;
 
-  Layout layout() const { return make_layout(ch.n, batch, s_kv, kv_heads, head_dim); }
+  Layout layout() const {
+    return make_layout(ch.n, block.batch, block.s_kv, block.kv_heads, block.head_dim);
+  }
 };
 
 // False when the extension was built without CUTLASS.
 bool available();
-// n >= 2 and what the block kernel takes (attention_bwd::supported).
+// n >= 2, the ring size of `block`, and what the block kernel takes
+// (attention_bwd::supported).
 bool supported(const Params& p);
 cudaError_t run(const Params& p);
 
