@@ -27,12 +27,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import pk_jax  # noqa: E402
 from pk_jax import runtime  # noqa: E402
 from all_reduce_checks import run_multiprocess_checks  # noqa: E402
-from multiprocess_util import check, local, peer_never_posts, two_process_setup  # noqa: E402
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+from multiprocess_util import (check, local, peer_never_posts, rel, ring_inputs,  # noqa: E402
+                               ring_vjp, two_process_setup)
 
 
 def main() -> None:
@@ -116,35 +112,13 @@ def main() -> None:
     print("GPU_MULTIPROCESS_DONE", flush=True)
 
 
-def _ring_inputs(rng, bf, layout, cpu):
-    """(q, k, v) bf16-representable float32 global arrays, their bf16
-    shards in ring order (zigzag reordered), and a cotangent."""
-    s, hq, hkv, hd = 2 * 512, 8, 2, 128
-    q, k, v, cot = (rng.standard_normal((1, s, h, hd)).astype(np.float32)
-                    for h in (hq, hkv, hkv, hq))
-    q, k, v = (np.asarray(bf(a), np.float32) for a in (q, k, v))
-    def order(a):  # global array -> the order its contiguous shards take
-        if layout != "zigzag":
-            return a
-        with jax.default_device(cpu):
-            return np.asarray(pk_jax.zigzag_shard(jnp.asarray(a), 2))
-    return (q, k, v), order, cot
-
-
-def _ring_vjp(mesh, mechanism, layout):
-    """shard_map'd ring attention over "x" (sequence dim 1)."""
-    return jax.shard_map(lambda q, k, v: pk_jax.ring_attention(
-        q, k, v, "x", causal=True, layout=layout, mechanism=mechanism),
-        mesh=mesh, in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"), check_vma=False)
-
-
 def _ring_grads(mesh, put, cpu, rng, bf):
     """Gradients of ring attention (both forward mechanisms, both layouts;
     the backward is the fused pk_ring_attention_bwd call) against the
     float32 dense reference, with the tolerance of the gradient checks."""
     for mechanism, layout in (("copy_engine", "contiguous"), ("ld_st", "zigzag")):
-        (q, k, v), order, cot = _ring_inputs(rng, bf, layout, cpu)
-        ring_sm = _ring_vjp(mesh, mechanism, layout)
+        (q, k, v), order, cot = ring_inputs(rng, 2, layout, bf, cpu)
+        ring_sm = ring_vjp(mesh, mechanism, layout)
         seq = [put(bf(order(a)), P(None, "x")) for a in (q, k, v)]
         grad = jax.jit(lambda c, *a: jax.vjp(ring_sm, *a)[1](c))
         c = put(bf(order(cot)), P(None, "x"))
@@ -193,8 +167,8 @@ def _ring_grads_timeout(mesh, put, cpu, rng, bf):
     """The fused backward with rank 1 never posting (the forward ran
     normally before): rank 0's waits give up, its gradients are NaN,
     check_errors raises on both processes, and the next backward is right."""
-    (q, k, v), order, cot = _ring_inputs(rng, bf, "contiguous", cpu)
-    ring_sm = _ring_vjp(mesh, "copy_engine", "contiguous")
+    (q, k, v), order, cot = ring_inputs(rng, 2, "contiguous", bf, cpu)
+    ring_sm = ring_vjp(mesh, "copy_engine", "contiguous")
     seq = [put(bf(a), P(None, "x")) for a in (q, k, v)]
     c = put(bf(cot), P(None, "x"))
     _, vjp_fn = jax.jit(lambda *a: jax.vjp(ring_sm, *a))(*seq)  # the forward, normally

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import glob
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes may share a GPU
 
@@ -31,17 +30,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
 from pk_jax import runtime  # noqa: E402
-
-
-def check(cond, what):
-    print(("OK " if cond else "FAILED ") + what, flush=True)
-    if not cond:
-        sys.exit(1)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+from multiprocess_util import check, rel, ring_inputs, ring_vjp  # noqa: E402
 
 
 def main() -> None:
@@ -59,24 +48,6 @@ def main() -> None:
         a = np.asarray(a)
         return jax.make_array_from_callback(a.shape, NamedSharding(mesh, spec), lambda i: a[i])
 
-    def inputs(layout):
-        s, hq, hkv, hd = n * 512, 8, 2, 128  # the 2-process check's per-rank shape
-        q, k, v, cot = (rng.standard_normal((1, s, h, hd)).astype(np.float32)
-                        for h in (hq, hkv, hkv, hq))
-        q, k, v = (np.asarray(bf(a), np.float32) for a in (q, k, v))
-
-        def order(a):  # global array -> the order its contiguous shards take
-            if layout != "zigzag":
-                return a
-            with jax.default_device(cpu):
-                return np.asarray(pk_jax.zigzag_shard(jnp.asarray(a), n))
-        return (q, k, v), order, cot
-
-    def ring_vjp(mechanism, layout):
-        return jax.shard_map(lambda q, k, v: pk_jax.ring_attention(
-            q, k, v, "x", causal=True, layout=layout, mechanism=mechanism),
-            mesh=mesh, in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"), check_vma=False)
-
     def reference(q, k, v, cot):
         with jax.default_device(cpu):
             return jax.vjp(lambda *a: jax.nn.dot_product_attention(*a, is_causal=True),
@@ -87,8 +58,8 @@ def main() -> None:
         return shard.index, np.asarray(shard.data, np.float32)
 
     for mechanism, layout in (("copy_engine", "contiguous"), ("ld_st", "zigzag")):
-        (q, k, v), order, cot = inputs(layout)
-        ring_sm = ring_vjp(mechanism, layout)
+        (q, k, v), order, cot = ring_inputs(rng, n, layout, bf, cpu)
+        ring_sm = ring_vjp(mesh, mechanism, layout)
         seq = [put(bf(order(a)), P(None, "x")) for a in (q, k, v)]
         c = put(bf(order(cot)), P(None, "x"))
         grad = jax.jit(lambda c, *a: jax.vjp(ring_sm, *a)[1](c))
@@ -109,8 +80,8 @@ def main() -> None:
 
     # The last rank never posts: its neighbours' waits give up (NaN), every
     # process raises, and the next call is right.
-    (q, k, v), order, cot = inputs("contiguous")
-    ring_sm = ring_vjp("copy_engine", "contiguous")
+    (q, k, v), order, cot = ring_inputs(rng, n, "contiguous", bf, cpu)
+    ring_sm = ring_vjp(mesh, "copy_engine", "contiguous")
     seq = [put(bf(a), P(None, "x")) for a in (q, k, v)]
     c = put(bf(cot), P(None, "x"))
     _, vjp_fn = jax.jit(lambda *a: jax.vjp(ring_sm, *a))(*seq)

@@ -1,8 +1,10 @@
 """Plumbing of the multi-process GPU check scripts (gpu_multiprocess_check.py,
-all_reduce_checks.py), one process each, started by `python -m pk_jax.launch
--n 2 --gpus-per-process 0 SCRIPT`: the 2-device mesh, inputs built from
-this process's shard (no collective), one line per check, and the
-timeout-then-recovery check every op's failed wait must pass."""
+all_reduce_checks.py, gpu_ring_bwd_check.py), one process each, started by
+`python -m pk_jax.launch -n N --gpus-per-process 0 SCRIPT`: one line per
+check; for the 2-process scripts the 2-device mesh, inputs built from this
+process's shard (no collective) and the timeout-then-recovery check every
+op's failed wait must pass; the ring attention inputs and shard_map of the
+ring-backward checks (any ring size)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import sys
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
@@ -25,6 +29,12 @@ def check(cond, what: str) -> None:
     print(("OK " if cond else "FAILED ") + what, flush=True)
     if not cond:
         sys.exit(1)
+
+
+def rel(a, b) -> float:
+    """Relative error of a against b (float64 norms)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def local(out) -> tuple:
@@ -70,3 +80,29 @@ def peer_never_posts(what: str, names_op: Callable[[str], bool] | None = None):
         check(names_op is None or names_op(str(e)),
               f"{what}: check_errors raises on every process after a timeout "
               f"({str(e)[:80]}...)")
+
+
+def ring_inputs(rng, n: int, layout: str, bf: Callable, cpu) -> tuple:
+    """((q, k, v), order, cot) for a ring of n ranks, 512 rows of sequence
+    each: q, k, v bf16-representable float32 global arrays (`bf` rounds to
+    bf16); order maps a global array to the order its contiguous shards take
+    (zigzag reordered, on the host's `cpu`, with layout "zigzag"; else
+    unchanged); cot a float32 cotangent."""
+    s, hq, hkv, hd = n * 512, 8, 2, 128
+    q, k, v, cot = (rng.standard_normal((1, s, h, hd)).astype(np.float32)
+                    for h in (hq, hkv, hkv, hq))
+    q, k, v = (np.asarray(bf(a), np.float32) for a in (q, k, v))
+
+    def order(a):  # global array -> the order its contiguous shards take
+        if layout != "zigzag":
+            return a
+        with jax.default_device(cpu):
+            return np.asarray(pk_jax.zigzag_shard(jnp.asarray(a), n))
+    return (q, k, v), order, cot
+
+
+def ring_vjp(mesh: Mesh, mechanism: str, layout: str) -> Callable:
+    """shard_map'd causal ring attention over "x" (sequence dim 1)."""
+    return jax.shard_map(lambda q, k, v: pk_jax.ring_attention(
+        q, k, v, "x", causal=True, layout=layout, mechanism=mechanism),
+        mesh=mesh, in_specs=(P(None, "x"),) * 3, out_specs=P(None, "x"), check_vma=False)

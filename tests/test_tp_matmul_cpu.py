@@ -1,6 +1,8 @@
 """all_gather_matmul / matmul_reduce_scatter on 8 fake CPU devices: values
 and gradients against the unsharded computation, shapes, and input checks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,21 +79,26 @@ def test_mlp_pair_gradients_match_xla(rng):
         assert rel_err(ours, ref) < 1e-5
 
 
+def _gathered_output_loss(mesh, pk, x, w):
+    """sum(out ** 2) + sum(cos(gathered)) in fp32, from all_gather_matmul with
+    return_gathered (pk) or from XLA's all_gather and dot (fp32 accumulation,
+    rounded to the input dtype)."""
+    def body(x, w):
+        if pk:
+            out, g = pk_jax.all_gather_matmul(x, w, "tp", return_gathered=True)
+        else:
+            g = lax.all_gather(x, "tp", tiled=True)
+            out = jnp.dot(g, w, preferred_element_type=jnp.float32).astype(g.dtype)
+        return (jnp.sum(out.astype(jnp.float32) ** 2)[None]
+                + jnp.sum(jnp.cos(g.astype(jnp.float32)))[None])
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P("tp"))
+    return jnp.sum(f(x, w))
+
+
 def test_gradient_through_gathered_output(rng):
     mesh = cpu_mesh((4,), ("tp",))
     x, w = _normal(rng, (16, 8)), _normal(rng, (8, 16))
-
-    def loss(pk, x, w):
-        def body(x, w):
-            if pk:
-                out, g = pk_jax.all_gather_matmul(x, w, "tp", return_gathered=True)
-            else:
-                g = lax.all_gather(x, "tp", tiled=True)
-                out = g @ w
-            return jnp.sum(out ** 2)[None] + jnp.sum(jnp.cos(g))[None]
-        f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P("tp"))
-        return jnp.sum(f(x, w))
-
+    loss = functools.partial(_gathered_output_loss, mesh)
     for ours, ref in zip(jax.grad(lambda *a: loss(True, *a), (0, 1))(x, w),
                          jax.grad(lambda *a: loss(False, *a), (0, 1))(x, w)):
         assert rel_err(ours, ref) < 1e-5
@@ -223,19 +230,7 @@ def test_fused_backward_through_gathered_output(rng):
     cotangent is scattered onto the fused call's dx."""
     mesh = cpu_mesh((4,), ("tp",))
     x, w = _normal(rng, (16, 16), jnp.bfloat16), _normal(rng, (16, 64), jnp.bfloat16) / 4
-
-    def loss(pk, x, w):
-        def body(x, w):
-            if pk:
-                out, g = pk_jax.all_gather_matmul(x, w, "tp", return_gathered=True)
-            else:
-                g = lax.all_gather(x, "tp", tiled=True)
-                out = jnp.dot(g, w, preferred_element_type=jnp.float32).astype(g.dtype)
-            return (jnp.sum(out.astype(jnp.float32) ** 2)[None]
-                    + jnp.sum(jnp.cos(g.astype(jnp.float32)))[None])
-        f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P("tp"))
-        return jnp.sum(f(x, w))
-
+    loss = functools.partial(_gathered_output_loss, mesh)
     g = jax.jit(jax.grad(lambda *a: loss(True, *a), (0, 1)))
     assert "pk_all_gather_matmul_bwd" in _primitives(jax.make_jaxpr(g)(x, w).jaxpr)
     ours = g(x, w)

@@ -184,6 +184,19 @@ def weight_grad(act, rows, dtype):
                            preferred_element_type=jnp.float32).astype(dtype)
 
 
+def _bwd_cuda(ctx, operands, *, cfg: TpConfig, op: str, sequence: str, slot, ffi_lowering,
+              reference_lowering):
+    """The CUDA lowering of op's backward: `ffi_lowering` (its FFI call) with
+    the channel of `sequence`, the op whose host sequence it runs (its region
+    n slots of `slot`: rows, cols, dtype); `reference_lowering` where the
+    kernels do not run op."""
+    table = _group(ctx, op, cfg)
+    if table is None:
+        return reference_lowering(ctx, *operands, cfg=cfg)
+    attr = channel_attr(table, sequence, None, _region_bytes(cfg.n, *slot))
+    return ffi_lowering(ctx, *operands, **attr)
+
+
 def _ag_bwd_abstract(dy, w, gathered, *, cfg: TpConfig):
     k = w.shape[0]
     return (dy.update(shape=(dy.shape[0] // cfg.n, k), dtype=cfg.out_dtype),
@@ -200,14 +213,12 @@ def _ag_bwd_reference(ctx, dy, w, gathered, *, cfg: TpConfig):
 def _ag_bwd_cuda(ctx, dy, w, gathered, *, cfg: TpConfig):
     """matmul_reduce_scatter's sequence and channel (dy @ w^T scattered),
     the dW GEMM before its wait."""
-    table = _group(ctx, "all_gather_matmul", cfg)
-    if table is None:
-        return _ag_bwd_reference(ctx, dy, w, gathered, cfg=cfg)
     dy_aval, w_aval = ctx.avals_in[:2]
-    attr = channel_attr(table, "matmul_reduce_scatter", None,
-                        _region_bytes(cfg.n, dy_aval.shape[0] // cfg.n, w_aval.shape[0],
-                                      cfg.out_dtype))
-    return jax.ffi.ffi_lowering("pk_all_gather_matmul_bwd")(ctx, dy, w, gathered, **attr)
+    return _bwd_cuda(ctx, (dy, w, gathered), cfg=cfg, op="all_gather_matmul",
+                     sequence="matmul_reduce_scatter",
+                     slot=(dy_aval.shape[0] // cfg.n, w_aval.shape[0], cfg.out_dtype),
+                     ffi_lowering=jax.ffi.ffi_lowering("pk_all_gather_matmul_bwd"),
+                     reference_lowering=_ag_bwd_reference)
 
 
 def _rs_bwd_abstract(dy, w, x, *, cfg: TpConfig):
@@ -225,28 +236,23 @@ def _rs_bwd_reference(ctx, dy, w, x, *, cfg: TpConfig):
 def _rs_bwd_cuda(ctx, dy, w, x, *, cfg: TpConfig):
     """all_gather_matmul's sequence and channel (dy gathered, @ w^T), the dW
     GEMM on the gathered dy at the end."""
-    table = _group(ctx, "matmul_reduce_scatter", cfg)
-    if table is None:
-        return _rs_bwd_reference(ctx, dy, w, x, cfg=cfg)
     dy_aval = ctx.avals_in[0]
-    m, n_cols = dy_aval.shape
-    attr = channel_attr(table, "all_gather_matmul", None,
-                        _region_bytes(cfg.n, m, n_cols, dy_aval.dtype))
-    return jax.ffi.ffi_lowering("pk_matmul_reduce_scatter_bwd")(ctx, dy, w, x, **attr)
+    return _bwd_cuda(ctx, (dy, w, x), cfg=cfg, op="matmul_reduce_scatter",
+                     sequence="all_gather_matmul", slot=(*dy_aval.shape, dy_aval.dtype),
+                     ffi_lowering=jax.ffi.ffi_lowering("pk_matmul_reduce_scatter_bwd"),
+                     reference_lowering=_rs_bwd_reference)
 
 
-all_gather_matmul_p.def_abstract_eval(_ag_abstract)
-mlir.register_lowering(all_gather_matmul_p, _ag_reference)
-mlir.register_lowering(all_gather_matmul_p, _ag_cuda, platform="cuda")
-matmul_reduce_scatter_p.def_abstract_eval(_rs_abstract)
-mlir.register_lowering(matmul_reduce_scatter_p, _rs_reference)
-mlir.register_lowering(matmul_reduce_scatter_p, _rs_cuda, platform="cuda")
-matmul_all_reduce_p.def_abstract_eval(_ar_abstract)
-mlir.register_lowering(matmul_all_reduce_p, _ar_reference)
-mlir.register_lowering(matmul_all_reduce_p, _ar_cuda, platform="cuda")
-all_gather_matmul_bwd_p.def_abstract_eval(_ag_bwd_abstract)
-mlir.register_lowering(all_gather_matmul_bwd_p, _ag_bwd_reference)
-mlir.register_lowering(all_gather_matmul_bwd_p, _ag_bwd_cuda, platform="cuda")
-matmul_reduce_scatter_bwd_p.def_abstract_eval(_rs_bwd_abstract)
-mlir.register_lowering(matmul_reduce_scatter_bwd_p, _rs_bwd_reference)
-mlir.register_lowering(matmul_reduce_scatter_bwd_p, _rs_bwd_cuda, platform="cuda")
+def _register(prim, abstract, reference_lowering, cuda_lowering):
+    """The abstract evaluation, the reference lowering everywhere and the
+    kernels' on CUDA."""
+    prim.def_abstract_eval(abstract)
+    mlir.register_lowering(prim, reference_lowering)
+    mlir.register_lowering(prim, cuda_lowering, platform="cuda")
+
+
+_register(all_gather_matmul_p, _ag_abstract, _ag_reference, _ag_cuda)
+_register(matmul_reduce_scatter_p, _rs_abstract, _rs_reference, _rs_cuda)
+_register(matmul_all_reduce_p, _ar_abstract, _ar_reference, _ar_cuda)
+_register(all_gather_matmul_bwd_p, _ag_bwd_abstract, _ag_bwd_reference, _ag_bwd_cuda)
+_register(matmul_reduce_scatter_bwd_p, _rs_bwd_abstract, _rs_bwd_reference, _rs_bwd_cuda)

@@ -25,19 +25,11 @@
 namespace pk::tp_matmul {
 namespace {
 
+// Rank q's rows (at `rows`) @ w -> q's rows of out.
 gemm::Problem rows_problem(const Params& p, const void* rows, int q) {
-  gemm::Problem g;
-  g.m = p.m;
-  g.n = p.n_cols;
-  g.k = p.k;
-  g.a = rows;
-  g.b = p.w;
-  g.b_transposed = p.w_transposed;
-  g.d = static_cast<char*>(p.out) + size_t(q) * size_t(p.m) * size_t(p.n_cols) *
-                                        gemm::itemsize(p.out_type);
-  g.in = p.in;
-  g.out = p.out_type;
-  return g;
+  return rows_gemm(p, rows, p.m,
+                   static_cast<char*>(p.out) + size_t(q) * size_t(p.m) * size_t(p.n_cols) *
+                                                   gemm::itemsize(p.out_type));
 }
 
 size_t block_bytes(const Params& p) { return size_t(p.m) * size_t(p.k) * gemm::itemsize(p.in); }

@@ -76,23 +76,6 @@ void piece(const Params& p, int64_t j, int64_t* first, int64_t* rows) {
   *rows = std::min(per, p.m - *first);
 }
 
-// x[first, first + rows) @ w (+ add) -> dst.
-gemm::Problem rows_into(const Params& p, int64_t first, int64_t rows, void* dst,
-                        const void* add = nullptr) {
-  gemm::Problem g;
-  g.m = rows;
-  g.n = p.n_cols;
-  g.k = p.k;
-  g.a = static_cast<const char*>(p.x) + size_t(first) * size_t(p.k) * gemm::itemsize(p.in);
-  g.b = p.w;
-  g.b_transposed = p.w_transposed;
-  g.c = add;
-  g.d = dst;
-  g.in = p.in;
-  g.out = p.out_type;
-  return g;
-}
-
 // Every GEMM of the call, in order; `i` walks them, false after the last.
 //   one rank: all rows -> out. one_shot: all rows -> slot r of our region.
 //   chunked: q's rows into q's region for the peers nearest first, then our
@@ -100,25 +83,25 @@ gemm::Problem rows_into(const Params& p, int64_t first, int64_t rows, void* dst,
 bool problem(const Params& p, int i, gemm::Problem* g) {
   if (p.n == 1 || p.one_shot) {
     if (i > 0) return false;
-    *g = rows_into(p, 0, p.m, p.n == 1 ? p.out : slot(p.region[p.rank], p, p.rank));
+    *g = x_rows_gemm(p, 0, p.m, p.n == 1 ? p.out : slot(p.region[p.rank], p, p.rank));
     return true;
   }
   if (i < p.n - 1) {
     const int q = (p.rank + 1 + i) % p.n;
-    *g = rows_into(p, q * p.m, p.m, slot(p.region[q], p, p.rank));
+    *g = x_rows_gemm(p, q * p.m, p.m, slot(p.region[q], p, p.rank));
     return true;
   }
   const int64_t j = i - (p.n - 1);  // piece of our chunk
   if (j >= pieces(p)) return false;
   if (p.n > 2) {
-    *g = rows_into(p, p.rank * p.m, p.m, slot(p.region[p.rank], p, p.rank));
+    *g = x_rows_gemm(p, p.rank * p.m, p.m, slot(p.region[p.rank], p, p.rank));
     return true;
   }
   int64_t first, rows;
   piece(p, j, &first, &rows);
   const size_t at = size_t(first) * row_bytes(p);
-  *g = rows_into(p, p.rank * p.m + first, rows, out_rows(p, p.rank) + at,
-                 slot(p.region[p.rank], p, 1 - p.rank) + at);
+  *g = x_rows_gemm(p, p.rank * p.m + first, rows, out_rows(p, p.rank) + at,
+                   slot(p.region[p.rank], p, 1 - p.rank) + at);
   return true;
 }
 

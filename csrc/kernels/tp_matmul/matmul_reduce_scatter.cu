@@ -29,41 +29,26 @@ size_t slot_bytes(const Params& p) {
   return size_t(p.m) * size_t(p.n_cols) * gemm::itemsize(p.out_type);
 }
 
-gemm::Problem into(const Params& p, int rows_of, void* dst, const void* add = nullptr) {
-  gemm::Problem g;
-  g.m = p.m;
-  g.n = p.n_cols;
-  g.k = p.k;
-  g.a = static_cast<const char*>(p.x) +
-        size_t(rows_of) * size_t(p.m) * size_t(p.k) * gemm::itemsize(p.in);
-  g.b = p.w;
-  g.b_transposed = p.w_transposed;
-  g.c = add;
-  g.d = dst;
-  g.in = p.in;
-  g.out = p.out_type;
-  return g;
-}
-
 // Every GEMM of the call, in order: q's rows into q's region (q != r), then
 // ours. `i` walks them; false after the last.
 bool problem(const Params& p, int i, gemm::Problem* g) {
   const size_t slot = slot_bytes(p);
   if (p.n == 1) {
     if (i > 0) return false;
-    *g = into(p, 0, p.out);
+    *g = x_rows_gemm(p, 0, p.m, p.out);
     return true;
   }
   if (i < p.n - 1) {
     const int q = (p.rank + 1 + i) % p.n;
-    *g = into(p, q, p.region[q] + size_t(p.rank) * slot);
+    *g = x_rows_gemm(p, q * p.m, p.m, p.region[q] + size_t(p.rank) * slot);
     return true;
   }
   if (i > p.n - 1) return false;
   if (p.n == 2)
-    *g = into(p, p.rank, p.out, p.region[p.rank] + size_t(1 - p.rank) * slot);
+    *g = x_rows_gemm(p, p.rank * p.m, p.m, p.out,
+                     p.region[p.rank] + size_t(1 - p.rank) * slot);
   else
-    *g = into(p, p.rank, p.region[p.rank] + size_t(p.rank) * slot);
+    *g = x_rows_gemm(p, p.rank * p.m, p.m, p.region[p.rank] + size_t(p.rank) * slot);
   return true;
 }
 

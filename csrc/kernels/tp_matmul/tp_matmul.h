@@ -84,6 +84,33 @@ struct Params {
   cudaEvent_t join = nullptr;
 };
 
+// The GEMM of `rows` rows at `a` [rows, k] (input type) @ w, + `add`
+// [rows, n_cols] of the output type (the epilogue's C) when given, -> dst
+// [rows, n_cols] of the output type.
+inline gemm::Problem rows_gemm(const Params& p, const void* a, int64_t rows, void* dst,
+                               const void* add = nullptr) {
+  gemm::Problem g;
+  g.m = rows;
+  g.n = p.n_cols;
+  g.k = p.k;
+  g.a = a;
+  g.b = p.w;
+  g.b_transposed = p.w_transposed;
+  g.c = add;
+  g.d = dst;
+  g.in = p.in;
+  g.out = p.out_type;
+  return g;
+}
+
+// x[first, first + rows) @ w (+ add) -> dst.
+inline gemm::Problem x_rows_gemm(const Params& p, int64_t first, int64_t rows, void* dst,
+                                 const void* add = nullptr) {
+  return rows_gemm(p, static_cast<const char*>(p.x) + size_t(first) * size_t(p.k) *
+                                                          gemm::itemsize(p.in),
+                   rows, dst, add);
+}
+
 // The weight gradient's GEMM (p.dw set): dw = p.act^T @ rows, rows
 // [n * m, k] in rank order.
 inline gemm::Problem weight_grad(const Params& p, const void* rows) {
