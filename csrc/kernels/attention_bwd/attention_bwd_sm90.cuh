@@ -11,7 +11,7 @@
 // Roles: warpgroup 0: warp 0 adds dQ tiles into global dq (TMA reduce-add),
 //   warp 1 loads K/V once and Q, lse, dO, delta' per visible query tile;
 //   warpgroups 1 and 2 each own 64 K/V rows: S, dP, P, dS, dV and dK
-//   (registers) and half of dQ over the CTA's 128 rows.
+//   (registers), warpgroup 2 also dQ over the CTA's 128 rows.
 // Entry point: Variant<type, head dim>::launch (attention_bwd.h).
 #pragma once
 
@@ -20,7 +20,6 @@
 #include <cutlass/kernel_hardware_info.h>
 #include <cutlass/pipeline/sm90_pipeline.hpp>
 
-#include <cstdlib>
 #include <type_traits>
 
 #include "kernel/fmha_kernel_tma_warpspecialized.hpp"
@@ -141,10 +140,10 @@ struct BwdTiles<64> {
   using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
 };
 
-template <typename Element, int kHeadDim, bool kAlternateDq = false>
+template <typename Element, int kHeadDim>
 struct BwdKernel {
   using TileShape = typename BwdTiles<kHeadDim>::Shape;
-  using Mainloop = BwdMainloop<Element, TileShape, kAlternateDq>;
+  using Mainloop = BwdMainloop<Element, TileShape>;
   using Epilogue = KvGradEpilogue<Element, typename Mainloop::TileShapeND>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, KvTileScheduler>;
   static_assert(cute::get<0>(TileShape{}) == tile_q(kHeadDim), "host checks use tile_q()");
@@ -188,16 +187,6 @@ struct BwdKernel {
 
 template <DType kType, int kHeadDim>
 using VariantKernel = BwdKernel<typename CutlassType<kType>::Type, kHeadDim>;
-// EXPERIMENT (A/B, one build): PK_BWD_ALT_DQ=1 runs the alternating dQ.
-template <DType kType, int kHeadDim>
-using VariantKernelOld = BwdKernel<typename CutlassType<kType>::Type, kHeadDim, true>;
-inline bool experiment_old() {
-  static const bool alt = [] {
-    const char* e = std::getenv("PK_BWD_ALT_DQ");
-    return e != nullptr && e[0] == '1';
-  }();
-  return alt;
-}
 
 template <DType kType, int kHeadDim>
 cudaError_t Variant<kType, kHeadDim>::check(const Params& p) {
@@ -206,14 +195,11 @@ cudaError_t Variant<kType, kHeadDim>::check(const Params& p) {
 
 template <DType kType, int kHeadDim>
 cudaError_t Variant<kType, kHeadDim>::launch(const Params& p) {
-  if (experiment_old()) return VariantKernelOld<kType, kHeadDim>::launch(p);
   return VariantKernel<kType, kHeadDim>::launch(p);
 }
 
 template <DType kType, int kHeadDim>
 cudaError_t Variant<kType, kHeadDim>::load() {
-  using Old = typename VariantKernelOld<kType, kHeadDim>::Kernel;
-  PK_CUDA_TRY(fmha_launch::load_kernel<Old>());
   return fmha_launch::load_kernel<typename VariantKernel<kType, kHeadDim>::Kernel>();
 }
 

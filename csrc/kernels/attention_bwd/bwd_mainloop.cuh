@@ -16,26 +16,16 @@
 //     element type: the example assigns a float to its element, which only
 //     cutlass::half_t allows (why its README says "fp16 only"; bf16 works
 //     with the explicit conversion).
-//   * dQ = dS^T K over the CTA's 128 K rows is split between the two math
-//     warpgroups (the example gives all of it to the second): by head-dim
-//     halves where the query tile has 64 rows (head dim 128), by query-row
-//     halves where it has 128 (head dim 64), so each warpgroup runs five of
-//     the tile's ten GEMM units instead of four and six. Both read both
-//     warpgroups' dS, so two named barriers per tile order the dS slots
-//     (ready before any dQ reads them, free before the next tile overwrites
-//     them), and both write their half of the reducer's dQ stage.
 // Per tile: S = K Q^T and dP = V dO^T (wgmma from shared memory), P =
 // exp2(S * scale * log2 e - lse * log2 e), dV += P dO, dS = P (dP - delta')
 // * scale (to the element type, through shared memory), dK += dS Q, and
-// this warpgroup's half of dQ, which the reducer warp adds into global dq
-// with a TMA reduce-add.
+// dQ = dS^T K over the CTA's 128 K rows, which the reducer warp adds into
+// global dq with a TMA reduce-add.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
-
-#include <cutlass/arch/barrier.h>
 
 #include "collective/fmha_collective_bwd_tma_warpspecialized.hpp"
 #include "collective/fmha_fusion.hpp"
@@ -48,7 +38,7 @@ namespace pk::attention_bwd {
 using namespace cute;
 namespace fmha = cutlass::fmha::collective;
 
-template <class Element, class TileShape, bool kAlternateDq = false>  // EXPERIMENT: A/B
+template <class Element, class TileShape>
 struct BwdMainloop
     : fmha::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, fmha::DefaultFusion> {
   using Base = fmha::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, fmha::DefaultFusion>;
@@ -73,6 +63,7 @@ struct BwdMainloop
   using typename Base::SmemLayoutQ;
   using typename Base::SmemLayoutQp;
   using typename Base::SmemLayoutV;
+  using typename Base::TiledMmaMD;
   using typename Base::TiledMmaND;
   using typename Base::TiledMmaND_SS;
   using typename Base::TiledMmaNM;
@@ -89,14 +80,6 @@ struct BwdMainloop
   static constexpr int kTileQ = get<0>(TileShape{});
   static constexpr int kTileKv = get<1>(TileShape{});
   static constexpr int kWgRows = get<0>(TileShapeNM{});  // K/V rows per math warpgroup
-  static constexpr int kMathThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
-
-  // Named barriers between the math warpgroups (ids after CUTLASS's
-  // reserved ones), each an arrive by one warpgroup and a sync by the other,
-  // one per tile parity, so each id keeps its arriving and its syncing
-  // warpgroup (an arrive can never meet its own warpgroup's next sync).
-  static constexpr uint32_t kDsReady = 0;  // + parity: the other dS of the tile is in
-  static constexpr uint32_t kDsFree = 2;   // + parity: that tile's dQ has read the other slot
 
   // Strides (batch, head, row, 1) of [B, rows, heads, D] tensors, and
   // (batch, head, 1) of [B, heads, rows] ones, in the example's order but
@@ -359,14 +342,14 @@ struct BwdMainloop
     Tensor tDKrQ = thr_nd.make_fragment_B(thr_nd.partition_B(sQp));
 
     // dQ = dS^T K over both warpgroups' rows.
-    typename Base::TiledMmaMD mma_dq;
-    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+    TiledMmaMD mma_md;
+    auto thr_md = mma_md.get_thread_slice(thread_idx);
     Tensor sDS = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutDS{});
-    Tensor tDQrDS = thr_dq.make_fragment_A(thr_dq.partition_A(sDS));
+    Tensor tDQrDS = thr_md.make_fragment_A(thr_md.partition_A(sDS));
     Tensor sKp = make_tensor(make_smem_ptr(storage.smem_kp.data()), SmemLayoutKp{});
-    Tensor tDQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKp));
+    Tensor tDQrK = thr_md.make_fragment_B(thr_md.partition_B(sKp));
     Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), SmemLayoutDQ{});
-    auto tDQsDQ_full = thr_dq.partition_C(sDQ);
+    auto tDQsDQ_full = thr_md.partition_C(sDQ);
 
     // Per-row lse and delta', broadcast over the K/V rows.
     using NM = TileShapeNM;
@@ -391,8 +374,8 @@ struct BwdMainloop
     BwdWalk walk = make_walk(blk, p);
     const int k_token0 = walk.k_first() + wg * kWgRows;  // token of our first K/V row
     constexpr float kLog2e = float(M_LOG2E);
-    int head, q_tile, q_first, tile = 0;
-    bool masked, dq_here = false;
+    int head, q_tile, q_first;
+    bool masked;
     CUTLASS_PRAGMA_NO_UNROLL
     while (walk.next(head, q_tile, q_first, masked)) {
       pipeline.consumer_wait(read);
@@ -449,59 +432,6 @@ struct BwdMainloop
       cute::gemm(mma_nd, op_p, tDVrDO(_, _, _, read_do.index()), acc_dv);
       warpgroup_commit_batch();
 
-      if constexpr (kAlternateDq) {
-      // dQ of the tile is one warpgroup's: the second's on even tiles, the
-      // first's on odd ones, so each runs five GEMM units per tile on average.
-      dq_here = (wg == 1) == (tile % 2 == 0);
-      // dS into our slot, transposed, 32 bits (two elements) per store. The
-      // warpgroup with dQ here had the other role last tile: its slot was
-      // read by the other warpgroup's dQ, which must be done.
-      if (dq_here && tile > 0)
-        cutlass::arch::NamedBarrier::sync(kMathThreads, kDsFree + ((tile - 1) & 1));
-      auto tDPsDS_v = recast<uint32_t>(tDPsDS);
-      auto acc_ds_v = recast<uint32_t>(acc_ds);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(acc_ds_v); ++i) tDPsDS_v(_, _, _, wg)(i) = acc_ds_v(i);
-      cutlass::arch::fence_view_async_shared();
-      auto issue_dk = [&] {  // dK += dS^T Q (our own 64 K rows), asynchronously
-        warpgroup_fence_operand(acc_dk);
-        warpgroup_arrive();
-        cute::gemm(TiledMmaND_SS{}, tDKrDSt(_, _, _, wg), tDKrQ(_, _, _, read_q.index()), acc_dk);
-        warpgroup_commit_batch();
-      };
-      if (dq_here) {
-        cutlass::arch::NamedBarrier::sync(kMathThreads, kDsReady + (tile & 1));  // the other dS
-        Tensor acc_dq = partition_fragment_C(mma_dq, take<0, 2>(TileShapeMD{}));
-        warpgroup_fence_operand(acc_dq);
-        warpgroup_arrive();
-        fmha::gemm_zero_acc(mma_dq, tDQrDS(_, _, _, wg), tDQrK(_, _, _, read_k.index()), acc_dq);
-        cute::gemm(mma_dq, tDQrDS(_, _, _, 1 - wg), tDQrK(_, _, _, read_k_other.index()), acc_dq);
-        warpgroup_commit_batch();
-        issue_dk();
-        warpgroup_wait<1>();  // dV and dQ done; dK may still run
-        warpgroup_fence_operand(acc_dq);
-        cutlass::arch::NamedBarrier::arrive(kMathThreads, kDsFree + (tile & 1));  // slot read
-        pipeline_red.producer_acquire(write_red);
-        auto tDQsDQ = tDQsDQ_full(_, _, _, write_red.index());
-        using Vec = uint_bit_t<64>;
-        auto tDQsDQ_v = recast<Vec>(tDQsDQ);
-        auto acc_dq_v = recast<Vec>(acc_dq);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(acc_dq_v); ++i) tDQsDQ_v(i) = acc_dq_v(i);
-        cutlass::arch::fence_view_async_shared();
-        pipeline_red.producer_commit(write_red);
-        ++write_red;
-      } else {
-        cutlass::arch::NamedBarrier::arrive(kMathThreads, kDsReady + (tile & 1));
-        issue_dk();
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(acc_dk);
-        // The reducer pipeline counts both warpgroups' arrivals.
-        pipeline_red.producer_acquire(write_red);
-        pipeline_red.producer_commit(write_red);
-        ++write_red;
-      }
-      } else {
       // dS into shared memory, transposed, 32 bits (two elements) per store.
       if (wg == 0) order.wait();
       auto tDPsDS_v = recast<uint32_t>(tDPsDS);
@@ -521,11 +451,11 @@ struct BwdMainloop
 
       if (wg == 1) {
         order.wait();  // warpgroup 0's dS is in shared memory
-        Tensor acc_dq = partition_fragment_C(mma_dq, take<0, 2>(TileShapeMD{}));
+        Tensor acc_dq = partition_fragment_C(mma_md, take<0, 2>(TileShapeMD{}));
         warpgroup_fence_operand(acc_dq);
         warpgroup_arrive();
-        fmha::gemm_zero_acc(mma_dq, tDQrDS(_, _, _, 0), tDQrK(_, _, _, read_k_other.index()), acc_dq);
-        cute::gemm(mma_dq, tDQrDS(_, _, _, 1), tDQrK(_, _, _, read_k.index()), acc_dq);
+        fmha::gemm_zero_acc(mma_md, tDQrDS(_, _, _, 0), tDQrK(_, _, _, read_k_other.index()), acc_dq);
+        cute::gemm(mma_md, tDQrDS(_, _, _, 1), tDQrK(_, _, _, read_k.index()), acc_dq);
         warpgroup_commit_batch();
         issue_dk();
 
@@ -556,18 +486,12 @@ struct BwdMainloop
         ++write_red;
       }
 
-      }
-      ++tile;
-
       pipeline.consumer_release(release);  // Q and lse
       ++release;
       pipeline.consumer_release(release);  // dO and delta'
       ++release;
     }
 
-    // The last tile's dQ arrived on kDsFree for a tile that never came.
-    if (kAlternateDq && tile > 0 && !dq_here)
-      cutlass::arch::NamedBarrier::sync(kMathThreads, kDsFree + ((tile - 1) & 1));
     pipeline_kv.consumer_release(read_k);
     pipeline_kv.consumer_release(read_kv);
     pipeline_red.producer_tail(write_red);
