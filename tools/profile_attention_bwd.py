@@ -6,20 +6,27 @@ between cudaProfilerStart/Stop, for Nsight Compute:
     ncu --profile-from-start off -k regex:'Fmha|bprop|dgrad' --set detailed \
         python tools/profile_attention_bwd.py           # the backward kernels
 
-Without ncu it prints the median ms of each fwd+bwd (CUDA events through
-jax.block_until_ready), so the profile can be read against the timing.
+Without ncu it first times both fwd+bwd in `--rounds` interleaved rounds (each
+the median of batches of back-to-back calls, benchmarks/common.py's
+time_ms), so clock drift over the run moves both alike: one line per
+round with cuDNN time / pk time, then the medians.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import statistics
+import sys
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from common import time_ms  # noqa: E402
 
 
 def _profiler(start: bool) -> None:
@@ -37,7 +44,8 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=0)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
+    ap.add_argument("--calls", type=int, default=10, help="back-to-back calls per batch")
     a = ap.parse_args()
     hkv = a.kv_heads or a.heads
     keys = jax.random.split(jax.random.key(0), 4)
@@ -59,15 +67,18 @@ def main() -> None:
 
     fns = {name: jax.jit(jax.grad(f, argnums=(0, 1, 2)))
            for name, f in (("pk", pk_loss), ("cudnn", cudnn_loss))}
-    for name, f in fns.items():
-        jax.block_until_ready(f(q, k, v))
-        ts = []
-        for _ in range(a.reps):
-            t = time.perf_counter()
-            jax.block_until_ready(f(q, k, v))
-            ts.append((time.perf_counter() - t) * 1e3)
-        ts.sort()
-        print(f"{name}: fwd+bwd median {ts[len(ts) // 2]:.3f} ms (min {ts[0]:.3f})", flush=True)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(a.rounds):
+        for name, f in fns.items():
+            times[name].append(time_ms(lambda: f(q, k, v), calls=a.calls, batches=3))
+        print(f"round {r}: pk {times['pk'][-1]:.3f} ms, cudnn {times['cudnn'][-1]:.3f} ms, "
+              f"cudnn/pk {times['cudnn'][-1] / times['pk'][-1]:.3f}", flush=True)
+    for name, ts in times.items():
+        print(f"{name}: fwd+bwd median {statistics.median(ts):.3f} ms (min {min(ts):.3f})",
+              flush=True)
+    ratios = [c / p for c, p in zip(times["cudnn"], times["pk"])]
+    print(f"cudnn/pk median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-"
+          f"{max(ratios):.3f})", flush=True)
     _profiler(True)
     for f in fns.values():
         jax.block_until_ready(f(q, k, v))
