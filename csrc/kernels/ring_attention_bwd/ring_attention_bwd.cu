@@ -24,7 +24,7 @@ attention_bwd::Params block(const Params& p, int s, float* dkv) {
   attention_bwd::Params b = p.block;
   if (s > 0) {
     b.k = p.region[r] + L.kv_slot(s);
-    b.v = static_cast<const char*>(b.k) + L.kv_bytes / 2;
+    b.v = static_cast<const char*>(b.k) + L.k_bytes();
   }
   b.q_rank = p.ranks + r;
   b.k_rank = p.ranks + ring(r - s, n);
@@ -90,10 +90,9 @@ cudaError_t side_step(const Params& p, const Posts& P, int s, const float* acc,
 cudaError_t push_own_block(const Params& p, const Posts& P) {
   const Layout L = p.layout();
   const int next = ring(p.ch.rank + 1, p.ch.n);
-  const size_t half = L.kv_bytes / 2;
-  PK_CUDA_TRY(cudaMemcpyAsync(p.region[next] + L.kv_slot(1), p.block.k, half,
+  PK_CUDA_TRY(cudaMemcpyAsync(p.region[next] + L.kv_slot(1), p.block.k, L.k_bytes(),
                               cudaMemcpyDeviceToDevice, p.side_stream));
-  return push(p, p.block.v, L.kv_slot(1) + half, half, P.kv[1]);
+  return push(p, p.block.v, L.kv_slot(1) + L.k_bytes(), L.k_bytes(), P.kv[1]);
 }
 
 // Everything up to the join (*forked once the side stream waits on ours).
@@ -132,11 +131,10 @@ cudaError_t enqueue(const Params& p, bool* forked) {
     PK_CUDA_TRY(side_step(p, P, s, acc, home_value));
   }
   PK_CUDA_TRY(signals::wait_stamp(p.ch, prev, P.home, P.count, p.stream));  // ours came home
-  const size_t half = L.kv_bytes / 2;
-  PK_CUDA_TRY(cudaMemcpyAsync(p.dk, mine + L.partial(), half, cudaMemcpyDeviceToDevice,
+  PK_CUDA_TRY(cudaMemcpyAsync(p.dk, mine + L.partial(), L.k_bytes(), cudaMemcpyDeviceToDevice,
                               p.stream));
-  return cudaMemcpyAsync(p.dv, mine + L.partial() + half, half, cudaMemcpyDeviceToDevice,
-                         p.stream);
+  return cudaMemcpyAsync(p.dv, mine + L.partial() + L.k_bytes(), L.k_bytes(),
+                         cudaMemcpyDeviceToDevice, p.stream);
 }
 
 }  // namespace
@@ -158,8 +156,8 @@ cudaError_t run(const Params& p) {
   const attention_bwd::Params& b = p.block;
   signals::Outputs out(p.dq, size_t(b.batch) * size_t(b.s_q) * size_t(b.q_heads) *
                                  size_t(b.head_dim) * sizeof(float));
-  out.add(p.dk, L.kv_bytes / 2);
-  out.add(p.dv, L.kv_bytes / 2);
+  out.add(p.dk, L.k_bytes());
+  out.add(p.dv, L.k_bytes());
   bool forked = false;
   const cudaError_t err = enqueue(p, &forked);
   if (forked) {

@@ -105,6 +105,9 @@ struct Layout {
   size_t kv_bytes = 0;       // one K/V block, K then V [2, B, T, Hkv, D] (input type)
   size_t partial_bytes = 0;  // its dK/dV in fp32
 
+  // One of K and V (input type): V follows K in a slot, dV follows dK in
+  // the home value, and each is one of the call's operands or results.
+  size_t k_bytes() const { return kv_bytes / 2; }
   size_t kv_slot(int s) const { return size_t(s % 2) * kv_bytes; }
   // The partial dK/dV of the visiting block, then (home) our own dK/dV.
   size_t partial() const { return 2 * kv_bytes; }
