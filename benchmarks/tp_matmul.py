@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+from pk_jax.ops import tp_matmul_primitive
 from common import bench_setup, markdown_table, one_axis_mesh, time_ms, write_results
 
 # Global M x K x N: the shapes XLA's collective matmuls were first measured at on
@@ -27,6 +28,10 @@ RS_SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 28672, 8192)]
 # matmul_all_reduce (K global: K / n per rank): issue 19's large shape, then
 # decode-sized M (the one_shot range of pk_jax/tuning.py).
 AR_SHAPES = [(8192, 8192, 8192)] + [(m, 8192, 8192) for m in (16, 32, 64, 128, 256)]
+# World-size-1 GEMMs: the square one, then the MLP layer's per-rank GEMMs on
+# 2 GPUs (all_gather_matmul's 8192 x 8192 @ 8192 x 14336 chunk and
+# matmul_reduce_scatter's 8192 x 14336 @ 14336 x 8192), then a small one.
+WS1_SHAPES = [(8192, 8192, 8192), (8192, 8192, 14336), (8192, 14336, 8192), (4096, 4096, 4096)]
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "gemm_world_size_1",
        "mlp_fwd_bwd")
 
@@ -46,6 +51,29 @@ def ag_impls(mesh):
         "gemm_only": jax.jit(jax.shard_map(
             lambda x, w: jnp.concatenate([x] * lax.axis_size("x")) @ w, **specs)),
     }
+
+
+def ws1_impls(mesh, x, w):
+    """all_gather_matmul at world size 1 (pk's GEMM alone) on each GEMM
+    library, each checked to be lowered with it, and XLA's dot."""
+    impls = {}
+    for backend, code in tp_matmul_primitive.GEMM_BACKEND_CODES.items():
+        with pk_jax.configured(gemm_backend=backend):  # baked in at lowering
+            lowered = ag_impls(mesh)["pk"].lower(x, w)
+        assert f"gemm_backend = {code} " in lowered.as_text(), f"{backend}: not the kernel"
+        impls[f"pk_{backend}"] = lowered.compile()
+    impls["xla"] = ag_impls(mesh)["xla"]
+    return impls
+
+
+def interleaved(fns, rounds: int = 3) -> dict:
+    """Median over `rounds` rounds of time_ms of each of `fns`, one after the
+    other in every round."""
+    runs = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            runs[name].append(time_ms(fn, batches=3))
+    return {name: float(np.median(t)) for name, t in runs.items()}
 
 
 def rs_impls(mesh):
@@ -141,14 +169,15 @@ def main() -> int:
         x, w = _put(mesh, (m, k), P(None, "x"), rng), _put(mesh, (k, nn), P("x"), rng, k ** -0.5)
         times = {name: time_ms(lambda: f(x, w)) for name, f in ar_impls(mesh).items()}
         record("matmul_all_reduce", shape, times, 2.0 * m * k * nn)
-    if "gemm_world_size_1" in only:
-        # World size 1: pk's GEMM (no peers) against XLA's dot on one GPU.
+    for shape in WS1_SHAPES[: 0 if "gemm_world_size_1" not in only else 1 if args.quick else None]:
+        # World size 1: pk's GEMM (no peers) on each library against XLA's dot
+        # on one GPU, in interleaved rounds (clocks drift under sustained load).
+        m, k, nn = shape
         one = one_axis_mesh(devices[:1])
-        m = k = nn = 8192
         x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
-        impls = ag_impls(one)
-        times = {name: time_ms(lambda: impls[name](x, w)) for name in ("pk", "xla")}
-        record("gemm_world_size_1", (m, k, nn), times, 2.0 * m * k * nn, gpus=1)
+        impls = ws1_impls(one, x, w)
+        times = interleaved({name: (lambda f=f: f(x, w)) for name, f in impls.items()})
+        record("gemm_world_size_1", shape, times, 2.0 * m * k * nn, gpus=1)
     if "mlp_fwd_bwd" in only:
         # MLP pair, forward + backward, hidden 8192 (ffn 28672), 8192 tokens.
         tokens, d, ffn = 8192, 8192, 28672

@@ -279,3 +279,56 @@ def test_ring_attention_mechanisms_get_their_own_channels(cuda_lowering):
     offsets = [int(ffi_attr(c, "data_offset")) for c in calls]
     assert len(calls) == 4 and len(set(slots[:3])) == 3 and slots[3] == slots[1]
     assert len(set(offsets[:3])) == 3 and offsets[3] == offsets[1]
+
+
+def _tp_calls(cuda_lowering):
+    """Every tensor-parallel kernel call of a column- then row-parallel pair,
+    forward and backward, lowered for CUDA."""
+    mesh = cpu_mesh((2,), ("tp",))
+    specs = (P("tp"), P(None, "tp"), P("tp", None))
+
+    def loss(x, w1, w2):
+        def body(x, w1, w2):
+            h = pk_jax.all_gather_matmul(x, w1, "tp")
+            y = pk_jax.matmul_reduce_scatter(h, w2, "tp")
+            return y, pk_jax.matmul_all_reduce(h, w2, "tp")
+        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P("tp"), P()))
+        y, z = f(x, w1, w2)
+        return jnp.sum(y.astype(jnp.float32)) + jnp.sum(z.astype(jnp.float32))
+
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+            for s, p in zip([(256, 128), (128, 512), (512, 128)], specs)]
+    hlo = jax.jit(jax.value_and_grad(loss, (0, 1, 2))).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    return re.findall(r"custom_call @(pk_\w+)\((.*?)\{(.*?)\}, operand_layouts", hlo)
+
+
+@pytest.mark.parametrize("setting,loads,want", [
+    ("auto", "", "1"), ("cublaslt", "", "1"), ("cutlass", "", "0"),
+    ("auto", "libcublasLt not found", "0"), ("cutlass", "libcublasLt not found", "0")])
+def test_gemm_backend_attribute(cuda_lowering, monkeypatch, setting, loads, want):
+    """Every GEMM-running call carries the configured library, resolved
+    where it is lowered (auto: cuBLASLt where it loads, tuning.py)."""
+    from conftest import _FakeExtension
+    monkeypatch.setattr(_FakeExtension, "cublaslt_error", loads)
+    monkeypatch.setattr("pk_jax.tuning.GEMM_BACKEND", "cublaslt")
+    with pk_jax.configured(gemm_backend=setting):
+        calls = _tp_calls(cuda_lowering)
+    assert sorted({name for name, _, _ in calls}) == [
+        "pk_all_gather_matmul", "pk_all_gather_matmul_bwd", "pk_matmul_all_reduce",
+        "pk_matmul_reduce_scatter", "pk_matmul_reduce_scatter_bwd"]
+    assert [ffi_attr(attrs, "gemm_backend") for _, _, attrs in calls] == [want] * len(calls)
+
+
+def test_gemm_backend_auto_follows_tuning(cuda_lowering, monkeypatch):
+    monkeypatch.setattr("pk_jax.tuning.GEMM_BACKEND", "cutlass")
+    calls = _tp_calls(cuda_lowering)
+    assert {ffi_attr(attrs, "gemm_backend") for _, _, attrs in calls} == {"0"}
+
+
+def test_forced_cublaslt_that_cannot_load_says_why(cuda_lowering, monkeypatch):
+    from conftest import _FakeExtension
+    monkeypatch.setattr(_FakeExtension, "cublaslt_error", "libcublasLt not found (tried x)")
+    with pk_jax.configured(gemm_backend="cublaslt"):
+        with pytest.raises(Exception, match="gemm_backend='cublaslt' but libcublasLt not found"):
+            _tp_calls(cuda_lowering)

@@ -313,7 +313,11 @@ struct BwdMainloop
     clear(acc_dv);
     clear(acc_dk);
 
-    PipelineState release = read;
+    // The previous tile's Q stage: its dK GEMM (dK += dS^T Q) may still be
+    // reading it when the tile ends, so it is released only after the next
+    // tile's first wait (or after the last wait, below).
+    PipelineState pending_q = read;
+    bool q_pending = false;
     pipeline_kv.consumer_wait(read_kv);
     PipelineStateQ read_k = read_kv;
     ++read_kv;
@@ -407,8 +411,9 @@ struct BwdMainloop
       };
       if constexpr (kTileQ != 128) load_delta();  // as the example: early where registers allow
 
-      warpgroup_wait<1>();
+      warpgroup_wait<1>();  // S; and every earlier batch, the previous tile's dK
       warpgroup_fence_operand(acc_s);
+      if (q_pending) pipeline.consumer_release(pending_q);
       order.wait();
       if (masked) mask_future(acc_s, tScS, k_token0, q_first);
       Tensor acc_p = make_fragment_like<float>(acc_s);
@@ -486,10 +491,9 @@ struct BwdMainloop
         ++write_red;
       }
 
-      pipeline.consumer_release(release);  // Q and lse
-      ++release;
-      pipeline.consumer_release(release);  // dO and delta'
-      ++release;
+      pipeline.consumer_release(read_do);  // dO and delta': both GEMMs reading dO are done
+      pending_q = read_q;                  // Q and lse: at the next tile's first wait
+      q_pending = true;
     }
 
     pipeline_kv.consumer_release(read_k);
@@ -498,6 +502,7 @@ struct BwdMainloop
     ++read_kv;
 
     warpgroup_wait<0>();
+    if (q_pending) pipeline.consumer_release(pending_q);
     warpgroup_fence_operand(acc_dk);
     warpgroup_fence_operand(acc_dv);
     return make_tuple(acc_dk, acc_dv);
