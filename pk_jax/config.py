@@ -1,4 +1,4 @@
-"""User-settable knobs: workspace size, wait timeout, GEMM library.
+"""User-settable knobs: workspace size and wait timeout.
 
 Each knob has an environment variable (read once, at import) and a
 `pk_jax.configure(...)` keyword. The workspace is allocated when the first
@@ -16,27 +16,17 @@ _MIB = 1 << 20
 MAX_WORKSPACE_BYTES = 1 << 40
 MIN_TIMEOUT_S = 1e-3   # a wait shorter than a kernel launch fails at once
 MAX_TIMEOUT_S = 86400.0  # one day; the bound is a 64-bit count of nanoseconds
-GEMM_BACKENDS = ("auto", "cutlass", "cublaslt")
 
 
 def _env(name: str, default, parse):
-    """An environment variable parsed with `parse` (int, float or a checker
-    that raises ValueError with its reason), or `default`."""
+    """An environment variable parsed with `parse` (int or float), or `default`."""
     raw = os.environ.get(name)
     if raw is None:
         return default
     try:
         return parse(raw)
-    except ValueError as e:
-        why = f"is not a valid {parse.__name__}" if parse in (int, float) else f"({e})"
-        raise ValueError(f"{name}={raw!r} {why}") from None
-
-
-def gemm_backend_name(raw: str) -> str:
-    """`raw` when it names a GEMM library (GEMM_BACKENDS), else ValueError."""
-    if raw not in GEMM_BACKENDS:
-        raise ValueError(f"gemm_backend must be one of {GEMM_BACKENDS}, got {raw!r}")
-    return raw
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +40,10 @@ class Config:
       timeout_s: bound of every cross-GPU wait inside a kernel. A wait that
         exceeds it records an error instead of hanging the GPU.
         Env: PK_JAX_TIMEOUT_S. Default 5 s.
-      gemm_backend: the library that runs the GEMMs of the tensor-parallel
-        ops (all_gather_matmul, matmul_reduce_scatter, matmul_all_reduce and
-        their backward passes): "cutlass" (pk_jax's CUTLASS kernel),
-        "cublaslt" (NVIDIA's cuBLASLt, opened at run time; an error where it
-        cannot be loaded) or "auto" (pk_jax/tuning.py's measured choice,
-        CUTLASS where cuBLASLt cannot be loaded). Baked into each compiled
-        call, as timeout_s. Env: PK_JAX_GEMM_BACKEND. Default "auto".
     """
 
     workspace_bytes: int = 1024 * _MIB
     timeout_s: float = 5.0
-    gemm_backend: str = "auto"
 
     def __post_init__(self):
         if not 0 <= self.workspace_bytes <= MAX_WORKSPACE_BYTES:
@@ -70,7 +52,6 @@ class Config:
         if not MIN_TIMEOUT_S <= self.timeout_s <= MAX_TIMEOUT_S:
             raise ValueError(f"timeout_s must be {MIN_TIMEOUT_S}..{MAX_TIMEOUT_S:.0f} seconds "
                              f"(the bound of every wait for a peer GPU), got {self.timeout_s}")
-        gemm_backend_name(self.gemm_backend)
 
     @property
     def timeout_ns(self) -> int:
@@ -80,7 +61,6 @@ class Config:
 _config = Config(
     workspace_bytes=_env("PK_JAX_WORKSPACE_BYTES", Config.workspace_bytes, int),
     timeout_s=_env("PK_JAX_TIMEOUT_S", Config.timeout_s, float),
-    gemm_backend=_env("PK_JAX_GEMM_BACKEND", Config.gemm_backend, gemm_backend_name),
 )
 _allocated = False  # set by the runtime once the workspace exists
 
@@ -97,13 +77,12 @@ def workspace_allocated() -> None:
 
 
 def configure(*, workspace_bytes: int | None = None,
-              timeout_s: float | None = None,
-              gemm_backend: str | None = None) -> Config:
+              timeout_s: float | None = None) -> Config:
     """Change pk_jax's settings; returns the new settings.
 
     `workspace_bytes` can only change before the first pk_jax kernel is
-    lowered (the workspace is allocated then). `timeout_s` and `gemm_backend`
-    apply to ops lowered afterwards (each is baked into the compiled call).
+    lowered (the workspace is allocated then). `timeout_s` applies to ops
+    lowered afterwards (it is baked into each compiled call).
     """
     global _config
     changes = {}
@@ -111,8 +90,6 @@ def configure(*, workspace_bytes: int | None = None,
         changes["workspace_bytes"] = int(workspace_bytes)
     if timeout_s is not None:
         changes["timeout_s"] = float(timeout_s)
-    if gemm_backend is not None:
-        changes["gemm_backend"] = str(gemm_backend)
     new = dataclasses.replace(_config, **changes)  # validates
     if new.workspace_bytes != _config.workspace_bytes and _allocated:
         raise RuntimeError(

@@ -21,17 +21,15 @@ take XLA's collectives (pk_jax/ops/_lowering.py).
 from __future__ import annotations
 
 import contextlib
-import glob
 import importlib
 import itertools
-import os
 import threading
 from typing import Any, Hashable, Iterator
 
 import jax
 import numpy as np
 
-from pk_jax import _channels, _cluster, config, groups, tuning
+from pk_jax import _channels, _cluster, config, groups
 from pk_jax._channels import LL_CHANNELS, MAX_SLOTS, Channel  # noqa: F401 (re-exported)
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 
@@ -131,37 +129,6 @@ def ensure_ready() -> Any:
                 _init_error = f"pk_jax: setting up the GPU workspaces failed: {e}"
                 raise PkJaxError(_init_error) from e
     return ext
-
-
-def _cublaslt_candidates() -> list[str]:
-    """libcublasLt files of the nvidia-* wheels (JAX's CUDA plugin uses
-    them), for when the soname is not on the loader's path."""
-    try:
-        import nvidia  # namespace package of NVIDIA's wheels
-    except ImportError:
-        return []
-    return sorted(f for d in nvidia.__path__
-                  for f in glob.glob(os.path.join(d, "*", "lib", "libcublasLt.so.*")))
-
-
-def cublaslt_error() -> str:
-    """"" once libcublasLt is loaded in this process (loaded here on the
-    first call), else why it cannot be."""
-    return ensure_ready().load_cublaslt(_cublaslt_candidates())
-
-
-def gemm_backend(name: str) -> str:
-    """The GEMM library `name` (config.GEMM_BACKENDS) resolves to here,
-    "cutlass" or "cublaslt"; PkJaxError when "cublaslt" is asked for and
-    cannot be loaded. Called by lowerings, after ensure_ready()."""
-    if name == "cutlass" or (name == "auto" and tuning.GEMM_BACKEND == "cutlass"):
-        return "cutlass"
-    why = cublaslt_error()
-    if not why:
-        return "cublaslt"
-    if name == "cublaslt":
-        raise PkJaxError(f"pk_jax: gemm_backend='cublaslt' but {why}; use 'cutlass' or 'auto'")
-    return "cutlass"
 
 
 def _init(ext) -> None:

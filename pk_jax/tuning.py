@@ -68,11 +68,3 @@ def all_reduce_mechanism(kind: str, per_rank_bytes: int) -> str:
 # under pk's layout; the dense equivalent on CPU). pk's "ld_st" exchange kernel
 # has not been measured on two GPUs yet (benchmarks/moe.py has its rows).
 MOE_MECHANISM = "ragged"
-
-
-# The GEMM library of the tensor-parallel ops under gemm_backend="auto"
-# (pk_jax.configure): "cublaslt" or "cutlass". PROVISIONAL until the
-# world-size-1 rows of benchmarks/tp_matmul.py compare both against XLA's dot
-# on one H200 in one run: the CUTLASS kernel measured 0.91-1.00x XLA's dot
-# (cuBLAS) at 8192^3 over six runs (benchmarks/RESULTS.md).
-GEMM_BACKEND = "cublaslt"

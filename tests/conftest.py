@@ -105,11 +105,6 @@ class _FakeExtension:
     """What the CUDA lowering rules read from the native module."""
 
     has_gemm = True
-    cublaslt_error = ""  # what load_cublaslt answers: "" = loaded
-
-    @classmethod
-    def load_cublaslt(cls, candidates):
-        return cls.cublaslt_error
 
     @staticmethod
     def device_info(ordinal):

@@ -55,8 +55,7 @@ def test_workspace_size_only_before_allocation():
     (dict(timeout_s=0), "timeout_s"), (dict(timeout_s=1e-12), "timeout_s"),
     (dict(timeout_s=1e10), "timeout_s"), (dict(timeout_s=float("inf")), "timeout_s"),
     (dict(timeout_s=float("nan")), "timeout_s"), (dict(workspace_bytes=-1), "workspace_bytes"),
-    (dict(workspace_bytes=1 << 50), "workspace_bytes"),
-    (dict(gemm_backend="cublas"), "gemm_backend"), (dict(gemm_backend=""), "gemm_backend")])
+    (dict(workspace_bytes=1 << 50), "workspace_bytes")])
 def test_configure_rejects_bad_values(kwargs, match):
     with pytest.raises(ValueError, match=match):
         pk_jax.configure(**kwargs)
@@ -64,22 +63,20 @@ def test_configure_rejects_bad_values(kwargs, match):
 
 def _config_in_subprocess(env):
     code = ("import pk_jax; c = pk_jax.get_config(); "
-            "print(c.workspace_bytes, c.timeout_s, c.gemm_backend)")
+            "print(c.workspace_bytes, c.timeout_s)")
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
 
 def test_environment_variables(monkeypatch):
     import os
-    env = dict(os.environ, PK_JAX_WORKSPACE_BYTES="4096", PK_JAX_TIMEOUT_S="2.5",
-               PK_JAX_GEMM_BACKEND="cutlass")
+    env = dict(os.environ, PK_JAX_WORKSPACE_BYTES="4096", PK_JAX_TIMEOUT_S="2.5")
     proc = _config_in_subprocess(env)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["4096", "2.5", "cutlass"]
+    assert proc.stdout.split() == ["4096", "2.5"]
 
 
 @pytest.mark.parametrize("name,raw", [("PK_JAX_TIMEOUT_S", "soon"),
-                                      ("PK_JAX_WORKSPACE_BYTES", "1GB"),
-                                      ("PK_JAX_GEMM_BACKEND", "cublas")])
+                                      ("PK_JAX_WORKSPACE_BYTES", "1GB")])
 def test_bad_environment_variable_is_named(name, raw):
     import os
     proc = _config_in_subprocess(dict(os.environ, **{name: raw}))

@@ -15,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
-from pk_jax.ops import tp_matmul_primitive
 from conftest import gpu_mesh, rel_err
 from gpu_chains import check_tp_chain
 from gpu_util import as_bits, poison_allocator
@@ -25,15 +24,6 @@ pytestmark = pytest.mark.gpu
 
 # (rows per rank, K, N per rank): square-ish, non-square, tall-skinny, ragged rows.
 SHAPES = [(256, 512, 1024), (1024, 4096, 512), (4096, 256, 128), (100, 128, 256)]
-
-
-@pytest.fixture(params=["cutlass", "cublaslt"])
-def gemm_backend(request):
-    """The test's ops lowered with each GEMM library (auto elsewhere)."""
-    if request.param == "cublaslt" and runtime.available() and runtime.cublaslt_error():
-        pytest.skip(f"cuBLASLt cannot be loaded here: {runtime.cublaslt_error()}")
-    with pk_jax.configured(gemm_backend=request.param):
-        yield request.param
 
 
 def _put(mesh, a, spec):
@@ -78,7 +68,7 @@ def test_all_gather_matmul(rng, n, dtype, m, k, n_cols):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 # + an N that is not a multiple of the GEMM's 256-column tile.
 @pytest.mark.parametrize("m,k,n_cols", SHAPES + [(128, 256, 200)])
-def test_matmul_reduce_scatter(rng, gemm_backend, n, dtype, m, k, n_cols):
+def test_matmul_reduce_scatter(rng, n, dtype, m, k, n_cols):
     mesh = gpu_mesh(n)
     x = rng.standard_normal((n * m, n * k)).astype(np.float32)
     w = (rng.standard_normal((n * k, n_cols)) / np.sqrt(n * k)).astype(np.float32)
@@ -92,7 +82,7 @@ def test_matmul_reduce_scatter(rng, gemm_backend, n, dtype, m, k, n_cols):
     pk_jax.check_errors()
 
 
-def test_fp32_output_and_gathered(rng, gemm_backend):
+def test_fp32_output_and_gathered(rng):
     mesh = gpu_mesh(2)
     x = _put(mesh, jnp.asarray(rng.standard_normal((512, 256)), jnp.bfloat16), P("x"))
     w = _put(mesh, jnp.asarray(rng.standard_normal((256, 256)) / 16, jnp.bfloat16), P(None, "x"))
@@ -101,8 +91,6 @@ def test_fp32_output_and_gathered(rng, gemm_backend):
                                               preferred_element_type=jnp.float32),
         mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=(P(None, "x"), P("x")),
         check_vma=False))
-    code = tp_matmul_primitive.GEMM_BACKEND_CODES[gemm_backend]
-    assert f"gemm_backend = {code} " in f.lower(x, w).as_text()  # the library asked for
     out, gathered = f(x, w)
     assert out.dtype == jnp.float32
     # every device gathered all rows: the per-device copies stack to n x the input
@@ -133,7 +121,7 @@ def test_mlp_gradients(rng):
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("m", [512, 100])
-def test_op_gradients(rng, gemm_backend, op, n, dtype, m):
+def test_op_gradients(rng, op, n, dtype, m):
     """jax.grad of each op alone (its backward is one call: the other op's
     sequence with w^T read in place, and the dW GEMM reading the activations
     transposed in place) against the fp32 gradient of the XLA version; m

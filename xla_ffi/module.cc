@@ -11,7 +11,6 @@
 #include "kernels/all_reduce/all_reduce.h"
 #include "kernels/moe/moe.h"
 #include "kernels/attention_bwd/attention_bwd.h"
-#include "kernels/gemm/cublaslt.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/ring_attention/ring_attention.h"
 #include "kernels/ring_attention_bwd/ring_attention_bwd.h"
@@ -188,16 +187,6 @@ NB_MODULE(_pk_jax_ext, m) {
         "in the raised message; the others are reset all the same. With peers in other "
         "processes every process must reset before any of them runs a pk_jax op again.");
 
-  m.def(
-      "load_cublaslt",
-      [](const std::vector<std::string>& candidates) {
-        return pk::gemm::cublaslt::load(candidates);
-      },
-      nb::arg("candidates"),
-      "Open libcublasLt (the soname built against, else each path of `candidates`); '' once "
-      "loaded, else why not.");
-  m.def("cublaslt_version", []() { return pk::gemm::cublaslt::version(); },
-        "cublasLtGetVersion() of the loaded library, 0 when none is loaded.");
   m.attr("max_ranks") = pk::kMaxRanks;
   m.attr("max_slots") = pk::kMaxSlots;
   m.attr("data_offset") = pk::kDataOffset;

@@ -25,12 +25,11 @@ bool to_gemm_type(ffi::DataType t, gemm::DType* out) {
   }
 }
 
-// Everything the ops share: the group and its channel (`needed` bytes
-// staged in the region), dtypes, streams, the GEMM library.
+// Everything both ops share: the group and its channel (`needed` bytes
+// staged in the region), dtypes, streams.
 ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t ordinal,
                    ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out,
-                   const ffi_common::ChannelAttrs& channel, size_t needed,
-                   int32_t gemm_backend, tp_matmul::Params* p) {
+                   const ffi_common::ChannelAttrs& channel, size_t needed, tp_matmul::Params* p) {
   ffi_common::GroupContext ctx;
   if (ffi::Error e = ffi_common::make_group_context(op, op_id, ordinal, channel, needed, &ctx);
       e.failure())
@@ -39,9 +38,6 @@ ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t o
   if (!to_gemm_type(x.element_type(), &p->in) || x.element_type() != w.element_type() ||
       !to_gemm_type(out.element_type(), &p->out_type))
     return ffi_common::invalid_argument(op, "unsupported dtypes");
-  if (gemm_backend != int32_t(gemm::Backend::kCutlass) &&
-      gemm_backend != int32_t(gemm::Backend::kCublasLt))
-    return ffi_common::invalid_argument(op, "gemm_backend is 0 (CUTLASS) or 1 (cuBLASLt)");
   const ffi_common::Group& g = ctx.group;
   const runtime::DeviceState& d = *g.self;
   p->rank = g.rank;
@@ -49,8 +45,7 @@ ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t o
   for (int q = 0; q < g.n; ++q) p->region[q] = ctx.regions[q];
   p->ch = ctx.channel;
   p->skip_post = ctx.skip_post;
-  p->gemm_dev = {d.ordinal, d.sm_count, d.gemm_workspace, d.gemm_workspace_bytes,
-                 gemm::Backend(gemm_backend)};
+  p->gemm_dev = {d.ordinal, d.sm_count, d.gemm_workspace, d.gemm_workspace_bytes};
   p->stream = stream;
   p->side_stream = d.side_stream;
   p->fork = d.fork;
@@ -118,11 +113,11 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
                                ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> gathered,
                                ffi_common::ChannelAttrs channel, bool return_gathered,
-                               bool w_transposed, int32_t gemm_backend) {
+                               bool w_transposed) {
   constexpr const char* kOp = "all_gather_matmul";
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpAllGatherMatmul, stream, ordinal, x, w, *out, channel,
-                             all_gather_matmul_region(channel, x), gemm_backend, &p);
+                             all_gather_matmul_region(channel, x), &p);
       e.failure())
     return e;
   if (ffi::Error e = read_all_gather_matmul(kOp, x, w, *out, w_transposed, &p); e.failure())
@@ -139,12 +134,11 @@ ffi::Error MatmulReduceScatterBwdImpl(cudaStream_t stream, int32_t ordinal, ffi:
                                       ffi::AnyBuffer w, ffi::AnyBuffer x,
                                       ffi::Result<ffi::AnyBuffer> dx,
                                       ffi::Result<ffi::AnyBuffer> dw,
-                                      ffi_common::ChannelAttrs channel,
-                                      int32_t gemm_backend) {
+                                      ffi_common::ChannelAttrs channel) {
   constexpr const char* kOp = "matmul_reduce_scatter (backward)";
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpMatmulReduceScatterBwd, stream, ordinal, dy, w, *dx, channel,
-                             all_gather_matmul_region(channel, dy), gemm_backend, &p);
+                             all_gather_matmul_region(channel, dy), &p);
       e.failure())
     return e;
   if (ffi::Error e = read_all_gather_matmul(kOp, dy, w, *dx, /*w_transposed=*/true, &p);
@@ -180,12 +174,11 @@ size_t matmul_reduce_scatter_region(const ffi_common::ChannelAttrs& channel,
 
 ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                                   ffi_common::ChannelAttrs channel, bool w_transposed,
-                                   int32_t gemm_backend) {
+                                   ffi_common::ChannelAttrs channel, bool w_transposed) {
   constexpr const char* kOp = "matmul_reduce_scatter";
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpMatmulReduceScatter, stream, ordinal, x, w, *out, channel,
-                             matmul_reduce_scatter_region(channel, *out), gemm_backend, &p);
+                             matmul_reduce_scatter_region(channel, *out), &p);
       e.failure())
     return e;
   if (ffi::Error e = read_matmul_reduce_scatter(kOp, x, w, *out, w_transposed, &p); e.failure())
@@ -199,11 +192,11 @@ ffi::Error AllGatherMatmulBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::AnyBuffer w, ffi::AnyBuffer gathered,
                                   ffi::Result<ffi::AnyBuffer> dx,
                                   ffi::Result<ffi::AnyBuffer> dw,
-                                  ffi_common::ChannelAttrs channel, int32_t gemm_backend) {
+                                  ffi_common::ChannelAttrs channel) {
   constexpr const char* kOp = "all_gather_matmul (backward)";
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpAllGatherMatmulBwd, stream, ordinal, dy, w, *dx, channel,
-                             matmul_reduce_scatter_region(channel, *dx), gemm_backend, &p);
+                             matmul_reduce_scatter_region(channel, *dx), &p);
       e.failure())
     return e;
   if (ffi::Error e = read_matmul_reduce_scatter(kOp, dy, w, *dx, /*w_transposed=*/true, &p);
@@ -216,8 +209,7 @@ ffi::Error AllGatherMatmulBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
 ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                ffi_common::ChannelAttrs channel,
-                               ffi_common::ChannelAttrs gather_channel, bool one_shot,
-                               int32_t gemm_backend) {
+                               ffi_common::ChannelAttrs gather_channel, bool one_shot) {
   constexpr const char* kOp = "matmul_all_reduce";
   // With peers: chunked, each region holds one reduced chunk per rank
   // ([M / n, N] each: out's bytes in all); one_shot, one partial [M, N] per
@@ -226,7 +218,7 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
   const size_t needed = n > 1 ? (one_shot ? n : 1) * out->size_bytes() : 0;
   tp_matmul::Params p;
   if (ffi::Error e = prepare(kOp, kOpMatmulAllReduce, stream, ordinal, x, w, *out, channel,
-                             needed, gemm_backend, &p);
+                             needed, &p);
       e.failure())
     return e;
   const auto xd = x.dimensions();
@@ -266,8 +258,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()                             // out: the sum [M, N]
         .Attr<ffi_common::ChannelAttrs>("channel")         // partial products
         .Attr<ffi_common::ChannelAttrs>("gather_channel")  // reduced chunks (chunked)
-        .Attr<bool>("one_shot")                            // decode-sized M
-        .Attr<int32_t>("gemm_backend"),                    // gemm.h: Backend
+        .Attr<bool>("one_shot"),                           // decode-sized M
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -281,8 +272,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()                      // gathered x [n*m, K] (or [0])
         .Attr<ffi_common::ChannelAttrs>("channel")  // group, slot, region, timeout
         .Attr<bool>("return_gathered")              // fill the second result
-        .Attr<bool>("w_transposed")                 // w holds w^T
-        .Attr<int32_t>("gemm_backend"),             // gemm.h: Backend
+        .Attr<bool>("w_transposed"),                // w holds w^T
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -295,8 +285,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                       // the forward's gathered x [n*m, K]
         .Ret<ffi::AnyBuffer>()                       // dx: [m, K]
         .Ret<ffi::AnyBuffer>()                       // dw: [K, N]
-        .Attr<ffi_common::ChannelAttrs>("channel")   // matmul_reduce_scatter's
-        .Attr<int32_t>("gemm_backend"),              // gemm.h: Backend
+        .Attr<ffi_common::ChannelAttrs>("channel"),  // matmul_reduce_scatter's
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -309,8 +298,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                       // the forward's x [n*m, K_local]
         .Ret<ffi::AnyBuffer>()                       // dx: [n*m, K_local]
         .Ret<ffi::AnyBuffer>()                       // dw: [K_local, N]
-        .Attr<ffi_common::ChannelAttrs>("channel")   // all_gather_matmul's
-        .Attr<int32_t>("gemm_backend"),              // gemm.h: Backend
+        .Attr<ffi_common::ChannelAttrs>("channel"),  // all_gather_matmul's
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -322,8 +310,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::AnyBuffer>()                      // w: [K_local, N] (or [N, K_local])
         .Ret<ffi::AnyBuffer>()                      // out: our shard [M/n, N]
         .Attr<ffi_common::ChannelAttrs>("channel")  // group, slot, region, timeout
-        .Attr<bool>("w_transposed")                 // w holds w^T
-        .Attr<int32_t>("gemm_backend"),             // gemm.h: Backend
+        .Attr<bool>("w_transposed"),                // w holds w^T
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

@@ -43,8 +43,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pk_jax import reference, runtime
-from pk_jax.config import get_config
+from pk_jax import reference
 from pk_jax._compat import drop_varying
 from pk_jax.ops._lowering import channel_attr, kernel_group
 
@@ -105,20 +104,6 @@ def _ag_reference(ctx, x, w, *, cfg: TpConfig, return_gathered: bool, transpose_
     return mlir.lower_fun(fn, multiple_results=True)(ctx, x, w)
 
 
-# gemm.h's Backend: the `gemm_backend` attribute of every call.
-GEMM_BACKEND_CODES = {"cutlass": 0, "cublaslt": 1}
-
-
-def _kernel_call(name: str):
-    """The FFI lowering of `name` with the `gemm_backend` attribute (the
-    configured library, resolved where the kernels run)."""
-    def lower(ctx, *operands, **attrs):
-        backend = runtime.gemm_backend(get_config().gemm_backend)
-        return jax.ffi.ffi_lowering(name)(
-            ctx, *operands, gemm_backend=np.int32(GEMM_BACKEND_CODES[backend]), **attrs)
-    return lower
-
-
 def _group(ctx, op: str, cfg: TpConfig):
     """The axis's table when the kernels run it, else None (reference)."""
     if cfg.mechanism == "xla":
@@ -135,7 +120,7 @@ def _ag_cuda(ctx, x, w, *, cfg: TpConfig, return_gathered: bool, transpose_w: bo
     x_aval = ctx.avals_in[0]
     m, k = x_aval.shape
     attr = channel_attr(table, "all_gather_matmul", None, _region_bytes(cfg.n, m, k, x_aval.dtype))
-    return _kernel_call("pk_all_gather_matmul")(
+    return jax.ffi.ffi_lowering("pk_all_gather_matmul")(
         ctx, x, w, return_gathered=bool(return_gathered), w_transposed=bool(transpose_w), **attr)
 
 
@@ -159,7 +144,7 @@ def _rs_cuda(ctx, x, w, *, cfg: TpConfig, transpose_w: bool):
     attr = channel_attr(table, "matmul_reduce_scatter", None,
                         _region_bytes(cfg.n, x_aval.shape[0] // cfg.n,
                                       _n_cols(w_aval, transpose_w), cfg.out_dtype))
-    return _kernel_call("pk_matmul_reduce_scatter")(
+    return jax.ffi.ffi_lowering("pk_matmul_reduce_scatter")(
         ctx, x, w, w_transposed=bool(transpose_w), **attr)
 
 
@@ -188,7 +173,7 @@ def _ar_cuda(ctx, x, w, *, cfg: TpConfig):
     reduce = channel_attr(table, "matmul_all_reduce", cfg.mechanism, nbytes)["channel"]
     gather = reduce if one_shot else channel_attr(table, "matmul_all_reduce", "gather",
                                                   nbytes)["channel"]
-    return _kernel_call("pk_matmul_all_reduce")(
+    return jax.ffi.ffi_lowering("pk_matmul_all_reduce")(
         ctx, x, w, channel=reduce, gather_channel=gather, one_shot=one_shot)
 
 
@@ -232,7 +217,7 @@ def _ag_bwd_cuda(ctx, dy, w, gathered, *, cfg: TpConfig):
     return _bwd_cuda(ctx, (dy, w, gathered), cfg=cfg, op="all_gather_matmul",
                      sequence="matmul_reduce_scatter",
                      slot=(dy_aval.shape[0] // cfg.n, w_aval.shape[0], cfg.out_dtype),
-                     ffi_lowering=_kernel_call("pk_all_gather_matmul_bwd"),
+                     ffi_lowering=jax.ffi.ffi_lowering("pk_all_gather_matmul_bwd"),
                      reference_lowering=_ag_bwd_reference)
 
 
@@ -254,7 +239,7 @@ def _rs_bwd_cuda(ctx, dy, w, x, *, cfg: TpConfig):
     dy_aval = ctx.avals_in[0]
     return _bwd_cuda(ctx, (dy, w, x), cfg=cfg, op="matmul_reduce_scatter",
                      sequence="all_gather_matmul", slot=(*dy_aval.shape, dy_aval.dtype),
-                     ffi_lowering=_kernel_call("pk_matmul_reduce_scatter_bwd"),
+                     ffi_lowering=jax.ffi.ffi_lowering("pk_matmul_reduce_scatter_bwd"),
                      reference_lowering=_rs_bwd_reference)
 
 

@@ -2,7 +2,6 @@
 #include "kernels/gemm/gemm.h"
 
 #include "kernels/common/variants.h"
-#include "kernels/gemm/cublaslt.h"
 
 namespace pk::gemm {
 namespace {
@@ -52,26 +51,20 @@ namespace {
 VariantKey key_of(const Problem& p) {
   return VariantKey{p.in, p.out, p.b_transposed, p.a_transposed};
 }
-
-// cuBLASLt runs `p` where dev names it and it has an algorithm for p.
-bool on_cublaslt(const Problem& p, const Device& dev) {
-  return dev.backend == Backend::kCublasLt && cublaslt::check(p, dev) == cudaSuccess;
-}
 }  // namespace
 
 cudaError_t check(const Problem& p, const Device& dev) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
-  if (on_cublaslt(p, dev)) return cudaSuccess;
 #ifdef PK_HAVE_CUTLASS
   return Instantiations::check(key_of(p), p, dev);
 #else
+  (void)dev;
   return cudaErrorNotSupported;
 #endif
 }
 
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
-  if (on_cublaslt(p, dev)) return cublaslt::run(p, dev, stream);
 #ifdef PK_HAVE_CUTLASS
   return Instantiations::launch(key_of(p), p, dev, stream);
 #else

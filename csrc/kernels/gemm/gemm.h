@@ -34,20 +34,12 @@ struct Problem {
   DType out = DType::kBF16;
 };
 
-// Which library runs a call's GEMMs (the ops' `gemm_backend` attribute,
-// resolved at lowering: pk_jax.configure, pk_jax/tuning.py): the CUTLASS
-// kernel (gemm_sm90.cuh) or cuBLASLt (cublaslt.h, once cublaslt::load
-// succeeded). A problem cuBLASLt has no algorithm for runs on CUTLASS.
-enum class Backend : int32_t { kCutlass = 0, kCublasLt = 1 };
-
-// Where the kernel runs, the scratch it may use (allocated at init) and the
-// library that runs it.
+// Where the kernel runs and the scratch it may use (allocated at init).
 struct Device {
   int ordinal = 0;
   int sm_count = 0;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
-  Backend backend = Backend::kCutlass;
 };
 
 // False when the extension was built without CUTLASS headers.
