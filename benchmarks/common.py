@@ -46,6 +46,22 @@ def time_ms(fn: Callable[[], Any], *, calls: int = 10, batches: int = 5, warmup:
     return statistics.median(per_call)
 
 
+def interleaved_ms(fns: dict[str, Callable[[], Any]], *, rounds: int = 3, calls: int = 10,
+                   batches: int = 3,
+                   on_round: Callable[[int, dict[str, float]], None] | None = None
+                   ) -> dict[str, list[float]]:
+    """time_ms of each of `fns` in turn, `rounds` times, so that clock drift
+    under sustained load moves them alike: each one's per-round times.
+    `on_round(r, {name: ms})` after every round (progress lines)."""
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for r in range(rounds):
+        for name, fn in fns.items():
+            runs[name].append(time_ms(fn, calls=calls, batches=batches))
+        if on_round is not None:
+            on_round(r, {name: t[-1] for name, t in runs.items()})
+    return runs
+
+
 def one_axis_mesh(devices, name: str = "x") -> Mesh:
     """A 1-D mesh over `devices` (the benchmarks' layout)."""
     return Mesh(np.array(devices), (name,), axis_types=(AxisType.Auto,))

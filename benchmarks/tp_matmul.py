@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from common import bench_setup, markdown_table, one_axis_mesh, time_ms, write_results
+from common import (bench_setup, interleaved_ms, markdown_table, one_axis_mesh, time_ms,
+                    write_results)
 
 # Global M x K x N: the shapes XLA's collective matmuls were first measured at on
 # 2 x H200 (a square pair, then an MLP layer's: hidden 8192, ffn 28672).
@@ -50,16 +51,6 @@ def ag_impls(mesh):
         "gemm_only": jax.jit(jax.shard_map(
             lambda x, w: jnp.concatenate([x] * lax.axis_size("x")) @ w, **specs)),
     }
-
-
-def interleaved(fns, rounds: int = 3) -> dict:
-    """Median over `rounds` rounds of time_ms of each of `fns`, one after the
-    other in every round."""
-    runs = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            runs[name].append(time_ms(fn, batches=3))
-    return {name: float(np.median(t)) for name, t in runs.items()}
 
 
 def rs_impls(mesh):
@@ -162,7 +153,8 @@ def main() -> int:
         one = one_axis_mesh(devices[:1])
         x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
         impls = ag_impls(one)
-        times = interleaved({name: (lambda f=impls[name]: f(x, w)) for name in ("pk", "xla")})
+        runs = interleaved_ms({name: (lambda f=impls[name]: f(x, w)) for name in ("pk", "xla")})
+        times = {name: float(np.median(t)) for name, t in runs.items()}
         record("gemm_world_size_1", shape, times, 2.0 * m * k * nn, gpus=1)
     if "mlp_fwd_bwd" in only:
         # MLP pair, forward + backward, hidden 8192 (ffn 28672), 8192 tokens.

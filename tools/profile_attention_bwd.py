@@ -6,10 +6,10 @@ between cudaProfilerStart/Stop, for Nsight Compute:
     ncu --profile-from-start off -k regex:'Fmha|bprop|dgrad' --set detailed \
         python tools/profile_attention_bwd.py           # the backward kernels
 
-Without ncu it first times both fwd+bwd in `--rounds` interleaved rounds (each
-the median of batches of back-to-back calls, benchmarks/common.py's
-time_ms), so clock drift over the run moves both alike: one line per
-round with cuDNN time / pk time, then the medians.
+Without ncu it first times both fwd+bwd in `--rounds` interleaved rounds
+(benchmarks/common.py's interleaved_ms: each the median of batches of
+back-to-back calls), so clock drift over the run moves both alike: one line
+per round with cuDNN time / pk time, then the medians.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from common import time_ms  # noqa: E402
+from common import interleaved_ms  # noqa: E402
 
 
 def _profiler(start: bool) -> None:
@@ -67,12 +67,12 @@ def main() -> None:
 
     fns = {name: jax.jit(jax.grad(f, argnums=(0, 1, 2)))
            for name, f in (("pk", pk_loss), ("cudnn", cudnn_loss))}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for r in range(a.rounds):
-        for name, f in fns.items():
-            times[name].append(time_ms(lambda: f(q, k, v), calls=a.calls, batches=3))
-        print(f"round {r}: pk {times['pk'][-1]:.3f} ms, cudnn {times['cudnn'][-1]:.3f} ms, "
-              f"cudnn/pk {times['cudnn'][-1] / times['pk'][-1]:.3f}", flush=True)
+    def report(r, ms):
+        print(f"round {r}: pk {ms['pk']:.3f} ms, cudnn {ms['cudnn']:.3f} ms, "
+              f"cudnn/pk {ms['cudnn'] / ms['pk']:.3f}", flush=True)
+
+    times = interleaved_ms({name: (lambda f=f: f(q, k, v)) for name, f in fns.items()},
+                           rounds=a.rounds, calls=a.calls, on_round=report)
     for name, ts in times.items():
         print(f"{name}: fwd+bwd median {statistics.median(ts):.3f} ms (min {min(ts):.3f})",
               flush=True)
