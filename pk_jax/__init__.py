@@ -15,6 +15,7 @@ from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
 from pk_jax.ops.all_to_all import all_to_all
+from pk_jax.ops.grouped_matmul import grouped_matmul
 from pk_jax.ops.moe import MoeLayout, moe_combine, moe_dispatch
 from pk_jax.ops.ring_attention import ring_attention
 from pk_jax.ops.zigzag import zigzag_shard, zigzag_unshard
@@ -44,6 +45,7 @@ __all__ = [
     "distributed",
     "dot_product_attention",
     "get_config",
+    "grouped_matmul",
     "matmul",
     "matmul_all_reduce",
     "matmul_reduce_scatter",

@@ -143,6 +143,17 @@ def test_all_gather_mechanism_ids_match_enum():
         k: all_gather_primitive.KERNEL_MECHANISMS[v] for k, v in want.items()}
 
 
+def test_grouped_matmul_mirrors_match_header():
+    from pk_jax.ops import grouped_matmul_primitive as prim
+    rel = "csrc/kernels/grouped_matmul/grouped_matmul.h"
+    consts = cxx_constants(rel)
+    assert (consts["kMaxGroups"], consts["kPerGroupScratch"], consts["kKernelScratch"]) == (
+        prim.MAX_GROUPS, prim.PER_GROUP_SCRATCH, prim.KERNEL_SCRATCH)
+    assert cxx_enum(rel, "Kind") == {"kForward": prim.KINDS["forward"],
+                                     "kLhsGrad": prim.KINDS["lhs_grad"],
+                                     "kRhsGrad": prim.KINDS["rhs_grad"]}
+
+
 def test_ffi_target_names_match_the_module():
     """The targets Python lowers to are the ones the extension registers."""
     module = _source("xla_ffi/module.cc")

@@ -16,5 +16,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAttention);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AttentionBlockBwd);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RingAttentionBwd);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(AllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GroupedMatmul);
 
 }  // namespace pk::ffi_handlers

@@ -12,6 +12,7 @@
 #include "kernels/moe/moe.h"
 #include "kernels/attention_bwd/attention_bwd.h"
 #include "kernels/gemm/gemm.h"
+#include "kernels/grouped_matmul/grouped_matmul.h"
 #include "kernels/ring_attention/ring_attention.h"
 #include "kernels/ring_attention_bwd/ring_attention_bwd.h"
 #include "kernels/tp_matmul/tp_matmul.h"
@@ -40,7 +41,7 @@ const std::vector<pk::runtime::KernelLoader>& kernel_loaders() {
       pk::ring_attention::load_kernels, pk::attention_bwd::load_kernels,
       pk::ring_attention_bwd::load_kernels,
       pk::all_reduce::load_kernels,
-      pk::moe::load_kernels,
+      pk::moe::load_kernels,            pk::grouped_matmul::load_kernels,
   };
   return loaders;
 }
@@ -60,6 +61,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_matmul_all_reduce"] = as_capsule(pk::ffi_handlers::MatmulAllReduce);
     d["pk_ring_attention"] = as_capsule(pk::ffi_handlers::RingAttention);
     d["pk_attention_block_bwd"] = as_capsule(pk::ffi_handlers::AttentionBlockBwd);
+    d["pk_grouped_matmul"] = as_capsule(pk::ffi_handlers::GroupedMatmul);
     d["pk_ring_attention_bwd"] = as_capsule(pk::ffi_handlers::RingAttentionBwd);
     d["pk_all_reduce"] = as_capsule(pk::ffi_handlers::AllReduce);
     d["pk_moe_exchange"] = as_capsule(pk::ffi_handlers::MoeExchange);

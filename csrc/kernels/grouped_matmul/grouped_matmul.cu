@@ -1,0 +1,51 @@
+// Host side of the grouped GEMM: checks and the dispatch to the instantiations.
+#include "kernels/grouped_matmul/grouped_matmul.h"
+
+#include "kernels/common/variants.h"
+
+namespace pk::grouped_matmul {
+namespace {
+
+#ifdef PK_HAVE_CUTLASS
+using Instantiations = variants::Variants<
+    Variant<DType::kBF16, Kind::kForward>, Variant<DType::kBF16, Kind::kLhsGrad>,
+    Variant<DType::kBF16, Kind::kRhsGrad>, Variant<DType::kF16, Kind::kForward>,
+    Variant<DType::kF16, Kind::kLhsGrad>, Variant<DType::kF16, Kind::kRhsGrad>>;
+#endif
+
+}  // namespace
+
+bool available() {
+#ifdef PK_HAVE_CUTLASS
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool supported(const Params& p) {
+  const int64_t limit = int64_t(1) << 31;
+  return (p.type == DType::kBF16 || p.type == DType::kF16) && p.groups >= 1 &&
+         p.groups <= kMaxGroups && p.rows >= 0 && p.k > 0 && p.n > 0 && p.k % 8 == 0 &&
+         p.n % 8 == 0 && p.rows < limit && p.k < limit && p.n < limit && p.k * p.n < limit &&
+         p.scratch_bytes >= scratch_bytes(p.groups);
+}
+
+cudaError_t load_kernels() {
+#ifdef PK_HAVE_CUTLASS
+  return Instantiations::load();
+#else
+  return cudaSuccess;
+#endif
+}
+
+cudaError_t run(const Params& p) {
+  if (!available() || !supported(p)) return cudaErrorNotSupported;
+#ifdef PK_HAVE_CUTLASS
+  return Instantiations::launch(VariantKey{p.type, p.kind}, p);
+#else
+  return cudaErrorNotSupported;
+#endif
+}
+
+}  // namespace pk::grouped_matmul

@@ -1,0 +1,83 @@
+"""pk_jax.grouped_matmul: jax.lax.ragged_dot as one grouped-GEMM kernel call,
+with both gradients as kernel calls too (the MoE experts' GEMM).
+
+    out = pk_jax.grouped_matmul(rows, w, group_sizes)   # rows [M, K], w [G, K, N]
+
+A local op: call it on a device's own arrays (inside jax.shard_map, e.g. on
+the rows pk_jax.moe_dispatch grouped by local expert, or on one device).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pk_jax.ops import grouped_matmul_primitive as prim
+
+MECHANISMS = ("auto", "kernel", "xla")
+
+
+def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+                   mechanism: str = "auto") -> jax.Array:
+    """Rows grouped consecutively, each group times its own matrix.
+
+    Args:
+      lhs: [M, K]; rows [o_g, o_g + group_sizes[g]) belong to group g (o_g:
+        the sizes before g).
+      rhs: [G, K, N], lhs's dtype.
+      group_sizes: [G] integers, on the device (no host sync). A negative
+        size counts as 0; a group reaching past row M is cut at M.
+      mechanism: "kernel" (pk's grouped GEMM: bfloat16 or float16, K and N
+        multiples of 8, 1 <= G <= 2048; a ValueError saying why otherwise),
+        "xla" (`jax.lax.ragged_dot`), or "auto" (the kernel where it takes
+        the shapes, else XLA).
+
+    Returns:
+      [M, N] in lhs's dtype (fp32 accumulation): row i of group g is
+      lhs[i] @ rhs[g]; rows past the groups' sum are zeros. Differentiable
+      in lhs and rhs (each gradient one kernel call).
+    """
+    if mechanism not in MECHANISMS:
+        raise ValueError(f"pk_jax.grouped_matmul: mechanism must be one of {MECHANISMS}, got "
+                         f"{mechanism!r}")
+    lhs, rhs, group_sizes = jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(group_sizes)
+    if lhs.ndim != 2 or rhs.ndim != 3 or rhs.shape[1] != lhs.shape[1]:
+        raise ValueError(f"pk_jax.grouped_matmul: expected lhs [M, K] and rhs [G, K, N], got "
+                         f"{lhs.shape} and {rhs.shape}")
+    if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype,
+                                                                   jnp.integer):
+        raise ValueError(f"pk_jax.grouped_matmul: group_sizes must be [G={rhs.shape[0]}] "
+                         f"integers, got {group_sizes.shape} {group_sizes.dtype}")
+    if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
+        raise ValueError(f"pk_jax.grouped_matmul: lhs and rhs must share one floating dtype, "
+                         f"got {lhs.dtype} and {rhs.dtype}")
+    why = prim.kernel_problem(lhs, rhs) if mechanism != "xla" else "mechanism='xla'"
+    if mechanism == "kernel" and why:
+        raise ValueError(f"pk_jax.grouped_matmul: mechanism='kernel' cannot run: {why}")
+    if why:
+        return prim.reference(lhs, rhs, group_sizes, "forward")
+    return _kernel(lhs, rhs, group_sizes.astype(jnp.int32), mechanism == "kernel")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _kernel(lhs, rhs, group_sizes, forced):
+    return prim.bind(lhs, rhs, group_sizes, "forward", forced)
+
+
+def _kernel_fwd(lhs, rhs, group_sizes, forced):
+    return prim.bind(lhs, rhs, group_sizes, "forward", forced), (lhs, rhs, group_sizes)
+
+
+def _kernel_bwd(forced, res, dout):
+    lhs, rhs, group_sizes = res
+    dout = dout.astype(lhs.dtype)
+    dlhs = prim.bind(dout, rhs, group_sizes, "lhs_grad", forced)
+    drhs = prim.bind(lhs, dout, group_sizes, "rhs_grad", forced)
+    zero_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
+    return dlhs, drhs, zero_sizes
+
+
+_kernel.defvjp(_kernel_fwd, _kernel_bwd)

@@ -1,0 +1,143 @@
+"""The primitive of pk_jax.grouped_matmul: jax.lax.ragged_dot's forward and
+its two gradients as one kernel call each (csrc/kernels/grouped_matmul).
+
+`pk_grouped_matmul(a, b, group_sizes, kind)`, rows grouped consecutively
+(group g: rows [o_g, o_g + r_g), r_g = max(group_sizes[g], 0), a group
+reaching past row M cut at M):
+
+    forward   a = lhs [M, K], b = rhs [G, K, N]   -> [M, N]: rows of g @ rhs[g]
+    lhs_grad  a = dout [M, N], b = rhs [G, K, N]  -> [M, K]: rows of g @ rhs[g]^T
+    rhs_grad  a = lhs [M, K], b = dout [M, N]     -> [G, K, N]: lhs_g^T @ dout_g
+
+Rows past the groups' sum (forward, lhs_grad) and the groups with no rows
+(rhs_grad) are zeros. One dtype throughout, fp32 accumulation. Lowering: on
+CUDA with the extension built with CUTLASS, the FFI kernel of
+xla_ffi/grouped_matmul.cc (its scratch a second result, dropped); anywhere
+else `reference`. Which shapes the kernel takes is decided before binding
+(`kernel_problem`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from pk_jax._compat import make_varying, varying_axes
+from pk_jax.ops._lowering import kernels_missing
+
+grouped_matmul_p = Primitive("pk_grouped_matmul")
+
+KINDS = {"forward": 0, "lhs_grad": 1, "rhs_grad": 2}  # grouped_matmul.h: Kind
+# Mirrors of csrc/kernels/grouped_matmul/grouped_matmul.h (tests/test_constants_cpu.py).
+MAX_GROUPS = 2048
+PER_GROUP_SCRATCH = 256
+KERNEL_SCRATCH = 1 << 20
+_TYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def scratch_bytes(groups: int) -> int:
+    """grouped_matmul.h's scratch_bytes."""
+    return groups * PER_GROUP_SCRATCH + KERNEL_SCRATCH
+
+
+def kernel_problem(lhs, rhs) -> str | None:
+    """None when the kernel takes lhs [M, K] @ rhs [G, K, N] (and so both
+    gradients), else why not."""
+    g, k, n = rhs.shape
+    if jnp.dtype(lhs.dtype) not in _TYPES or rhs.dtype != lhs.dtype:
+        return f"the kernel takes bfloat16 or float16 operands of one dtype, got {lhs.dtype}, " \
+               f"{rhs.dtype}"
+    if k % 8 or n % 8:
+        return f"K={k} and N={n} must be multiples of 8 (16-byte rows)"
+    if not 1 <= g <= MAX_GROUPS:
+        return f"{g} groups: the kernel takes 1..{MAX_GROUPS}"
+    if max(lhs.shape[0], k, n, k * n) >= 1 << 31:
+        return "M, K, N and K * N must stay below 2^31"
+    return None
+
+
+def clamped_sizes(group_sizes, rows: int):
+    """Each group's rows after the clamps (negative -> 0, cut at row M)."""
+    s = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(s), rows)
+    return ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+
+
+def reference(a, b, group_sizes, kind: str):
+    """What the kernel computes, with jax.lax.ragged_dot (any platform)."""
+    rows = a.shape[0]
+    sizes = clamped_sizes(group_sizes, rows)
+    used = jnp.arange(rows) < jnp.sum(sizes)
+
+    def rows_dot(x, w):
+        out = lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+        return jnp.where(used[:, None], out, 0).astype(x.dtype)
+
+    if kind == "forward":
+        return rows_dot(a, b)
+    if kind == "lhs_grad":
+        return rows_dot(a, jnp.swapaxes(b, 1, 2))
+    # rhs_grad: the transpose of the forward with respect to rhs.
+    g, n = sizes.shape[0], b.shape[1]
+    f = lambda w: lax.ragged_dot(a.astype(jnp.float32), w, sizes)
+    _, vjp = jax.vjp(f, jnp.zeros((g, a.shape[1], n), jnp.float32))
+    (dw,) = vjp(jnp.where(used[:, None], b.astype(jnp.float32), 0))
+    return dw.astype(a.dtype)
+
+
+def bind(a, b, group_sizes, kind: str, forced: bool = False):
+    """One kernel call (see the module docstring); the caller checked
+    kernel_problem on the forward's operands. `forced`: where the kernel
+    cannot run on CUDA, an error instead of the reference."""
+    args = (a, b, jnp.asarray(group_sizes, jnp.int32))
+    axes = tuple(sorted(set().union(*(varying_axes(x) for x in args))))
+    if axes:  # one varying-axes type for all operands (shard_map's check_vma)
+        args = tuple(make_varying(x, axes) for x in args)
+    return grouped_matmul_p.bind(*args, kind=kind, forced=bool(forced))
+
+
+def _out_shape(a, b, groups: int, kind: str):
+    if kind == "forward":
+        return (a.shape[0], b.shape[2])
+    if kind == "lhs_grad":
+        return (a.shape[0], b.shape[1])
+    return (groups, a.shape[1], b.shape[1])
+
+
+def _abstract(a, b, group_sizes, *, kind: str, forced: bool):
+    return a.update(shape=_out_shape(a, b, group_sizes.shape[0], kind), dtype=a.dtype)
+
+
+def _reference_lowering(ctx, a, b, group_sizes, *, kind: str, forced: bool = False):
+    return mlir.lower_fun(lambda a, b, s: reference(a, b, s, kind),
+                          multiple_results=False)(ctx, a, b, group_sizes)
+
+
+def _cuda(ctx, a, b, group_sizes, *, kind: str, forced: bool):
+    if kernels_missing("grouped_matmul", need_cutlass=True,  # sets up the runtime
+                       forced="kernel" if forced else None):
+        return _reference_lowering(ctx, a, b, group_sizes, kind=kind)
+    out_aval = ctx.avals_out[0]
+    groups = ctx.avals_in[2].shape[0]
+    scratch = jax.core.ShapedArray((scratch_bytes(groups),), jnp.uint8)
+    inner = ctx.replace(avals_out=[out_aval, scratch])
+    out, _ = jax.ffi.ffi_lowering("pk_grouped_matmul")(
+        inner, a, b, group_sizes, kind=np.int32(KINDS[kind]))
+    return [out]
+
+
+@functools.cache
+def _jitted(kind: str, forced: bool):
+    return jax.jit(functools.partial(grouped_matmul_p.bind, kind=kind, forced=forced))
+
+
+grouped_matmul_p.def_impl(lambda a, b, s, *, kind, forced: _jitted(kind, forced)(a, b, s))
+grouped_matmul_p.def_abstract_eval(_abstract)
+mlir.register_lowering(grouped_matmul_p, _reference_lowering)
+mlir.register_lowering(grouped_matmul_p, _cuda, platform="cuda")

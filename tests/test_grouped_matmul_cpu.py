@@ -1,0 +1,116 @@
+"""pk_jax.grouped_matmul on CPU (the reference path) and its CUDA lowering."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from conftest import cpu_mesh, ffi_attr, rel_err
+from grouped_matmul_cases import CASES, dense, dense_grads, inputs
+from pk_jax.ops import grouped_matmul_primitive as prim
+
+
+@pytest.mark.parametrize("m,k,n,sizes", CASES)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_values_and_gradients(rng, m, k, n, sizes, dtype):
+    x, w, t = inputs(rng, m, k, n, len(sizes), dtype)
+    s = jnp.asarray(sizes, jnp.int32)
+    out = jax.jit(pk_jax.grouped_matmul)(x, w, s)
+    want = dense(x, w, sizes)
+    assert out.dtype == dtype and out.shape == (m, n)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    assert rel_err(out, want) < tol
+    used = sum(min(max(v, 0), m) for v in sizes)  # rows past the sum are exactly zero
+    assert not np.any(np.asarray(out, np.float32)[min(used, m):])
+    loss = lambda x, w: jnp.sum(pk_jax.grouped_matmul(x, w, s).astype(jnp.float32) * t)
+    dx, dw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+    want_dx, want_dw = dense_grads(x, w, sizes, t)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    assert rel_err(dx, want_dx) < tol and rel_err(dw, want_dw) < tol
+    for g, v in enumerate(sizes):  # a group with no rows has a zero gradient
+        if v <= 0:
+            assert not np.any(np.asarray(dw[g], np.float32))
+
+
+def test_inside_shard_map_each_device_its_groups(rng, sharding_mode):
+    mesh = cpu_mesh((4,), ("ep",))
+    m, k, n, g = 32, 16, 8, 3
+    x = rng.standard_normal((4 * m, k)).astype(np.float32)
+    w = rng.standard_normal((4 * g, k, n)).astype(np.float32)
+    sizes = rng.integers(0, 14, (4 * g,)).astype(np.int32)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    f = jax.jit(jax.shard_map(pk_jax.grouped_matmul, mesh=mesh, in_specs=(P("ep"),) * 3,
+                              out_specs=P("ep")))
+    out = np.asarray(f(put(x, P("ep")), put(w, P("ep")), put(sizes, P("ep"))))
+    for d in range(4):
+        want = dense(x[d * m:(d + 1) * m], w[d * g:(d + 1) * g], sizes[d * g:(d + 1) * g])
+        assert rel_err(out[d * m:(d + 1) * m], want) < 1e-5
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w, s: pk_jax.grouped_matmul(x[0], w, s), "lhs \\[M, K\\] and rhs"),
+    (lambda x, w, s: pk_jax.grouped_matmul(x, w[:, :8], s), "lhs \\[M, K\\] and rhs"),
+    (lambda x, w, s: pk_jax.grouped_matmul(x, w, s[:1]), "group_sizes must be"),
+    (lambda x, w, s: pk_jax.grouped_matmul(x, w, s.astype(jnp.float32)), "integers"),
+    (lambda x, w, s: pk_jax.grouped_matmul(x, w.astype(jnp.float16), s), "one floating dtype"),
+    (lambda x, w, s: pk_jax.grouped_matmul(x, w, s, mechanism="fast"), "mechanism must be"),
+    (lambda x, w, s: pk_jax.grouped_matmul(x[:, :12], w[:, :12], s, mechanism="kernel"),
+     "multiples of 8"),
+    (lambda x, w, s: pk_jax.grouped_matmul(x.astype(jnp.float32), w.astype(jnp.float32), s,
+                                           mechanism="kernel"), "bfloat16 or float16"),
+])
+def test_bad_input_is_named(call, match):
+    x = jnp.ones((16, 16), jnp.bfloat16)
+    w = jnp.ones((2, 16, 8), jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        call(x, w, jnp.array([8, 8], jnp.int32))
+
+
+def test_kernel_problem_limits():
+    x = jax.ShapeDtypeStruct((16, 16), jnp.bfloat16)
+    assert prim.kernel_problem(x, jax.ShapeDtypeStruct((2, 16, 8), jnp.bfloat16)) is None
+    big = jax.ShapeDtypeStruct((prim.MAX_GROUPS + 1, 16, 8), jnp.bfloat16)
+    assert "groups" in prim.kernel_problem(x, big)
+
+
+def _calls(hlo):
+    return re.findall(r"custom_call @pk_grouped_matmul\((.*?)\{(.*?)\}, operand_layouts", hlo)
+
+
+def test_cuda_lowering_forward_and_both_gradients_are_kernel_calls(cuda_lowering):
+    m, k, n, g = 256, 64, 32, 4
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g,), jnp.int32))
+    loss = lambda x, w, s: jnp.sum(pk_jax.grouped_matmul(x, w, s).astype(jnp.float32) ** 2)
+    hlo = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = _calls(hlo)
+    assert sorted(ffi_attr(attrs, "kind") for _, attrs in calls) == ["0", "1", "2"]
+    assert "ragged_dot" not in hlo  # no XLA grouped GEMM left
+    assert f"tensor<{prim.scratch_bytes(g)}xui8>" in hlo  # the scratch result
+    # The check can fail: mechanism="xla" lowers to XLA's ragged dot.
+    xla = jax.jit(lambda x, w, s: pk_jax.grouped_matmul(x, w, s, mechanism="xla")).trace(
+        *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert not _calls(xla) and "ragged_dot" in xla
+
+
+def test_cuda_lowering_takes_xla_for_shapes_the_kernel_does_not(cuda_lowering):
+    args = (jax.ShapeDtypeStruct((64, 12), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, 12, 8), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
+    hlo = jax.jit(pk_jax.grouped_matmul).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert not _calls(hlo) and "ragged_dot" in hlo
+
+
+def test_forced_kernel_without_the_extension_says_why(monkeypatch):
+    from pk_jax import runtime
+    monkeypatch.setattr(runtime, "available", lambda: False)
+    args = (jax.ShapeDtypeStruct((64, 16), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, 16, 8), jnp.bfloat16), jax.ShapeDtypeStruct((2,), jnp.int32))
+    f = jax.jit(lambda x, w, s: pk_jax.grouped_matmul(x, w, s, mechanism="kernel"))
+    with pytest.raises(ValueError, match="mechanism='kernel'.*native kernels are unavailable"):
+        f.trace(*args).lower(lowering_platforms=("cuda",))
