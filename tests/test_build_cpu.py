@@ -23,7 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 REGISTRATIONS = {"pk_all_gather", "pk_all_gather_matmul", "pk_matmul_reduce_scatter",
                  "pk_all_gather_matmul_bwd", "pk_matmul_reduce_scatter_bwd",
                  "pk_matmul_all_reduce", "pk_ring_attention", "pk_attention_block_bwd",
-                 "pk_ring_attention_bwd", "pk_all_reduce", "pk_moe_exchange"}
+                 "pk_ring_attention_bwd", "pk_all_reduce", "pk_moe_exchange",
+                 "pk_grouped_matmul"}
 
 
 def _decision_module():

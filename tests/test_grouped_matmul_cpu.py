@@ -84,8 +84,8 @@ def _calls(hlo):
 
 def test_cuda_lowering_forward_and_both_gradients_are_kernel_calls(cuda_lowering):
     m, k, n, g = 256, 64, 32, 4
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
-            jax.ShapeDtypeStruct((g,), jnp.int32))
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), jax.ShapeDtypeStruct((g,), jnp.int32))
     loss = lambda x, w, s: jnp.sum(pk_jax.grouped_matmul(x, w, s).astype(jnp.float32) ** 2)
     hlo = jax.jit(jax.value_and_grad(loss, (0, 1))).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()

@@ -249,9 +249,10 @@ struct GroupedRun {
   }
 
   static cudaError_t load() {
-    PK_CUDA_TRY(preload_kernel(reinterpret_cast<const void*>(&setup_groups<Element, kKind>)));
-    PK_CUDA_TRY(preload_kernel(reinterpret_cast<const void*>(&zero_unwritten<Element, kKind>)));
-    return preload_kernel(reinterpret_cast<const void*>(&cutlass::device_kernel<typename G::Kernel>));
+    auto as_ptr = [](auto* kernel) { return reinterpret_cast<const void*>(kernel); };
+    PK_CUDA_TRY(preload_kernel(as_ptr(&setup_groups<Element, kKind>)));
+    PK_CUDA_TRY(preload_kernel(as_ptr(&zero_unwritten<Element, kKind>)));
+    return preload_kernel(as_ptr(&cutlass::device_kernel<typename G::Kernel>));
   }
 };
 
