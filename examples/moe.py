@@ -138,8 +138,11 @@ def xla_ragged_combine(y: jax.Array, weights: jax.Array, state) -> jax.Array:
 
 
 class XlaRaggedMoE(MoE):
-    """The same layer and parameters as `MoE`, with the exchange a JAX user
-    writes (drop-less): xla_ragged_dispatch / xla_ragged_combine."""
+    """The same layer and parameters as `MoE`, with the exchange and the
+    grouped GEMMs a JAX user writes (drop-less): xla_ragged_dispatch /
+    xla_ragged_combine and jax.lax.ragged_dot."""
+
+    grouped_dot = staticmethod(lax.ragged_dot)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = jnp.dtype(self.dtype) if self.dtype is not None else x.dtype

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
 # (M, K, N, group sizes): ragged groups, an empty group, one group holding
@@ -44,5 +45,6 @@ def dense_grads(x, w, sizes, t):
 def inputs(rng, m, k, n, g, dtype):
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((g, k, n)) / np.sqrt(k)).astype(np.float32)
-    t = rng.standard_normal((m, n)).astype(np.float32)
+    # The cotangent exact in bf16: the gradient kernels take it in the operands' type.
+    t = np.asarray(rng.standard_normal((m, n)).astype(jnp.bfloat16), np.float32)
     return x.astype(dtype), w.astype(dtype), t

@@ -51,6 +51,17 @@ def test_values_and_gradients(rng, m, k, n, sizes, dtype):
             assert not np.any(np.asarray(ours[2][g], np.float32))
 
 
+def test_float32_result(rng):
+    mesh = gpu_mesh(1)
+    m, k, n, sizes = GPU_CASES[-1]
+    x, w, _ = inputs(rng, m, k, n, len(sizes), jnp.bfloat16)
+    s = jnp.asarray(sizes, jnp.int32)
+    poison_allocator(mesh, 4 * m * n)
+    out = jax.jit(lambda x, w: pk_jax.grouped_matmul(
+        x, w, s, preferred_element_type=jnp.float32, mechanism="kernel"))(x, w)
+    assert out.dtype == jnp.float32 and rel_err(out, dense(x, w, sizes)) < 1e-4
+
+
 def test_repeated_in_scan(rng):
     """Ten calls in a scan (one compiled program, maybe a command buffer):
     each step's sizes differ, every step right."""

@@ -5,7 +5,7 @@
 // [G, K, N]; kLhsGrad dout [M, N] and rhs [G, K, N]; kRhsGrad lhs [M, K] and
 // dout [M, N]), group_sizes [G] int32 (read on the device).
 // Results: out (kForward [M, N], kLhsGrad [M, K], kRhsGrad [G, K, N]) in the
-// operands' type; scratch (uint8, grouped_matmul::scratch_bytes(G): the
+// operands' type, or float32 for kForward; scratch (uint8, grouped_matmul::scratch_bytes(G): the
 // per-group arrays and the kernel's workspace, so the call needs no
 // allocator and replays from a command buffer).
 // Attributes: kind (grouped_matmul.h: Kind).
@@ -62,9 +62,11 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (kind < 0 || kind > 2) return invalid("kind is 0 (forward), 1 (lhs grad) or 2 (rhs grad)");
   p.kind = grouped_matmul::Kind(kind);
   const ffi::DataType t = a.element_type();
-  if ((t != ffi::DataType::BF16 && t != ffi::DataType::F16) || b.element_type() != t ||
-      out->element_type() != t)
-    return invalid("operands and result must be one type, bfloat16 or float16");
+  if ((t != ffi::DataType::BF16 && t != ffi::DataType::F16) || b.element_type() != t)
+    return invalid("operands must be one type, bfloat16 or float16");
+  p.f32_out = out->element_type() == ffi::DataType::F32;
+  if (out->element_type() != t && !(p.f32_out && p.kind == grouped_matmul::Kind::kForward))
+    return invalid("the result has the operands' type (or float32, forward only)");
   p.type = t == ffi::DataType::BF16 ? DType::kBF16 : DType::kF16;
   if (group_sizes.dimensions().size() != 1) return invalid("group_sizes must be [G]");
   p.groups = int32_t(group_sizes.dimensions()[0]);

@@ -4,7 +4,7 @@ Called per shard inside `jax.shard_map` (the pattern of pk_jax.flax.layers):
 each device of `axis_name` holds `num_experts / n` experts and its own
 tokens (the expert axis doubles as a data axis, as usual for expert
 parallelism). `pk_jax.moe_dispatch` sends every token to its top-k experts'
-devices, the experts run as grouped GEMMs (`jax.lax.ragged_dot`) over the
+devices, the experts run as grouped GEMMs (`pk_jax.grouped_matmul`) over the
 rows grouped by local expert, and `pk_jax.moe_combine` brings the rows back,
 weighted by the router probabilities.
 """
@@ -20,6 +20,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from pk_jax.flax.layers import SPEC_KEY, _check_positive, _new_param, shard_size
+from pk_jax.ops.grouped_matmul import grouped_matmul
 from pk_jax.ops.moe import MECHANISMS, moe_combine, moe_dispatch
 
 # Each expert's [in, out] kernel gets LeCun-normal init over its own fan-in
@@ -94,16 +95,16 @@ class MoE(nnx.Module):
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
         return weights, ids.astype(jnp.int32)
 
+    # The grouped GEMM the experts run (jax.lax.ragged_dot's signature).
+    grouped_dot = staticmethod(grouped_matmul)
+
     def experts(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
         """The local experts on rows grouped by expert (`group_sizes` rows each)."""
         dt = rows.dtype
-        gate = lax.ragged_dot(rows, self.gate[...].astype(dt), group_sizes,
-                              preferred_element_type=jnp.float32)
-        up = lax.ragged_dot(rows, self.up[...].astype(dt), group_sizes,
-                            preferred_element_type=jnp.float32)
-        h = (jax.nn.silu(gate) * up).astype(dt)
-        return lax.ragged_dot(h, self.down[...].astype(dt), group_sizes,
-                              preferred_element_type=jnp.float32).astype(dt)
+        dot = lambda a, w: self.grouped_dot(a, w[...].astype(dt), group_sizes,
+                                            preferred_element_type=jnp.float32)
+        h = (jax.nn.silu(dot(rows, self.gate)) * dot(rows, self.up)).astype(dt)
+        return dot(h, self.down).astype(dt)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., features] (this device's tokens) -> [..., features]."""

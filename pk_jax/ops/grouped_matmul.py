@@ -21,7 +21,7 @@ MECHANISMS = ("auto", "kernel", "xla")
 
 
 def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-                   mechanism: str = "auto") -> jax.Array:
+                   preferred_element_type=None, mechanism: str = "auto") -> jax.Array:
     """Rows grouped consecutively, each group times its own matrix.
 
     Args:
@@ -30,13 +30,15 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       rhs: [G, K, N], lhs's dtype.
       group_sizes: [G] integers, on the device (no host sync). A negative
         size counts as 0; a group reaching past row M is cut at M.
+      preferred_element_type: None (lhs's dtype) or float32: the result's
+        dtype.
       mechanism: "kernel" (pk's grouped GEMM: bfloat16 or float16, K and N
         multiples of 8, 1 <= G <= 2048; a ValueError saying why otherwise),
         "xla" (`jax.lax.ragged_dot`), or "auto" (the kernel where it takes
         the shapes, else XLA).
 
     Returns:
-      [M, N] in lhs's dtype (fp32 accumulation): row i of group g is
+      [M, N] in `preferred_element_type` (fp32 accumulation): row i of group g is
       lhs[i] @ rhs[g]; rows past the groups' sum are zeros. Differentiable
       in lhs and rhs (each gradient one kernel call).
     """
@@ -54,24 +56,29 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
         raise ValueError(f"pk_jax.grouped_matmul: lhs and rhs must share one floating dtype, "
                          f"got {lhs.dtype} and {rhs.dtype}")
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    if out_dtype not in (lhs.dtype, jnp.dtype(jnp.float32)):
+        raise ValueError(f"pk_jax.grouped_matmul: preferred_element_type must be None, "
+                         f"{lhs.dtype} or float32, got {out_dtype}")
     why = prim.kernel_problem(lhs, rhs) if mechanism != "xla" else "mechanism='xla'"
     if mechanism == "kernel" and why:
         raise ValueError(f"pk_jax.grouped_matmul: mechanism='kernel' cannot run: {why}")
     if why:
-        return prim.reference(lhs, rhs, group_sizes, "forward")
-    return _kernel(lhs, rhs, group_sizes.astype(jnp.int32), mechanism == "kernel")
+        return prim.reference(lhs, rhs, group_sizes, "forward", out_dtype)
+    return _kernel(lhs, rhs, group_sizes.astype(jnp.int32), mechanism == "kernel", out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _kernel(lhs, rhs, group_sizes, forced):
-    return prim.bind(lhs, rhs, group_sizes, "forward", forced)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _kernel(lhs, rhs, group_sizes, forced, out_dtype):
+    return prim.bind(lhs, rhs, group_sizes, "forward", forced, out_dtype)
 
 
-def _kernel_fwd(lhs, rhs, group_sizes, forced):
-    return prim.bind(lhs, rhs, group_sizes, "forward", forced), (lhs, rhs, group_sizes)
+def _kernel_fwd(lhs, rhs, group_sizes, forced, out_dtype):
+    out = prim.bind(lhs, rhs, group_sizes, "forward", forced, out_dtype)
+    return out, (lhs, rhs, group_sizes)
 
 
-def _kernel_bwd(forced, res, dout):
+def _kernel_bwd(forced, out_dtype, res, dout):
     lhs, rhs, group_sizes = res
     dout = dout.astype(lhs.dtype)
     dlhs = prim.bind(dout, rhs, group_sizes, "lhs_grad", forced)

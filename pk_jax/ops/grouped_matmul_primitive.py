@@ -10,7 +10,8 @@ reaching past row M cut at M):
     rhs_grad  a = lhs [M, K], b = dout [M, N]     -> [G, K, N]: lhs_g^T @ dout_g
 
 Rows past the groups' sum (forward, lhs_grad) and the groups with no rows
-(rhs_grad) are zeros. One dtype throughout, fp32 accumulation. Lowering: on
+(rhs_grad) are zeros. One dtype throughout (the forward's result may be
+float32: `out_dtype`), fp32 accumulation. Lowering: on
 CUDA with the extension built with CUTLASS, the FFI kernel of
 xla_ffi/grouped_matmul.cc (its scratch a second result, dropped); anywhere
 else `reference`. Which shapes the kernel takes is decided before binding
@@ -69,15 +70,16 @@ def clamped_sizes(group_sizes, rows: int):
     return ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
 
 
-def reference(a, b, group_sizes, kind: str):
+def reference(a, b, group_sizes, kind: str, out_dtype=None):
     """What the kernel computes, with jax.lax.ragged_dot (any platform)."""
+    out_dtype = jnp.dtype(out_dtype or a.dtype)
     rows = a.shape[0]
     sizes = clamped_sizes(group_sizes, rows)
     used = jnp.arange(rows) < jnp.sum(sizes)
 
     def rows_dot(x, w):
         out = lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
-        return jnp.where(used[:, None], out, 0).astype(x.dtype)
+        return jnp.where(used[:, None], out, 0).astype(out_dtype)
 
     if kind == "forward":
         return rows_dot(a, b)
@@ -91,15 +93,17 @@ def reference(a, b, group_sizes, kind: str):
     return dw.astype(a.dtype)
 
 
-def bind(a, b, group_sizes, kind: str, forced: bool = False):
+def bind(a, b, group_sizes, kind: str, forced: bool = False, out_dtype=None):
     """One kernel call (see the module docstring); the caller checked
     kernel_problem on the forward's operands. `forced`: where the kernel
-    cannot run on CUDA, an error instead of the reference."""
+    cannot run on CUDA, an error instead of the reference. `out_dtype`:
+    a's dtype (None) or float32 (forward only)."""
+    out_dtype = jnp.dtype(out_dtype or a.dtype)
     args = (a, b, jnp.asarray(group_sizes, jnp.int32))
     axes = tuple(sorted(set().union(*(varying_axes(x) for x in args))))
     if axes:  # one varying-axes type for all operands (shard_map's check_vma)
         args = tuple(make_varying(x, axes) for x in args)
-    return grouped_matmul_p.bind(*args, kind=kind, forced=bool(forced))
+    return grouped_matmul_p.bind(*args, kind=kind, forced=bool(forced), out_dtype=out_dtype)
 
 
 def _out_shape(a, b, groups: int, kind: str):
@@ -110,19 +114,20 @@ def _out_shape(a, b, groups: int, kind: str):
     return (groups, a.shape[1], b.shape[1])
 
 
-def _abstract(a, b, group_sizes, *, kind: str, forced: bool):
-    return a.update(shape=_out_shape(a, b, group_sizes.shape[0], kind), dtype=a.dtype)
+def _abstract(a, b, group_sizes, *, kind: str, forced: bool, out_dtype):
+    return a.update(shape=_out_shape(a, b, group_sizes.shape[0], kind), dtype=out_dtype)
 
 
-def _reference_lowering(ctx, a, b, group_sizes, *, kind: str, forced: bool = False):
-    return mlir.lower_fun(lambda a, b, s: reference(a, b, s, kind),
+def _reference_lowering(ctx, a, b, group_sizes, *, kind: str, forced: bool = False,
+                        out_dtype=None):
+    return mlir.lower_fun(lambda a, b, s: reference(a, b, s, kind, out_dtype),
                           multiple_results=False)(ctx, a, b, group_sizes)
 
 
-def _cuda(ctx, a, b, group_sizes, *, kind: str, forced: bool):
+def _cuda(ctx, a, b, group_sizes, *, kind: str, forced: bool, out_dtype):
     if kernels_missing("grouped_matmul", need_cutlass=True,  # sets up the runtime
                        forced="kernel" if forced else None):
-        return _reference_lowering(ctx, a, b, group_sizes, kind=kind)
+        return _reference_lowering(ctx, a, b, group_sizes, kind=kind, out_dtype=out_dtype)
     out_aval = ctx.avals_out[0]
     groups = ctx.avals_in[2].shape[0]
     scratch = jax.core.ShapedArray((scratch_bytes(groups),), jnp.uint8)
@@ -133,11 +138,13 @@ def _cuda(ctx, a, b, group_sizes, *, kind: str, forced: bool):
 
 
 @functools.cache
-def _jitted(kind: str, forced: bool):
-    return jax.jit(functools.partial(grouped_matmul_p.bind, kind=kind, forced=forced))
+def _jitted(kind: str, forced: bool, out_dtype):
+    return jax.jit(functools.partial(grouped_matmul_p.bind, kind=kind, forced=forced,
+                                     out_dtype=out_dtype))
 
 
-grouped_matmul_p.def_impl(lambda a, b, s, *, kind, forced: _jitted(kind, forced)(a, b, s))
+grouped_matmul_p.def_impl(  # eager calls
+    lambda a, b, s, *, kind, forced, out_dtype: _jitted(kind, forced, out_dtype)(a, b, s))
 grouped_matmul_p.def_abstract_eval(_abstract)
 mlir.register_lowering(grouped_matmul_p, _reference_lowering)
 mlir.register_lowering(grouped_matmul_p, _cuda, platform="cuda")

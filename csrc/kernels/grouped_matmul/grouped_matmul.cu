@@ -8,8 +8,9 @@ namespace {
 
 #ifdef PK_HAVE_CUTLASS
 using Instantiations = variants::Variants<
-    Variant<DType::kBF16, Kind::kForward>, Variant<DType::kBF16, Kind::kLhsGrad>,
-    Variant<DType::kBF16, Kind::kRhsGrad>, Variant<DType::kF16, Kind::kForward>,
+    Variant<DType::kBF16, Kind::kForward>, Variant<DType::kBF16, Kind::kForward, true>,
+    Variant<DType::kBF16, Kind::kLhsGrad>, Variant<DType::kBF16, Kind::kRhsGrad>,
+    Variant<DType::kF16, Kind::kForward>, Variant<DType::kF16, Kind::kForward, true>,
     Variant<DType::kF16, Kind::kLhsGrad>, Variant<DType::kF16, Kind::kRhsGrad>>;
 #endif
 
@@ -28,7 +29,8 @@ bool supported(const Params& p) {
   return (p.type == DType::kBF16 || p.type == DType::kF16) && p.groups >= 1 &&
          p.groups <= kMaxGroups && p.rows >= 0 && p.k > 0 && p.n > 0 && p.k % 8 == 0 &&
          p.n % 8 == 0 && p.rows < limit && p.k < limit && p.n < limit && p.k * p.n < limit &&
-         p.scratch_bytes >= scratch_bytes(p.groups);
+         p.scratch_bytes >= scratch_bytes(p.groups) &&
+         (!p.f32_out || p.kind == Kind::kForward);
 }
 
 cudaError_t load_kernels() {
@@ -42,7 +44,7 @@ cudaError_t load_kernels() {
 cudaError_t run(const Params& p) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
 #ifdef PK_HAVE_CUTLASS
-  return Instantiations::launch(VariantKey{p.type, p.kind}, p);
+  return Instantiations::launch(VariantKey{p.type, p.kind, p.f32_out}, p);
 #else
   return cudaErrorNotSupported;
 #endif

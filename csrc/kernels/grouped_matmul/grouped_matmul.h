@@ -13,7 +13,8 @@
 //   kRhsGrad: out[g] = a[o_g : o_g + r_g]^T @ b[o_g : o_g + r_g]  (a = lhs
 //             [M, K] read transposed in place, b = dout [M, N], out [G, K, N];
 //             an empty group's out[g] is zeros)
-// Every operand and result has one type, bf16 or fp16; fp32 accumulation.
+// Every operand has one type, bf16 or fp16, and so has the result, or fp32
+// for kForward (f32_out); fp32 accumulation.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,7 +32,8 @@ enum class Kind : int32_t { kForward = 0, kLhsGrad = 1, kRhsGrad = 2 };
 
 struct Params {
   Kind kind = Kind::kForward;
-  DType type = DType::kBF16;
+  DType type = DType::kBF16;            // the operands
+  bool f32_out = false;                 // kForward only: the result in fp32
   int64_t rows = 0;                     // M
   int64_t k = 0, n = 0;                 // the rhs' [K, N] per group
   int32_t groups = 0;                   // G
@@ -68,17 +70,19 @@ cudaError_t load_kernels();
 // p.stream. cudaErrorNotSupported for unsupported problems.
 cudaError_t run(const Params& p);
 
-// The instantiations, one per (type, kind): grouped_<type>_<kind>.cu.
+// The instantiations, one per (type, kind, output type):
+// grouped_<type>_<kind>[_f32].cu.
 struct VariantKey {
   DType type;
   Kind kind;
+  bool f32_out;
 };
 constexpr bool operator==(const VariantKey& x, const VariantKey& y) {
-  return x.type == y.type && x.kind == y.kind;
+  return x.type == y.type && x.kind == y.kind && x.f32_out == y.f32_out;
 }
-template <DType kType, Kind kKind>
+template <DType kType, Kind kKind, bool kF32Out = false>
 struct Variant {
-  static constexpr VariantKey key{kType, kKind};
+  static constexpr VariantKey key{kType, kKind, kF32Out};
   static cudaError_t check(const Params& p);
   static cudaError_t launch(const Params& p);
   static cudaError_t load();

@@ -2,7 +2,7 @@
 // cooperative kernel over G problems whose shapes and pointers a setup
 // kernel writes into scratch memory from the device-side group sizes (the
 // kernel rewrites its TMA descriptors per group), instantiated once per
-// (type, kind) in grouped_<type>_<kind>.cu (grouped_matmul.h: Variant).
+// (type, kind, output type) in grouped_<type>_<kind>[_f32].cu (grouped_matmul.h: Variant).
 //
 // Launch config: a zero kernel (the rows or groups no GEMM writes), a setup
 // kernel (one thread per group), then CUTLASS's persistent grid (one CTA per
@@ -11,7 +11,7 @@
 // Roles: setup: group g's offset, size, pointers and strides; grouped GEMM:
 // one producer warpgroup (TMA loads), two consumer warpgroups (wgmma,
 // epilogue).
-// Entry point: Variant<type, kind>::launch.
+// Entry point: Variant<type, kind, fp32 output>::launch.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -70,7 +70,7 @@ struct KindLayouts<Kind::kRhsGrad> {  // lhs rows^T @ dout rows: A^T stored row-
   using B = cutlass::layout::RowMajor;
 };
 
-template <class Element, Kind kKind>
+template <class Element, Kind kKind, class Out = Element>
 struct GroupedGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using Shape = typename ProblemShape::UnderlyingProblemShape;
@@ -78,11 +78,12 @@ struct GroupedGemm {
   using ClusterShape = cute::Shape<cute::_2, cute::_1, cute::_1>;
   using Row = cutlass::layout::RowMajor;
   static constexpr int kAlign = 16 / sizeof(Element);
+  static constexpr int kAlignOut = 16 / sizeof(Out);
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Row*, kAlign, Element,
-      Row*, kAlign, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, Row*, kAlignOut, Out,
+      Row*, kAlignOut, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element,
       typename KindLayouts<kKind>::A*, kAlign, Element, typename KindLayouts<kKind>::B*, kAlign,
@@ -101,7 +102,7 @@ struct GroupedGemm {
     Shape* shapes;
     const Element** a;
     const Element** b;
-    Element** d;
+    Out** d;
     StrideA* stride_a;
     StrideB* stride_b;
     StrideD* stride_d;
@@ -118,7 +119,7 @@ struct GroupedGemm {
     r.shapes = reinterpret_cast<Shape*>(take(sizeof(Shape) * groups));
     r.a = reinterpret_cast<const Element**>(take(sizeof(void*) * groups));
     r.b = reinterpret_cast<const Element**>(take(sizeof(void*) * groups));
-    r.d = reinterpret_cast<Element**>(take(sizeof(void*) * groups));
+    r.d = reinterpret_cast<Out**>(take(sizeof(void*) * groups));
     r.stride_a = reinterpret_cast<StrideA*>(take(sizeof(StrideA) * groups));
     r.stride_b = reinterpret_cast<StrideB*>(take(sizeof(StrideB) * groups));
     r.stride_d = reinterpret_cast<StrideD*>(take(sizeof(StrideD) * groups));
@@ -148,12 +149,12 @@ struct GroupedGemm {
 
 // One block; one thread per group: its problem, pointers and strides
 // (grouped_matmul.h's kinds); an empty group gets no tiles.
-template <class Element, Kind kKind>
+template <class Element, Kind kKind, class Out>
 __global__ void __launch_bounds__(256)
     setup_groups(const int32_t* sizes, int groups, int64_t rows, int64_t k, int64_t n,
-                 typename GroupedGemm<Element, kKind>::Arrays arr, const Element* a,
-                 const Element* b, Element* out) {
-  using G = GroupedGemm<Element, kKind>;
+                 typename GroupedGemm<Element, kKind, Out>::Arrays arr, const Element* a,
+                 const Element* b, Out* out) {
+  using G = GroupedGemm<Element, kKind, Out>;
   extern __shared__ int64_t setup_smem[];  // [2 * groups]: offsets, sizes
   group_rows(sizes, groups, rows, setup_smem, setup_smem + groups);
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
@@ -190,9 +191,9 @@ __global__ void __launch_bounds__(256)
 // Zeros where no GEMM writes: rows past the groups' sum (kForward,
 // kLhsGrad: `width` elements per row) or the groups with no rows (kRhsGrad:
 // K * N elements per group). The group sizes are read into shared memory.
-template <class Element, Kind kKind>
+template <class Out, Kind kKind>
 __global__ void __launch_bounds__(256)
-    zero_unwritten(const int32_t* sizes, int groups, int64_t rows, int64_t width, Element* out) {
+    zero_unwritten(const int32_t* sizes, int groups, int64_t rows, int64_t width, Out* out) {
   extern __shared__ int64_t zero_smem[];  // [2 * groups]: offsets, sizes
   group_rows(sizes, groups, rows, zero_smem, zero_smem + groups);
   const int64_t* clamped = zero_smem + groups;
@@ -201,19 +202,19 @@ __global__ void __launch_bounds__(256)
   if constexpr (kKind == Kind::kRhsGrad) {
     for (int g = 0; g < groups; ++g) {
       if (clamped[g] != 0) continue;
-      Element* dst = out + int64_t(g) * width;
-      for (int64_t i = first; i < width; i += stride) dst[i] = Element(0);
+      Out* dst = out + int64_t(g) * width;
+      for (int64_t i = first; i < width; i += stride) dst[i] = Out(0);
     }
   } else {
     int64_t used = 0;
     for (int g = 0; g < groups; ++g) used += clamped[g];
-    for (int64_t i = used * width + first; i < rows * width; i += stride) out[i] = Element(0);
+    for (int64_t i = used * width + first; i < rows * width; i += stride) out[i] = Out(0);
   }
 }
 
-template <class Element, Kind kKind>
+template <class Element, Kind kKind, class Out>
 struct GroupedRun {
-  using G = GroupedGemm<Element, kKind>;
+  using G = GroupedGemm<Element, kKind, Out>;
 
   static typename G::Arrays arrays(const Params& p) { return G::arrays(p.scratch, p.groups); }
 
@@ -231,14 +232,14 @@ struct GroupedRun {
     const auto arr = arrays(p);
     auto* a = static_cast<const Element*>(p.a);
     auto* b = static_cast<const Element*>(p.b);
-    auto* out = static_cast<Element*>(p.out);
+    auto* out = static_cast<Out*>(p.out);
     const int64_t width = kKind == Kind::kForward ? p.n : kKind == Kind::kLhsGrad ? p.k : p.k * p.n;
     const size_t smem = 2 * sizeof(int64_t) * size_t(p.groups);
-    zero_unwritten<Element, kKind><<<2 * p.sm_count, 256, smem, p.stream>>>(
+    zero_unwritten<Out, kKind><<<2 * p.sm_count, 256, smem, p.stream>>>(
         p.group_sizes, p.groups, p.rows, width, out);
     PK_CUDA_TRY(cudaGetLastError());
-    setup_groups<Element, kKind><<<1, 256, smem, p.stream>>>(p.group_sizes, p.groups, p.rows,
-                                                             p.k, p.n, arr, a, b, out);
+    setup_groups<Element, kKind, Out><<<1, 256, smem, p.stream>>>(
+        p.group_sizes, p.groups, p.rows, p.k, p.n, arr, a, b, out);
     PK_CUDA_TRY(cudaGetLastError());
     typename G::Adapter gemm;
     const auto args = G::arguments(p, arr);
@@ -250,28 +251,30 @@ struct GroupedRun {
 
   static cudaError_t load() {
     auto as_ptr = [](auto* kernel) { return reinterpret_cast<const void*>(kernel); };
-    PK_CUDA_TRY(preload_kernel(as_ptr(&setup_groups<Element, kKind>)));
-    PK_CUDA_TRY(preload_kernel(as_ptr(&zero_unwritten<Element, kKind>)));
+    PK_CUDA_TRY(preload_kernel(as_ptr(&setup_groups<Element, kKind, Out>)));
+    PK_CUDA_TRY(preload_kernel(as_ptr(&zero_unwritten<Out, kKind>)));
     return preload_kernel(as_ptr(&cutlass::device_kernel<typename G::Kernel>));
   }
 };
 
-template <DType kType, Kind kKind>
-using VariantRun = GroupedRun<typename CutlassType<kType>::Type, kKind>;
+template <DType kType, Kind kKind, bool kF32Out>
+using VariantRun =
+    GroupedRun<typename CutlassType<kType>::Type, kKind,
+               std::conditional_t<kF32Out, float, typename CutlassType<kType>::Type>>;
 
-template <DType kType, Kind kKind>
-cudaError_t Variant<kType, kKind>::check(const Params& p) {
-  return VariantRun<kType, kKind>::check(p);
+template <DType kType, Kind kKind, bool kF32Out>
+cudaError_t Variant<kType, kKind, kF32Out>::check(const Params& p) {
+  return VariantRun<kType, kKind, kF32Out>::check(p);
 }
 
-template <DType kType, Kind kKind>
-cudaError_t Variant<kType, kKind>::launch(const Params& p) {
-  return VariantRun<kType, kKind>::launch(p);
+template <DType kType, Kind kKind, bool kF32Out>
+cudaError_t Variant<kType, kKind, kF32Out>::launch(const Params& p) {
+  return VariantRun<kType, kKind, kF32Out>::launch(p);
 }
 
-template <DType kType, Kind kKind>
-cudaError_t Variant<kType, kKind>::load() {
-  return VariantRun<kType, kKind>::load();
+template <DType kType, Kind kKind, bool kF32Out>
+cudaError_t Variant<kType, kKind, kF32Out>::load() {
+  return VariantRun<kType, kKind, kF32Out>::load();
 }
 
 }  // namespace pk::grouped_matmul
