@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pk_jax
-from common import markdown_table, time_ms, write_results
+from common import interleaved_ms, markdown_table, write_results
 
 # (rows, K, N, groups): DeepSeek-V3-like hidden 7168 / expert ffn 2048, and
 # hidden 4096 / ffn 1408, with 8 and 32 local experts.
@@ -48,10 +48,7 @@ def main() -> int:
                 if pass_ == "fwd+bwd":
                     f = jax.grad(lambda x, w, f=f: jnp.sum(f(x, w).astype(jnp.float32)), (0, 1))
                 fns[impl] = jax.jit(f)
-            runs = {impl: [] for impl in fns}
-            for _ in range(3):
-                for impl, f in fns.items():
-                    runs[impl].append(time_ms(lambda: f(x, w), batches=3))
+            runs = interleaved_ms({impl: (lambda f=f: f(x, w)) for impl, f in fns.items()})
             times = {impl: float(np.median(t)) for impl, t in runs.items()}
             for impl, ms in times.items():
                 rows.append({"op": "grouped_matmul", "shape": [m, k, n], "groups": g,

@@ -5,19 +5,20 @@
 // [G, K, N]; kLhsGrad dout [M, N] and rhs [G, K, N]; kRhsGrad lhs [M, K] and
 // dout [M, N]), group_sizes [G] int32 (read on the device).
 // Results: out (kForward [M, N], kLhsGrad [M, K], kRhsGrad [G, K, N]) in the
-// operands' type, or float32 for kForward; scratch (uint8, grouped_matmul::scratch_bytes(G): the
-// per-group arrays and the kernel's workspace, so the call needs no
-// allocator and replays from a command buffer).
+// operands' type, or float32 for kForward; scratch (uint8,
+// grouped_matmul::scratch_bytes(G): the per-group arrays and the kernel's
+// workspace, so the call needs no allocator and replays from a command
+// buffer).
 // Attributes: kind (grouped_matmul.h: Kind).
-// A local op: no group, no channel.
+// A local op: no group, no channel; the device's multiprocessor count comes
+// from the runtime (set up when the op is lowered).
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <mutex>
 #include <string>
-#include <vector>
 
 #include "kernels/grouped_matmul/grouped_matmul.h"
+#include "runtime/workspace.h"
 #include "xla/ffi/api/ffi.h"
 #include "xla_ffi/ffi_common.h"
 #include "xla_ffi/handlers.h"
@@ -30,19 +31,6 @@ namespace ffi = xla::ffi;
 constexpr const char* kOp = "grouped_matmul";
 
 ffi::Error invalid(const std::string& what) { return ffi_common::invalid_argument(kOp, what); }
-
-// Multiprocessors of device `ordinal` (queried once per device).
-int sm_count(int ordinal) {
-  static std::mutex mu;
-  static std::vector<int> counts;
-  std::lock_guard<std::mutex> lock(mu);
-  if (ordinal >= int(counts.size())) counts.resize(ordinal + 1, 0);
-  if (counts[ordinal] == 0 &&
-      cudaDeviceGetAttribute(&counts[ordinal], cudaDevAttrMultiProcessorCount, ordinal) !=
-          cudaSuccess)
-    counts[ordinal] = 0;
-  return counts[ordinal];
-}
 
 bool dims_are(ffi::AnyBuffer b, std::initializer_list<int64_t> want) {
   const auto d = b.dimensions();
@@ -100,10 +88,11 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.out = out->untyped_data();
   p.scratch = scratch->untyped_data();
   p.scratch_bytes = scratch->size_bytes();
+  const runtime::DeviceState* d = runtime::Runtime::get().by_ordinal(ordinal);
+  if (d == nullptr) return invalid("the pk_jax runtime is not set up on this device");
   p.ordinal = ordinal;
-  p.sm_count = sm_count(ordinal);
+  p.sm_count = d->sm_count;
   p.stream = stream;
-  if (p.sm_count == 0) return invalid("cannot read the device's multiprocessor count");
   if (!grouped_matmul::supported(p))
     return invalid("unsupported shape (the Python checks missed it)");
   if (cudaError_t err = grouped_matmul::run(p); err != cudaSuccess)
