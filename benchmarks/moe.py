@@ -34,7 +34,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax import runtime
 from common import bench_setup, markdown_table, time_ms, write_results
 from pk_jax.flax import MoE, init_sharded, partition_specs
 
@@ -52,13 +51,9 @@ def _routing(rng, n, t, k, e):
 
 
 def pk_mechanisms() -> dict:
-    """{implementation: moe mechanism}: "pk" is "auto"; "pk_ld_st" (pk's
-    exchange kernel) where it can run (the extension on GPUs; on CPU its
-    primitive's reference)."""
-    impls = {"pk": "auto"}
-    if jax.devices()[0].platform == "cpu" or runtime.available():
-        impls["pk_ld_st"] = "ld_st"
-    return impls
+    """{implementation: moe mechanism}: "pk" is "auto" (pk's ld_st exchange
+    kernel where it can run; on CPU its primitive's reference)."""
+    return {"pk": "auto"}
 
 
 def dispatch_combine_fns(mesh, e):
@@ -146,9 +141,10 @@ def main() -> None:
         write_results("moe", rows,
                       f"MoE dispatch + combine and layer fwd+bwd ({n} ranks, {t} tokens per "
                       f"rank, hidden {h}, {e} experts, top-{k}, ffn {args.ffn}, {dtype}); "
-                      f"pk: pk_jax.moe_dispatch/combine with mechanism 'auto' (today "
-                      f"'ragged': XLA's ragged_all_to_all under pk's layout); pk_ld_st: pk's "
-                      f"exchange kernel; xla_ragged: examples/moe.py's baseline.\n\n{table}",
+                      f"pk: pk_jax.moe_dispatch/combine (mechanism 'auto': pk's exchange "
+                      f"kernel) and pk_jax.flax.MoE (experts on pk_jax.grouped_matmul); "
+                      f"xla_ragged: examples/moe.py's baseline (ragged_all_to_all + "
+                      f"ragged_dot).\n\n{table}",
                       "python benchmarks/moe.py " + " ".join(sys.argv[1:]))
 
 

@@ -37,19 +37,28 @@ def test_values_and_gradients(rng, m, k, n, sizes, dtype):
             assert not np.any(np.asarray(dw[g], np.float32))
 
 
-def test_inside_shard_map_each_device_its_groups(rng, sharding_mode):
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_inside_shard_map_each_device_its_groups(rng, sharding_mode, dtype):
+    """Values and both gradients per device: each device's weight gradient
+    is its own rows' (never summed over the axis)."""
     mesh = cpu_mesh((4,), ("ep",))
     m, k, n, g = 32, 16, 8, 3
-    x = rng.standard_normal((4 * m, k)).astype(np.float32)
-    w = rng.standard_normal((4 * g, k, n)).astype(np.float32)
+    x, w, _ = inputs(rng, 4 * m, k, n, 4 * g, dtype)
+    t = np.asarray(rng.standard_normal((4 * m, n)).astype(jnp.bfloat16), np.float32)
     sizes = rng.integers(0, 14, (4 * g,)).astype(np.int32)
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
-    f = jax.jit(jax.shard_map(pk_jax.grouped_matmul, mesh=mesh, in_specs=(P("ep"),) * 3,
-                              out_specs=P("ep")))
-    out = np.asarray(f(put(x, P("ep")), put(w, P("ep")), put(sizes, P("ep"))))
+    put = lambda a, spec=P("ep"): jax.device_put(a, NamedSharding(mesh, spec))
+    f = jax.shard_map(pk_jax.grouped_matmul, mesh=mesh, in_specs=(P("ep"),) * 3,
+                      out_specs=P("ep"))
+    args = put(x), put(w), put(sizes)
+    out = np.asarray(jax.jit(f)(*args))
+    loss = lambda x, w, s: jnp.sum(f(x, w, s).astype(jnp.float32) * put(t))
+    dx, dw = (np.asarray(a, np.float64) for a in jax.jit(jax.grad(loss, (0, 1)))(*args))
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     for d in range(4):
-        want = dense(x[d * m:(d + 1) * m], w[d * g:(d + 1) * g], sizes[d * g:(d + 1) * g])
-        assert rel_err(out[d * m:(d + 1) * m], want) < 1e-5
+        r, e = slice(d * m, (d + 1) * m), slice(d * g, (d + 1) * g)
+        want_dx, want_dw = dense_grads(x[r], w[e], sizes[e], t[r])
+        assert rel_err(out[r], dense(x[r], w[e], sizes[e])) < tol
+        assert rel_err(dx[r], want_dx) < tol and rel_err(dw[e], want_dw) < tol, d
 
 
 @pytest.mark.parametrize("call,match", [

@@ -54,7 +54,7 @@ class MoE(nnx.Module):
         `pk_jax.moe_dispatch`).
       dtype: computation dtype of the experts (None: the input's).
       param_dtype: parameter dtype.
-      mechanism: moe_dispatch's mechanism ("auto", "ragged", "xla").
+      mechanism: moe_dispatch's mechanism ("auto", "ld_st", "ragged", "xla").
       normalize_weights: renormalize the top-k probabilities.
     """
 

@@ -85,11 +85,13 @@ def reference(a, b, group_sizes, kind: str, out_dtype=None):
         return rows_dot(a, b)
     if kind == "lhs_grad":
         return rows_dot(a, jnp.swapaxes(b, 1, 2))
-    # rhs_grad: the transpose of the forward with respect to rhs.
-    g, n = sizes.shape[0], b.shape[1]
-    f = lambda w: lax.ragged_dot(a.astype(jnp.float32), w, sizes)
-    _, vjp = jax.vjp(f, jnp.zeros((g, a.shape[1], n), jnp.float32))
-    (dw,) = vjp(jnp.where(used[:, None], b.astype(jnp.float32), 0))
+    # rhs_grad: [G, K, N], the rows contracted group by group (the ragged
+    # dimension contracted). Not a vjp of the forward: inside shard_map that
+    # would sum the result over the axes `a` varies over.
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    dw = lax.ragged_dot_general(a, jnp.where(used[:, None], b, 0), sizes, dims,
+                                preferred_element_type=jnp.float32)
     return dw.astype(a.dtype)
 
 

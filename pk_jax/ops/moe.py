@@ -36,7 +36,8 @@ linear and each other's transposes (custom_vjp pairs them), so moe_dispatch's
 backward runs combine's exchange and moe_combine's backward runs dispatch's.
 combine's output is differentiable in the router weights.
 
-Mechanisms ("auto": pk_jax/tuning.py, "ragged" until the pk kernel is measured):
+Mechanisms ("auto": pk_jax/tuning.py: "ld_st", falling back to "xla"'s dense
+exchange, with a one-time warning, on an axis where the kernel cannot run):
   "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): every rank
     stores each row straight into its destination rank's staging region at
     the row the layout computed on the device, posts a flag per peer, waits
@@ -83,6 +84,7 @@ class MoeConfig:
     top_k: int              # k, choices per token
     capacity: int | None    # rows kept per local expert, None: drop-less
     mechanism: str          # "ld_st", "ragged" or "xla"
+    forced: bool = True     # the user named the mechanism (an error where it cannot run)
 
     @property
     def experts_per_rank(self) -> int:
@@ -190,7 +192,8 @@ def _config(x, expert_ids, names, num_experts, capacity, mechanism) -> MoeConfig
                          f"1..num_experts={e}")
     cap = None if capacity is None else _int("capacity", capacity, 1)
     return MoeConfig(names, n, e, x.shape[0], k, cap,
-                     tuning.MOE_MECHANISM if mechanism == "auto" else mechanism)
+                     tuning.MOE_MECHANISM if mechanism == "auto" else mechanism,
+                     forced=mechanism != "auto")
 
 
 # ---- routing metadata (on the device; no host sync) --------------------------------
@@ -312,7 +315,8 @@ def _kernel_exchange(src, peer, index, valid, cfg: MoeConfig) -> jax.Array:
     names = cfg.axis_names
     args = [make_varying(a, names) for a in (src, peer.astype(jnp.int32),
                                               index.astype(jnp.int32), valid.astype(jnp.int32))]
-    return moe_exchange_p.bind(*args, cfg=ExchangeConfig(names, cfg.axis_size))
+    return moe_exchange_p.bind(*args, cfg=ExchangeConfig(names, cfg.axis_size,
+                                                                  cfg.forced))
 
 
 def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
@@ -389,8 +393,9 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str | Sequence[
       capacity: None (drop-less: `num_rows = n * T * k`, the worst case) or
         the rows each local expert keeps (`num_rows = (E / n) * capacity`;
         the rest are dropped and counted in `layout.num_dropped`).
-      mechanism: "auto" (today "ragged"), "ld_st" (pk's kernel), "ragged" or
-        "xla" (see the module docstring).
+      mechanism: "auto" ("ld_st" where the kernel can run, else the dense
+        exchange), "ld_st" (pk's kernel; an error where it cannot run),
+        "ragged" or "xla" (see the module docstring).
 
     Returns:
       (rows, layout): rows [layout.num_rows, H] in x's dtype, grouped by
