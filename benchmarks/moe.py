@@ -3,19 +3,22 @@ against the XLA baseline (jax.lax.ragged_all_to_all + ragged_dot, written as
 a JAX user would: examples/moe.py's xla_ragged_dispatch / _combine), same run.
 
 Rows (benchmarks/results/moe.json with --save):
-  * op "dispatch_combine": dispatch then combine of [T, H] tokens per rank
-    with top-k routing (identity experts), one jitted call;
+  * op "dispatch": the rows grouped by local expert from [T, H] tokens per
+    rank with top-k routing, one jitted call (the layout included);
+  * op "dispatch_combine": dispatch then combine (identity experts), one
+    jitted call;
   * op "moe_layer_fwd_bwd": value_and_grad of the SwiGLU MoE layer (router,
-    dispatch, three ragged_dot GEMMs, combine) with respect to x and the
-    parameters.
+    dispatch, three grouped GEMMs: pk_jax.grouped_matmul / ragged_dot,
+    combine) with respect to x and the parameters.
 
 Drop-less routing, uniform random expert choices (k distinct per token).
 Every visible device is a rank of the expert axis; with one GPU this is a
-world-size-1 smoke run (no communication). `--smoke` is a tiny shape that
-also runs on CPU.
+world-size-1 run (no communication). `--smoke` is a tiny shape that also
+runs on CPU; `--decode` the decode-sized shape (128 tokens per rank, hidden
+7168, top-8).
 
 Usage: python benchmarks/moe.py [--tokens 4096] [--hidden 4096] [--experts 8]
-       [--topk 2] [--ffn 2048] [--smoke] [--save]
+       [--topk 2] [--ffn 2048] [--smoke | --decode] [--save]
 """
 
 from __future__ import annotations
@@ -56,20 +59,26 @@ def pk_mechanisms() -> dict:
     return {"pk": "auto"}
 
 
-def dispatch_combine_fns(mesh, e):
-    """{implementation: jitted f(x, ids, w) -> [T, H]} (identity experts)."""
-    def pk(x, ids, w, mechanism):
+def exchange_fns(mesh, e) -> dict:
+    """{op: {implementation: jitted f(x, ids, w)}} (identity experts): op
+    "dispatch" (rows grouped by local expert) and "dispatch_combine" (the
+    round trip, [T, H])."""
+    def pk(x, ids, w, mechanism, combine):
         rows, lay = pk_jax.moe_dispatch(x, ids, "ep", num_experts=e, mechanism=mechanism)
-        return pk_jax.moe_combine(rows, w, lay)
+        return pk_jax.moe_combine(rows, w, lay) if combine else rows
 
-    def xla(x, ids, w):
+    def xla(x, ids, w, combine):
         rows, _, state = example.xla_ragged_dispatch(x, ids, "ep", e)
-        return example.xla_ragged_combine(rows, w, state)
-    fns = {name: functools.partial(pk, mechanism=m) for name, m in pk_mechanisms().items()}
-    fns["xla_ragged"] = xla
+        return example.xla_ragged_combine(rows, w, state) if combine else rows
     spec = P("ep")
-    return {name: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
-            for name, f in fns.items()}
+    out = {}
+    for op, combine in (("dispatch", False), ("dispatch_combine", True)):
+        fns = {name: functools.partial(pk, mechanism=m, combine=combine)
+               for name, m in pk_mechanisms().items()}
+        fns["xla_ragged"] = functools.partial(xla, combine=combine)
+        out[op] = {name: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3,
+                                               out_specs=spec)) for name, f in fns.items()}
+    return out
 
 
 def layer_fns(mesh, n, h, ffn, e, k, dtype):
@@ -101,10 +110,14 @@ def main() -> None:
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU too)")
+    parser.add_argument("--decode", action="store_true",
+                        help="decode-sized: 128 tokens per rank, hidden 7168, top-8")
     parser.add_argument("--save", action="store_true", help="write results/moe.json")
     args = parser.parse_args()
     if args.smoke:
         args.tokens, args.hidden, args.ffn, args.experts = 64, 128, 64, 8
+    if args.decode:
+        args.tokens, args.hidden, args.topk = 128, 7168, min(8, args.experts)
     devices, mesh, rng = bench_setup("ep")
     n, t, h, e, k = len(devices), args.tokens, args.hidden, args.experts, args.topk
     dtype = jnp.dtype(args.dtype)
@@ -119,12 +132,14 @@ def main() -> None:
     rows, times = [], {}
 
     with jax.set_mesh(mesh):
-        fns = dispatch_combine_fns(mesh, e)
-        outs = {name: np.asarray(f(x, ids, w), np.float32) for name, f in fns.items()}
+        ops = exchange_fns(mesh, e)
+        outs = {name: np.asarray(f(x, ids, w), np.float32)
+                for name, f in ops["dispatch_combine"].items()}
         err = max(float(np.abs(o - outs["xla_ragged"]).max()) for o in outs.values())
         assert err <= 1e-2 * float(np.abs(outs["xla_ragged"]).max()), err
-        for name, f in fns.items():
-            times[("dispatch_combine", name)] = time_ms(lambda f=f: f(x, ids, w))
+        for op, fns in ops.items():
+            for name, f in fns.items():
+                times[(op, name)] = time_ms(lambda f=f: f(x, ids, w))
         for name, (f, state) in layer_fns(mesh, n, h, args.ffn, e, k, dtype).items():
             times[("moe_layer_fwd_bwd", name)] = time_ms(lambda f=f, s=state: f(s, x))
     pk_jax.check_errors()
@@ -139,7 +154,7 @@ def main() -> None:
           f"{dtype}; largest |pk* - xla_ragged| {err:.2e}\n{table}")
     if args.save:
         write_results("moe", rows,
-                      f"MoE dispatch + combine and layer fwd+bwd ({n} ranks, {t} tokens per "
+                      f"MoE dispatch, dispatch + combine and layer fwd+bwd ({n} ranks, {t} tokens per "
                       f"rank, hidden {h}, {e} experts, top-{k}, ffn {args.ffn}, {dtype}); "
                       f"pk: pk_jax.moe_dispatch/combine (mechanism 'auto': pk's exchange "
                       f"kernel) and pk_jax.flax.MoE (experts on pk_jax.grouped_matmul); "
