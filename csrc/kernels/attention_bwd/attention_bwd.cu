@@ -40,11 +40,9 @@ cudaError_t init_dq(const Params& p) {
   return cudaGetLastError();
 }
 
-#ifdef PK_HAVE_CUTLASS
 using Instantiations =
-    variants::Variants<Variant<DType::kBF16, 128>, Variant<DType::kBF16, 64>,
-                       Variant<DType::kF16, 128>, Variant<DType::kF16, 64>>;
-#endif
+    variants::Built<Variant<DType::kBF16, 128>, Variant<DType::kBF16, 64>,
+                    Variant<DType::kF16, 128>, Variant<DType::kF16, 64>>;
 
 }  // namespace
 
@@ -61,36 +59,22 @@ bool supported(const Params& p) {
 }
 
 cudaError_t check(const Params& p) {
-#ifdef PK_HAVE_CUTLASS
   if (!supported(p)) return cudaErrorNotSupported;
   return Instantiations::check(VariantKey{p.dtype, p.head_dim}, p);
-#else
-  (void)p;
-  return cudaErrorNotSupported;
-#endif
 }
 
 cudaError_t run(const Params& p) {
-#ifdef PK_HAVE_CUTLASS
   if (!supported(p)) return cudaErrorNotSupported;
   const VariantKey key{p.dtype, p.head_dim};
   PK_CUDA_TRY(Instantiations::check(key, p));  // refuse before the first enqueue
   if (!p.accumulate_dq) PK_CUDA_TRY(init_dq(p));
   return Instantiations::launch(key, p);
-#else
-  (void)p;
-  return cudaErrorNotSupported;
-#endif
 }
 
 cudaError_t load_kernels() {
   cudaFuncAttributes attr;
   PK_CUDA_TRY(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(init_dq_kernel)));
-#ifdef PK_HAVE_CUTLASS
   return Instantiations::load();
-#else
-  return cudaSuccess;
-#endif
 }
 
 }  // namespace pk::attention_bwd

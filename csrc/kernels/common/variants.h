@@ -15,9 +15,12 @@
 //     (a sequence that stopped halfway would leave the peers' protocol behind).
 //   * One file per instantiation (they compile in parallel) holds one
 //     explicit instantiation: template struct pk::op::XVariant<...>;
-//   * The op's host file names every instantiation once, in a Variants list:
+//   * The op's host file names every instantiation once, in a Built list
+//     (a Variants list where the build has CUTLASS, an empty one where not):
 //     launch() runs the one whose key equals the runtime key, load() loads
-//     them all.
+//     them all; with no instantiations launch() and check() refuse
+//     (cudaErrorNotSupported) and load() does nothing, so the host files need
+//     no #ifdef of their own.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -50,5 +53,17 @@ struct Variants {
     return err;
   }
 };
+
+// The one build switch of the CUTLASS-based families (PK_HAVE_CUTLASS, set by
+// CMakeLists.txt where the headers were found).
+#ifdef PK_HAVE_CUTLASS
+inline constexpr bool kHaveCutlass = true;
+template <class... Vs>
+using Built = Variants<Vs...>;
+#else
+inline constexpr bool kHaveCutlass = false;
+template <class... Vs>
+using Built = Variants<>;  // the instantiations' files compile to nothing
+#endif
 
 }  // namespace pk::variants

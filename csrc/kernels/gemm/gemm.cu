@@ -6,9 +6,8 @@
 namespace pk::gemm {
 namespace {
 
-#ifdef PK_HAVE_CUTLASS
 using Instantiations =
-    variants::Variants<Variant<DType::kBF16, DType::kBF16, false>,
+    variants::Built<Variant<DType::kBF16, DType::kBF16, false>,
                        Variant<DType::kBF16, DType::kF32, false>,
                        Variant<DType::kF16, DType::kF16, false>,
                        Variant<DType::kF16, DType::kF32, false>,
@@ -16,25 +15,12 @@ using Instantiations =
                        Variant<DType::kF16, DType::kF16, true>,
                        Variant<DType::kBF16, DType::kBF16, false, true>,
                        Variant<DType::kF16, DType::kF16, false, true>>;
-#endif
 
 }  // namespace
 
-cudaError_t load_kernels() {
-#ifdef PK_HAVE_CUTLASS
-  return Instantiations::load();
-#else
-  return cudaSuccess;
-#endif
-}
+cudaError_t load_kernels() { return Instantiations::load(); }
 
-bool available() {
-#ifdef PK_HAVE_CUTLASS
-  return true;
-#else
-  return false;
-#endif
-}
+bool available() { return variants::kHaveCutlass; }
 
 bool supported(const Problem& p) {
   const bool types =
@@ -55,21 +41,12 @@ VariantKey key_of(const Problem& p) {
 
 cudaError_t check(const Problem& p, const Device& dev) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
-#ifdef PK_HAVE_CUTLASS
   return Instantiations::check(key_of(p), p, dev);
-#else
-  (void)dev;
-  return cudaErrorNotSupported;
-#endif
 }
 
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
-#ifdef PK_HAVE_CUTLASS
   return Instantiations::launch(key_of(p), p, dev, stream);
-#else
-  return cudaErrorNotSupported;
-#endif
 }
 
 }  // namespace pk::gemm

@@ -6,23 +6,15 @@
 namespace pk::grouped_matmul {
 namespace {
 
-#ifdef PK_HAVE_CUTLASS
-using Instantiations = variants::Variants<
+using Instantiations = variants::Built<
     Variant<DType::kBF16, Kind::kForward>, Variant<DType::kBF16, Kind::kForward, true>,
     Variant<DType::kBF16, Kind::kLhsGrad>, Variant<DType::kBF16, Kind::kRhsGrad>,
     Variant<DType::kF16, Kind::kForward>, Variant<DType::kF16, Kind::kForward, true>,
     Variant<DType::kF16, Kind::kLhsGrad>, Variant<DType::kF16, Kind::kRhsGrad>>;
-#endif
 
 }  // namespace
 
-bool available() {
-#ifdef PK_HAVE_CUTLASS
-  return true;
-#else
-  return false;
-#endif
-}
+bool available() { return variants::kHaveCutlass; }
 
 bool supported(const Params& p) {
   const int64_t limit = int64_t(1) << 31;
@@ -33,21 +25,11 @@ bool supported(const Params& p) {
          (!p.f32_out || p.kind == Kind::kForward);
 }
 
-cudaError_t load_kernels() {
-#ifdef PK_HAVE_CUTLASS
-  return Instantiations::load();
-#else
-  return cudaSuccess;
-#endif
-}
+cudaError_t load_kernels() { return Instantiations::load(); }
 
 cudaError_t run(const Params& p) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
-#ifdef PK_HAVE_CUTLASS
   return Instantiations::launch(VariantKey{p.type, p.kind, p.f32_out}, p);
-#else
-  return cudaErrorNotSupported;
-#endif
 }
 
 }  // namespace pk::grouped_matmul

@@ -12,34 +12,22 @@
 namespace pk::ring_attention {
 namespace {
 
-#ifdef PK_HAVE_CUTLASS
-using Instantiations = variants::Variants<
+using Instantiations = variants::Built<
     Variant<DType::kBF16, 128, Mechanism::kCopyEngine>,
     Variant<DType::kBF16, 64, Mechanism::kCopyEngine>,
     Variant<DType::kF16, 128, Mechanism::kCopyEngine>,
     Variant<DType::kF16, 64, Mechanism::kCopyEngine>,
     Variant<DType::kBF16, 128, Mechanism::kLdSt>, Variant<DType::kBF16, 64, Mechanism::kLdSt>,
     Variant<DType::kF16, 128, Mechanism::kLdSt>, Variant<DType::kF16, 64, Mechanism::kLdSt>>;
-#endif
 
 // The attention kernel of p's (type, head dim, mechanism).
 cudaError_t launch_kernel(const Params& p, const KernelArgs& a) {
-#ifdef PK_HAVE_CUTLASS
   return Instantiations::launch(VariantKey{p.dtype, p.head_dim, p.mechanism}, a);
-#else
-  (void)p, (void)a;
-  return cudaErrorNotSupported;
-#endif
 }
 
 // What launch_kernel would refuse, before anything is enqueued.
 cudaError_t check_kernel(const Params& p, const KernelArgs& a) {
-#ifdef PK_HAVE_CUTLASS
   return Instantiations::check(VariantKey{p.dtype, p.head_dim, p.mechanism}, a);
-#else
-  (void)p, (void)a;
-  return cudaErrorNotSupported;
-#endif
 }
 
 // Where our block goes in the peers' regions (kv_walk.cuh).
@@ -176,12 +164,6 @@ cudaError_t run(const Params& p) {
   return signals::finish(p.ch, out, p.stream);
 }
 
-cudaError_t load_kernels() {
-#ifdef PK_HAVE_CUTLASS
-  return Instantiations::load();
-#else
-  return cudaSuccess;
-#endif
-}
+cudaError_t load_kernels() { return Instantiations::load(); }
 
 }  // namespace pk::ring_attention
