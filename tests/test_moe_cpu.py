@@ -357,7 +357,7 @@ def test_ragged_exchange_logic(rng, monkeypatch, capacity):
                         lambda *a, **kw: calls.append(1) or _emulated_ragged_all_to_all(*a, **kw))
     monkeypatch.setattr(lax, "platform_dependent", lambda *a, cpu, default: default(*a))
     mesh, inputs, keep, args = _hot_routing(rng, 5, capacity)
-    f = _moe_fn(mesh, 8, capacity=capacity, extra=True)
+    f = _moe_fn(mesh, 8, capacity=capacity, extra=True, mechanism="ragged")
     f(*args)
     assert len(calls) == 3  # source slots, dispatch, combine
     _check_kept(mesh, f, args, inputs, keep)
@@ -382,14 +382,16 @@ def test_ld_st_layout_and_drops(rng, capacity):
     assert rel_err(ours[0], _dense(x, ids, jnp.where(keep, w, 0), wts, e)) < 1e-5
 
 
-def test_ld_st_lowers_to_the_kernel(cuda_lowering):
-    """On CUDA, mechanism="ld_st" is pk_moe_exchange custom calls (the source
-    slots, the rows) with the staging region sized for the output rows."""
+@pytest.mark.parametrize("mechanism", ["ld_st", "auto"])
+def test_ld_st_lowers_to_the_kernel(cuda_lowering, mechanism):
+    """On CUDA, mechanism="ld_st" (and "auto", pk_jax/tuning.py) is
+    pk_moe_exchange custom calls (the source slots, the rows) with the
+    staging region sized for the output rows."""
     mesh = cpu_mesh((4,), ("ep",))
     ids = jnp.zeros((8, 2), jnp.int32)
 
     def fn(a):
-        rows, lay = pk_jax.moe_dispatch(a, ids, "ep", num_experts=8, mechanism="ld_st")
+        rows, lay = pk_jax.moe_dispatch(a, ids, "ep", num_experts=8, mechanism=mechanism)
         return pk_jax.moe_combine(rows, jnp.ones((8, 2)), lay)
     hlo = cuda_lowering(fn, mesh, P("ep"), (32, 16))
     calls = re.findall(r"custom_call @pk_moe_exchange\((.*)", hlo)
