@@ -26,6 +26,14 @@ def varying_axes(x: jax.Array) -> frozenset:
     return frozenset(vma)
 
 
+def vary_alike(*args: jax.Array, names: tuple[str, ...] = ()) -> tuple[jax.Array, ...]:
+    """`args`, each made to vary over every axis any of them (or `names`)
+    varies over: one varying-axes type for all operands of a primitive whose
+    outputs take its inputs' type (shard_map's check_vma)."""
+    axes = tuple(sorted(set(names).union(*(varying_axes(x) for x in args))))
+    return tuple(make_varying(x, axes) for x in args) if axes else args
+
+
 def sum_to_type_of(ct: jax.Array, primal: jax.Array) -> jax.Array:
     """Sum a cotangent over the mesh axes it varies over but its primal does
     not (a weight replicated over "sp" gets the sum of every sp shard's

@@ -32,7 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import reference
-from pk_jax._compat import make_varying, varying_axes
+from pk_jax._compat import vary_alike
 from pk_jax.ops._lowering import kernels_missing
 from pk_jax.ops.ring_attention_primitive import RingConfig, operand_problem
 
@@ -74,12 +74,8 @@ def block_bwd(q, dout, lse, delta, k, v, q_rank, k_rank, cfg: RingConfig,
                          f"got {grad_dtype}")
     args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), k, v,
             jnp.asarray(q_rank, jnp.int32), jnp.asarray(k_rank, jnp.int32))
-    # One varying-axes type for all operands (shard_map's check_vma), as the
-    # outputs take q's and k's.
-    axes = tuple(sorted(set().union(*(varying_axes(x) for x in args))))
-    if axes:
-        args = tuple(make_varying(x, axes) for x in args)
-    return attention_block_bwd_p.bind(*args, cfg=cfg, grad_dtype=grad_dtype)
+    # The outputs take q's and k's varying-axes type.
+    return attention_block_bwd_p.bind(*vary_alike(*args), cfg=cfg, grad_dtype=grad_dtype)
 
 
 # ---- abstract evaluation ------------------------------------------------------

@@ -29,7 +29,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pk_jax._compat import make_varying, varying_axes
+from pk_jax._compat import vary_alike
 from pk_jax.ops._lowering import kernels_missing
 
 grouped_matmul_p = Primitive("pk_grouped_matmul")
@@ -101,10 +101,7 @@ def bind(a, b, group_sizes, kind: str, forced: bool = False, out_dtype=None):
     cannot run on CUDA, an error instead of the reference. `out_dtype`:
     a's dtype (None) or float32 (forward only)."""
     out_dtype = jnp.dtype(out_dtype or a.dtype)
-    args = (a, b, jnp.asarray(group_sizes, jnp.int32))
-    axes = tuple(sorted(set().union(*(varying_axes(x) for x in args))))
-    if axes:  # one varying-axes type for all operands (shard_map's check_vma)
-        args = tuple(make_varying(x, axes) for x in args)
+    args = vary_alike(a, b, jnp.asarray(group_sizes, jnp.int32))
     return grouped_matmul_p.bind(*args, kind=kind, forced=bool(forced), out_dtype=out_dtype)
 
 

@@ -42,7 +42,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import reference
-from pk_jax._compat import make_varying, varying_axes
+from pk_jax._compat import make_varying, vary_alike
 from pk_jax._warnings import warn_once
 from pk_jax.errors import PkJaxError
 from pk_jax.ops import attention_bwd_primitive as block_bwd
@@ -158,10 +158,7 @@ def fused_backward(cfg: RingConfig, q, dout, lse, delta, k, v):
     (cfg.n >= 2, shapes the block kernel takes)."""
     args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), k, v,
             jnp.arange(cfg.n, dtype=jnp.int32))
-    # One varying-axes type for all operands (shard_map's check_vma).
-    axes = tuple(sorted(set(cfg.names).union(*(varying_axes(x) for x in args))))
-    args = tuple(make_varying(x, axes) for x in args)
-    dq, dk, dv, _ = ring_attention_bwd_p.bind(*args, cfg=cfg)
+    dq, dk, dv, _ = ring_attention_bwd_p.bind(*vary_alike(*args, names=cfg.names), cfg=cfg)
     return dq, dk, dv
 
 

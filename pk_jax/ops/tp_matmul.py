@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from pk_jax import groups, reference, runtime, tuning
-from pk_jax._compat import make_varying, sum_to_type_of, varying_axes
+from pk_jax._compat import make_varying, sum_to_type_of, vary_alike
 from pk_jax._warnings import warn_once
 from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_bwd_p,
                                              all_gather_matmul_p, matmul_all_reduce_p,
@@ -109,9 +109,7 @@ def _fused_backward(cfg: TpConfig, dy, act, w) -> bool:
 def _bind_backward(prim, cfg: TpConfig, dy, w, act):
     """dx, dw from one call; the operands made to vary over the same axes
     (the primitive's outputs take dy's type)."""
-    axes = tuple(sorted(varying_axes(dy) | varying_axes(w) | varying_axes(act)))
-    if axes:
-        dy, w, act = (make_varying(a, axes) for a in (dy, w, act))
+    dy, w, act = vary_alike(dy, w, act)
     return prim.bind(dy, w, act, cfg=dataclasses.replace(cfg, out_dtype=jnp.dtype(act.dtype)))
 
 
