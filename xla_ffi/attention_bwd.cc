@@ -32,6 +32,8 @@ namespace {
 
 namespace ffi = xla::ffi;
 
+using ffi_common::same_dims;
+
 constexpr const char* kOp = "attention_block_bwd";
 
 ffi::Error invalid(const std::string& what) { return ffi_common::invalid_argument(kOp, what); }

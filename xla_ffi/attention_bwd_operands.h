@@ -65,12 +65,4 @@ inline xla::ffi::Error decode_attention_bwd(const char* op, xla::ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-// Whether two buffers have the same dimensions.
-inline bool same_dims(xla::ffi::Span<const int64_t> a, xla::ffi::Span<const int64_t> b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i] != b[i]) return false;
-  return true;
-}
-
 }  // namespace pk::ffi_handlers

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 
@@ -33,6 +34,18 @@ inline ffi::Error invalid_argument(const char* op, const std::string& what) {
 inline ffi::Error built_without_cutlass(const char* op) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     std::string("pk_jax.") + op + ": built without CUTLASS");
+}
+
+// Whether a buffer's dimensions are exactly `want` (another buffer's, or a
+// list such as {rows, n}).
+inline bool same_dims(ffi::Span<const int64_t> d, ffi::Span<const int64_t> want) {
+  if (d.size() != want.size()) return false;
+  for (size_t i = 0; i < d.size(); ++i)
+    if (d[i] != want[i]) return false;
+  return true;
+}
+inline bool same_dims(ffi::Span<const int64_t> d, std::initializer_list<int64_t> want) {
+  return same_dims(d, ffi::Span<const int64_t>(want.begin(), want.size()));
 }
 
 // This device's view of its communication group.

@@ -28,18 +28,11 @@ namespace {
 
 namespace ffi = xla::ffi;
 
+using ffi_common::same_dims;
+
 constexpr const char* kOp = "grouped_matmul";
 
 ffi::Error invalid(const std::string& what) { return ffi_common::invalid_argument(kOp, what); }
-
-bool dims_are(ffi::AnyBuffer b, std::initializer_list<int64_t> want) {
-  const auto d = b.dimensions();
-  if (d.size() != want.size()) return false;
-  size_t i = 0;
-  for (int64_t w : want)
-    if (d[i++] != w) return false;
-  return true;
-}
 
 ffi::Error GroupedMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a,
                              ffi::AnyBuffer b, ffi::Buffer<ffi::S32> group_sizes,
@@ -68,18 +61,18 @@ ffi::Error GroupedMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
       if (bd.size() != 3 || bd[0] != g || bd[1] != ad[1])
         return invalid("expected lhs [M, K] and rhs [G, K, N]");
       p.k = ad[1], p.n = bd[2];
-      if (!dims_are(*out, {p.rows, p.n})) return invalid("expected out [M, N]");
+      if (!same_dims(out->dimensions(), {p.rows, p.n})) return invalid("expected out [M, N]");
       break;
     case grouped_matmul::Kind::kLhsGrad:  // dout [M, N], rhs [G, K, N] -> [M, K]
       if (bd.size() != 3 || bd[0] != g || bd[2] != ad[1])
         return invalid("expected dout [M, N] and rhs [G, K, N]");
       p.k = bd[1], p.n = ad[1];
-      if (!dims_are(*out, {p.rows, p.k})) return invalid("expected out [M, K]");
+      if (!same_dims(out->dimensions(), {p.rows, p.k})) return invalid("expected out [M, K]");
       break;
     case grouped_matmul::Kind::kRhsGrad:  // lhs [M, K], dout [M, N] -> [G, K, N]
       if (bd.size() != 2 || bd[0] != p.rows) return invalid("expected lhs [M, K] and dout [M, N]");
       p.k = ad[1], p.n = bd[1];
-      if (!dims_are(*out, {g, p.k, p.n})) return invalid("expected out [G, K, N]");
+      if (!same_dims(out->dimensions(), {g, p.k, p.n})) return invalid("expected out [G, K, N]");
       break;
   }
   p.group_sizes = group_sizes.typed_data();
