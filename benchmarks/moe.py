@@ -53,10 +53,9 @@ def _routing(rng, n, t, k, e):
     return ids, w / w.sum(1, keepdims=True)
 
 
-def pk_mechanisms() -> dict:
-    """{implementation: moe mechanism}: "pk" is "auto" (pk's ld_st exchange
-    kernel where it can run; on CPU its primitive's reference)."""
-    return {"pk": "auto"}
+# pk's rows: {implementation: moe mechanism}; "auto" is pk's ld_st exchange
+# kernel where it can run (on CPU its primitive's reference).
+PK_IMPLS = {"pk": "auto"}
 
 
 def exchange_fns(mesh, e) -> dict:
@@ -74,7 +73,7 @@ def exchange_fns(mesh, e) -> dict:
     out = {}
     for op, combine in (("dispatch", False), ("dispatch_combine", True)):
         fns = {name: functools.partial(pk, mechanism=m, combine=combine)
-               for name, m in pk_mechanisms().items()}
+               for name, m in PK_IMPLS.items()}
         fns["xla_ragged"] = functools.partial(xla, combine=combine)
         out[op] = {name: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3,
                                                out_specs=spec)) for name, f in fns.items()}
@@ -84,7 +83,7 @@ def exchange_fns(mesh, e) -> dict:
 def layer_fns(mesh, n, h, ffn, e, k, dtype):
     """{implementation: (jitted grad fn(state, x), state)} of the MoE layer."""
     out = {}
-    layers = {name: functools.partial(MoE, mechanism=m) for name, m in pk_mechanisms().items()}
+    layers = {name: functools.partial(MoE, mechanism=m) for name, m in PK_IMPLS.items()}
     layers["xla_ragged"] = example.XlaRaggedMoE
     for name, cls in layers.items():
         graphdef, state = init_sharded(
