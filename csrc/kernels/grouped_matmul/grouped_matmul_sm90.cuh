@@ -158,33 +158,30 @@ __global__ void __launch_bounds__(256)
   extern __shared__ int64_t setup_smem[];  // [2 * groups]: offsets, sizes
   group_rows(sizes, groups, rows, setup_smem, setup_smem + groups);
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
-  const GroupRows r{setup_smem[g], setup_smem[groups + g]};
-  const int m = int(r.size);
-  if constexpr (kKind == Kind::kForward) {  // [m, K] @ [K, N]
-    arr.shapes[g] = {m, int(n), int(k)};
-    arr.a[g] = a + r.offset * k;
-    arr.b[g] = b + int64_t(g) * k * n;
-    arr.d[g] = out + r.offset * n;
-    arr.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(k), 1});
-    arr.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(n), int(k), 1});
-    arr.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(n), 1});
-  } else if constexpr (kKind == Kind::kLhsGrad) {  // [m, N] @ [N, K]
-    arr.shapes[g] = {m, int(k), int(n)};
-    arr.a[g] = a + r.offset * n;
-    arr.b[g] = b + int64_t(g) * k * n;
-    arr.d[g] = out + r.offset * k;
-    arr.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(n), 1});
-    arr.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(k), int(n), 1});
-    arr.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(k), 1});
-  } else {  // [K, m] @ [m, N]; no tiles when m = 0 (the zero kernel writes that group)
-    arr.shapes[g] = m > 0 ? typename G::Shape{int(k), int(n), m} : typename G::Shape{0, 0, 0};
-    arr.a[g] = a + r.offset * k;
-    arr.b[g] = b + r.offset * n;
-    arr.d[g] = out + int64_t(g) * k * n;
-    arr.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {int(k), m, 1});
-    arr.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(n), m, 1});
-    arr.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {int(k), int(n), 1});
-  }
+    const GroupRows r{setup_smem[g], setup_smem[groups + g]};
+    const int m = int(r.size);
+    if constexpr (kKind != Kind::kRhsGrad) {
+      // kForward [m, K] @ [K, N], kLhsGrad [m, N] @ [N, K] (rhs read transposed):
+      // rows of in_w elements times group g's matrix, into rows of out_w.
+      const int in_w = int(kKind == Kind::kForward ? k : n);
+      const int out_w = int(kKind == Kind::kForward ? n : k);
+      arr.shapes[g] = {m, out_w, in_w};
+      arr.a[g] = a + r.offset * in_w;
+      arr.b[g] = b + int64_t(g) * k * n;
+      arr.d[g] = out + r.offset * out_w;
+      arr.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, in_w, 1});
+      arr.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {out_w, in_w, 1});
+      arr.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, out_w, 1});
+    } else {  // [K, m] @ [m, N]; no tiles when m = 0 (the zero kernel writes that group)
+      arr.shapes[g] = m > 0 ? typename G::Shape{int(k), int(n), m} : typename G::Shape{0, 0, 0};
+      arr.a[g] = a + r.offset * k;
+      arr.b[g] = b + r.offset * n;
+      arr.d[g] = out + int64_t(g) * k * n;
+      arr.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {int(k), m, 1});
+      arr.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(n), m, 1});
+      arr.stride_d[g] =
+          cutlass::make_cute_packed_stride(typename G::StrideD{}, {int(k), int(n), 1});
+    }
   }
 }
 
