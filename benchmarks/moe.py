@@ -2,11 +2,16 @@
 against the XLA baseline (jax.lax.ragged_all_to_all + ragged_dot, written as
 a JAX user would: examples/moe.py's xla_ragged_dispatch / _combine), same run.
 
-Rows (benchmarks/results/moe.json with --save):
+Rows (with --save: benchmarks/results/moe.json, moe_decode.json with --decode):
   * op "dispatch": the rows grouped by local expert from [T, H] tokens per
     rank with top-k routing, one jitted call (the layout included);
   * op "dispatch_combine": dispatch then combine (identity experts), one
     jitted call;
+  * with `--decode`, ops "dispatch_chained" and "dispatch_combine_chained":
+    CHAIN dependent calls in one jitted program (each call's routing shifted
+    by its step, its first T rows the next call's tokens), ms per call: the
+    device cost a decode step sees, the host's dispatch of a jitted call
+    (tens of microseconds) paid once per program;
   * op "moe_layer_fwd_bwd": value_and_grad of the SwiGLU MoE layer (router,
     dispatch, three grouped GEMMs: pk_jax.grouped_matmul / ragged_dot,
     combine) with respect to x and the parameters.
@@ -58,10 +63,23 @@ def _routing(rng, n, t, k, e):
 PK_IMPLS = {"pk": "auto"}
 
 
-def exchange_fns(mesh, e) -> dict:
-    """{op: {implementation: jitted f(x, ids, w)}} (identity experts): op
-    "dispatch" (rows grouped by local expert) and "dispatch_combine" (the
-    round trip, [T, H])."""
+CHAIN = 16  # dependent calls in one program of a "_chained" row
+
+
+def _chained(f, e):
+    """CHAIN dependent calls of f(x, ids, w) in one program."""
+    def g(x, ids, w):
+        for i in range(CHAIN):
+            x = f(x, (ids + i) % e, w)[: x.shape[0]]
+        return x
+    return g
+
+
+def exchange_fns(mesh, e, chained=False) -> dict:
+    """{op: {implementation: (jitted f(x, ids, w), calls per f)}} (identity
+    experts): op "dispatch" (rows grouped by local expert) and
+    "dispatch_combine" (the round trip, [T, H]); `chained`: also both as
+    CHAIN dependent calls in one program ("<op>_chained")."""
     def pk(x, ids, w, mechanism, combine):
         rows, lay = pk_jax.moe_dispatch(x, ids, "ep", num_experts=e, mechanism=mechanism)
         return pk_jax.moe_combine(rows, w, lay) if combine else rows
@@ -75,8 +93,14 @@ def exchange_fns(mesh, e) -> dict:
         fns = {name: functools.partial(pk, mechanism=m, combine=combine)
                for name, m in PK_IMPLS.items()}
         fns["xla_ragged"] = functools.partial(xla, combine=combine)
-        out[op] = {name: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3,
-                                               out_specs=spec)) for name, f in fns.items()}
+        for suffix, wrap, calls in (("", lambda f: f, 1),
+                                    ("_chained", lambda f: _chained(f, e), CHAIN)):
+            if suffix and not chained:
+                continue
+            out[op + suffix] = {
+                name: (jax.jit(jax.shard_map(wrap(f), mesh=mesh,
+                                             in_specs=(spec,) * 3, out_specs=spec)), calls)
+                for name, f in fns.items()}
     return out
 
 
@@ -113,10 +137,10 @@ def main() -> None:
                         help="decode-sized: 128 tokens per rank, hidden 7168, top-8")
     parser.add_argument("--save", action="store_true", help="write results/moe.json")
     args = parser.parse_args()
-    if args.smoke:
-        args.tokens, args.hidden, args.ffn, args.experts = 64, 128, 64, 8
     if args.decode:
         args.tokens, args.hidden, args.topk = 128, 7168, min(8, args.experts)
+    if args.smoke:  # tiny shapes, with --decode too
+        args.tokens, args.hidden, args.ffn, args.experts = 64, 128, 64, 8
     devices, mesh, rng = bench_setup("ep")
     n, t, h, e, k = len(devices), args.tokens, args.hidden, args.experts, args.topk
     dtype = jnp.dtype(args.dtype)
@@ -131,14 +155,15 @@ def main() -> None:
     rows, times = [], {}
 
     with jax.set_mesh(mesh):
-        ops = exchange_fns(mesh, e)
+        ops = exchange_fns(mesh, e, chained=args.decode)
+        checked = "dispatch_combine_chained" if args.decode else "dispatch_combine"
         outs = {name: np.asarray(f(x, ids, w), np.float32)
-                for name, f in ops["dispatch_combine"].items()}
+                for name, (f, _) in ops[checked].items()}
         err = max(float(np.abs(o - outs["xla_ragged"]).max()) for o in outs.values())
-        assert err <= 1e-2 * float(np.abs(outs["xla_ragged"]).max()), err
+        assert err <= 1e-2 * float(np.abs(outs["xla_ragged"]).max()), (checked, err)
         for op, fns in ops.items():
-            for name, f in fns.items():
-                times[(op, name)] = time_ms(lambda f=f: f(x, ids, w))
+            for name, (f, calls) in fns.items():
+                times[(op, name)] = time_ms(lambda f=f: f(x, ids, w)) / calls
         for name, (f, state) in layer_fns(mesh, n, h, args.ffn, e, k, dtype).items():
             times[("moe_layer_fwd_bwd", name)] = time_ms(lambda f=f, s=state: f(s, x))
     pk_jax.check_errors()
@@ -152,7 +177,7 @@ def main() -> None:
     print(f"{n} ranks x {t} tokens, hidden {h}, {e} experts, top-{k}, ffn {args.ffn}, "
           f"{dtype}; largest |pk* - xla_ragged| {err:.2e}\n{table}")
     if args.save:
-        write_results("moe", rows,
+        write_results("moe_decode" if args.decode else "moe", rows,
                       f"MoE dispatch, dispatch + combine and layer fwd+bwd ({n} ranks, {t} tokens per "
                       f"rank, hidden {h}, {e} experts, top-{k}, ffn {args.ffn}, {dtype}); "
                       f"pk: pk_jax.moe_dispatch/combine (mechanism 'auto': pk's exchange "

@@ -399,3 +399,22 @@ def test_ld_st_lowers_to_the_kernel(cuda_lowering, mechanism):
     assert "custom_call @pk_all_gather(" in hlo  # the count table: no XLA collective at all
     assert not re.search(r"stablehlo\.(all_to_all|all_gather|collective)", hlo)
     assert sorted(int(ffi_attr(c, "row_bytes")) for c in calls) == [4, 64, 64]
+
+
+@pytest.mark.parametrize("s", [7, 1000, 2049, 5000])
+def test_rank_within_expert_both_paths(rng, s, monkeypatch):
+    """A slot's rank among its expert's slots: the pairwise compare (small
+    calls) and the sort (large ones) against a numpy count, on both sides of
+    the size that picks between them."""
+    from pk_jax.ops import moe as moe_mod
+    e = 9
+    key = rng.integers(0, e + 1, size=s).astype(np.int32)
+    seen = np.zeros(e + 1, np.int64)
+    want = np.empty(s, np.int64)
+    for i, kk in enumerate(key):
+        want[i] = seen[kk]
+        seen[kk] += 1
+    for limit in (0, 1 << 30):   # sort, pairwise
+        monkeypatch.setattr(moe_mod, "_PAIRWISE_RANK_SLOTS", limit)
+        got = moe_mod._rank_within_expert(jnp.asarray(key), e)   # eager: traced per call
+        np.testing.assert_array_equal(np.asarray(got), want)

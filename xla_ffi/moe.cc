@@ -1,5 +1,6 @@
 // FFI handler for the MoE token exchange (pk_jax.moe_dispatch / moe_combine,
-// mechanism "ld_st"): rows to (rank, row) destinations read on the device.
+// mechanism "ld_st"): slots to rows (dispatch) or rows to slots (combine),
+// the routing read on the device (kernels/moe/moe.h).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -23,32 +24,38 @@ constexpr uint8_t kPoison = 0xFF;
 bool is_s32(const ffi::AnyBuffer& b) { return b.element_type() == ffi::DataType::S32; }
 
 ffi::Error MoeExchangeImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer src,
-                           ffi::AnyBuffer peer, ffi::AnyBuffer index, ffi::AnyBuffer valid,
-                           ffi::Result<ffi::AnyBuffer> out, ffi_common::ChannelAttrs channel,
-                           int64_t row_bytes) {
-  if (row_bytes <= 0 || !is_s32(peer) || !is_s32(index) || !is_s32(valid) ||
-      src.size_bytes() % uint64_t(row_bytes) != 0 ||
+                           ffi::AnyBuffer slot_peer, ffi::AnyBuffer slot_row,
+                           ffi::AnyBuffer row_src, ffi::Result<ffi::AnyBuffer> out,
+                           ffi_common::ChannelAttrs channel, int64_t row_bytes, int32_t to_slots,
+                           int64_t repeat) {
+  if (row_bytes <= 0 || repeat <= 0 || (to_slots != 0 && repeat != 1) || !is_s32(slot_peer) ||
+      !is_s32(slot_row) || !is_s32(row_src) || src.size_bytes() % uint64_t(row_bytes) != 0 ||
       out->size_bytes() % uint64_t(row_bytes) != 0)
     return ffi_common::invalid_argument(kOp, "buffers do not match the lowered layout");
+  const uint64_t slots = slot_peer.element_count();
+  const uint64_t rows = row_src.element_count();
   const uint64_t src_rows = src.size_bytes() / uint64_t(row_bytes);
-  const uint64_t dst_rows = out->size_bytes() / uint64_t(row_bytes);
-  if (peer.element_count() != src_rows || index.element_count() != src_rows ||
-      valid.element_count() != dst_rows)
-    return ffi_common::invalid_argument(kOp, "routing arrays do not match the row counts");
+  const uint64_t out_rows = out->size_bytes() / uint64_t(row_bytes);
+  const bool ok = slot_row.element_count() == slots &&
+                  (to_slots != 0 ? src_rows == rows && out_rows == slots
+                                 : src_rows * uint64_t(repeat) == slots && out_rows == rows);
+  if (!ok) return ffi_common::invalid_argument(kOp, "routing arrays do not match the row counts");
   ffi_common::GroupContext ctx;
   if (ffi::Error e = ffi_common::make_group_context(
-          kOp, kOpMoe, ordinal, channel, moe::staging_bytes(dst_rows, uint64_t(row_bytes)), &ctx);
+          kOp, kOpMoe, ordinal, channel, moe::staging_bytes(rows, uint64_t(row_bytes)), &ctx);
       e.failure())
     return e;
 
   moe::Params p;
+  p.dir = to_slots != 0 ? moe::Direction::kToSlots : moe::Direction::kToRows;
   p.src = src.untyped_data();
-  p.peer = static_cast<const int32_t*>(peer.untyped_data());
-  p.index = static_cast<const int32_t*>(index.untyped_data());
-  p.valid = static_cast<const int32_t*>(valid.untyped_data());
   p.dst = out->untyped_data();
-  p.src_rows = src_rows;
-  p.dst_rows = dst_rows;
+  p.slot_peer = static_cast<const int32_t*>(slot_peer.untyped_data());
+  p.slot_row = static_cast<const int32_t*>(slot_row.untyped_data());
+  p.row_src = static_cast<const int32_t*>(row_src.untyped_data());
+  p.slots = slots;
+  p.rows = rows;
+  p.repeat = uint64_t(repeat);
   p.row_bytes = uint64_t(row_bytes);
   p.ch = ctx.channel;
   for (int q = 0; q < ctx.group.n; ++q) p.region[q] = ctx.regions[q];
@@ -67,13 +74,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()
         .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()                       // src: [src_rows, H] rows to send
-        .Arg<ffi::AnyBuffer>()                       // peer: [src_rows] int32 destination rank
-        .Arg<ffi::AnyBuffer>()                       // index: [src_rows] int32 row there
-        .Arg<ffi::AnyBuffer>()                       // valid: [dst_rows] int32, >= 0: a row lands
-        .Ret<ffi::AnyBuffer>()                       // [dst_rows, H]
+        .Arg<ffi::AnyBuffer>()                       // src: [slots / repeat] or [rows], H
+        .Arg<ffi::AnyBuffer>()                       // slot_peer: [slots] int32 rank of its row
+        .Arg<ffi::AnyBuffer>()                       // slot_row: [slots] int32 its row there
+        .Arg<ffi::AnyBuffer>()                       // row_src: [rows] int32 source rank, -1
+        .Ret<ffi::AnyBuffer>()                       // [rows] or [slots], H
         .Attr<ffi_common::ChannelAttrs>("channel")   // group, slot, region, timeout
-        .Attr<int64_t>("row_bytes"),                 // bytes per row
+        .Attr<int64_t>("row_bytes")                  // bytes per row
+        .Attr<int32_t>("to_slots")                   // 0: slots -> rows, 1: rows -> slots
+        .Attr<int64_t>("repeat"),                    // slots per src row (to rows)
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

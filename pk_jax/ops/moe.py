@@ -201,6 +201,24 @@ def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
     return jnp.cumsum(a, axis=axis) - a
 
 
+# Slot counts up to which a slot's rank among its expert's slots is one fused
+# pairwise compare (s^2 work, no sort: decode-sized calls); above it a sort.
+_PAIRWISE_RANK_SLOTS = 2048
+
+
+def _rank_within_expert(key: jax.Array, e: int) -> jax.Array:
+    """q[i]: how many slots before i (slot order) have key[i]'s key."""
+    s = key.shape[0]
+    if s <= _PAIRWISE_RANK_SLOTS:
+        i = jnp.arange(s, dtype=jnp.int32)
+        earlier_same = (key[None, :] == key[:, None]) & (i[None, :] < i[:, None])
+        return jnp.sum(earlier_same, axis=1, dtype=jnp.int32)
+    order = jnp.argsort(key, stable=True)
+    starts = _exclusive_cumsum(jnp.zeros((e + 1,), jnp.int32).at[key].add(1), 0)
+    return jnp.zeros((s,), jnp.int32).at[order].set(
+        jnp.arange(s, dtype=jnp.int32) - starts[key[order]])
+
+
 def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     n, e, el, s = cfg.axis_size, cfg.num_experts, cfg.experts_per_rank, cfg.slots
     names = cfg.axis_names
@@ -218,11 +236,7 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     else:
         before = _exclusive_cumsum(table, 0)                          # earlier sources first
         kept = jnp.clip(cfg.capacity - before, 0, table)
-    # q: a slot's rank among this rank's slots of the same expert (slot order).
-    order = jnp.argsort(key, stable=True)
-    starts = _exclusive_cumsum(jnp.zeros((e + 1,), jnp.int32).at[key].add(1), 0)
-    q = jnp.zeros((s,), jnp.int32).at[order].set(
-        jnp.arange(s, dtype=jnp.int32) - starts[key[order]])
+    q = _rank_within_expert(key, e)
     dest = jnp.where(valid, ids // el, 0)
     local = jnp.where(valid, ids % el, 0)
     kept_mine = kept[me]                                              # [dst, el]
@@ -240,7 +254,9 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     block = mine.T.reshape(el * n)                                    # (l, s) blocks
     block_end = jnp.cumsum(block)
     p = jnp.arange(cfg.num_rows, dtype=jnp.int32)
-    b = jnp.searchsorted(block_end, p, side="right").astype(jnp.int32)
+    # The block of row p: how many blocks end at or before it (one fused
+    # compare over the E blocks; searchsorted's loop runs on the host).
+    b = jnp.sum(p[:, None] >= block_end[None, :], axis=1, dtype=jnp.int32)
     used = p < block_end[-1]
     b = jnp.minimum(b, el * n - 1)
     l_of, s_of = b // n, b % n
@@ -257,7 +273,7 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
                     _exclusive_cumsum(pair, 1)[:, me], send_index, recv_index, cfg)
     # Source slots travel with the rows (the receiver cannot derive them).
     slot_ids = jnp.arange(1, s + 1, dtype=jnp.int32)[:, None]
-    src_slot = _exchange_forward(slot_ids, lay)[:, 0] - 1
+    src_slot = _exchange(slot_ids, lay, to_rows=True)[:, 0] - 1
     return dataclasses.replace(lay, src_slot=src_slot)
 
 
@@ -284,39 +300,36 @@ class _Side(NamedTuple):
     counts: jax.Array
 
 
-def _exchange(x: jax.Array, lay: MoeLayout, forward: bool) -> jax.Array:
-    """forward: slots [T*k, H] -> rows [num_rows, H] (zeros where nothing
-    landed); else rows -> slots (zeros for dropped and invalid slots)."""
+def _exchange(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int = 1) -> jax.Array:
+    """to_rows: slots [T*k, H] (or tokens [T*k / repeat, H], slot i carrying
+    row i // repeat) -> rows [num_rows, H] (zeros where nothing landed);
+    else rows -> slots (zeros for dropped and invalid slots)."""
     cfg = lay.cfg
+    if cfg.mechanism == "ld_st":
+        return _kernel_exchange(x, lay, to_rows, repeat)
+    if repeat > 1:
+        x = jnp.repeat(x, repeat, axis=0)
     slots = _Side(lay.dest_rank.reshape(-1), lay.send_index, lay.send_counts)
     rows = _Side(lay.src_rank, lay.recv_index, lay.recv_counts)
-    src, dst, offsets, target = ((slots, rows, lay.peer_offsets, lay.dest_row.reshape(-1))
-                                 if forward else (rows, slots, lay.return_offsets, lay.src_slot))
+    src, dst, offsets = ((slots, rows, lay.peer_offsets) if to_rows
+                         else (rows, slots, lay.return_offsets))
     if cfg.mechanism == "ragged":
         return lax.platform_dependent(x, src, dst, offsets,
                                       cpu=functools.partial(_dense_move, cfg=cfg),
                                       default=functools.partial(_ragged_move, cfg=cfg))
-    if cfg.mechanism == "ld_st":
-        return _kernel_exchange(x, jnp.where(src.index >= 0, src.peer, -1), target, dst.index,
-                                cfg)
     return _dense_move(x, src, dst, offsets, cfg=cfg)
 
 
-def _exchange_forward(slots: jax.Array, lay: MoeLayout) -> jax.Array:
-    return _exchange(slots, lay, forward=True)
-
-
-def _exchange_backward(rows: jax.Array, lay: MoeLayout) -> jax.Array:
-    return _exchange(rows, lay, forward=False)
-
-
-def _kernel_exchange(src, peer, index, valid, cfg: MoeConfig) -> jax.Array:
-    """pk's exchange primitive (moe_primitive.py): row i to (peer[i], index[i])."""
-    names = cfg.axis_names
-    args = [make_varying(a, names) for a in (src, peer.astype(jnp.int32),
-                                              index.astype(jnp.int32), valid.astype(jnp.int32))]
-    return moe_exchange_p.bind(*args, cfg=ExchangeConfig(names, cfg.axis_size,
-                                                                  cfg.forced))
+def _kernel_exchange(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int) -> jax.Array:
+    """pk's exchange primitive (moe_primitive.py), routed by the slots' (rank,
+    row) and the rows' source rank alone."""
+    cfg = lay.cfg
+    row = lay.dest_row.reshape(-1)
+    peer = jnp.where(row >= 0, lay.dest_rank.reshape(-1), -1)
+    args = [make_varying(a, cfg.axis_names) for a in (x, peer, row, lay.src_rank)]
+    return moe_exchange_p.bind(*args, cfg=ExchangeConfig(cfg.axis_names, cfg.axis_size,
+                                                         to_slots=not to_rows, repeat=repeat,
+                                                         forced=cfg.forced))
 
 
 def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
@@ -357,6 +370,17 @@ def _dense_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
     return jnp.where(_expand(got, out), out, 0)
 
 
+def _tokens_to_rows(x: jax.Array, lay: MoeLayout) -> jax.Array:
+    return _exchange(x, lay, to_rows=True, repeat=lay.cfg.top_k)
+
+
+def _rows_to_tokens_sum(dy: jax.Array, lay: MoeLayout) -> jax.Array:
+    """The transpose of _tokens_to_rows: each token's k slots summed (fp32)."""
+    cfg = lay.cfg
+    slots = _exchange(dy, lay, to_rows=False)
+    return slots.reshape(cfg.tokens, cfg.top_k, -1).astype(jnp.float32).sum(1).astype(dy.dtype)
+
+
 def _transposed_pair(forward: Callable, backward: Callable) -> Callable:
     """f(x, lay) = forward(x, lay), a linear exchange whose gradient is the
     exchange the other way: backward(dy, lay) (the layout has none)."""
@@ -369,8 +393,9 @@ def _transposed_pair(forward: Callable, backward: Callable) -> Callable:
     return f
 
 
-_to_experts = _transposed_pair(_exchange_forward, _exchange_backward)      # slots -> rows
-_from_experts = _transposed_pair(_exchange_backward, _exchange_forward)    # rows -> slots
+_to_experts = _transposed_pair(_tokens_to_rows, _rows_to_tokens_sum)      # tokens -> rows
+_from_experts = _transposed_pair(functools.partial(_exchange, to_rows=False),
+                                 functools.partial(_exchange, to_rows=True))  # rows -> slots
 
 
 # ---- public API ------------------------------------------------------------------
@@ -407,8 +432,7 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str | Sequence[
     expert_ids = jnp.asarray(expert_ids)
     cfg = _config(x, expert_ids, names, num_experts, capacity, mechanism)
     lay = _layout(expert_ids, cfg)
-    slots = jnp.repeat(x, cfg.top_k, axis=0)                          # slot t*k+j = token t
-    return _to_experts(slots, lay), lay
+    return _to_experts(x, lay), lay                                   # slot t*k+j: token t
 
 
 def moe_combine(y: jax.Array, weights: jax.Array, layout: MoeLayout) -> jax.Array:

@@ -1,16 +1,22 @@
 """The primitive of the MoE token exchange (pk_jax.moe_dispatch /
 moe_combine, mechanism "ld_st").
 
-`pk_moe_exchange`: (src [M, ...], peer [M] int32, index [M] int32,
-valid [N] int32) -> out [N, ...]: source row i goes to rank peer[i], row
-index[i] of that rank's output (nowhere when peer[i] < 0); output row p is
-what landed there where valid[p] >= 0, else zeros. The routing arrays stay
-on the device. Dispatch and combine are this exchange with the roles
-swapped; pk_jax/ops/moe.py pairs them as each other's transposes
+`pk_moe_exchange`: (src, slot_peer [S] int32, slot_row [S] int32, row_src
+[R] int32) -> out. The routing, in slot terms: slot i has its row on rank
+slot_peer[i], row slot_row[i] there (none when slot_peer[i] < 0 or the row
+is outside [0, R)); row p of this rank came from rank row_src[p] (-1:
+padding). Two directions (`ExchangeConfig.to_slots`):
+  * slots -> rows (dispatch): src [S / repeat, ...] (slot i carries src row
+    i // repeat: dispatch passes the tokens and repeat = k, so the k copies
+    of a token are never materialized) -> out [R, ...], zeros on padding;
+  * rows -> slots (combine): src [R, ...] -> out [S, ...], zeros for slots
+    without a row.
+The routing arrays stay on the device. Dispatch and combine are the two
+directions; pk_jax/ops/moe.py pairs them as each other's transposes
 (custom_vjp), so the primitive has no AD rules. Lowering: on CUDA with the
 extension built, the FFI kernel of xla_ffi/moe.cc; elsewhere (and where the
 kernel cannot run on the axis under "auto") a dense `lax.all_to_all` of
-[n, N] blocks.
+[n, R] blocks.
 """
 
 from __future__ import annotations
@@ -29,46 +35,67 @@ from pk_jax.ops._lowering import channel_attr, kernel_group
 
 @dataclasses.dataclass(frozen=True)
 class ExchangeConfig:
-    """Static part of one exchange: the axes, their size, whether the user
-    forced the kernel (mechanism="ld_st": an error where it cannot run)."""
+    """Static part of one exchange: the axes, their size, the direction,
+    slots per source row (slots -> rows), whether the user forced the kernel
+    (mechanism="ld_st": an error where it cannot run)."""
     names: tuple[str, ...]
     n: int
+    to_slots: bool
+    repeat: int = 1
     forced: bool = True
 
 
 moe_exchange_p = Primitive("pk_moe_exchange")
 
 
-def _abstract_eval(src, peer, index, valid, *, cfg: ExchangeConfig):
-    return src.update(shape=(valid.shape[0],) + src.shape[1:])
+def _abstract_eval(src, slot_peer, slot_row, row_src, *, cfg: ExchangeConfig):
+    rows = slot_peer.shape[0] if cfg.to_slots else row_src.shape[0]
+    return src.update(shape=(rows,) + src.shape[1:])
 
 
-def reference_exchange(src, peer, index, valid, names: tuple[str, ...], n: int):
-    """The exchange's semantics with XLA collectives (dense, n x N rows)."""
-    rows = valid.shape[0]
-    ok = (peer >= 0) & (peer < n) & (index >= 0) & (index < rows)
-    buf = jnp.zeros((n, rows) + src.shape[1:], src.dtype)
-    buf = buf.at[jnp.where(ok, peer, n), jnp.where(ok, index, 0)].set(src, mode="drop")
-    got = lax.all_to_all(buf, names[0] if len(names) == 1 else names, 0, 0)
-    out = jnp.sum(got, axis=0)  # each output row has at most one source
-    return jnp.where((valid >= 0).reshape((-1,) + (1,) * (src.ndim - 1)), out, 0)
+def _expand(mask, like):
+    return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
 
 
-def _reference_lowering(ctx, src, peer, index, valid, *, cfg: ExchangeConfig):
-    fn = lambda *a: reference_exchange(*a, cfg.names, cfg.n)
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, src, peer, index, valid)
+def reference_exchange(src, slot_peer, slot_row, row_src, cfg: ExchangeConfig):
+    """The exchange's semantics with XLA collectives (dense: n x R rows a rank)."""
+    n, rows = cfg.n, row_src.shape[0]
+    axis = cfg.names[0] if len(cfg.names) == 1 else cfg.names
+    ok = (slot_peer >= 0) & (slot_peer < n) & (slot_row >= 0) & (slot_row < rows)
+    has_src = (row_src >= 0) & (row_src < n)
+    src_of = jnp.where(has_src, row_src, 0)
+    if not cfg.to_slots:
+        tokens = jnp.repeat(src, cfg.repeat, axis=0) if cfg.repeat > 1 else src
+        buf = jnp.zeros((n, rows) + src.shape[1:], src.dtype)
+        buf = buf.at[jnp.where(ok, slot_peer, n), jnp.where(ok, slot_row, 0)].set(
+            tokens, mode="drop")
+        got = lax.all_to_all(buf, axis, 0, 0)                      # [source, rows, ...]
+        out = got[src_of, jnp.arange(rows)]
+        return jnp.where(_expand(has_src, out), out, 0)
+    # rows -> slots: every rank sends each peer the rows it owes that peer.
+    owed = jnp.arange(n)[:, None] == jnp.where(has_src, row_src, -1)[None, :]     # [peer, rows]
+    buf = jnp.where(_expand(owed, src[None]), src[None], 0)
+    got = lax.all_to_all(buf, axis, 0, 0)                          # [row rank, rows, ...]
+    out = got[jnp.where(ok, slot_peer, 0), jnp.where(ok, slot_row, 0)]
+    return jnp.where(_expand(ok, out), out, 0)
 
 
-def _cuda_lowering(ctx, src, peer, index, valid, *, cfg: ExchangeConfig):
+def _reference_lowering(ctx, *args, cfg: ExchangeConfig):
+    fn = lambda *a: reference_exchange(*a, cfg)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+
+
+def _cuda_lowering(ctx, src, slot_peer, slot_row, row_src, *, cfg: ExchangeConfig):
     table = kernel_group(ctx, "moe", cfg.names, cfg.n, forced="ld_st" if cfg.forced else None)
     if table is None:
-        return _reference_lowering(ctx, src, peer, index, valid, cfg=cfg)
-    src_aval, _, _, valid_aval = ctx.avals_in
+        return _reference_lowering(ctx, src, slot_peer, slot_row, row_src, cfg=cfg)
+    src_aval, _, _, row_src_aval = ctx.avals_in
     row_bytes = int(np.prod(src_aval.shape[1:], dtype=np.int64)) * \
         np.dtype(src_aval.dtype).itemsize
-    attr = channel_attr(table, "moe", "exchange", valid_aval.shape[0] * row_bytes)
+    attr = channel_attr(table, "moe", "exchange", row_src_aval.shape[0] * row_bytes)
     return jax.ffi.ffi_lowering("pk_moe_exchange")(
-        ctx, src, peer, index, valid, row_bytes=np.int64(row_bytes), **attr)
+        ctx, src, slot_peer, slot_row, row_src, row_bytes=np.int64(row_bytes),
+        to_slots=np.int32(cfg.to_slots), repeat=np.int64(cfg.repeat), **attr)
 
 
 moe_exchange_p.def_abstract_eval(_abstract_eval)

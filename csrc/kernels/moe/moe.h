@@ -1,13 +1,22 @@
 // MoE token exchange (pk_jax.moe_dispatch / moe_combine): host-side launch
 // interface.
 //
-// One call moves rows of `row_bytes` bytes between the ranks of a group:
-// source row i goes to rank peer[i], row index[i] of that rank's output
-// (skipped when peer[i] < 0 or index[i] is outside [0, dst_rows)). Both
-// arrays live on the device (computed there from the routing), so no host
-// ever sees a size. Dispatch sends token slots to expert rows; combine sends
-// expert rows back to their slots: the same call with the roles swapped.
-// Output row p is the row that landed there when valid[p] >= 0, else zeros.
+// The routing, on the device (no host ever sees a size), in slot terms:
+// slot i (token i / repeat's copy i % repeat, where tokens are repeated) has
+// a row on rank slot_peer[i], row slot_row[i] of that rank's rows (none when
+// slot_peer[i] < 0 or slot_row[i] is outside [0, rows)); on the rows' side,
+// row p of this rank came from rank row_src[p] (-1: padding). Both sides are
+// consistent by construction (one layout computed from the gathered counts).
+//
+//   kToRows (dispatch; combine's transpose): src [slots / repeat] tokens ->
+//     dst [rows]: every slot pushes its token's row to its row's rank; rows
+//     whose source is this rank are stored straight into dst, the others
+//     land in the receiver's staging region and are drained from there;
+//     padding rows are zeros.
+//   kToSlots (combine; dispatch's transpose, repeat 1): src [rows] -> dst
+//     [slots]: every rank stages the rows it owes other ranks in its own
+//     region, then every slot pulls its row (from src when it is local),
+//     zeros for slots without a row.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,30 +29,34 @@
 
 namespace pk::moe {
 
+enum class Direction : int32_t { kToRows = 0, kToSlots = 1 };
+
 struct Params {
-  const void* src = nullptr;     // [src_rows, row_bytes] this rank's rows (XLA buffer)
-  const int32_t* peer = nullptr;   // [src_rows] destination rank of each row, -1: none
-  const int32_t* index = nullptr;  // [src_rows] its row at the destination
-  const int32_t* valid = nullptr;  // [dst_rows] >= 0 where a row lands in the output
-  void* dst = nullptr;           // [dst_rows, row_bytes] this rank's output (XLA buffer)
-  uint64_t src_rows = 0;
-  uint64_t dst_rows = 0;         // the same on every rank (static shapes)
+  Direction dir = Direction::kToRows;
+  const void* src = nullptr;          // kToRows: [slots / repeat], kToSlots: [rows] (XLA buffer)
+  void* dst = nullptr;                // kToRows: [rows], kToSlots: [slots] (XLA buffer)
+  const int32_t* slot_peer = nullptr; // [slots] rank of each slot's row, -1: none
+  const int32_t* slot_row = nullptr;  // [slots] its row there
+  const int32_t* row_src = nullptr;   // [rows] source rank of each row, -1: padding
+  uint64_t slots = 0;
+  uint64_t rows = 0;                  // the same on every rank (static shapes)
+  uint64_t repeat = 1;                // kToRows: slots per source row
   uint64_t row_bytes = 0;
-  Channel ch{};                  // the channel's flags on every rank; rank, n
-  char* region[kMaxRanks] = {};  // every rank's staging region (dst_rows rows)
-  bool skip_post = false;        // testing: this rank never posts (timeout path)
-  uint8_t poison = 0xFF;         // every byte of a failed call's output
+  Channel ch{};                       // the channel's flags on every rank; rank, n
+  char* region[kMaxRanks] = {};       // every rank's staging region (rows rows)
+  bool skip_post = false;             // testing: this rank never posts (timeout path)
+  uint8_t poison = 0xFF;              // every byte of a failed call's output
   cudaStream_t stream = nullptr;
 };
 
-// Bytes of staging region each rank needs: one output's worth.
-inline size_t staging_bytes(uint64_t dst_rows, uint64_t row_bytes) {
-  return size_t(dst_rows) * size_t(row_bytes);
+// Bytes of staging region each rank needs: `rows` rows, either direction.
+inline size_t staging_bytes(uint64_t rows, uint64_t row_bytes) {
+  return size_t(rows) * size_t(row_bytes);
 }
 
-// Credit wait, the ld/st scatter of rows into the peers' regions, posts,
-// bounded waits for every peer's post, the drain of our region into the
-// output, finish (done flags, poison on failure, epoch).
+// Credit wait, the copies into staging (kToRows: the peers' regions;
+// kToSlots: our own), posts, bounded waits for every peer's post, the copies
+// out of staging into dst, finish (done flags, poison on failure, epoch).
 cudaError_t launch_exchange(const Params& p);
 
 // Load the exchange kernels on the current device (no lazy load while a peer spins).
