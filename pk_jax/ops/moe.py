@@ -38,13 +38,15 @@ combine's output is differentiable in the router weights.
 
 Mechanisms ("auto": pk_jax/tuning.py: "ld_st", falling back to "xla"'s dense
 exchange, with a one-time warning, on an axis where the kernel cannot run):
-  "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): every rank
-    stores each row straight into its destination rank's staging region at
-    the row the layout computed on the device, posts a flag per peer, waits
-    (bounded) for every peer's flag and copies its region into the output.
-    Works across processes of one host (staging through the shared
-    workspaces). Where the kernel cannot run it raises (forced mechanism);
-    on other platforms the primitive lowers to a dense all_to_all.
+  "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): dispatch
+    stores each slot's token row into its destination rank's staging region
+    (straight into the output when it stays on this rank), posts a flag per
+    peer, waits (bounded) for every peer's flag and drains its region into
+    the output; combine stages the rows each rank owes others in its own
+    region and every slot pulls its row. Works across processes of one host
+    (staging through the shared workspaces). Where the kernel cannot run it
+    raises (forced mechanism); on other platforms the primitive lowers to a
+    dense all_to_all.
   "ragged": `jax.lax.ragged_all_to_all` of each peer's rows (contiguous,
     sorted by local expert) into a staging buffer of num_rows rows, then one
     local gather into the (expert, source) order; XLA:CPU has no
