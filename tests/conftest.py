@@ -137,3 +137,20 @@ def cuda_lowering(monkeypatch):
 def ffi_attr(call: str, name: str) -> str:
     """The value of FFI attribute `name` in a lowered custom call's attributes."""
     return re.search(name + r" = (dense<\[?[-\d, ]*\]?>|[-\d]+)", call).group(1)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The CUDA compile check (tests/compile_check.py) builds in the
+    background from now on, and its test runs last, when the build has had
+    the whole session."""
+    import compile_check
+    check = [it for it in items if it.name == compile_check.TEST_NAME]
+    if not check or config.option.collectonly:
+        return
+    items[:] = [it for it in items if it.name != compile_check.TEST_NAME] + check
+    compile_check.start()
+
+
+def pytest_unconfigure(config):
+    import compile_check
+    compile_check.stop()

@@ -9,13 +9,12 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import sys
-import sysconfig
 
 import pytest
 
+import compile_check
 from pk_jax import runtime
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -27,27 +26,12 @@ REGISTRATIONS = {"pk_all_gather", "pk_all_gather_matmul", "pk_matmul_reduce_scat
                  "pk_grouped_matmul"}
 
 
-def _decision_module():
-    spec = importlib.util.spec_from_file_location(
-        "pk_jax_build_cuda", ROOT / "build_backend" / "pk_jax_build_cuda.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _build_info():
     try:
         from pk_jax import _build_info
     except ImportError:
         return None
     return _build_info
-
-
-def _tool(name: str) -> str | None:
-    """A tool from this environment's bin directory first (the test extra's
-    cmake and ninja), then PATH."""
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    return shutil.which(name, path=path)
 
 
 def _fake_tools(tmp_path, **scripts) -> str:
@@ -63,7 +47,7 @@ def _fake_tools(tmp_path, **scripts) -> str:
 def test_build_decision(tmp_path, monkeypatch):
     """PK_JAX_BUILD_CUDA=1 builds, =0 does not, unset builds only with nvcc
     and a GPU in sight (here faked: scripts named nvcc and nvidia-smi)."""
-    cuda = _decision_module()
+    cuda = compile_check.decision_module()
     monkeypatch.setattr(cuda, "DEFAULT_CUDA_HOME", "/nonexistent")
     nvcc_only = _fake_tools(tmp_path / "a", nvcc="nvcc")
     gpu = _fake_tools(tmp_path / "b", nvcc="nvcc",
@@ -113,7 +97,7 @@ def test_installed_extension_follows_the_build_decision():
         return
     assert ext is None, f"a Python-only build ({info.reason}), yet an extension loads"
     if info.setting == "auto":
-        cuda = _decision_module()
+        cuda = compile_check.decision_module()
         env = {k: v for k, v in os.environ.items() if k != cuda.ENV}
         now, _, why = cuda.cuda_decision(env)
         assert not now, (f"installed without the CUDA extension ({info.reason}), but here "
@@ -121,57 +105,22 @@ def test_installed_extension_follows_the_build_decision():
 
 
 def test_extension_compiles():
-    """The compile check: wherever nvcc exists, CMake builds the extension
-    with CUDA (and CUTLASS) on into build/compile-check-<python> (kept, so a
-    rerun recompiles only what changed), then the built module imports on
-    this machine and registers its FFI targets. Skipped where the install
-    itself compiled the extension (the test above checks that one).
-    PK_JAX_COMPILE_CHECK=0 skips it, =1 runs it even then."""
-    forced = os.environ.get("PK_JAX_COMPILE_CHECK", "")
-    if forced == "0":
-        pytest.skip("PK_JAX_COMPILE_CHECK=0")
-    nvcc = _decision_module().find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found: no CUDA compile check on this machine")
-    info = _build_info()
-    if forced != "1" and info is not None and info.cuda:
-        pytest.skip(f"the install compiled the extension ({info.reason})")
-    cmake = _tool("cmake")
-    if cmake is None:
-        pytest.skip("cmake not found (pip install -e '.[test]' brings it)")
+    """The compile check (tests/compile_check.py, built in the background
+    while the other tests run; conftest.py runs this test last): wherever
+    nvcc exists, the extension builds with CUDA and CUTLASS on, the built
+    module imports on this machine and registers its FFI targets. Skipped
+    where the install itself compiled the extension (the test above checks
+    that one). PK_JAX_COMPILE_CHECK=0 skips it, =1 runs it even then."""
+    p, rc = compile_check.result()
+    if p.skip is not None:
+        pytest.skip(p.skip)
     missing = [m for m in ("nanobind", "cutlass_library", "jax")
                if importlib.util.find_spec(m) is None]
     assert not missing, f"the compile check needs {missing}: pip install -e '.[test]'"
-
-    tag = sysconfig.get_config_var("SOABI") or f"py{sys.version_info[0]}{sys.version_info[1]}"
-    build = ROOT / "build" / f"compile-check-{tag}"
-    build.mkdir(parents=True, exist_ok=True)
-    configure = [cmake, "-S", str(ROOT), "-B", str(build), "-DPK_JAX_CUDA=ON",
-                 "-DPK_JAX_REQUIRE_CUTLASS=ON", "-DCMAKE_BUILD_TYPE=Release",
-                 f"-DPython_EXECUTABLE={sys.executable}"]
-    ninja = _tool("ninja")
-    generator = "Ninja" if ninja is not None else "Unix Makefiles"
-    cache = build / "CMakeCache.txt"
-    if cache.exists() and f"CMAKE_GENERATOR:INTERNAL={generator}\n" not in cache.read_text():
-        shutil.rmtree(build)  # configured with another generator: start over
-    build.mkdir(parents=True, exist_ok=True)
-    configure += ["-G", generator]
-    if ninja is not None:
-        configure.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
-    if shutil.which("nvcc") is None and not os.environ.get("CUDACXX"):
-        configure.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
-    jobs = os.environ.get("PK_JAX_COMPILE_CHECK_JOBS") or str(os.cpu_count() or 2)
-    log = build / "compile-check.log"
-    with open(log, "w") as out:
-        for cmd in (configure, [cmake, "--build", str(build), "--parallel", jobs]):
-            out.write("$ " + " ".join(cmd) + "\n")
-            out.flush()
-            rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT).returncode
-            if rc != 0:
-                break
     if rc != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
-        pytest.fail(f"the CUDA extension does not build (full log: {log}):\n{tail}")
+        tail = "\n".join(p.log.read_text(errors="replace").splitlines()[-60:])
+        pytest.fail(f"the CUDA extension does not build (full log: {p.log}):\n{tail}")
+    build = p.build
 
     built = sorted(build.glob("_pk_jax_ext*.so"))
     assert built, f"no _pk_jax_ext module in {build}"
