@@ -71,7 +71,7 @@ from jax import lax
 from pk_jax import groups, tuning
 from pk_jax._compat import make_varying
 from pk_jax.ops.all_gather import all_gather as _pk_all_gather
-from pk_jax.ops.moe_primitive import ExchangeConfig, moe_exchange_p
+from pk_jax.ops.moe_primitive import ExchangeConfig, expand_mask, moe_exchange_p
 
 MECHANISMS = ("auto", "ld_st", "ragged", "xla")
 
@@ -334,10 +334,6 @@ def _kernel_exchange(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int) -
                                                          forced=cfg.forced))
 
 
-def _expand(mask: jax.Array, like: jax.Array) -> jax.Array:
-    return mask.reshape(mask.shape + (1,) * (like.ndim - 1))
-
-
 def _ragged_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
                  cfg: MoeConfig) -> jax.Array:
     """The exchange with lax.ragged_all_to_all: x's rows packed by peer, one
@@ -354,7 +350,7 @@ def _ragged_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
     got = dst.index >= 0
     recv_start = _exclusive_cumsum(dst.counts, 0)
     out = staging[jnp.where(got, recv_start[jnp.where(got, dst.peer, 0)] + dst.index, 0)]
-    return jnp.where(_expand(got, out), out, 0)
+    return jnp.where(expand_mask(got, out), out, 0)
 
 
 def _dense_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
@@ -369,7 +365,7 @@ def _dense_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
     recv = _a2a(make_varying(buf, cfg.axis_names), cfg)
     got = dst.index >= 0
     out = recv[jnp.where(got, dst.peer, 0), jnp.where(got, dst.index, 0)]
-    return jnp.where(_expand(got, out), out, 0)
+    return jnp.where(expand_mask(got, out), out, 0)
 
 
 def _tokens_to_rows(x: jax.Array, lay: MoeLayout) -> jax.Array:

@@ -53,7 +53,8 @@ def _abstract_eval(src, slot_peer, slot_row, row_src, *, cfg: ExchangeConfig):
     return src.update(shape=(rows,) + src.shape[1:])
 
 
-def _expand(mask, like):
+def expand_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
+    """`mask` with trailing unit axes, to broadcast against `like` in jnp.where."""
     return mask.reshape(mask.shape + (1,) * (like.ndim - mask.ndim))
 
 
@@ -71,13 +72,13 @@ def reference_exchange(src, slot_peer, slot_row, row_src, cfg: ExchangeConfig):
             tokens, mode="drop")
         got = lax.all_to_all(buf, axis, 0, 0)                      # [source, rows, ...]
         out = got[src_of, jnp.arange(rows)]
-        return jnp.where(_expand(has_src, out), out, 0)
+        return jnp.where(expand_mask(has_src, out), out, 0)
     # rows -> slots: every rank sends each peer the rows it owes that peer.
     owed = jnp.arange(n)[:, None] == jnp.where(has_src, row_src, -1)[None, :]     # [peer, rows]
-    buf = jnp.where(_expand(owed, src[None]), src[None], 0)
+    buf = jnp.where(expand_mask(owed, src[None]), src[None], 0)
     got = lax.all_to_all(buf, axis, 0, 0)                          # [row rank, rows, ...]
     out = got[jnp.where(ok, slot_peer, 0), jnp.where(ok, slot_row, 0)]
-    return jnp.where(_expand(ok, out), out, 0)
+    return jnp.where(expand_mask(ok, out), out, 0)
 
 
 def _reference_lowering(ctx, *args, cfg: ExchangeConfig):
