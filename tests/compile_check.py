@@ -19,6 +19,7 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -32,6 +33,7 @@ TEST_NAME = "test_extension_compiles"
 class Plan:
     skip: str | None                  # why the check does not run here, or None
     build: pathlib.Path | None = None
+    generator: str = ""               # CMake's generator (a cache made with another is wiped)
     commands: tuple[tuple[str, ...], ...] = ()
 
     @property
@@ -46,6 +48,16 @@ def decision_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def build_info():
+    """pk_jax._build_info (what the install's build decided), or None where
+    pk_jax was not installed by its build backend."""
+    try:
+        from pk_jax import _build_info
+    except ImportError:
+        return None
+    return _build_info
 
 
 def tool(name: str) -> str | None:
@@ -63,10 +75,7 @@ def plan() -> Plan:
     nvcc = decision_module().find_nvcc()
     if nvcc is None:
         return Plan("nvcc not found: no CUDA compile check on this machine")
-    try:
-        from pk_jax import _build_info as info
-    except ImportError:
-        info = None
+    info = build_info()
     if forced != "1" and info is not None and info.cuda:
         return Plan(f"the install compiled the extension ({info.reason})")
     cmake = tool("cmake")
@@ -85,8 +94,8 @@ def plan() -> Plan:
         configure.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
     jobs = os.environ.get("PK_JAX_COMPILE_CHECK_JOBS") or str(os.cpu_count() or 2)
     nice = ("nice", "-n", "19") if shutil.which("nice") else ()
-    return Plan(None, build, (tuple(configure),
-                              (*nice, cmake, "--build", str(build), "--parallel", jobs)))
+    return Plan(None, build, generator,
+                (tuple(configure), (*nice, cmake, "--build", str(build), "--parallel", jobs)))
 
 
 class _Run:
@@ -104,8 +113,8 @@ class _Run:
         build = self.plan.build
         build.mkdir(parents=True, exist_ok=True)
         cache = build / "CMakeCache.txt"
-        generator = self.plan.commands[0][self.plan.commands[0].index("-G") + 1]
-        if cache.exists() and f"CMAKE_GENERATOR:INTERNAL={generator}\n" not in cache.read_text():
+        if cache.exists() and \
+                f"CMAKE_GENERATOR:INTERNAL={self.plan.generator}\n" not in cache.read_text():
             shutil.rmtree(build)  # configured with another generator: start over
             build.mkdir(parents=True)
         rc = 0
@@ -116,7 +125,9 @@ class _Run:
                 if self._stopped:
                     rc = -1
                     break
-                self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+                # Its own process group: stop() ends the compilers with it.
+                self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                              start_new_session=True)
                 rc = self._proc.wait()
                 if rc != 0:
                     break
@@ -129,19 +140,22 @@ class _Run:
     def stop(self) -> None:
         self._stopped = True
         if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
+            os.killpg(self._proc.pid, signal.SIGTERM)
             self._proc.wait()
 
 
 _run: _Run | None = None
 
 
-def start() -> None:
-    """Start the build (once per session) if the check runs here."""
+def start() -> Plan:
+    """Start the build (once per session) if the check runs here; its plan."""
     global _run
+    if _run is not None:
+        return _run.plan
     p = plan()
-    if _run is None and p.skip is None:
+    if p.skip is None:
         _run = _Run(p)
+    return p
 
 
 def stop() -> None:
@@ -153,6 +167,5 @@ def stop() -> None:
 def result() -> tuple[Plan, int | None]:
     """The plan and, when it ran, the build's exit status (waits for it;
     starts it first if conftest did not)."""
-    start()
-    p = plan()
+    p = start()
     return p, (_run.wait() if _run is not None else None)

@@ -26,14 +26,6 @@ REGISTRATIONS = {"pk_all_gather", "pk_all_gather_matmul", "pk_matmul_reduce_scat
                  "pk_grouped_matmul"}
 
 
-def _build_info():
-    try:
-        from pk_jax import _build_info
-    except ImportError:
-        return None
-    return _build_info
-
-
 def _fake_tools(tmp_path, **scripts) -> str:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
@@ -85,7 +77,7 @@ def test_installed_extension_follows_the_build_decision():
     """The installed package has the extension exactly when its build decided
     to compile it (pk_jax._build_info), and an automatic decision not to
     build it was not made on a machine that has nvcc and a GPU."""
-    info = _build_info()
+    info = compile_check.build_info()
     if info is None:
         pytest.skip("pk_jax was not installed by its build backend (no pk_jax._build_info)")
     ext = runtime.extension()
