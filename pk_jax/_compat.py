@@ -53,3 +53,18 @@ def drop_varying(aval, names: tuple[str, ...]):
     if vma is not None:
         return aval.update(vma=frozenset(a for a in vma if a not in names))
     return aval
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+                  is_causal: bool) -> jax.Array:
+    """`jax.nn.dot_product_attention` (XLA's attention), usable on every
+    backend. For half-precision inputs JAX pins its dots to an explicit
+    algorithm (BF16_BF16_F32 / F16_F16_F32), which XLA:CPU's elemental
+    emitter rejects at compile time for small dots (B = S = H = 1 in bf16,
+    most tiny fp16 shapes); on CPU the inputs are upcast to float32 (the
+    same math at higher precision) and the result cast back."""
+    xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal)
+    if all(x.dtype == jax.numpy.float32 for x in (q, k, v)):
+        return xla(q, k, v)
+    f32 = lambda q, k, v: xla(*(x.astype(jax.numpy.float32) for x in (q, k, v))).astype(q.dtype)
+    return jax.lax.platform_dependent(q, k, v, cpu=f32, default=xla)

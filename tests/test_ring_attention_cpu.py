@@ -384,6 +384,24 @@ def test_empty_local_sequence(layout):
     assert jax.nn.dot_product_attention(q, q, q).shape == out.shape  # the same contract
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_rank_xla_tiny_half_precision(rng, dtype, causal):
+    """One rank, mechanism "xla": XLA's attention, whose pinned half-precision
+    dot algorithm XLA:CPU cannot compile for tiny dots (B = S = H = 1 in bf16,
+    most small fp16 shapes): values and gradients must still come out."""
+    q, k, v = _qkv(rng, 1, 1, 1, 1, 64, dtype)
+    f = _sharded(cpu_mesh((1,), ("sp",)), causal=causal, mechanism="xla")
+    assert rel_err(jax.jit(f)(q, k, v), _reference(q, k, v, causal)) < 2e-2
+    grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2),
+                             argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(_reference(*a, causal) ** 2), argnums=(0, 1, 2))(
+        *_f32(q, k, v))
+    for g, w in zip(grads, want):  # dq = dk = 0 here: one key takes all the weight
+        assert g.dtype == dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=2e-2, atol=2e-2)
+
+
 def test_other_mesh_axes_keep_their_varying_type(rng):
     """q sharded over a second axis too (batch over "tp"): the ring state must
     vary like q, or shard_map's type check (check_vma) rejects the scan."""

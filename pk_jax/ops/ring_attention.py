@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 
 from pk_jax import groups, reference, runtime, tuning
-from pk_jax._compat import make_varying
+from pk_jax._compat import make_varying, xla_attention
 from pk_jax._warnings import warn_once
 from pk_jax.ops import attention_bwd_primitive as block_bwd
 from pk_jax.ops import ring_attention_bwd_primitive as ring_bwd
@@ -272,6 +272,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     if cfg.mechanism == "xla" and cfg.n == 1 and not return_lse:
         # One rank holds the whole sequence in natural order (zigzag with one
         # rank is the identity): XLA's own attention is what "xla" means here.
-        return jax.nn.dot_product_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal)
+        return xla_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal)
     out, lse = _attend(q, k, v, cfg)
     return (out, lse) if return_lse else out

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 
+from pk_jax._compat import xla_attention
 from pk_jax.ops.ring_attention import check_qkv_arrays, check_scale, ring_attention
 from pk_jax.partitioning._attention_plan import AttentionPlan, plan_attention
 from pk_jax._explicit import explicit_mesh, replicated_fun, reshard, type_sharding
@@ -42,11 +43,11 @@ def _local(plan: AttentionPlan, causal: bool, scale: float):
     if plan.route == "ring_attention":
         return lambda q, k, v: ring_attention(q, k, v, plan.axes, causal=causal, scale=scale,
                                               layout="contiguous")
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+    return lambda q, k, v: xla_attention(q, k, v, scale=scale, is_causal=causal)
 
 
 def _reference(q, k, v, causal, scale):
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+    return xla_attention(q, k, v, scale=scale, is_causal=causal)
 
 
 def _plan(mesh, q_sharding, shapes, causal) -> AttentionPlan:
