@@ -2,9 +2,12 @@
 fresh each run, the seed in the failure message): each one either equals
 the pure-lax result on CPU devices and lowers for CUDA (cross-lowered with
 a stand-in for the extension), or raises a clear error naming pk_jax.
-Never a crash, a hang, or a silently different answer."""
+Never a crash, a hang, or a silently different answer. To replay a failure,
+set PK_JAX_FUZZ_SEED to the seed its message names."""
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +48,8 @@ def _run(body, reference, mesh, in_specs, out_spec, args):
 
 @pytest.fixture
 def seed():
-    return int(np.random.default_rng().integers(1 << 31))
+    fixed = os.environ.get("PK_JAX_FUZZ_SEED")
+    return int(fixed) if fixed else int(np.random.default_rng().integers(1 << 31))
 
 
 def test_all_gather_random_calls(seed, cuda_lowering):
