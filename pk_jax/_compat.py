@@ -64,7 +64,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
     most tiny fp16 shapes); on CPU the inputs are upcast to float32 (the
     same math at higher precision) and the result cast back."""
     xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=is_causal)
-    if all(x.dtype == jax.numpy.float32 for x in (q, k, v)):
+    if not any(x.dtype in (jax.numpy.bfloat16, jax.numpy.float16) for x in (q, k, v)):
         return xla(q, k, v)
     f32 = lambda q, k, v: xla(*(x.astype(jax.numpy.float32) for x in (q, k, v))).astype(q.dtype)
     return jax.lax.platform_dependent(q, k, v, cpu=f32, default=xla)
