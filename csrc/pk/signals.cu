@@ -148,6 +148,19 @@ cudaError_t finish(const Channel& ch, const Outputs& outputs, cudaStream_t strea
   return cudaGetLastError();
 }
 
+cudaError_t finish_after(cudaError_t err, const Channel& ch, const Outputs& outputs,
+                         cudaStream_t stream) {
+  if (err == cudaSuccess) return finish(ch, outputs, stream);
+  finish(ch, outputs, stream, /*aborted=*/true);  // best effort
+  return err;
+}
+
+cudaError_t join(cudaError_t err, cudaEvent_t joined, cudaStream_t side, cudaStream_t stream) {
+  cudaError_t e = cudaEventRecord(joined, side);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(stream, joined, 0);
+  return err != cudaSuccess ? err : e;
+}
+
 cudaError_t stamp(const Channel& ch, int pieces, cudaStream_t stream) {
   if (pieces < 1 || pieces > kMaxStamps) return cudaErrorInvalidValue;
   stamp_kernel<<<1, kThreads, 0, stream>>>(ch, pieces);

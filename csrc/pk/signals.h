@@ -84,6 +84,16 @@ cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream);
 cudaError_t finish(const Channel& ch, const Outputs& outputs, cudaStream_t stream,
                    bool aborted = false);
 
+// The end of a call whose host sequence returned `err`: `finish`, as aborted
+// when `err` is an error (best effort then: the caller gets `err`).
+cudaError_t finish_after(cudaError_t err, const Channel& ch, const Outputs& outputs,
+                         cudaStream_t stream);
+
+// Join a forked side stream (after an error too, so no stream dangles):
+// `stream` waits for what `side` has enqueued, through `joined`. Returns
+// `err`, or the join's own error where `err` is success.
+cudaError_t join(cudaError_t err, cudaEvent_t joined, cudaStream_t side, cudaStream_t stream);
+
 // Copy-engine posting, for waits that must not depend on a kernel getting an
 // SM: set mine()->stamp[i] = (e - 1) * pieces + i + 1 for i < pieces; a
 // stream copy of stamp[i] into a peer's posted[rank] then posts piece i of

@@ -56,11 +56,7 @@ cudaError_t enqueue(const Params& p) {
 
 cudaError_t launch_copy_engine(const Params& p) {
   const signals::Outputs out(p.dst, uint64_t(p.ch.n) * p.rows * p.row_bytes, p.poison);
-  if (cudaError_t err = enqueue(p); err != cudaSuccess) {
-    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-    return err;
-  }
-  return signals::finish(p.ch, out, p.stream);
+  return signals::finish_after(enqueue(p), p.ch, out, p.stream);
 }
 
 }  // namespace pk::all_gather

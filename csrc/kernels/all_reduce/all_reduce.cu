@@ -142,11 +142,7 @@ cudaError_t launch(const Params& p, Mechanism m) {
   }
   PK_CUDA_TRY(signals::finish(p.ch, out, p.stream));
   if (p.kind != kAllReduce) return cudaSuccess;
-  if (err = enqueue_all_gather(p, engine); err != cudaSuccess) {
-    signals::finish(p.ch2, out, p.stream, /*aborted=*/true);
-    return err;
-  }
-  return signals::finish(p.ch2, out, p.stream);
+  return signals::finish_after(enqueue_all_gather(p, engine), p.ch2, out, p.stream);
 }
 
 cudaError_t load_kernels() {

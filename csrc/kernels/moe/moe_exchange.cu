@@ -190,11 +190,7 @@ cudaError_t enqueue(const Params& p) {
 cudaError_t launch_exchange(const Params& p) {
   const uint64_t out_rows = p.dir == Direction::kToRows ? p.rows : p.slots;
   const signals::Outputs out(p.dst, out_rows * p.row_bytes, p.poison);
-  if (cudaError_t err = enqueue(p); err != cudaSuccess) {
-    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-    return err;
-  }
-  return signals::finish(p.ch, out, p.stream);
+  return signals::finish_after(enqueue(p), p.ch, out, p.stream);
 }
 
 cudaError_t load_kernels() {

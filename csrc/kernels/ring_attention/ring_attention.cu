@@ -140,28 +140,15 @@ cudaError_t run(const Params& p) {
   signals::Outputs out(p.out, rows * size_t(p.head_dim) * 2);
   out.add(p.lse, rows * sizeof(float));
   bool forked = false;
-  const cudaError_t err = enqueue(p, a, &forked);
+  cudaError_t err = enqueue(p, a, &forked);
   if (forked) {
-    // Join even after an error, so no stream dangles. The side stream waited
-    // for the copy stream's last piece: joining it joins both (after an
-    // error in push_blocks, make it wait for the copy stream first).
-    cudaError_t e = cudaSuccess;
-    if (err != cudaSuccess) {
-      e = cudaEventRecord(p.copy_done, p.copy_stream);
-      if (e == cudaSuccess) e = cudaStreamWaitEvent(p.side_stream, p.copy_done, 0);
-    }
-    if (e == cudaSuccess) e = cudaEventRecord(p.join, p.side_stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(p.stream, p.join, 0);
-    if (err == cudaSuccess && e != cudaSuccess) {
-      signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-      return e;
-    }
+    // The side stream waited for the copy stream's last piece: joining it
+    // joins both (after an error in push_blocks, it waits for the copy
+    // stream first).
+    if (err != cudaSuccess) err = signals::join(err, p.copy_done, p.copy_stream, p.side_stream);
+    err = signals::join(err, p.join, p.side_stream, p.stream);
   }
-  if (err != cudaSuccess) {
-    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-    return err;
-  }
-  return signals::finish(p.ch, out, p.stream);
+  return signals::finish_after(err, p.ch, out, p.stream);
 }
 
 cudaError_t load_kernels() { return Instantiations::load(); }

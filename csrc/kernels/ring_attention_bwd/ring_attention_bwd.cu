@@ -159,22 +159,10 @@ cudaError_t run(const Params& p) {
   out.add(p.dk, L.k_bytes());
   out.add(p.dv, L.k_bytes());
   bool forked = false;
-  const cudaError_t err = enqueue(p, &forked);
-  if (forked) {
-    // Join even after an error, so no stream dangles: main waits for the
-    // side stream's last push and post.
-    cudaError_t e = cudaEventRecord(p.join, p.side_stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(p.stream, p.join, 0);
-    if (err == cudaSuccess && e != cudaSuccess) {
-      signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-      return e;
-    }
-  }
-  if (err != cudaSuccess) {
-    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-    return err;
-  }
-  return signals::finish(p.ch, out, p.stream);
+  cudaError_t err = enqueue(p, &forked);
+  // Main waits for the side stream's last push and post.
+  if (forked) err = signals::join(err, p.join, p.side_stream, p.stream);
+  return signals::finish_after(err, p.ch, out, p.stream);
 }
 
 }  // namespace pk::ring_attention_bwd

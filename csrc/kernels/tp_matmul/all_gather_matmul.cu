@@ -101,20 +101,9 @@ cudaError_t all_gather_matmul(const Params& p) {
   out.add(p.gathered, size_t(p.n) * block_bytes(p));
   out.add(p.dw, weight_grad_bytes(p));
   bool forked = false;
-  const cudaError_t err = enqueue(p, &forked);
-  if (forked) {  // join even after an error: the side stream never dangles
-    cudaError_t e = cudaEventRecord(p.join, p.side_stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(p.stream, p.join, 0);
-    if (err == cudaSuccess && e != cudaSuccess) {
-      signals::finish(p.ch, out, p.stream, /*aborted=*/true);
-      return e;
-    }
-  }
-  if (err != cudaSuccess) {
-    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-    return err;
-  }
-  return signals::finish(p.ch, out, p.stream);
+  cudaError_t err = enqueue(p, &forked);
+  if (forked) err = signals::join(err, p.join, p.side_stream, p.stream);
+  return signals::finish_after(err, p.ch, out, p.stream);
 }
 
 }  // namespace pk::tp_matmul

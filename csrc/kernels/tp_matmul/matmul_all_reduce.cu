@@ -203,20 +203,12 @@ cudaError_t matmul_all_reduce(const Params& p) {
   cudaStream_t s = p.stream;
   if (p.n == 1 || p.one_shot) {
     problem(p, 0, &g);
-    const cudaError_t err = p.n == 1 ? gemm::run(g, p.gemm_dev, s) : one_shot(p);
-    if (err != cudaSuccess) {
-      signals::finish(p.ch, out, s, /*aborted=*/true);  // best effort
-      return err;
-    }
-    return signals::finish(p.ch, out, s);
+    return signals::finish_after(p.n == 1 ? gemm::run(g, p.gemm_dev, s) : one_shot(p), p.ch,
+                                 out, s);
   }
   bool forked = false, reduced = false;
   cudaError_t err = chunked(p, out, &forked, &reduced);
-  if (forked) {  // join even after an error: the side stream never dangles
-    cudaError_t e = cudaEventRecord(p.join, p.side_stream);
-    if (e == cudaSuccess) e = cudaStreamWaitEvent(s, p.join, 0);
-    if (err == cudaSuccess) err = e;
-  }
+  if (forked) err = signals::join(err, p.join, p.side_stream, s);
   if (err != cudaSuccess) {  // best effort: every channel's call ends, as aborted
     if (!reduced) signals::finish(p.ch, out, s, /*aborted=*/true);
     signals::finish(p.gather_ch, out, s, /*aborted=*/true);

@@ -96,11 +96,7 @@ cudaError_t matmul_reduce_scatter(const Params& p) {
   if (p.dw != nullptr) PK_CUDA_TRY(gemm::check(weight_grad(p, p.x), p.gemm_dev));
   signals::Outputs out(p.out, slot_bytes(p));
   out.add(p.dw, weight_grad_bytes(p));
-  if (cudaError_t err = enqueue(p); err != cudaSuccess) {
-    signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-    return err;
-  }
-  return signals::finish(p.ch, out, p.stream);
+  return signals::finish_after(enqueue(p), p.ch, out, p.stream);
 }
 
 }  // namespace pk::tp_matmul
