@@ -43,11 +43,7 @@ def _local(plan: AttentionPlan, causal: bool, scale: float):
     if plan.route == "ring_attention":
         return lambda q, k, v: ring_attention(q, k, v, plan.axes, causal=causal, scale=scale,
                                               layout="contiguous")
-    return lambda q, k, v: xla_attention(q, k, v, scale=scale, is_causal=causal)
-
-
-def _reference(q, k, v, causal, scale):
-    return xla_attention(q, k, v, scale=scale, is_causal=causal)
+    return functools.partial(xla_attention, scale=scale, is_causal=causal)
 
 
 def _plan(mesh, q_sharding, shapes, causal) -> AttentionPlan:
@@ -62,12 +58,14 @@ def _op(causal: bool, scale: float, same_heads: bool, same_len: bool, vjp: bool,
     """Forward op f(q, k, v) -> out, or with vjp f(q, k, v, g) -> (dq, dk, dv).
     Under explicit sharding `explicit_out` is the planned result spec(s)."""
 
+    # The unpartitioned op: XLA's attention (its vjp), what every plan must equal.
+    attend = functools.partial(xla_attention, scale=scale, is_causal=causal)
     if vjp:
         def fun(q, k, v, g):
-            return jax.vjp(lambda *a: _reference(*a, causal, scale), q, k, v)[1](g)
+            return jax.vjp(attend, q, k, v)[1](g)
     else:
         def fun(q, k, v):
-            return _reference(q, k, v, causal, scale)
+            return attend(q, k, v)
     op = custom_partitioning(fun if explicit_out is None else replicated_fun(fun, explicit_out))
 
     def shardings(mesh, plan):
