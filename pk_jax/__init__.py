@@ -15,6 +15,7 @@ from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
 from pk_jax.ops.all_to_all import all_to_all
+from pk_jax.ops.fp8 import Fp8Recipe, fp8_dot, fp8_matmul, fp8_quantize
 from pk_jax.ops.grouped_matmul import grouped_matmul
 from pk_jax.ops.moe import MoeLayout, moe_combine, moe_dispatch
 from pk_jax.ops.ring_attention import ring_attention
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Config",
+    "Fp8Recipe",
     "PkJaxError",
     "PkJaxFallbackWarning",
     "PkJaxTimeoutError",
@@ -44,6 +46,9 @@ __all__ = [
     "dot_general",
     "distributed",
     "dot_product_attention",
+    "fp8_dot",
+    "fp8_matmul",
+    "fp8_quantize",
     "get_config",
     "grouped_matmul",
     "matmul",

@@ -11,6 +11,7 @@
 #include "kernels/all_reduce/all_reduce.h"
 #include "kernels/moe/moe.h"
 #include "kernels/attention_bwd/attention_bwd.h"
+#include "kernels/fp8/fp8.h"
 #include "kernels/gemm/gemm.h"
 #include "kernels/grouped_matmul/grouped_matmul.h"
 #include "kernels/ring_attention/ring_attention.h"
@@ -42,6 +43,7 @@ const std::vector<pk::runtime::KernelLoader>& kernel_loaders() {
       pk::ring_attention_bwd::load_kernels,
       pk::all_reduce::load_kernels,
       pk::moe::load_kernels,            pk::grouped_matmul::load_kernels,
+      pk::fp8::load_kernels,
   };
   return loaders;
 }
@@ -65,6 +67,8 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_ring_attention_bwd"] = as_capsule(pk::ffi_handlers::RingAttentionBwd);
     d["pk_all_reduce"] = as_capsule(pk::ffi_handlers::AllReduce);
     d["pk_moe_exchange"] = as_capsule(pk::ffi_handlers::MoeExchange);
+    d["pk_fp8_quantize"] = as_capsule(pk::ffi_handlers::Fp8Quantize);
+    d["pk_fp8_matmul"] = as_capsule(pk::ffi_handlers::Fp8Matmul);
     return d;
   }, "FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
 

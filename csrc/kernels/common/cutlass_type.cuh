@@ -22,5 +22,13 @@ template <>
 struct CutlassType<DType::kF32> {
   using Type = float;
 };
+template <>
+struct CutlassType<DType::kE4M3> {
+  using Type = cutlass::float_e4m3_t;
+};
+template <>
+struct CutlassType<DType::kE5M2> {
+  using Type = cutlass::float_e5m2_t;
+};
 
 }  // namespace pk

@@ -16,13 +16,50 @@ using Instantiations =
                        Variant<DType::kBF16, DType::kBF16, false, true>,
                        Variant<DType::kF16, DType::kF16, false, true>>;
 
+using Fp8Instantiations = variants::Built<
+    Fp8Variant<DType::kE4M3, DType::kE4M3, DType::kBF16, Scaling::kTensor>,
+    Fp8Variant<DType::kE4M3, DType::kE4M3, DType::kF32, Scaling::kTensor>,
+    Fp8Variant<DType::kE5M2, DType::kE4M3, DType::kBF16, Scaling::kTensor>,
+    Fp8Variant<DType::kE5M2, DType::kE4M3, DType::kF32, Scaling::kTensor>,
+    Fp8Variant<DType::kE4M3, DType::kE5M2, DType::kBF16, Scaling::kTensor>,
+    Fp8Variant<DType::kE4M3, DType::kE5M2, DType::kF32, Scaling::kTensor>,
+    Fp8Variant<DType::kE4M3, DType::kE4M3, DType::kBF16, Scaling::kBlock>,
+    Fp8Variant<DType::kE4M3, DType::kE4M3, DType::kF32, Scaling::kBlock>,
+    Fp8Variant<DType::kE4M3, DType::kE4M3, DType::kBF16, Scaling::kBlock, true>,
+    Fp8Variant<DType::kE4M3, DType::kE4M3, DType::kF32, Scaling::kBlock, true>>;
+
 }  // namespace
 
-cudaError_t load_kernels() { return Instantiations::load(); }
+cudaError_t load_kernels() {
+  if (cudaError_t err = Instantiations::load(); err != cudaSuccess) return err;
+  return Fp8Instantiations::load();
+}
 
 bool available() { return variants::kHaveCutlass; }
 
+namespace {
+bool fp8_supported(const Problem& p) {
+  const bool types = is_fp8(p.in) && is_fp8(p.in_b) &&
+                     !(p.in == DType::kE5M2 && p.in_b == DType::kE5M2) &&
+                     (p.out == DType::kBF16 || p.out == DType::kF32);
+  const bool layout = p.b_transposed && !p.a_transposed;
+  const bool scales = p.scale_a != nullptr && p.scale_b != nullptr;
+  bool recipe = false;
+  if (p.scaling == Scaling::kTensor) {
+    recipe = !p.b_row_blocks;
+  } else if (p.scaling == Scaling::kBlock) {
+    recipe = p.in == DType::kE4M3 && p.in_b == DType::kE4M3 && p.m % 4 == 0 &&
+             (!p.b_row_blocks || p.n % 4 == 0);
+  }
+  const int64_t limit = int64_t(1) << 31;
+  return types && layout && scales && recipe && p.m > 0 && p.n > 0 && p.k > 0 &&
+         p.k % 16 == 0 && p.n % 8 == 0 && p.m < limit && p.n < limit && p.k < limit;
+}
+}  // namespace
+
 bool supported(const Problem& p) {
+  if (is_fp8(p.in)) return fp8_supported(p);
+  if (p.scaling != Scaling::kNone) return false;
   const bool types =
       (p.in == DType::kBF16 || p.in == DType::kF16) &&
       (p.out == p.in || (p.out == DType::kF32 && !p.b_transposed && !p.a_transposed)) &&
@@ -39,13 +76,21 @@ VariantKey key_of(const Problem& p) {
 }
 }  // namespace
 
+namespace {
+Fp8Key fp8_key_of(const Problem& p) {
+  return Fp8Key{p.in, p.in_b, p.out, p.scaling, p.b_row_blocks};
+}
+}  // namespace
+
 cudaError_t check(const Problem& p, const Device& dev) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
+  if (is_fp8(p.in)) return Fp8Instantiations::check(fp8_key_of(p), p, dev);
   return Instantiations::check(key_of(p), p, dev);
 }
 
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
+  if (is_fp8(p.in)) return Fp8Instantiations::launch(fp8_key_of(p), p, dev, stream);
   return Instantiations::launch(key_of(p), p, dev, stream);
 }
 

@@ -8,6 +8,11 @@
 // given transposed, so no transposed copy of a weight is ever made; A may be
 // given transposed for the weight gradients (dW = X^T @ dY reads X [k, m]
 // row-major in place: the contraction runs over the rows of both operands).
+//
+// FP8 (A e4m3 or e5m2, B e4m3 or e5m2, not both e5m2): D = (A * sa) @ (B * sb)
+// with the dequantization factors sa, sb of a Scaling recipe, fp32
+// accumulation, bf16 or fp32 output. Hopper's FP8 wgmma reads both operands
+// K-major only: A row-major [m, k], B given transposed ([n, k] row-major).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,7 +25,23 @@
 namespace pk::gemm {
 
 using pk::DType;
+using pk::is_fp8;
 using pk::itemsize;
+
+// How FP8 operands carry their scales (dequantization factors: the operand's
+// value is its FP8 element times its factor).
+//   kTensor: one fp32 factor per operand (sa[0], sb[0]). e4m3 x e4m3 runs
+//     fast accumulation (the forward GEMMs' recipe); a product with an e5m2
+//     gradient promotes the partial sums to fp32 every 4 wgmma K-steps.
+//   kBlock: DeepSeek-V3's blocks: A per 1x128 (one row, 128 of K), stored
+//     [ceil(k / 128), m] (M-contiguous, m a multiple of 4); B per 128x128
+//     (128 of N by 128 of K), stored [ceil(k / 128), ceil(n / 128)], or with
+//     b_row_blocks per 1x128 like A ([ceil(k / 128), n]: the weight
+//     gradients' second activation operand); partial sums promoted to fp32
+//     and scaled every 128 of K. e4m3 operands.
+enum class Scaling : int32_t { kNone = 0, kTensor = 1, kBlock = 2 };
+
+constexpr int kBlockK = 128;  // kBlock's K extent of a scale (and N's for B)
 
 struct Problem {
   int64_t m = 0, n = 0, k = 0;
@@ -30,8 +51,14 @@ struct Problem {
   void* d = nullptr;        // [m, n] row-major, may live on a peer GPU
   bool b_transposed = false;
   bool a_transposed = false;  // only with B row-major and the output in the input type
-  DType in = DType::kBF16;  // A and B
+  DType in = DType::kBF16;  // A, and B unless FP8
   DType out = DType::kBF16;
+  // FP8 (in = e4m3 or e5m2): B's type, the recipe and the factors (above).
+  DType in_b = DType::kE4M3;
+  Scaling scaling = Scaling::kNone;
+  const float* scale_a = nullptr;
+  const float* scale_b = nullptr;
+  bool b_row_blocks = false;  // kBlock: B's factors per 1x128 instead of 128x128
 };
 
 // Where the kernel runs and the scratch it may use (allocated at init).
@@ -48,7 +75,9 @@ bool available();
 // Inputs bf16 or f16; output the input type or f32 (the input type only when
 // b_transposed or a_transposed; not both transposed); n and the row length of
 // A (k, or m when a_transposed) multiples of 8 (16-byte rows for the TMA
-// copies).
+// copies). FP8: b_transposed, A row-major, k a multiple of 16, n of 8, a
+// scaling with both factors, bf16 or f32 output (fp32 only without C); kBlock:
+// e4m3 operands and m a multiple of 4 (and n with b_row_blocks).
 bool supported(const Problem& p);
 
 // Load every instantiation on the current device (no lazy loading later).
@@ -78,6 +107,25 @@ constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
 template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed = false>
 struct Variant {
   static constexpr VariantKey key{kIn, kOut, kBTransposed, kATransposed};
+  static cudaError_t check(const Problem& p, const Device& dev);
+  static cudaError_t launch(const Problem& p, const Device& dev, cudaStream_t stream);
+  static cudaError_t load();
+};
+
+// The FP8 instantiations: one per (A type, B type, output type, scaling, B's
+// block shape), gemm_fp8_*.cu; defined in gemm_fp8_sm90.cuh.
+struct Fp8Key {
+  DType a, b, out;
+  Scaling scaling;
+  bool b_row_blocks = false;
+};
+constexpr bool operator==(const Fp8Key& x, const Fp8Key& y) {
+  return x.a == y.a && x.b == y.b && x.out == y.out && x.scaling == y.scaling &&
+         x.b_row_blocks == y.b_row_blocks;
+}
+template <DType kA, DType kB, DType kOut, Scaling kScaling, bool kBRowBlocks = false>
+struct Fp8Variant {
+  static constexpr Fp8Key key{kA, kB, kOut, kScaling, kBRowBlocks};
   static cudaError_t check(const Problem& p, const Device& dev);
   static cudaError_t launch(const Problem& p, const Device& dev, cudaStream_t stream);
   static cudaError_t load();

@@ -1,0 +1,327 @@
+"""FP8 matmuls (Hopper's FP8 tensor cores): recipes, quantization, the scaled
+FP8 GEMM, and `fp8_dot`, a matmul whose forward and both gradients run in FP8.
+
+Recipes (`Fp8Recipe.scaling`):
+
+* ``"current"``: one factor per tensor from its own amax (Transformer
+  Engine's current scaling). Activations and weights in e4m3, gradients in
+  e5m2; the forward GEMM accumulates in the tensor cores' own precision
+  (fast accumulation), the gradient GEMMs promote to fp32 every 4 K-steps.
+* ``"delayed"``: one factor per tensor from a scale the caller keeps (from an
+  amax history: `pk_jax.flax`'s FP8 layers keep it); the call returns the
+  amaxes to record.
+* ``"block"``: DeepSeek-V3's fine-grained scaling: activations and gradients
+  per 1x128 along the contraction, weights per 128x128; every operand e4m3;
+  partial sums promoted to fp32 and scaled every 128 of K.
+
+On CUDA GPUs with the extension built the quantization and the GEMMs are
+pk_jax kernels (csrc/kernels/fp8, csrc/kernels/gemm); elsewhere the same
+numerics in jax.numpy (`pk_jax/ops/fp8_primitive.py`), so results agree
+across platforms up to the order of the fp32 sums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from pk_jax.ops import fp8_primitive as prim
+
+_RECIPES = ("current", "delayed", "block")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How an FP8 matmul scales and stores its operands.
+
+    scaling: "current", "delayed" or "block" (the module docstring).
+    margin: current/delayed scaling use scale = fp8_max * 2^-margin / amax.
+    amax_history_len, amax_compute_algo: delayed scaling's history (kept by
+      the caller, e.g. pk_jax.flax's layers): the scale comes from the max
+      ("max") or the latest ("most_recent") amax of the last
+      `amax_history_len` steps.
+    """
+
+    scaling: str = "current"
+    margin: float = 0.0
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+
+    def __post_init__(self):
+        if self.scaling not in _RECIPES:
+            raise ValueError(f"Fp8Recipe(scaling={self.scaling!r}): expected one of {_RECIPES}")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or \
+                not math.isfinite(self.margin) or self.margin < 0:
+            raise ValueError(f"Fp8Recipe(margin={self.margin!r}): a finite number >= 0")
+        if isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int) \
+                or self.amax_history_len < 1:
+            raise ValueError(f"Fp8Recipe(amax_history_len={self.amax_history_len!r}): an int >= 1")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(f"Fp8Recipe(amax_compute_algo={self.amax_compute_algo!r}): "
+                             "'max' or 'most_recent'")
+
+    @property
+    def fwd_dtype(self):
+        """FP8 format of activations and weights."""
+        return prim.E4M3
+
+    @property
+    def bwd_dtype(self):
+        """FP8 format of the output gradient (e5m2, e4m3 with block scaling)."""
+        return prim.E4M3 if self.scaling == "block" else prim.E5M2
+
+
+def _recipe(recipe) -> Fp8Recipe:
+    if isinstance(recipe, Fp8Recipe):
+        return recipe
+    if isinstance(recipe, str):
+        return Fp8Recipe(scaling=recipe)
+    raise TypeError(f"recipe: an Fp8Recipe or one of {_RECIPES}, got {recipe!r}")
+
+
+def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
+                 rowwise: bool = True, transposed: bool = False, scale=None,
+                 margin: float = 0.0):
+    """Quantize a 2-D array x [R, C] to FP8 with its dequantization factors.
+
+    granularity: "tensor" (one factor), "rows" (per 1x128 along C: factors
+    [ceil(C/128), R]), "cols" (per 128x1 along R, transposed copy only:
+    factors [ceil(R/128), C]) or "blocks" (per 128x128: [ceil(R/128),
+    ceil(C/128)]). dtype: float8_e4m3fn or float8_e5m2. rowwise / transposed:
+    which copies to return (q [R, C], qt [C, R]). scale: "tensor" only, a
+    given scale (delayed scaling) instead of fp8_max * 2^-margin / amax(x).
+
+    Returns (q or None, qt or None, factors, amax); amax is amax(|x|) [1]
+    for "tensor" (for an amax history), None otherwise. x ~= q * factor.
+    """
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"fp8_quantize: x must be 2-D [R, C], got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in prim.IN_TYPES:
+        raise TypeError(f"fp8_quantize: x must be bfloat16, float16 or float32, got {x.dtype}")
+    if granularity not in prim.GRANULARITY:
+        raise ValueError(f"fp8_quantize(granularity={granularity!r}): expected one of "
+                         f"{tuple(prim.GRANULARITY)}")
+    dtype = jnp.dtype(dtype)
+    if dtype not in prim.FP8_TYPES:
+        raise TypeError(f"fp8_quantize(dtype={dtype}): float8_e4m3fn or float8_e5m2")
+    if 0 in x.shape:
+        raise ValueError(f"fp8_quantize: x is empty, shape {x.shape}")
+    if granularity == "cols" and (rowwise or not transposed):
+        raise ValueError("fp8_quantize(granularity='cols') returns the transposed copy only: "
+                         "pass rowwise=False, transposed=True")
+    if not (rowwise or transposed):
+        raise ValueError("fp8_quantize: ask for rowwise and/or transposed")
+    if scale is not None and granularity != "tensor":
+        raise ValueError("fp8_quantize: a given scale needs granularity='tensor'")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or \
+            not math.isfinite(margin) or margin < 0:
+        raise ValueError(f"fp8_quantize(margin={margin!r}): a finite number >= 0")
+    q, qt, factors, amax = prim.quantize(x, granularity=granularity, dtype=dtype,
+                                         rowwise=rowwise, transposed=transposed, scale=scale,
+                                         margin=margin)
+    return (q if rowwise else None, qt if transposed else None, factors,
+            amax if granularity == "tensor" else None)
+
+
+def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks: bool = False,
+               out_dtype=jnp.bfloat16):
+    """a [M, K] @ b [N, K]^T on FP8 operands with their factors (both K-major,
+    as Hopper's FP8 tensor cores read them), fp32 accumulation.
+
+    scaling "tensor": scale_a, scale_b one factor each ([] or [1]). "block":
+    scale_a [ceil(K/128), M] (per 1x128 of a), scale_b [ceil(K/128),
+    ceil(N/128)] (per 128x128 of b) or, with b_row_blocks, [ceil(K/128), N].
+    a, b: float8_e4m3fn or float8_e5m2 (not both e5m2; "block": e4m3).
+    out_dtype: bfloat16 or float32. Needs K % 16 == 0 and N % 8 == 0 ("block":
+    M % 4 == 0, and N % 4 == 0 with b_row_blocks).
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_matmul: expected a [M, K] and b [N, K], got {a.shape}, {b.shape}")
+    ta, tb = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
+    if ta not in prim.FP8_TYPES or tb not in prim.FP8_TYPES or ta == tb == prim.E5M2:
+        raise TypeError(f"fp8_matmul: a and b must be float8_e4m3fn or float8_e5m2, not both "
+                        f"e5m2; got {ta}, {tb}")
+    if scaling not in prim.SCALING:
+        raise ValueError(f"fp8_matmul(scaling={scaling!r}): 'tensor' or 'block'")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in prim.OUT_TYPES:
+        raise TypeError(f"fp8_matmul(out_dtype={out_dtype}): bfloat16 or float32")
+    m, k = a.shape
+    n = b.shape[0]
+    if 0 in (m, n, k):
+        raise ValueError(f"fp8_matmul: empty operands {a.shape}, {b.shape}")
+    if k % 16 or n % 8:
+        raise ValueError(f"fp8_matmul: K={k} must be a multiple of 16 and N={n} of 8")
+    sa, sb = jnp.asarray(scale_a, jnp.float32), jnp.asarray(scale_b, jnp.float32)
+    if scaling == "tensor":
+        if b_row_blocks:
+            raise ValueError("fp8_matmul: b_row_blocks needs scaling='block'")
+        if sa.size != 1 or sb.size != 1:
+            raise ValueError(f"fp8_matmul(scaling='tensor'): one factor each, got scale_a "
+                             f"{sa.shape}, scale_b {sb.shape}")
+        sa, sb = sa.reshape(1), sb.reshape(1)
+    else:
+        if ta != prim.E4M3 or tb != prim.E4M3:
+            raise TypeError("fp8_matmul(scaling='block'): float8_e4m3fn operands")
+        want_b = (prim.blocks(k), n if b_row_blocks else prim.blocks(n))
+        if sa.shape != (prim.blocks(k), m) or sb.shape != want_b:
+            raise ValueError(f"fp8_matmul(scaling='block'): expected scale_a "
+                             f"{(prim.blocks(k), m)} and scale_b {want_b}, got {sa.shape}, "
+                             f"{sb.shape}")
+        if m % 4 or (b_row_blocks and n % 4):
+            raise ValueError(f"fp8_matmul(scaling='block'): M={m} (and N={n} with "
+                             "b_row_blocks) must be multiples of 4")
+    return prim.matmul(a, b, sa, sb, scaling=scaling, b_row_blocks=b_row_blocks,
+                       out_dtype=out_dtype)
+
+
+# --- fp8_dot: the matmul with FP8 forward and gradients ----------------------
+
+def _gemm_out(dtype):
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
+
+
+def _check_dot(x, w, recipe: Fp8Recipe, scales) -> None:
+    if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"fp8_dot: expected x [..., K] and w [K, N], got {x.shape}, {w.shape}")
+    for name, t in (("x", x.dtype), ("w", w.dtype)):
+        if jnp.dtype(t) not in prim.IN_TYPES:
+            raise TypeError(f"fp8_dot: {name} must be bfloat16, float16 or float32, got {t}")
+    m, k, n = math.prod(x.shape[:-1]), w.shape[0], w.shape[1]
+    if 0 in (m, k, n):
+        raise ValueError(f"fp8_dot: empty operands {x.shape}, {w.shape}")
+    mult = 128 if recipe.scaling == "block" else 16
+    for name, v in (("K (x.shape[-1])", k), ("N (w.shape[1])", n)):
+        if v % mult:
+            raise ValueError(f"fp8_dot(recipe={recipe.scaling!r}): {name}={v} must be a "
+                             f"multiple of {mult}")
+    if m % 16:
+        raise ValueError(f"fp8_dot: the rows of x (M={m}, the weight gradient's contraction) "
+                         "must be a multiple of 16")
+    if (recipe.scaling == "delayed") != (scales is not None):
+        raise ValueError("fp8_dot: scales=(x_scale, w_scale, dy_scale) is required with "
+                         "recipe 'delayed' and only there")
+
+
+def fp8_dot(x, w, recipe=Fp8Recipe(), *, scales=None):
+    """x [..., K] @ w [K, N] with the forward and both gradients in FP8.
+
+    recipe: an Fp8Recipe or its scaling name ("current", "delayed",
+    "block"). scales: with "delayed" scaling, the scales (x, w, dy) the
+    caller's amax histories give (each a float32 scalar); the result is then
+    (y, amaxes) with amaxes = (amax(x), amax(w)) of this call, and the
+    cotangent of `scales` carries amax(dy) in its last entry (how pk_jax.flax
+    records it). Otherwise the result is y, in x's dtype.
+
+    Shapes: K and N multiples of 16 (128 with "block"), the rows of x a
+    multiple of 16. Gradients come back in the operands' dtypes; the GEMMs
+    accumulate in fp32.
+    """
+    recipe = _recipe(recipe)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    _check_dot(x, w, recipe, scales)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if recipe.scaling == "delayed":
+        s = tuple(jnp.asarray(v, jnp.float32).reshape(1) for v in scales)
+        if len(s) != 3:
+            raise ValueError("fp8_dot: scales is (x_scale, w_scale, dy_scale)")
+        y, amaxes = _dot_delayed(x2, w, s, recipe)
+        return y.reshape(*lead, w.shape[1]), amaxes
+    return _dot(x2, w, recipe).reshape(*lead, w.shape[1])
+
+
+def _tensor_fwd(x, w, recipe, sx=None, sw=None):
+    xq, xt, fx, ax = fp8_quantize(x, "tensor", recipe.fwd_dtype, transposed=True, scale=sx,
+                                  margin=recipe.margin)
+    wq, wt, fw, aw = fp8_quantize(w, "tensor", recipe.fwd_dtype, transposed=True, scale=sw,
+                                  margin=recipe.margin)
+    y = fp8_matmul(xq, wt, fx, fw, out_dtype=_gemm_out(x.dtype)).astype(x.dtype)
+    return y, (xt, fx, wq, fw), (ax, aw)
+
+
+def _tensor_bwd(res, dy, recipe, x_dtype, w_dtype, sdy=None):
+    xt, fx, wq, fw = res
+    dq, dt, fdy, ady = fp8_quantize(dy, "tensor", recipe.bwd_dtype, transposed=True, scale=sdy,
+                                    margin=recipe.margin)
+    dx = fp8_matmul(dq, wq, fdy, fw, out_dtype=_gemm_out(x_dtype)).astype(x_dtype)
+    dw = fp8_matmul(xt, dt, fx, fdy, out_dtype=_gemm_out(w_dtype)).astype(w_dtype)
+    return dx, dw, ady
+
+
+def _block_fwd(x, w):
+    xq, _, fx, _ = fp8_quantize(x, "rows", prim.E4M3)
+    _, xt, fxt, _ = fp8_quantize(x, "cols", prim.E4M3, rowwise=False, transposed=True)
+    wq, wt, fw, _ = fp8_quantize(w, "blocks", prim.E4M3, transposed=True)
+    y = fp8_matmul(xq, wt, fx, fw, scaling="block", out_dtype=_gemm_out(x.dtype))
+    return y.astype(x.dtype), (xt, fxt, wq, fw)
+
+
+def _block_bwd(res, dy, x_dtype, w_dtype):
+    xt, fxt, wq, fw = res
+    dq, _, fdy, _ = fp8_quantize(dy, "rows", prim.E4M3)
+    _, dt, fdt, _ = fp8_quantize(dy, "cols", prim.E4M3, rowwise=False, transposed=True)
+    # dx = dy @ w^T: w [K, N] is b = [n = K, k = N]; its 128x128 factors transposed.
+    dx = fp8_matmul(dq, wq, fdy, fw.T, scaling="block", out_dtype=_gemm_out(x_dtype))
+    # dw = x^T @ dy: a = x^T [K, M], b = dy^T [N, M], both per 128x1 of the tokens.
+    dw = fp8_matmul(xt, dt, fxt, fdt, scaling="block", b_row_blocks=True,
+                    out_dtype=_gemm_out(w_dtype))
+    return dx.astype(x_dtype), dw.astype(w_dtype)
+
+
+def _marker(dtype):
+    """A zero-size array carrying a dtype through custom_vjp's residuals."""
+    return jnp.zeros((0,), dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _dot(x, w, recipe: Fp8Recipe):
+    return _dot_fwd(x, w, recipe)[0]
+
+
+def _dot_fwd(x, w, recipe):
+    if recipe.scaling == "block":
+        y, res = _block_fwd(x, w)
+    else:
+        y, res, _ = _tensor_fwd(x, w, recipe)
+    return y, (res, _marker(x.dtype), _marker(w.dtype))
+
+
+def _dot_bwd(recipe, carry, dy):
+    res, xm, wm = carry
+    if recipe.scaling == "block":
+        return _block_bwd(res, dy, xm.dtype, wm.dtype)
+    dx, dw, _ = _tensor_bwd(res, dy, recipe, xm.dtype, wm.dtype)
+    return dx, dw
+
+
+_dot.defvjp(_dot_fwd, _dot_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dot_delayed(x, w, scales, recipe: Fp8Recipe):
+    return _dot_delayed_fwd(x, w, scales, recipe)[0]
+
+
+def _dot_delayed_fwd(x, w, scales, recipe):
+    sx, sw, sdy = scales
+    y, res, amaxes = _tensor_fwd(x, w, recipe, sx, sw)
+    return (y, amaxes), (res, sdy, _marker(x.dtype), _marker(w.dtype))
+
+
+def _dot_delayed_bwd(recipe, carry, cts):
+    res, sdy, xm, wm = carry
+    dy, _ = cts  # the amaxes are not differentiated
+    dx, dw, ady = _tensor_bwd(res, dy, recipe, xm.dtype, wm.dtype, sdy)
+    zero = jnp.zeros((1,), jnp.float32)
+    return dx, dw, (zero, zero, ady)
+
+
+_dot_delayed.defvjp(_dot_delayed_fwd, _dot_delayed_bwd)
