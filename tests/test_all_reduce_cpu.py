@@ -328,18 +328,6 @@ def test_forced_xla_is_lax(cuda_lowering):
     assert not _calls(hlo) and "stablehlo.all_reduce" in hlo
 
 
-def test_mechanism_and_kind_ids_match_the_header():
-    from test_constants_cpu import cxx_enum
-    from pk_jax.ops import all_reduce_primitive as prim
-    header = "csrc/kernels/all_reduce/all_reduce.h"
-    assert cxx_enum(header, "Mechanism") == {
-        "kLdStOneShot": prim.KERNEL_MECHANISMS["ld_st_oneshot"],
-        "kTwoShot": prim.KERNEL_MECHANISMS["two_shot"],
-        "kCopyEngine": prim.KERNEL_MECHANISMS["copy_engine"]}
-    assert cxx_enum(header, "Kind") == {"kAllReduce": prim.KINDS["all_reduce"],
-                                        "kReduceScatter": prim.KINDS["reduce_scatter"]}
-
-
 def test_custom_call_on_auto_and_explicit_meshes(cuda_lowering, sharding_mode):
     mesh = cpu_mesh((2, 4), ("x", "y"))
     hlo = _lower(lambda a: (pk_jax.all_reduce(a, "y")
