@@ -27,7 +27,7 @@ from conftest import gpu_mesh
 from helpers.gpu_util import poison_allocator
 
 pytestmark = pytest.mark.gpu
-MECHANISMS = ["ld_st_oneshot", "two_shot", "copy_engine", "auto"]
+MECHANISMS = ["one_shot", "two_shot", "copy_engine", "auto"]
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32]
 
 
@@ -104,7 +104,7 @@ def test_world_size_one_graph_replays_on_fresh_buffers(rng):
     """The same compiled program on new inputs (CUDA graph updates: 1-D copies only)."""
     _needs_kernels()
     mesh = gpu_mesh(1)
-    for mechanism in ("two_shot", "copy_engine", "ld_st_oneshot"):
+    for mechanism in ("two_shot", "copy_engine", "one_shot"):
         f = _sm(mesh, lambda a, m=mechanism: pk_jax.all_reduce(a * 2, "x", mechanism=m) + 1)
         for _ in range(4):
             host = random_operand(rng, (64, 33), jnp.float32)

@@ -141,7 +141,7 @@ FFI_ENUMS = [
      {"ld_st_pull": "kLdStPull", "copy_engine": "kCopyEngine", "ld_st_push": "kLdStPush",
       "ld_st_ll": "kLdStLl"}),
     (all_reduce_primitive.KERNEL_MECHANISMS, ALL_REDUCE, "Mechanism",
-     {"ld_st_oneshot": "kLdStOneShot", "two_shot": "kTwoShot", "copy_engine": "kCopyEngine"}),
+     {"one_shot": "kOneShot", "two_shot": "kTwoShot", "copy_engine": "kCopyEngine"}),
     (all_reduce_primitive.KINDS, ALL_REDUCE, "Kind",
      {"all_reduce": "kAllReduce", "reduce_scatter": "kReduceScatter"}),
     (ring_attention_primitive.KERNEL_MECHANISMS, RING, "Mechanism",

@@ -20,7 +20,7 @@ import pk_jax
 from helpers.multiprocess_util import peer_never_posts
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32)
-MECHANISMS = ("ld_st_oneshot", "two_shot", "copy_engine", "auto")
+MECHANISMS = ("one_shot", "two_shot", "copy_engine", "auto")
 
 
 def random_operand(rng, shape, dtype) -> np.ndarray:
@@ -84,7 +84,7 @@ def run_multiprocess_checks(mesh, put, sm, local, check, rng) -> None:
                           f"processes, bit for bit (rank {rank})")
 
     # 1000 dependent calls in one program (fori_loop), then a scan of both ops.
-    for mechanism in ("ld_st_oneshot", "two_shot"):
+    for mechanism in ("one_shot", "two_shot"):
         shards = [rng.integers(0, 1000, size=(64,), dtype=np.int32) for _ in range(n)]
 
         def chain(a, m=mechanism):

@@ -35,7 +35,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["graphs"]:  # run with XLA_FLAGS=--xla_gpu_graph_min_graph_size=1
         from jax.sharding import AxisType, Mesh
         mesh = Mesh(np.array(jax.devices()[:2]), ("x",), axis_types=(AxisType.Auto,))
-        for m in ("ld_st_oneshot", "two_shot", "copy_engine"):
+        for m in ("one_shot", "two_shot", "copy_engine"):
             check_fresh_buffers(mesh, m)
             print(f"OK fresh buffers {m} on {mesh.devices.size} GPU(s)", flush=True)
         print("GRAPHS_OK", flush=True)

@@ -146,7 +146,7 @@ if __name__ == "__main__":
               ("matmul_all_reduce one_shot", lambda: check_matmul_all_reduce(mesh, "one_shot"))]
     from helpers.all_reduce_checks import check_fresh_buffers
     checks += [(f"all_reduce {m}", lambda m=m: check_fresh_buffers(mesh, m))
-               for m in ("ld_st_oneshot", "two_shot", "copy_engine")]
+               for m in ("one_shot", "two_shot", "copy_engine")]
     failed = []
     for name, run in checks:
         try:
