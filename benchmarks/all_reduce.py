@@ -29,7 +29,7 @@ IMPLS = {
     # No communication: the cost of the loop, add and scale alone (the floor).
     "no_comm": lambda a: a * jnp.asarray(lax.axis_size("x"), a.dtype),
     "xla": lambda a: lax.psum(a, "x"),
-    "pk_ld_st_oneshot": lambda a: pk_jax.all_reduce(a, "x", mechanism="ld_st_oneshot"),
+    "pk_one_shot": lambda a: pk_jax.all_reduce(a, "x", mechanism="one_shot"),
     "pk_two_shot": lambda a: pk_jax.all_reduce(a, "x", mechanism="two_shot"),
     "pk_copy_engine": lambda a: pk_jax.all_reduce(a, "x", mechanism="copy_engine"),
 }

@@ -54,13 +54,13 @@ RING_ATTENTION_BWD_TRANSPORT = "pk"
 # n times the bytes of the two-shot but takes one exchange, so it should lead
 # for small messages. Replace with the crossover benchmarks/all_reduce.py
 # measures on 2 x H200.
-ALL_REDUCE_ONESHOT_MAX_BYTES = 256 << 10
+ALL_REDUCE_ONE_SHOT_MAX_BYTES = 256 << 10
 
 
 def all_reduce_mechanism(kind: str, per_rank_bytes: int) -> str:
     """The all_reduce / reduce_scatter mechanism `auto` takes (provisional)."""
-    if kind == "all_reduce" and per_rank_bytes <= ALL_REDUCE_ONESHOT_MAX_BYTES:
-        return "ld_st_oneshot"
+    if kind == "all_reduce" and per_rank_bytes <= ALL_REDUCE_ONE_SHOT_MAX_BYTES:
+        return "one_shot"
     return "two_shot"
 
 

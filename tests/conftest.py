@@ -140,10 +140,10 @@ def ffi_attr(call: str, name: str) -> str:
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """The CUDA compile check (tests/compile_check.py) builds in the
+    """The CUDA compile check (tests/helpers/compile_check.py) builds in the
     background from now on, and its test runs last, when the build has had
     the whole session."""
-    import compile_check
+    from helpers import compile_check
     check = [it for it in items if it.name == compile_check.TEST_NAME]
     if not check or config.option.collectonly:
         return
@@ -152,5 +152,5 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_unconfigure(config):
-    import compile_check
+    from helpers import compile_check
     compile_check.stop()

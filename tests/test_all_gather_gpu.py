@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from pk_jax import runtime
 from conftest import gpu_mesh
-from gpu_chains import check_all_gather_chain
-from gpu_util import as_bits, poison_allocator, put, random_bits
+from helpers.gpu_chains import check_all_gather_chain
+from helpers.gpu_util import as_bits, poison_allocator, put, random_bits
 
 pytestmark = pytest.mark.gpu
 MECHANISMS = ["ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine"]
@@ -125,7 +125,8 @@ def test_command_buffers_off():
     gpu_mesh(2)
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_chains.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts",
+                          "gpu_chains_check.py")
     proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and "SUBPROCESS_OK" in proc.stdout, proc.stderr[-4000:]

@@ -4,8 +4,8 @@ so every rank's result is the same bits.
 
 World size 1 runs on one GPU (the whole protocol with no peers: signals,
 epochs, reduction kernel); the 2-GPU tests skip with a reason below two GPUs
-(tests/all_reduce_checks.py runs the same across two processes sharing one
-GPU). Inputs are fresh random values; the allocator is poisoned first.
+(tests/scripts/gpu_all_reduce_check.py runs the same across two processes
+sharing one GPU). Inputs are fresh random values; the allocator is poisoned first.
 """
 
 import os
@@ -22,12 +22,12 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
-from all_reduce_checks import bits, exact_reduce_scatter, exact_sum, random_operand
+from helpers.all_reduce_checks import bits, exact_reduce_scatter, exact_sum, random_operand
 from conftest import gpu_mesh
-from gpu_util import poison_allocator
+from helpers.gpu_util import poison_allocator
 
 pytestmark = pytest.mark.gpu
-MECHANISMS = ["ld_st_oneshot", "two_shot", "copy_engine", "auto"]
+MECHANISMS = ["one_shot", "two_shot", "copy_engine", "auto"]
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32]
 
 
@@ -104,7 +104,7 @@ def test_world_size_one_graph_replays_on_fresh_buffers(rng):
     """The same compiled program on new inputs (CUDA graph updates: 1-D copies only)."""
     _needs_kernels()
     mesh = gpu_mesh(1)
-    for mechanism in ("two_shot", "copy_engine", "ld_st_oneshot"):
+    for mechanism in ("two_shot", "copy_engine", "one_shot"):
         f = _sm(mesh, lambda a, m=mechanism: pk_jax.all_reduce(a * 2, "x", mechanism=m) + 1)
         for _ in range(4):
             host = random_operand(rng, (64, 33), jnp.float32)
@@ -121,7 +121,8 @@ def test_fresh_buffers_under_command_buffers():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_graph_min_graph_size=1").strip()
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "all_reduce_checks.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts",
+                          "gpu_all_reduce_check.py")
     proc = subprocess.run([sys.executable, script, "graphs"], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "GRAPHS_OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -34,7 +34,7 @@ from pk_jax import reference, runtime, tuning
 from pk_jax.ops.attention_bwd_primitive import block_bwd, kernel_problem
 from pk_jax.ops.ring_attention_primitive import RingConfig
 from conftest import gpu_mesh
-from gpu_util import poison_allocator
+from helpers.gpu_util import poison_allocator
 
 pytestmark = pytest.mark.gpu
 

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-import compile_check
+from helpers import compile_check
 from pk_jax import runtime
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -97,7 +97,7 @@ def test_installed_extension_follows_the_build_decision():
 
 
 def test_extension_compiles():
-    """The compile check (tests/compile_check.py, built in the background
+    """The compile check (tests/helpers/compile_check.py, built in the background
     while the other tests run; conftest.py runs this test last): wherever
     nvcc exists, the extension builds with CUDA and CUTLASS on, the built
     module imports on this machine and registers its FFI targets. Skipped

@@ -10,8 +10,9 @@ import re
 import pytest
 
 from pk_jax import runtime
-from pk_jax.ops import (all_gather_primitive, attention_bwd_primitive,
-                        ring_attention_bwd_primitive, ring_attention_primitive)
+from pk_jax.ops import (all_gather_primitive, all_reduce_primitive, attention_bwd_primitive,
+                        grouped_matmul_primitive, ring_attention_bwd_primitive,
+                        ring_attention_primitive)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -56,6 +57,9 @@ def cxx_enum(rel: str, enum: str) -> dict[str, int]:
 
 
 LAYOUT = "csrc/pk/layout.h"
+ALL_GATHER = "csrc/kernels/all_gather/all_gather.h"
+ALL_REDUCE = "csrc/kernels/all_reduce/all_reduce.h"
+GROUPED = "csrc/kernels/grouped_matmul/grouped_matmul.h"
 RING = "csrc/kernels/ring_attention/ring_attention.h"
 BWD = "csrc/kernels/attention_bwd/attention_bwd.h"
 RING_BWD = "csrc/kernels/ring_attention_bwd/ring_attention_bwd.h"
@@ -129,29 +133,43 @@ def test_fused_backward_stamp_table_fits():
     assert (3 * runtime.MAX_RANKS - 2) * 8 <= ring_attention_bwd_primitive.STAMP_BYTES
 
 
-def test_ring_attention_mechanism_ids_match_enum():
-    enum = cxx_enum(RING, "Mechanism")
-    assert enum == {"kCopyEngine": ring_attention_primitive.KERNEL_MECHANISMS["copy_engine"],
-                    "kLdSt": ring_attention_primitive.KERNEL_MECHANISMS["ld_st"]}
+# Every integer an FFI attribute carries for a name: the Python mirror, the
+# enum of the op's kernel header (its one home), and which enumerator each
+# name maps to.
+FFI_ENUMS = [
+    (all_gather_primitive.KERNEL_MECHANISMS, ALL_GATHER, "Mechanism",
+     {"ld_st_pull": "kLdStPull", "copy_engine": "kCopyEngine", "ld_st_push": "kLdStPush",
+      "ld_st_ll": "kLdStLl"}),
+    (all_reduce_primitive.KERNEL_MECHANISMS, ALL_REDUCE, "Mechanism",
+     {"one_shot": "kOneShot", "two_shot": "kTwoShot", "copy_engine": "kCopyEngine"}),
+    (all_reduce_primitive.KINDS, ALL_REDUCE, "Kind",
+     {"all_reduce": "kAllReduce", "reduce_scatter": "kReduceScatter"}),
+    (ring_attention_primitive.KERNEL_MECHANISMS, RING, "Mechanism",
+     {"copy_engine": "kCopyEngine", "ld_st": "kLdSt"}),
+    (grouped_matmul_primitive.KINDS, GROUPED, "Kind",
+     {"forward": "kForward", "lhs_grad": "kLhsGrad", "rhs_grad": "kRhsGrad"}),
+]
 
 
-def test_all_gather_mechanism_ids_match_enum():
-    enum = cxx_enum("xla_ffi/all_gather.cc", "Mechanism")
-    want = {"kLdStPull": "ld_st_pull", "kCopyEngine": "copy_engine", "kLdStPush": "ld_st_push",
-            "kLdStLl": "ld_st_ll"}
-    assert {k: v for k, v in enum.items()} == {
-        k: all_gather_primitive.KERNEL_MECHANISMS[v] for k, v in want.items()}
+@pytest.mark.parametrize("python,header,enum,names", FFI_ENUMS,
+                         ids=[f"{h.rsplit('/', 1)[1]}:{e}" for _, h, e, _ in FFI_ENUMS])
+def test_ffi_enum_matches_header(python, header, enum, names):
+    assert python.keys() == names.keys(), f"{enum} in {header}: a name without an enumerator"
+    assert cxx_enum(header, enum) == {names[k]: v for k, v in python.items()}
 
 
-def test_grouped_matmul_mirrors_match_header():
-    from pk_jax.ops import grouped_matmul_primitive as prim
-    rel = "csrc/kernels/grouped_matmul/grouped_matmul.h"
-    consts = cxx_constants(rel)
+def test_ffi_enums_live_in_the_kernel_headers():
+    """The handlers read the ids from the kernel headers; no handler declares
+    an enum of its own."""
+    for path in sorted((ROOT / "xla_ffi").glob("*.cc")):
+        assert not re.search(r"\benum\b", _source(str(path.relative_to(ROOT)))), path.name
+
+
+def test_grouped_matmul_constants_match_header():
+    consts = cxx_constants(GROUPED)
+    prim = grouped_matmul_primitive
     assert (consts["kMaxGroups"], consts["kPerGroupScratch"], consts["kKernelScratch"]) == (
         prim.MAX_GROUPS, prim.PER_GROUP_SCRATCH, prim.KERNEL_SCRATCH)
-    assert cxx_enum(rel, "Kind") == {"kForward": prim.KINDS["forward"],
-                                     "kLhsGrad": prim.KINDS["lhs_grad"],
-                                     "kRhsGrad": prim.KINDS["rhs_grad"]}
 
 
 def test_ffi_target_names_match_the_module():

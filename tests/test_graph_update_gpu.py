@@ -2,7 +2,7 @@
 every call: XLA re-traces each handler and updates the instantiated graph in
 place, so a handler that records something CUDA cannot update (a 2-D memcpy
 node, pk/copy_rows.h) fails on the second call. The cases live in
-graph_update_checks.py and run in a subprocess whose XLA puts every custom
+tests/scripts/graph_update_checks.py and run in a subprocess whose XLA puts every custom
 call into a graph (--xla_gpu_graph_min_graph_size=1); the training test of
 tests/test_attention_bwd_gpu.py meets the same update in a real program."""
 
@@ -27,7 +27,8 @@ def test_fresh_buffers_under_command_buffers():
     # This process already holds most of each GPU's memory (XLA preallocates):
     # the child allocates on demand from what is left.
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "graph_update_checks.py")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts",
+                          "graph_update_checks.py")
     proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True,
                           timeout=400)
     report = proc.stdout + proc.stderr[-3000:]

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from conftest import cpu_mesh, ffi_attr, rel_err
-from grouped_matmul_cases import CASES, dense, dense_grads, inputs
+from helpers.grouped_matmul_cases import CASES, dense, dense_grads, inputs
 from pk_jax.ops import grouped_matmul_primitive as prim
 
 

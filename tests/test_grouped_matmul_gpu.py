@@ -8,8 +8,8 @@ import pytest
 
 import pk_jax
 from conftest import gpu_mesh, rel_err
-from gpu_util import poison_allocator
-from grouped_matmul_cases import CASES, dense, dense_grads, inputs
+from helpers.gpu_util import poison_allocator
+from helpers.grouped_matmul_cases import CASES, dense, dense_grads, inputs
 
 pytestmark = pytest.mark.gpu
 

@@ -5,7 +5,7 @@ Every mechanism: "ld_st" (pk's exchange kernel, xla_ffi/moe.cc), "ragged"
 the dense reference's values and gradients, outputs poisoned beforehand; the
 example and the benchmark run. One GPU is a world-size-1 expert axis; two
 GPUs (if present) a 2-rank one. Two processes sharing one GPU:
-tests/gpu_multiprocess_check.py. Skipped without GPUs.
+tests/scripts/gpu_multiprocess_check.py. Skipped without GPUs.
 """
 
 import pathlib
@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from pk_jax import runtime
 from conftest import gpus, rel_err
-from gpu_util import poison_allocator
+from helpers.gpu_util import poison_allocator
 from test_moe_cpu import _dense, _inputs, _kept_mask
 
 pytestmark = pytest.mark.gpu

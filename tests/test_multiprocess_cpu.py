@@ -1,6 +1,6 @@
 """pk_jax in a job of several processes, on CPU: 2 processes x 4 fake devices
 started by `python -m pk_jax.launch`, jax.distributed on 127.0.0.1 and XLA's
-CPU collectives over gloo (tests/multiprocess_worker.py does the checks in
+CPU collectives over gloo (tests/scripts/multiprocess_worker.py does the checks in
 each process).
 
 same_host: values of all_gather, the tensor-parallel MLP and ring attention
@@ -29,9 +29,9 @@ def _launch(scenario: str, out: pathlib.Path) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("XLA_FLAGS", None)  # the worker sets its own device count
+    worker = ROOT / "tests" / "scripts" / "multiprocess_worker.py"
     proc = subprocess.run([sys.executable, "-m", "pk_jax.launch", "-n", "2",
-                           "--gpus-per-process", "0", str(ROOT / "tests" / "multiprocess_worker.py"),
-                           scenario, str(out)],
+                           "--gpus-per-process", "0", str(worker), scenario, str(out)],
                           env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]

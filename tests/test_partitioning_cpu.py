@@ -21,7 +21,7 @@ import pk_jax
 import pk_jax._warnings as pk_warnings
 import pk_jax.flax  # the drop-ins (flax is optional, not imported by pk_jax)
 from conftest import cpu_mesh
-from flax_util import sharded_apply
+from helpers.flax_util import sharded_apply
 from pk_jax.partitioning import record_routes
 
 # Every test of this file runs on Auto and on Explicit meshes.

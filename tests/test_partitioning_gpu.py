@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 import pk_jax.flax  # the drop-ins (flax is optional, not imported by pk_jax)
 from conftest import gpu_mesh
-from flax_util import sharded_apply
+from helpers.flax_util import sharded_apply
 from pk_jax.partitioning import record_routes
 
 pytestmark = pytest.mark.gpu

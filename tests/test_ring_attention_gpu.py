@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from pk_jax import _warnings
 from conftest import gpu_mesh, rel_err
-from gpu_util import poison_allocator
+from helpers.gpu_util import poison_allocator
 
 pytestmark = pytest.mark.gpu
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from conftest import cpu_mesh, rel_err
-from tp_models import mlp_loss
+from helpers.tp_models import mlp_loss
 
 
 def _normal(rng, shape, dtype=jnp.float32):

@@ -16,9 +16,9 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from pk_jax import runtime
 from conftest import gpu_mesh, rel_err
-from gpu_chains import check_tp_chain
-from gpu_util import as_bits, poison_allocator
-from tp_models import mlp_loss
+from helpers.gpu_chains import check_tp_chain
+from helpers.gpu_util import as_bits, poison_allocator
+from helpers.tp_models import mlp_loss
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@
 #   flax   the Flax example's step time (GPU preset), pk against xla
 #   mp     two processes (one GPU each, or sharing one GPU): the runtime's IPC check
 #          (tests/native/ipc_pair_check.cu) and every op across processes
-#          (tests/gpu_multiprocess_check.py), ~2-4 min
+#          (tests/scripts/gpu_multiprocess_check.py), ~2-4 min
 #   gemm   (not in the default list) the GEMM's tile configurations and swizzles
 #          on one GPU against XLA's dot, ~3-4 min (tools/gemm_sweep.sh)
 # Logs land in $OUT (results JSON and RESULTS.md too: benchmarks/common.py), so a run
@@ -63,7 +63,7 @@ if stage mp; then
     && timeout 120 /tmp/ipc_pair_check $pair >> "$OUT/ipc_pair_check.log" 2>&1
   echo "ipc_pair_check ($pair): rc=$?"; tail -3 "$OUT/ipc_pair_check.log"
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m pk_jax.launch -n 2 \
-    --gpus-per-process 0 tests/gpu_multiprocess_check.py > "$OUT/multiprocess.log" 2>&1
+    --gpus-per-process 0 tests/scripts/gpu_multiprocess_check.py > "$OUT/multiprocess.log" 2>&1
   mp_rc=$?
   [ $mp_rc -ne 0 ] && test_rc=$mp_rc
   grep -E "^\[.\] (OK|FAILED)|Error|DONE" "$OUT/multiprocess.log" | tail -40

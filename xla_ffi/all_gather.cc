@@ -15,9 +15,6 @@ namespace ffi = xla::ffi;
 
 constexpr const char* kOp = "all_gather";
 
-// Values of the "mechanism" attribute (pk_jax/ops/all_gather_primitive.py: KERNEL_MECHANISMS).
-enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2, kLdStLl = 3 };
-
 // The byte a failed call's output is filled with (all_gather.h: poison):
 // all bits set, a quiet NaN in every IEEE float type (bf16, f16, f32, f64,
 // complex; e4m3fn, e4m3, e5m2, e3m4 and e8m0fnu too) and -1 / the maximum in
@@ -38,7 +35,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          int64_t rows, int64_t row_bytes, int32_t mechanism,
                          int32_t num_blocks) {
   // Only the copy engine stages data: n blocks of x (group_size is checked first).
-  const size_t needed = mechanism == kCopyEngine
+  const size_t needed = mechanism == all_gather::kCopyEngine
                             ? all_gather::copy_engine_bytes(int(channel.group_size), x.size_bytes())
                             : 0;
   ffi_common::GroupContext ctx;
@@ -47,9 +44,9 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       e.failure())
     return e;
   const ffi_common::Group& g = ctx.group;
-  if (mechanism == kLdStPull || mechanism == kLdStPush)
+  if (mechanism == all_gather::kLdStPull || mechanism == all_gather::kLdStPush)
     if (ffi::Error e = ffi_common::require_one_process(
-            kOp, g, mechanism == kLdStPush ? "ld_st_push" : "ld_st_pull");
+            kOp, g, mechanism == all_gather::kLdStPush ? "ld_st_push" : "ld_st_pull");
         e.failure())
       return e;
   uint64_t block = 0;  // rows * row_bytes, overflow-checked
@@ -77,17 +74,17 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
 
   if (x.size_bytes() == 0) return ffi::Error::Success();
   cudaError_t err;
-  if (mechanism == kCopyEngine) {
+  if (mechanism == all_gather::kCopyEngine) {
     err = all_gather::launch_copy_engine(p);
-  } else if (mechanism == kLdStLl) {
+  } else if (mechanism == all_gather::kLdStLl) {
     if (!all_gather::ll_supports(p))
       return ffi_common::invalid_argument(
           kOp, "mechanism 'ld_st_ll' takes up to " + std::to_string(kLlMaxBytes) +
                    " bytes per rank in whole 4-byte words, on one of the first " +
                    std::to_string(kLlChannels) + " channels");
     err = all_gather::launch_ll(p);
-  } else if (mechanism == kLdStPull || mechanism == kLdStPush) {
-    err = all_gather::launch_ld_st(p, mechanism == kLdStPush);
+  } else if (mechanism == all_gather::kLdStPull || mechanism == all_gather::kLdStPush) {
+    err = all_gather::launch_ld_st(p, mechanism == all_gather::kLdStPush);
   } else {
     return ffi_common::invalid_argument(kOp, "unknown mechanism id " + std::to_string(mechanism));
   }
@@ -107,7 +104,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<ffi_common::ChannelAttrs>("channel")   // group, slot, region, timeout
         .Attr<int64_t>("rows")                       // prod(shape[:axis])
         .Attr<int64_t>("row_bytes")                  // bytes per row and rank
-        .Attr<int32_t>("mechanism")                  // Mechanism
+        .Attr<int32_t>("mechanism")                  // all_gather::Mechanism
         .Attr<int32_t>("num_blocks"),                // ld/st grid cap, 0: one per SM
     {ffi::Traits::kCmdBufferCompatible});
 

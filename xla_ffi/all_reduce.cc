@@ -35,7 +35,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   // Everything is validated before the first enqueue.
   if (kind != all_reduce::kAllReduce && kind != all_reduce::kReduceScatter)
     return ffi_common::invalid_argument(op, "unknown kind " + std::to_string(kind));
-  if (mechanism != all_reduce::kLdStOneShot && mechanism != all_reduce::kTwoShot &&
+  if (mechanism != all_reduce::kOneShot && mechanism != all_reduce::kTwoShot &&
       mechanism != all_reduce::kCopyEngine)
     return ffi_common::invalid_argument(op, "unknown mechanism id " + std::to_string(mechanism));
   all_reduce::Elem elem;
@@ -73,7 +73,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
     return e;
   all_reduce::Params p;
   const size_t second = all_reduce::phase2_bytes(m, k, geo, elem);
-  if (second > 0 || (!scatter && m != all_reduce::kLdStOneShot)) {
+  if (second > 0 || (!scatter && m != all_reduce::kOneShot)) {
     if (channel2.group_size != n || channel2.slot == channel.slot)
       return ffi_common::invalid_argument(op, "the second channel does not match the first");
     ffi_common::GroupContext ctx2;

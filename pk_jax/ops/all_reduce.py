@@ -13,6 +13,7 @@ rank (two-shot) or by every rank with the same instructions (one-shot).
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import jax
@@ -24,7 +25,9 @@ from pk_jax._compat import make_varying, varying_axes
 from pk_jax._warnings import warn_once
 from pk_jax.ops.all_reduce_primitive import (KERNEL_MECHANISMS, AllReduceConfig, all_reduce_p)
 
-MECHANISMS = ("auto", "ld_st_oneshot", "two_shot", "copy_engine", "xla")
+MECHANISMS = ("auto", "one_shot", "two_shot", "copy_engine", "xla")
+# Earlier spellings, still accepted with a DeprecationWarning.
+DEPRECATED_MECHANISMS = {"ld_st_oneshot": "one_shot"}
 KERNEL_DTYPES = (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16), np.dtype(np.float32),
                  np.dtype(np.int32))
 
@@ -42,10 +45,17 @@ def _kernel_dtype(op: str, x: jax.Array, mechanism: str) -> bool:
     return False
 
 
-def _check_mechanism(op: str, mechanism) -> None:
+def _check_mechanism(op: str, mechanism) -> str:
+    """The mechanism's current spelling; ValueError for an unknown one."""
+    if isinstance(mechanism, str) and mechanism in DEPRECATED_MECHANISMS:
+        new = DEPRECATED_MECHANISMS[mechanism]
+        warnings.warn(f"pk_jax.{op}: mechanism {mechanism!r} is deprecated, use {new!r}",
+                      DeprecationWarning, stacklevel=3)
+        return new
     if mechanism not in MECHANISMS:
         raise ValueError(f"pk_jax.{op}: mechanism must be one of {MECHANISMS}, got "
                          f"{mechanism!r}")
+    return mechanism
 
 
 def _bind(x, cfg_kwargs: dict, mechanism: str, per_rank_bytes: int, names, kind: str):
@@ -82,19 +92,20 @@ def all_reduce(x: jax.Array, axis_name: str | Sequence[str], *,
         `PkJaxFallbackWarning` (where a kernel could have run).
       axis_name: mesh axis name, or tuple of names, to sum over.
       mechanism: "auto" (pk_jax/tuning.py; provisional until measured:
-        "ld_st_oneshot" up to 256 KiB per rank, "two_shot" above);
-        "ld_st_oneshot" (an SM kernel stores x into every peer's workspace,
+        "one_shot" up to 256 KiB per rank, "two_shot" above);
+        "one_shot" (an SM kernel stores x into every peer's workspace,
         each rank reduces all n blocks: one exchange, n x the bytes);
         "two_shot" (reduce-scatter into the owner of each 1/n chunk, then
         all-gather of the reduced chunks; ld/st pushes); "copy_engine" (the
         two-shot schedule with copy-engine pushes, a reduction kernel only);
-        or "xla" (lax.psum).
+        or "xla" (lax.psum). "ld_st_oneshot", the earlier name of
+        "one_shot", still works with a DeprecationWarning.
 
     Returns:
       The sum, of x's shape and dtype, identical on every device of the group
       (a pytree of arrays gives the pytree of their sums, as lax.psum).
     """
-    _check_mechanism("all_reduce", mechanism)
+    mechanism = _check_mechanism("all_reduce", mechanism)
     names = groups.axis_names(axis_name)
     return jax.tree.map(lambda leaf: _all_reduce_leaf(leaf, names, mechanism), x)
 
@@ -124,16 +135,17 @@ def reduce_scatter(x: jax.Array, axis_name: str | Sequence[str], *, scatter_dime
         of n); False: its size must be n and it is removed. (Note: the
         default differs from lax.psum_scatter's tiled=False: the tiled form
         is what tensor-parallel layers use.)
-      mechanism: "auto" (provisional: "two_shot"), "ld_st_oneshot" or
+      mechanism: "auto" (provisional: "two_shot"), "one_shot" or
         "two_shot" (both: an SM kernel stores chunk q into rank q's
         workspace, rank q reduces its chunk), "copy_engine" (the copy
-        engines push the chunks), or "xla" (lax.psum_scatter).
+        engines push the chunks), or "xla" (lax.psum_scatter);
+        "ld_st_oneshot" as in all_reduce.
 
     Returns:
       This device's chunk of the sum (a pytree of arrays: the pytree of
       their chunks).
     """
-    _check_mechanism("reduce_scatter", mechanism)
+    mechanism = _check_mechanism("reduce_scatter", mechanism)
     names = groups.axis_names(axis_name)
     return jax.tree.map(
         lambda leaf: _reduce_scatter_leaf(leaf, names, scatter_dimension, tiled, mechanism), x)

@@ -25,7 +25,7 @@ from pk_jax.ops.all_gather import all_gather
 
 # The kernel mechanisms and their ids in the FFI attribute `mechanism`
 # (csrc/kernels/all_reduce/all_reduce.h: Mechanism).
-KERNEL_MECHANISMS = {"ld_st_oneshot": 0, "two_shot": 1, "copy_engine": 2}
+KERNEL_MECHANISMS = {"one_shot": 0, "two_shot": 1, "copy_engine": 2}
 # FFI attribute `kind` (all_reduce.h: Kind).
 KINDS = {"all_reduce": 0, "reduce_scatter": 1}
 # Staged chunks start on 16-byte boundaries (all_reduce.h: Geometry).
@@ -78,7 +78,7 @@ def geometry(cfg: AllReduceConfig, shape: tuple[int, ...], itemsize: int) -> tup
 def staged_bytes(cfg: AllReduceConfig, shape, itemsize: int) -> tuple[int, int]:
     """Bytes of region of each phase (all_reduce.h: phase1_bytes, phase2_bytes)."""
     rows, stride, chunk = geometry(cfg, shape, itemsize)
-    if cfg.kind == "all_reduce" and cfg.mechanism == "ld_st_oneshot":
+    if cfg.kind == "all_reduce" and cfg.mechanism == "one_shot":
         return cfg.n * -(-rows * stride * itemsize // 16) * 16, 0  # slots of 16-byte multiples
     second = cfg.n * chunk * itemsize if cfg.kind == "all_reduce" else 0
     return cfg.n * rows * chunk * itemsize, second
@@ -147,7 +147,7 @@ def _cuda_lowering(ctx, x, *, cfg: AllReduceConfig):
     rows, stride, chunk = geometry(cfg, x_aval.shape, itemsize)
     first, second = staged_bytes(cfg, x_aval.shape, itemsize)
     attr = channel_attr(table, cfg.kind, (cfg.mechanism, "phase1"), first)["channel"]
-    two_phases = cfg.kind == "all_reduce" and cfg.mechanism != "ld_st_oneshot"
+    two_phases = cfg.kind == "all_reduce" and cfg.mechanism != "one_shot"
     attr2 = (channel_attr(table, cfg.kind, (cfg.mechanism, "phase2"), second)["channel"]
              if two_phases else attr)
     return jax.ffi.ffi_lowering("pk_all_reduce")(

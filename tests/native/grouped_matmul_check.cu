@@ -10,8 +10,8 @@
 //   C=<nvidia-cutlass's cutlass_library/source>; nvcc -std=c++17 -O3 -DNDEBUG
 //     -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DPK_HAVE_CUTLASS
 //     -I csrc -I . -isystem $C/include -isystem $C/tools/util/include
-//     tests/native/grouped_matmul_check.cu csrc/kernels/grouped_matmul/grouped_bf16_*.cu
-//     -o /tmp/grouped_matmul_check && /tmp/grouped_matmul_check
+//     tests/native/grouped_matmul_check.cu
+//     csrc/kernels/grouped_matmul/instantiations/grouped_bf16_*.cu -o /tmp/grouped_matmul_check && /tmp/grouped_matmul_check
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

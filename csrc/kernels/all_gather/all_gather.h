@@ -15,6 +15,10 @@
 
 namespace pk::all_gather {
 
+// Values of the FFI attribute "mechanism" (pk_jax/ops/all_gather_primitive.py:
+// KERNEL_MECHANISMS).
+enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2, kLdStLl = 3 };
+
 struct Params {
   const void* src = nullptr;   // this rank's input (XLA buffer)
   void* dst = nullptr;         // this rank's output (XLA buffer)

@@ -2,7 +2,7 @@
 // caller's stream, rank r of n, epoch e of each channel (all_reduce.h has the
 // layout and the summation order).
 //
-// One-shot (kLdStOneShot, all_reduce): one kernel, one_shot.cu.
+// One-shot (kOneShot, all_reduce): one kernel, one_shot.cu.
 // Two-shot (kTwoShot: SM pushes, kCopyEngine: copy-engine pushes):
 //   phase 1, channel 1, region: n packed chunk slots. wait_credit; push
 //     chunk q of x into slot r of peer q's region, for every peer q; post;
@@ -27,7 +27,7 @@ namespace pk::all_reduce {
 
 namespace {
 
-bool one_shot(Mechanism m, Kind k) { return m == kLdStOneShot && k == kAllReduce; }
+bool one_shot(Mechanism m, Kind k) { return m == kOneShot && k == kAllReduce; }
 
 const char* at(const void* base, uint64_t elems, size_t esize) {
   return static_cast<const char*>(base) + elems * esize;

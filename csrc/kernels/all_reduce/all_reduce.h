@@ -36,7 +36,7 @@ inline size_t elem_bytes(Elem t) { return t == Elem::kF32 || t == Elem::kS32 ? 4
 
 // Values of the FFI attribute "mechanism" (pk_jax/ops/all_reduce_primitive.py).
 enum Mechanism : int32_t {
-  kLdStOneShot = 0,  // every rank pushes x into every peer's region, each reduces all of it
+  kOneShot = 0,  // every rank pushes x into every peer's region, each reduces all of it
   kTwoShot = 1,      // ld/st pushes: reduce-scatter into the owners, then all-gather
   kCopyEngine = 2,   // the same two phases with copy-engine pushes
 };

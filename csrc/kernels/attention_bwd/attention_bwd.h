@@ -76,7 +76,8 @@ cudaError_t run(const Params& p);
 cudaError_t load_kernels();
 
 // The instantiations (kernels/common/variants.h): one per (element type,
-// head dim), bwd_<type>_d<D>.cu; defined in attention_bwd_sm90.cuh.
+// head dim), instantiations/bwd_<type>_d<D>.cu; defined in
+// attention_bwd_sm90.cuh.
 struct VariantKey {
   DType dtype;
   int head_dim;

@@ -13,8 +13,10 @@
 //       };
 //     check() lets a host sequence refuse a call before it enqueues anything
 //     (a sequence that stopped halfway would leave the peers' protocol behind).
-//   * One file per instantiation (they compile in parallel) holds one
-//     explicit instantiation: template struct pk::op::XVariant<...>;
+//   * One file per instantiation (they compile in parallel), in the op's
+//     instantiations/ folder, holds one explicit instantiation:
+//     template struct pk::op::XVariant<...>; (CMakeLists.txt leaves that
+//     folder out of a build without CUTLASS)
 //   * The op's host file names every instantiation once, in a Built list
 //     (a Variants list where the build has CUTLASS, an empty one where not):
 //     launch() runs the one whose key equals the runtime key, load() loads
@@ -63,7 +65,7 @@ using Built = Variants<Vs...>;
 #else
 inline constexpr bool kHaveCutlass = false;
 template <class... Vs>
-using Built = Variants<>;  // the instantiations' files compile to nothing
+using Built = Variants<>;  // the instantiations' files are not built
 #endif
 
 }  // namespace pk::variants

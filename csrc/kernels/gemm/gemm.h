@@ -93,8 +93,8 @@ cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream);
 cudaError_t check(const Problem& p, const Device& dev);
 
 // The instantiations (kernels/common/variants.h): one per (input type, output
-// type, B layout, A layout), gemm_<in>_<out>[_bt|_at].cu; defined in
-// gemm_sm90.cuh.
+// type, B layout, A layout), instantiations/gemm_<in>_<out>[_bt|_at].cu;
+// defined in gemm_sm90.cuh.
 struct VariantKey {
   DType in, out;
   bool b_transposed;

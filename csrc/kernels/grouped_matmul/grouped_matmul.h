@@ -71,7 +71,7 @@ cudaError_t load_kernels();
 cudaError_t run(const Params& p);
 
 // The instantiations, one per (type, kind, output type):
-// grouped_<type>_<kind>[_f32].cu.
+// instantiations/grouped_<type>_<kind>[_f32].cu.
 struct VariantKey {
   DType type;
   Kind kind;

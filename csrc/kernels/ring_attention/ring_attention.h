@@ -106,7 +106,8 @@ struct PushArgs {
   bool skip_post = false;
 };
 
-// The attention kernel alone (the instantiations, attention_<type>_d<D>*.cu).
+// The attention kernel alone (the instantiations,
+// instantiations/attention_<type>_d<D>*.cu).
 struct KernelArgs {
   const Params* p;
   const void* k_peers;
@@ -114,8 +115,8 @@ struct KernelArgs {
   PushArgs push;  // ld_st only
 };
 // The instantiations (kernels/common/variants.h): one per (element type,
-// head dim, mechanism), attention_<type>_d<D>[_ld_st].cu; defined in
-// attention_sm90.cuh.
+// head dim, mechanism), instantiations/attention_<type>_d<D>[_ld_st].cu;
+// defined in attention_sm90.cuh.
 struct VariantKey {
   DType dtype;
   int head_dim;

@@ -2,7 +2,7 @@
 (pk_ring_attention_bwd) on a ring of n ranks, e.g. four processes sharing
 one GPU:
 
-    python -m pk_jax.launch -n 4 --gpus-per-process 0 tests/gpu_ring_bwd_check.py
+    python -m pk_jax.launch -n 4 --gpus-per-process 0 tests/scripts/gpu_ring_bwd_check.py
 
 With n = 4 the ring has 3 steps, so the two K/V slots and the partial slot
 of the staging region are reused within a call under the per-slot credits
@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import glob
 import os
+import pathlib
+import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: helpers
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes may share a GPU
 
 import jax  # noqa: E402
@@ -30,7 +33,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
 from pk_jax import runtime  # noqa: E402
-from multiprocess_util import check, rel, ring_inputs, ring_vjp  # noqa: E402
+from helpers.multiprocess_util import check, rel, ring_inputs, ring_vjp  # noqa: E402
 
 
 def main() -> None:

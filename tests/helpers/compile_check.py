@@ -25,7 +25,7 @@ import sys
 import sysconfig
 import threading
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TEST_NAME = "test_extension_compiles"
 
 

@@ -4,15 +4,20 @@ where XLA puts even a single custom call into a CUDA graph: each new call then
 re-traces our handler and updates the instantiated graph in place, which CUDA
 allows for a limited set of node changes (pk/copy_rows.h)."""
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from jax import lax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+import pathlib
+import sys
 
-import pk_jax
-from conftest import gpu_mesh, rel_err  # the script runs from tests/ (sys.path[0])
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: helpers, conftest
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import pk_jax  # noqa: E402
+from conftest import gpu_mesh, rel_err  # noqa: E402
 
 CALLS = 3
 SEQ = P(None, "sp")
@@ -139,9 +144,9 @@ if __name__ == "__main__":
               ("tp matmuls", lambda: check_tp(mesh)),
               ("matmul_all_reduce chunked", lambda: check_matmul_all_reduce(mesh, "chunked")),
               ("matmul_all_reduce one_shot", lambda: check_matmul_all_reduce(mesh, "one_shot"))]
-    from all_reduce_checks import check_fresh_buffers
+    from helpers.all_reduce_checks import check_fresh_buffers
     checks += [(f"all_reduce {m}", lambda m=m: check_fresh_buffers(mesh, m))
-               for m in ("ld_st_oneshot", "two_shot", "copy_engine")]
+               for m in ("one_shot", "two_shot", "copy_engine")]
     failed = []
     for name, run in checks:
         try:

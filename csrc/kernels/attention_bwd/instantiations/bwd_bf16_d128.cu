@@ -1,6 +1,4 @@
 // Instantiation: block backward, bf16 inputs, head dim 128.
-#ifdef PK_HAVE_CUTLASS
 #include "kernels/attention_bwd/attention_bwd_sm90.cuh"
 
 template struct pk::attention_bwd::Variant<pk::attention_bwd::DType::kBF16, 128>;
-#endif

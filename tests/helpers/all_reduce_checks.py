@@ -3,14 +3,11 @@
 for 16-bit floats, one rounding: what the kernels promise bit for bit) and
 the checks run by every process of a multi-process job.
 
-Run alone: `python -m pk_jax.launch -n 2 --gpus-per-process 0
-tests/all_reduce_checks.py` (prints one line per check, then
-ALL_REDUCE_CHECKS_DONE; exits non-zero on the first failure).
+Run alone across two processes: tests/scripts/gpu_all_reduce_check.py.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 
 import jax
@@ -20,10 +17,10 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from multiprocess_util import check, local, peer_never_posts, two_process_setup
+from helpers.multiprocess_util import peer_never_posts
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32)
-MECHANISMS = ("ld_st_oneshot", "two_shot", "copy_engine", "auto")
+MECHANISMS = ("one_shot", "two_shot", "copy_engine", "auto")
 
 
 def random_operand(rng, shape, dtype) -> np.ndarray:
@@ -87,7 +84,7 @@ def run_multiprocess_checks(mesh, put, sm, local, check, rng) -> None:
                           f"processes, bit for bit (rank {rank})")
 
     # 1000 dependent calls in one program (fori_loop), then a scan of both ops.
-    for mechanism in ("ld_st_oneshot", "two_shot"):
+    for mechanism in ("one_shot", "two_shot"):
         shards = [rng.integers(0, 1000, size=(64,), dtype=np.int32) for _ in range(n)]
 
         def chain(a, m=mechanism):
@@ -163,20 +160,3 @@ def check_fresh_buffers(mesh, mechanism: str, calls: int = 3) -> None:
         assert np.array_equal(bits(part), bits(want_part)), f"reduce_scatter {mechanism}, call {i}"
     pk_jax.check_errors()
 
-
-def main() -> None:
-    mesh, put, sm = two_process_setup()
-    run_multiprocess_checks(mesh, put, sm, local, check, np.random.default_rng(4321))
-    print("ALL_REDUCE_CHECKS_DONE", flush=True)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] == ["graphs"]:  # run with XLA_FLAGS=--xla_gpu_graph_min_graph_size=1
-        from jax.sharding import AxisType, Mesh
-        mesh = Mesh(np.array(jax.devices()[:2]), ("x",), axis_types=(AxisType.Auto,))
-        for m in ("ld_st_oneshot", "two_shot", "copy_engine"):
-            check_fresh_buffers(mesh, m)
-            print(f"OK fresh buffers {m} on {mesh.devices.size} GPU(s)", flush=True)
-        print("GRAPHS_OK", flush=True)
-    else:
-        main()

@@ -2,7 +2,7 @@
 through `python -m pk_jax.launch -n 2`): 4 fake CPU devices each, XLA's CPU
 collectives over gloo, jax.distributed on 127.0.0.1.
 
-    python tests/multiprocess_worker.py {same_host,two_hosts} OUT_DIR
+    python tests/scripts/multiprocess_worker.py {same_host,two_hosts} OUT_DIR
 
 same_host: the ops' values across processes (the reference path); the CUDA
 lowering (with a stand-in for the native extension) of programs lowered in

@@ -1,5 +1,6 @@
 """Dependent chains of every pk_jax op, checked against XLA: run inside the
-GPU test process and again in a subprocess with XLA command buffers off."""
+GPU test process and again in a subprocess with XLA command buffers off
+(tests/scripts/gpu_chains_check.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -60,13 +61,3 @@ def check_tp_chain(mesh, steps=20):
     assert np.isfinite(ours) and ours <= 1.5 * xla + 1e-2, f"{ours=} {xla=}"
     pk_jax.check_errors()
 
-
-if __name__ == "__main__":  # the command-buffers-off run (tests/test_all_gather_gpu.py)
-    import sys
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from conftest import gpu_mesh
-    mesh = gpu_mesh(2)
-    for mech in ("ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine"):
-        check_all_gather_chain(mesh, mech, 200)
-    check_tp_chain(mesh)
-    print("SUBPROCESS_OK")

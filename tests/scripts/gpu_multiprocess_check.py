@@ -15,7 +15,10 @@ line per check; exits non-zero on the first failure.
 from __future__ import annotations
 
 import os
+import pathlib
+import sys
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: helpers
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # processes may share a GPU
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
@@ -26,9 +29,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
 from pk_jax import runtime  # noqa: E402
-from all_reduce_checks import run_multiprocess_checks  # noqa: E402
-from multiprocess_util import (check, local, peer_never_posts, rel, ring_inputs,  # noqa: E402
-                               ring_vjp, two_process_setup)
+from helpers.all_reduce_checks import run_multiprocess_checks  # noqa: E402
+from helpers.multiprocess_util import (check, local, peer_never_posts, rel,  # noqa: E402
+                                       ring_inputs, ring_vjp, two_process_setup)
 
 
 def main() -> None:
