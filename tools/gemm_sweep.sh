@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Tile configurations and swizzles of the sm90 GEMM (tools/gemm_sweep) on one
-# GPU, then XLA's dot (cuBLAS) at the same shapes in the same call, to pick
-# the GEMM's tiles per shape. Needs nvcc and the nvidia-cutlass headers (on the
+# Tile configurations and swizzles of the sm90 GEMMs, bf16 and FP8 (tools/gemm_sweep),
+# on one GPU, then XLA's dot (cuBLAS) at the same shapes in the same call, to pick
+# the GEMMs' tiles per shape. Needs nvcc and the nvidia-cutlass headers (on the
 # GPU machine: after tools/gpu_check.sh, which installs them into /tmp/site).
 # Usage: tools/gemm_sweep.sh [M,N,K ...]; output in $OUT/gemm_sweep.log.
+# PK_SWEEP_BIN=path runs a binary built earlier (tools/gemm_sweep.sh build-only:
+# PK_SWEEP_BUILD_ONLY=1 leaves it in $PK_SWEEP_OUT_BIN) instead of building.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pk_out}; mkdir -p "$OUT"
@@ -12,26 +14,30 @@ print(os.path.join(s.submodule_search_locations[0], 'source'))")
 B=$(mktemp -d)
 flags=(-std=c++17 -O3 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr
        -DPK_HAVE_CUTLASS -Icsrc -I. -isystem "$C/include" -isystem "$C/tools/util/include")
-t0=$(date +%s)
-pids=()
-for i in 0 1 2 3 4 5; do  # one translation unit per configuration, in parallel
-  nvcc "${flags[@]}" -DPK_SWEEP_INDEX=$i -c tools/gemm_sweep/config.cu -o "$B/config_$i.o" &
-  pids+=($!)
-done
-nvcc "${flags[@]}" -c tools/gemm_sweep/main.cu -o "$B/main.o"
-for p in "${pids[@]}"; do wait "$p"; done
-nvcc -gencode=arch=compute_90a,code=sm_90a "$B"/*.o -o "$B/gemm_sweep"
-echo "gemm_sweep built in $(( $(date +%s) - t0 )) s"
-"$B/gemm_sweep" "$@" | tee "$OUT/gemm_sweep.log"
+BIN=${PK_SWEEP_BIN:-}
+if [ -z "$BIN" ]; then
+  t0=$(date +%s)
+  configs=$(grep -c '^    Entry<' tools/gemm_sweep/config.cu)
+  # one translation unit per configuration, $(nproc) at a time
+  seq 0 $((configs - 1)) | xargs -P "$(nproc)" -I{} \
+    nvcc "${flags[@]}" -DPK_SWEEP_INDEX={} -c tools/gemm_sweep/config.cu -o "$B/config_{}.o"
+  nvcc "${flags[@]}" -c tools/gemm_sweep/main.cu -o "$B/main.o"
+  BIN="$B/gemm_sweep"
+  nvcc -gencode=arch=compute_90a,code=sm_90a "$B"/*.o -o "$BIN"
+  echo "gemm_sweep built in $(( $(date +%s) - t0 )) s"
+  if [ -n "${PK_SWEEP_BUILD_ONLY:-}" ]; then cp "$BIN" "${PK_SWEEP_OUT_BIN:-gemm_sweep}"; exit 0; fi
+fi
+"$BIN" "$@" | tee "$OUT/gemm_sweep.log"
 # XLA's dot at the same shapes (the same timing loop as benchmarks/common.py).
 python3 - "$@" <<'PY' | tee -a "$OUT/gemm_sweep.log"
 import sys
 sys.path.insert(0, "benchmarks")
 import jax, jax.numpy as jnp
 from common import time_ms
-shapes = [tuple(map(int, a.split(","))) for a in sys.argv[1:]] or [
-    (8192, 8192, 8192), (4096, 8192, 8192), (2048, 4096, 4096), (8192, 14336, 8192),
-    (8192, 8192, 14336)]
+shapes = [tuple(map(int, a.split(","))) for a in sys.argv[1:]] or [  # main.cu's M, N, K
+    (8192, 8192, 8192), (4096, 4096, 4096), (8192, 14336, 4096), (8192, 4096, 14336),
+    (8192, 6144, 4096), (8192, 28672, 8192), (8192, 8192, 28672), (8192, 3584, 8192),
+    (8192, 8192, 3584), (8192, 18432, 7168), (2048, 14336, 4096)]
 dot = jax.jit(lambda a, b: a @ b)
 for m, n, k in shapes:
     ka, kb = jax.random.split(jax.random.key(m + n + k))

@@ -61,7 +61,7 @@ struct Sm90Fp8Kernel {
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Tiles::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
-                                                      Epilogue, cutlass::gemm::PersistentScheduler>;
+                                                      Epilogue, typename Tiles::Scheduler>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
@@ -70,19 +70,23 @@ struct Sm90Fp8Kernel {
 };
 
 // Per-tensor factors: the epilogue's scale_a * scale_b * acc + beta * C.
-template <typename A, typename B, typename Out>
+template <typename A, typename B>
+using Fp8TensorSchedule =
+    std::conditional_t<kFastAccum<A, B>,
+                       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
+                       cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+
+template <typename A, typename B, typename Out,
+          class Tiles = Fp8TensorTiles<Fp8TensorSchedule<A, B>>>
 struct Sm90Fp8TensorGemm {
-  using Schedule =
-      std::conditional_t<kFastAccum<A, B>,
-                         cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
-                         cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using Fusion = cutlass::epilogue::fusion::ScaledLinCombPerRowBiasEltAct<
       cutlass::epilogue::thread::Identity, Out, float, Out, Out, float>;
-  using K = Sm90Fp8Kernel<A, B, Out, Fp8TensorTiles<Schedule>, Fusion, cutlass::layout::RowMajor,
+  using K = Sm90Fp8Kernel<A, B, Out, Tiles, Fusion, cutlass::layout::RowMajor,
                           cutlass::layout::ColumnMajor>;
   using Adapter = typename K::Adapter;
 
-  static typename Adapter::Arguments arguments(const Problem& p, const Device& dev) {
+  static typename Adapter::Arguments arguments(const Problem& p, const Device& dev,
+                                               int swizzle = 1) {
     const int m = int(p.m), n = int(p.n), k = int(p.k);
     auto* d = static_cast<Out*>(p.d);
     auto* c = p.c ? static_cast<const Out*>(p.c) : d;  // beta = 0: C is not read
@@ -100,12 +104,13 @@ struct Sm90Fp8TensorGemm {
     f.scale_a_ptr = p.scale_a;
     f.scale_b_ptr = p.scale_b;
     f.bias_ptr = nullptr;
+    args.scheduler.max_swizzle_size = swizzle;
     return args;
   }
 };
 
 // Block factors (DeepSeek-V3): A per 1x128, B per 128x128 or (kBRowBlocks) 1x128.
-template <typename A, typename B, typename Out, bool kBRowBlocks>
+template <typename A, typename B, typename Out, bool kBRowBlocks, class Tiles = Fp8BlockTiles>
 struct Sm90Fp8BlockGemm {
   // Granularity (M, N, K) of one factor; both stored MN-major (M or N
   // contiguous): A's as [k / 128, m], B's as [k / 128, n / 128] (or [k / 128, n]).
@@ -113,12 +118,13 @@ struct Sm90Fp8BlockGemm {
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using Fusion = cutlass::epilogue::fusion::LinearCombination<Out, float, Out, float>;
-  using K = Sm90Fp8Kernel<A, B, Out, Fp8BlockTiles, Fusion,
+  using K = Sm90Fp8Kernel<A, B, Out, Tiles, Fusion,
                           cute::tuple<cutlass::layout::RowMajor, LayoutSFA>,
                           cute::tuple<cutlass::layout::ColumnMajor, LayoutSFB>>;
   using Adapter = typename K::Adapter;
 
-  static typename Adapter::Arguments arguments(const Problem& p, const Device& dev) {
+  static typename Adapter::Arguments arguments(const Problem& p, const Device& dev,
+                                               int swizzle = 1) {
     const int m = int(p.m), n = int(p.n), k = int(p.k);
     auto* d = static_cast<Out*>(p.d);
     auto* c = p.c ? static_cast<const Out*>(p.c) : d;
@@ -134,6 +140,7 @@ struct Sm90Fp8BlockGemm {
          cutlass::make_cute_packed_stride(typename K::StrideC{}, {m, n, 1}), d,
          cutlass::make_cute_packed_stride(typename K::StrideD{}, {m, n, 1})},
         cutlass::KernelHardwareInfo{dev.ordinal, dev.sm_count}};
+    args.scheduler.max_swizzle_size = swizzle;
     return args;
   }
 };

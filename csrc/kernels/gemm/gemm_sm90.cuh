@@ -28,15 +28,18 @@
 
 namespace pk::gemm {
 
-// One tile configuration: CTA tile, cluster, and the kernel schedule with its
+// One tile configuration: CTA tile, cluster, the kernel schedule with its
 // matching epilogue schedule (cooperative: two consumer warpgroups share a
-// tile; ping-pong: each has its own).
-template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_>
+// tile; ping-pong: each has its own) and the tile scheduler (persistent
+// data-parallel, or stream-K: K split across CTAs where tiles are few).
+template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_,
+          class Scheduler_ = cutlass::gemm::PersistentScheduler>
 struct Sm90Tiles {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using KernelSchedule = KernelSchedule_;
   using EpilogueSchedule = EpilogueSchedule_;
+  using Scheduler = Scheduler_;
 };
 
 // What the ops run: 128x256 output tiles (two consumer warpgroups of 64x256
@@ -96,7 +99,7 @@ struct Sm90Gemm {
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       typename Tiles::KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
-                                                      Epilogue, cutlass::gemm::PersistentScheduler>;
+                                                      Epilogue, typename Tiles::Scheduler>;
   using Adapter = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   // swizzle: the persistent scheduler's tile swizzle (1, 2, 4 or 8 tiles

@@ -1,0 +1,293 @@
+"""One GPU: the compute kernels inside pk_jax's fused ops against the kernels
+a user runs without pk_jax, in the same run, in interleaved rounds (clock
+drift under sustained load moves every implementation alike).
+
+Sections (--only):
+  attention  pk's ring_attention at world size 1 (its fused kernel) against
+             cuDNN (jax.nn.dot_product_attention(implementation="cudnn")) and
+             tokamax 0.0.17 (implementation="mosaic", Mosaic GPU; "triton"
+             where it runs): forward, and forward + backward (value_and_grad).
+             TFLOP/s count 4 B S^2 H D (x0.5 causal, x3.5 forward + backward).
+  gemm       pk's CUTLASS GEMM (all_gather_matmul at world size 1, and its
+             backward: dx and dw in one call) against XLA's dot (cuBLAS).
+  fp8        pk's scaled FP8 GEMM (pk_jax.fp8_matmul: e4m3 per-tensor factors,
+             and 1x128 / 128x128 block factors) against XLA's dot on the same
+             FP8 operands with their factors (cuBLASLt FP8, "xla_fp8") and
+             XLA's bf16 dot ("xla_bf16").
+Every pk result is checked against its baseline's before timing (a mismatch
+is an error). tokamax is optional (pip install '.[bench]'): without it its
+rows are skipped with a message. Results: results/kernels.json (one row per
+implementation: op, shape fields, implementation, median_ms, tflops,
+best_other, best_other_ms) and RESULTS.md's kernels section.
+
+Usage: python benchmarks/kernels.py [--only attention,gemm,fp8] [--quick]
+       [--rounds N] [--smoke]  (--smoke: tiny shapes, nothing written)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from common import interleaved_ms, markdown_table, one_axis_mesh, write_results
+
+SECTIONS = ("attention", "gemm", "fp8")
+
+# (batch, seq, q heads, kv heads, head dim, causal, dtype)
+ATTENTION_CASES = [
+    (1, 8192, 16, 16, 128, False, "bfloat16"),
+    (1, 8192, 16, 16, 128, True, "bfloat16"),
+    (1, 16384, 16, 16, 64, True, "bfloat16"),
+    (1, 32768, 8, 8, 128, True, "bfloat16"),
+    (1, 8192, 32, 8, 128, True, "bfloat16"),   # GQA, group 4
+    (4, 4096, 16, 16, 128, True, "bfloat16"),
+    (1, 8192, 16, 16, 128, True, "float16"),
+    (1, 8192, 8, 8, 256, True, "bfloat16"),    # head dim 256
+]
+# (M, N, K): 8192^3 and 4096^3, then M = 8192 tokens through the MLP and QKV
+# projections of Llama-3 8B (hidden 4096, ffn 14336, qkv 6144) and 70B (8192,
+# 28672, 10240), a 70B MLP's per-rank shapes at 8-way TP, DeepSeek-V3's dense
+# MLP (7168, 18432), Qwen2.5-72B's (8192, 29568), and fewer / more tokens.
+GEMM_SHAPES = [
+    (8192, 8192, 8192), (4096, 4096, 4096),
+    (8192, 14336, 4096), (8192, 4096, 14336), (8192, 6144, 4096),
+    (8192, 28672, 8192), (8192, 8192, 28672), (8192, 10240, 8192),
+    (8192, 3584, 8192), (8192, 8192, 3584),
+    (8192, 18432, 7168), (8192, 7168, 18432), (8192, 29568, 8192),
+    (2048, 14336, 4096), (32768, 4096, 14336),
+]
+SMOKE_ATTENTION = [(1, 256, 2, 2, 64, True, "bfloat16")]
+SMOKE_GEMM = [(256, 256, 256)]
+HEADER = ["op", "case", "impl", "ms", "TFLOP/s", "best other", "pk vs best other"]
+
+
+def _tokamax():
+    try:
+        import tokamax
+        return tokamax
+    except Exception as e:  # noqa: BLE001 - optional dependency: any import failure skips
+        print(f"-- tokamax unavailable ({type(e).__name__}: {e}): its rows are skipped",
+              flush=True)
+        return None
+
+
+class Table:
+    """Rows for results/kernels.json and the markdown table."""
+
+    def __init__(self):
+        self.rows: list[dict[str, Any]] = []
+        self.md: list[list[Any]] = []
+
+    def add(self, op: str, case: str, fields: dict, times: dict[str, float], flops: float):
+        for name, ms in times.items():
+            others = {k: v for k, v in times.items() if not k.startswith("pk")}
+            best_name = min(others, key=others.get) if others else None
+            best = others.get(best_name)
+            row = {"op": op, **fields, "implementation": name, "median_ms": ms,
+                   "tflops": flops / (ms * 1e-3) / 1e12, "best_other": best_name,
+                   "best_other_ms": best}
+            self.rows.append(row)
+            ratio = f"{best / ms:.3f}x" if name.startswith("pk") and best else "-"
+            self.md.append([op, case, name, f"{ms:.3f}", f"{row['tflops']:.0f}",
+                            best_name or "-", ratio])
+        print(markdown_table(HEADER, self.md[-len(times):]), flush=True)
+
+
+def _time(fns: dict[str, Callable[[], Any]], rounds: int, smoke: bool) -> dict[str, float]:
+    if smoke:
+        runs = interleaved_ms(fns, rounds=1, calls=2, batches=1)
+    else:
+        runs = interleaved_ms(fns, rounds=rounds, calls=10, batches=3)
+    return {name: float(np.median(t)) for name, t in runs.items()}
+
+
+def _close(name: str, got, want, tol: float) -> None:
+    """Relative Frobenius error of `got` against `want`, or an error."""
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    if not np.isfinite(err) or err > tol:
+        raise AssertionError(f"{name}: relative error {err:.2e} > {tol:.0e}")
+
+
+# --- attention ----------------------------------------------------------------
+
+def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
+    mesh = one_axis_mesh(jax.devices()[:1], "sp")
+    spec = P(None, "sp")
+    for b, s, h, hkv, d, causal, dtype in cases:
+        keys = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), 4)
+        q = jax.random.normal(keys[0], (b, s, h, d), dtype)
+        k = jax.random.normal(keys[1], (b, s, hkv, d), dtype)
+        v = jax.random.normal(keys[2], (b, s, hkv, d), dtype)
+        do = jax.random.normal(keys[3], (b, s, h, d), dtype)
+        impls: dict[str, Callable] = {
+            "pk": jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp",
+                                                                      causal=causal),
+                                mesh=mesh, in_specs=(spec,) * 3, out_specs=spec),
+            "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
+                q, k, v, is_causal=causal, implementation="cudnn"),
+        }
+        if tokamax is not None:
+            for impl in ("mosaic", "triton"):
+                impls[f"tokamax_{impl}"] = (lambda q, k, v, impl=impl:
+                                            tokamax.dot_product_attention(
+                                                q, k, v, is_causal=causal,
+                                                implementation=impl))
+        case = f"b{b} s{s} h{h}/{hkv} d{d} {'causal' if causal else 'full'} {dtype}"
+        fields = {"batch": b, "seq": s, "heads": h, "kv_heads": hkv, "head_dim": d,
+                  "causal": causal, "dtype": dtype}
+        flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0)
+        for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
+            fns, outs = {}, {}
+            for name, f in impls.items():
+                if mode == "fwd":
+                    g = jax.jit(f)
+                else:
+                    g = jax.jit(jax.grad(lambda q, k, v, f=f: jnp.sum(
+                        f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)), (0, 1, 2)))
+                try:
+                    outs[name] = jax.block_until_ready(g(q, k, v))
+                except Exception as e:  # noqa: BLE001 - a baseline that does not take the case
+                    if name == "pk":
+                        raise
+                    print(f"-- {name} {mode} {case}: not run ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160]})", flush=True)
+                    continue
+                fns[name] = lambda g=g: g(q, k, v)
+            ref = outs.get("cudnn", next((o for n, o in outs.items() if n != "pk"), None))
+            if ref is not None:  # pk against a baseline's output before timing
+                for got, want in zip(jax.tree.leaves(outs["pk"]), jax.tree.leaves(ref)):
+                    _close(f"attention {mode} {case}", got, want, 2e-2)
+            times = _time(fns, rounds, smoke)
+            table.add(f"attention_{mode}", case, {**fields, "mode": mode}, times, flops * mult)
+
+
+# --- bf16 GEMM -------------------------------------------------------------------
+
+def gemm(table: Table, shapes, rounds: int, smoke: bool) -> None:
+    mesh = one_axis_mesh(jax.devices()[:1], "x")
+    pk_fwd = jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(x, w, "x"), mesh=mesh,
+                           in_specs=(P("x"), P()), out_specs=P("x"))
+    xla_fwd = lambda x, w: x @ w
+    for m, n, k in shapes:
+        rng = np.random.default_rng()
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * k ** -0.5, jnp.bfloat16)
+        dy = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
+        case = f"{m}x{n}x{k}"
+        fields = {"m": m, "n": n, "k": k, "dtype": "bfloat16"}
+        for mode, impls, flops in (
+                ("fwd", {"pk": pk_fwd, "xla": xla_fwd}, 2.0 * m * n * k),
+                ("bwd", {"pk": pk_fwd, "xla": xla_fwd}, 4.0 * m * n * k)):
+            fns, outs = {}, {}
+            for name, f in impls.items():
+                if mode == "fwd":
+                    g = jax.jit(f)
+                else:  # dx = dy w^T and dw = x^T dy (pk: one fused backward call)
+                    g = jax.jit(lambda x, w, dy, f=f: jax.vjp(f, x, w)[1](dy))
+                args = (x, w) if mode == "fwd" else (x, w, dy)
+                outs[name] = jax.block_until_ready(g(*args))
+                fns[name] = lambda g=g, args=args: g(*args)
+            for got, want in zip(jax.tree.leaves(outs["pk"]), jax.tree.leaves(outs["xla"])):
+                _close(f"gemm {mode} {case}", got, want, 1e-2)
+            table.add(f"gemm_{mode}", case, {**fields, "mode": mode}, _time(fns, rounds, smoke),
+                      flops)
+
+
+# --- FP8 GEMM ------------------------------------------------------------------
+
+def _xla_fp8(a, b, sa, sb):
+    """XLA's FP8 GEMM: dequantized operands into a dot, which XLA's GEMM
+    rewriter turns into one cuBLASLt FP8 call with the factors as scales."""
+    deq = lambda q, s: q.astype(jnp.bfloat16) * s.astype(jnp.bfloat16)
+    return lax.dot_general(deq(a, sa), deq(b, sb), (((1,), (1,)), ((), ())),
+                           preferred_element_type=jnp.bfloat16)
+
+
+def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
+    xla_fp8 = jax.jit(_xla_fp8)
+    text = xla_fp8.lower(*(jnp.zeros((256, 256), jnp.float8_e4m3fn),) * 2,
+                         jnp.float32(1), jnp.float32(1)).compile().as_text()
+    if "f8" not in text.lower():
+        print("-- note: XLA did not compile xla_fp8 to an FP8 GEMM here (no f8 custom call)",
+              flush=True)
+    for m, n, k in shapes:
+        if k % 128 or n % 128:
+            continue
+        rng = np.random.default_rng()
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((n, k), np.float32) * k ** -0.5, jnp.bfloat16)
+        xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor")
+        wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor")
+        xb, _, fxb, _ = pk_jax.fp8_quantize(x, "rows")
+        _, wbt, fwb, _ = pk_jax.fp8_quantize(w.T, "blocks", rowwise=False, transposed=True)
+        sx, sw = fx.reshape(()), fw.reshape(())
+        dot_t = lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())))
+        calls = {  # (jitted function, its arguments): operands are arguments, not constants
+            "pk_fp8_tensor": (jax.jit(pk_jax.fp8_matmul), (xq, wq, fx, fw)),
+            "pk_fp8_block": (jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(
+                a, b, fa, fb, scaling="block")), (xb, wbt, fxb, fwb)),
+            "xla_fp8": (xla_fp8, (xq, wq, sx, sw)),
+            "xla_bf16": (jax.jit(dot_t), (x, w)),
+        }
+        fns = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in calls.items()}
+        outs = {name: jax.block_until_ready(f()) for name, f in fns.items()}
+        _close(f"fp8 tensor {m}x{n}x{k}", outs["pk_fp8_tensor"], outs["xla_fp8"], 1e-2)
+        _close(f"fp8 block {m}x{n}x{k}", outs["pk_fp8_block"], outs["xla_bf16"], 6e-2)
+        times = _time(fns, rounds, smoke)
+        case = f"{m}x{n}x{k}"
+        fields = {"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"}
+        for recipe in ("tensor", "block"):
+            sub = {f"pk_fp8_{recipe}": times[f"pk_fp8_{recipe}"], "xla_fp8": times["xla_fp8"],
+                   "xla_bf16": times["xla_bf16"]}
+            table.add(f"fp8_gemm_{recipe}", case, {**fields, "recipe": recipe}, sub,
+                      2.0 * m * n * k)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default=",".join(SECTIONS),
+                    help=f"comma-separated subset of {', '.join(SECTIONS)}")
+    ap.add_argument("--quick", action="store_true", help="the first two cases of each section")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, nothing written")
+    args = ap.parse_args()
+    only = set(args.only.split(","))
+    if only - set(SECTIONS):
+        ap.error(f"--only: unknown {sorted(only - set(SECTIONS))}; choose from {SECTIONS}")
+    cut = (lambda c: c[:2]) if args.quick else (lambda c: c)
+    table = Table()
+    if "attention" in only:
+        attention(table, SMOKE_ATTENTION if args.smoke else cut(ATTENTION_CASES), args.rounds,
+                  args.smoke, _tokamax())
+    if "gemm" in only:
+        gemm(table, SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES), args.rounds, args.smoke)
+    if "fp8" in only:
+        fp8(table, SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES), args.rounds, args.smoke)
+    md = ("Columns: median ms per call over interleaved rounds, TFLOP/s, the fastest "
+          "non-pk implementation of the row's group and pk's speedup over it (above 1: pk "
+          "faster).\n\n" + markdown_table(HEADER, table.md))
+    if args.smoke:
+        print("SMOKE_OK (nothing written)")
+    elif only == set(SECTIONS) and not args.quick:
+        write_results("kernels", table.rows, md, "python benchmarks/kernels.py " +
+                      " ".join(sys.argv[1:]))
+    else:
+        print("partial run: results/kernels.json and RESULTS.md left as they are")
+    print(md)
+    pk_jax.check_errors()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

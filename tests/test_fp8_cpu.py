@@ -1,0 +1,226 @@
+"""pk_jax's FP8 op on CPU: the references' numerics (what the kernels must
+compute), fp8_dot's values and gradients against float32 matmuls, delayed
+scaling's amaxes, inside shard_map, and the errors for bad input.
+
+Tolerances. FP8 rounding is relative: e4m3 keeps 3 mantissa bits (a value's
+error is at most 2^-4 of it), e5m2 2 bits (2^-3). A dot product of K terms
+with independent rounding errors has a relative error of about the per-term
+bound / sqrt(3) on average, so the relative Frobenius error of a product of
+two e4m3 operands sits near 2 * 2^-4 / sqrt(3) ~ 0.07 at worst and ~0.04 in
+practice; with an e5m2 gradient ~0.08. The tests bound the forward at 0.06
+(e4m3 x e4m3) and the gradients at 0.10 (e5m2 x e4m3), as Transformer
+Engine's FP8 tests bound an FP8 GEMM against its high-precision reference
+by the format's epsilon (e4m3 0.125, e5m2 0.25) elementwise; the Frobenius
+bounds here are the tighter of the two.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from conftest import cpu_mesh, rel_err
+from pk_jax.ops import fp8_primitive as prim
+
+FWD_TOL, GRAD_TOL = 0.06, 0.10
+
+
+def _inputs(rng, m, k, n, dtype=jnp.bfloat16):
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
+    t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    return x, w, t
+
+
+def _f32_grads(x, w, t):
+    f = lambda x, w: jnp.sum((x.astype(jnp.float32) @ w.astype(jnp.float32)) * t)
+    return jax.grad(f, (0, 1))(x, w)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "rows", "cols", "blocks"])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_quantize_reconstructs(rng, granularity, dtype):
+    x = jnp.asarray(rng.standard_normal((200, 300)) * 3, jnp.float32)  # partial blocks
+    rowwise = granularity != "cols"
+    q, qt, f, amax = pk_jax.fp8_quantize(x, granularity, dtype, rowwise=rowwise,
+                                         transposed=True)
+    assert f.shape == prim.factors_shape(granularity, 200, 300)
+    deq_t = qt.astype(jnp.float32)
+    if granularity == "tensor":
+        deq_t = deq_t * f[0]
+        np.testing.assert_allclose(amax, [np.abs(np.asarray(x)).max()])
+    elif granularity == "cols":  # qt [C, R] with factors [Rb, C]: per 128 of R
+        deq_t = deq_t * jnp.repeat(f.T, 128, axis=1)[:, :200]
+    elif granularity == "rows":
+        deq_t = None
+    else:
+        deq_t = deq_t * jnp.repeat(jnp.repeat(f, 128, 0), 128, 1)[:200, :300].T
+    bound = 2.0 ** -(4 if jnp.dtype(dtype) == prim.E4M3 else 3)
+    if q is not None:
+        if granularity == "tensor":
+            deq = q.astype(jnp.float32) * f[0]
+        elif granularity == "rows":
+            deq = q.astype(jnp.float32) * jnp.repeat(f.T, 128, axis=1)[:, :300]
+        else:
+            deq = q.astype(jnp.float32) * jnp.repeat(jnp.repeat(f, 128, 0), 128, 1)[:200, :300]
+        err = np.abs(np.asarray(deq - x)) / (np.abs(np.asarray(x)) + 1e-3)
+        assert err.max() <= bound * 1.01 + 0.02  # + subnormal range near zero
+        assert rel_err(deq, x) < bound
+        if deq_t is not None:  # both copies hold the same values
+            np.testing.assert_array_equal(np.asarray(qt.T.astype(jnp.float32)),
+                                          np.asarray(q.astype(jnp.float32)))
+    if deq_t is not None:
+        assert rel_err(deq_t.T, x) < bound
+
+
+def test_quantize_scale_definitions():
+    # the largest |x| of a block lands on the format's largest finite value
+    x = jnp.array([[1.0, -3.0, 0.5, 2.0]], jnp.float32)
+    q, _, f, amax = pk_jax.fp8_quantize(x, "tensor")
+    assert float(amax[0]) == 3.0 and float(f[0]) == pytest.approx(3.0 / 448)
+    assert float(q[0, 1]) == -448.0
+    # an all-zero block has factor 1 and zeros
+    q, _, f, _ = pk_jax.fp8_quantize(jnp.zeros((2, 256), jnp.float32), "rows")
+    np.testing.assert_array_equal(f, np.ones((2, 2)))
+    assert not np.any(np.asarray(q.astype(jnp.float32)))
+    # a given scale (delayed scaling) saturates instead of overflowing
+    q, _, f, amax = pk_jax.fp8_quantize(x, "tensor", scale=jnp.float32(448.0))
+    assert float(q[0, 1]) == -448.0 and float(q[0, 0]) == 448.0 and float(amax[0]) == 3.0
+    assert float(f[0]) == pytest.approx(1 / 448)
+    # margin halves the scale per unit
+    _, _, f1, _ = pk_jax.fp8_quantize(x, "tensor", margin=1.0)
+    assert float(f1[0]) == pytest.approx(2 * 3.0 / 448)
+    # NaN in a block propagates to its factor (never a silent finite value)
+    y = x.at[0, 2].set(jnp.nan)
+    _, _, f, amax = pk_jax.fp8_quantize(y, "tensor")
+    assert np.isnan(np.asarray(amax)).all() and not np.isfinite(np.asarray(f)).all()
+
+
+@pytest.mark.parametrize("recipe", ["current", "block"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_fp8_dot_values_and_gradients(rng, recipe, dtype):
+    x, w, t = _inputs(rng, 256, 384, 256, dtype)
+    y = jax.jit(lambda x, w: pk_jax.fp8_dot(x, w, recipe))(x, w)
+    assert y.dtype == dtype and y.shape == (256, 256)
+    want = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    assert rel_err(y, want) < FWD_TOL
+    loss = lambda x, w: jnp.sum(pk_jax.fp8_dot(x, w, recipe).astype(jnp.float32) * t)
+    dx, dw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
+    assert dx.dtype == dtype and dw.dtype == dtype
+    gx, gw = _f32_grads(x, w, t)
+    assert rel_err(dx, gx) < GRAD_TOL and rel_err(dw, gw) < GRAD_TOL
+
+
+def test_fp8_dot_matches_its_pieces(rng):
+    """The op is the documented composition: quantize, then the scaled GEMM."""
+    x, w, _ = _inputs(rng, 128, 256, 128)
+    xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor")
+    _, wt, fw, _ = pk_jax.fp8_quantize(w, "tensor", rowwise=False, transposed=True)
+    want = pk_jax.fp8_matmul(xq, wt, fx, fw)
+    np.testing.assert_array_equal(np.asarray(pk_jax.fp8_dot(x, w), np.float32),
+                                  np.asarray(want, np.float32))
+
+
+def test_fp8_dot_leading_dims(rng):
+    x = jnp.asarray(rng.standard_normal((2, 64, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, 64)) / 12, jnp.bfloat16)
+    y = pk_jax.fp8_dot(x, w)
+    assert y.shape == (2, 64, 64)
+    assert rel_err(y, np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL
+
+
+def test_delayed_scaling_amaxes_and_dy_amax(rng):
+    x, w, t = _inputs(rng, 128, 128, 128)
+    scales = (jnp.float32(448 / 4), jnp.float32(448 / 0.5), jnp.float32(57344 / 4))
+    (y, (ax, aw)) = pk_jax.fp8_dot(x, w, "delayed", scales=scales)
+    assert float(ax[0]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    assert float(aw[0]) == float(jnp.max(jnp.abs(w.astype(jnp.float32))))
+    assert rel_err(y, np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL
+
+    def loss(x, w, s):
+        return jnp.sum(pk_jax.fp8_dot(x, w, "delayed", scales=s)[0].astype(jnp.float32) * t)
+    dx, dw, ds = jax.grad(loss, (0, 1, 2))(x, w, scales)
+    # the dy scale's cotangent carries amax(dy) (dy = t here)
+    assert float(ds[2]) == pytest.approx(float(jnp.max(jnp.abs(t.astype(jnp.bfloat16)
+                                                               .astype(jnp.float32)))))
+    assert float(ds[0]) == 0.0 and float(ds[1]) == 0.0
+    gx, gw = _f32_grads(x, w, t)
+    assert rel_err(dx, gx) < GRAD_TOL and rel_err(dw, gw) < GRAD_TOL
+
+
+def test_fp8_dot_inside_shard_map(rng, sharding_mode):
+    x, w, _ = _inputs(rng, 8 * 32, 128, 128)
+    mesh = cpu_mesh((8,), ("x",))
+    f = jax.jit(jax.shard_map(lambda x, w: pk_jax.fp8_dot(x, w), mesh=mesh,
+                              in_specs=(P("x"), P()), out_specs=P("x")))
+    y = f(jax.device_put(x, NamedSharding(mesh, P("x"))), jax.device_put(w, NamedSharding(mesh, P())))
+    want = np.concatenate([np.asarray(pk_jax.fp8_dot(x[i * 32:(i + 1) * 32], w), np.float32)
+                           for i in range(8)])
+    np.testing.assert_array_equal(np.asarray(y, np.float32), want)  # per-shard scales
+
+
+def test_fp8_matmul_reference_block_layouts(rng):
+    """Block factors in the layouts fp8.h / gemm.h document: dequantized
+    operands multiply to what the GEMM returns."""
+    a = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)  # [N, K]
+    aq, _, fa, _ = pk_jax.fp8_quantize(a, "rows")
+    _, bqt, fb, _ = pk_jax.fp8_quantize(b.T, "blocks", rowwise=False, transposed=True)
+    got = pk_jax.fp8_matmul(aq, bqt, fa, fb, scaling="block", out_dtype=jnp.float32)
+    deq_a = aq.astype(jnp.float32) * jnp.repeat(fa.T, 128, 1)
+    deq_b = bqt.astype(jnp.float32) * jnp.repeat(jnp.repeat(fb, 128, 0), 128, 1).T
+    np.testing.assert_allclose(got, deq_a @ deq_b.T, rtol=1e-5, atol=1e-4)
+    assert rel_err(got, a @ b.T) < FWD_TOL
+
+
+@pytest.mark.parametrize("call,err,match", [
+    (lambda x, w: pk_jax.fp8_dot(x, w, "nope"), ValueError, "scaling"),
+    (lambda x, w: pk_jax.fp8_dot(x, w, 3), TypeError, "recipe"),
+    (lambda x, w: pk_jax.fp8_dot(x[:, :120], w[:120]), ValueError, "K"),
+    (lambda x, w: pk_jax.fp8_dot(x, w[:, :120]), ValueError, "N"),
+    (lambda x, w: pk_jax.fp8_dot(x[:120], w), ValueError, "rows"),
+    (lambda x, w: pk_jax.fp8_dot(x, w[:, :192], "block"), ValueError, "multiple of 128"),
+    (lambda x, w: pk_jax.fp8_dot(x, w, "delayed"), ValueError, "scales"),
+    (lambda x, w: pk_jax.fp8_dot(x, w, scales=(1.0, 1.0, 1.0)), ValueError, "delayed"),
+    (lambda x, w: pk_jax.fp8_dot(x.astype(jnp.int32), w), TypeError, "bfloat16"),
+    (lambda x, w: pk_jax.fp8_dot(x, w[:, :128].T), ValueError, "expected"),
+    (lambda x, w: pk_jax.fp8_quantize(x, "cols"), ValueError, "transposed"),
+    (lambda x, w: pk_jax.fp8_quantize(x, "rows", scale=1.0), ValueError, "tensor"),
+    (lambda x, w: pk_jax.fp8_quantize(x, "tensor", jnp.bfloat16), TypeError, "float8"),
+    (lambda x, w: pk_jax.fp8_quantize(x, "tensor", margin=float("nan")), ValueError,
+     "margin"),
+    (lambda x, w: pk_jax.fp8_quantize(x[None], "tensor"), ValueError, "2-D"),
+    (lambda x, w: pk_jax.fp8_matmul(x, w, 1.0, 1.0), TypeError, "float8"),
+])
+def test_bad_input_is_refused(rng, call, err, match):
+    x, w, _ = _inputs(rng, 128, 256, 256)
+    with pytest.raises(err, match=match):
+        call(x, w)
+
+
+def test_fp8_matmul_bad_factors(rng):
+    a = jnp.zeros((128, 256), jnp.float8_e4m3fn) + jnp.float8_e4m3fn(1)
+    with pytest.raises(ValueError, match="scale_a"):
+        pk_jax.fp8_matmul(a, a, jnp.ones((3,)), jnp.ones(()), scaling="tensor")
+    with pytest.raises(ValueError, match="expected scale_a"):
+        pk_jax.fp8_matmul(a, a, jnp.ones((2, 128)), jnp.ones((2, 2)), scaling="block")
+    with pytest.raises(TypeError, match="not both"):
+        b = a.astype(jnp.float8_e5m2)
+        pk_jax.fp8_matmul(b, b, jnp.ones(()), jnp.ones(()))
+    with pytest.raises(ValueError, match="K=100"):
+        pk_jax.fp8_matmul(a[:, :100], a[:, :100], jnp.ones(()), jnp.ones(()))
+
+
+def test_recipe_validation():
+    with pytest.raises(ValueError, match="margin"):
+        pk_jax.Fp8Recipe(margin=-1)
+    with pytest.raises(ValueError, match="amax_history_len"):
+        pk_jax.Fp8Recipe(amax_history_len=True)
+    with pytest.raises(ValueError, match="amax_compute_algo"):
+        pk_jax.Fp8Recipe(amax_compute_algo="mean")
+    r = pk_jax.Fp8Recipe("block")
+    assert r.fwd_dtype == jnp.float8_e4m3fn and r.bwd_dtype == jnp.float8_e4m3fn
+    assert pk_jax.Fp8Recipe().bwd_dtype == jnp.float8_e5m2
