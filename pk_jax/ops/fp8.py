@@ -276,9 +276,10 @@ def _block_bwd(res, dy, x_dtype, w_dtype):
     return dx.astype(x_dtype), dw.astype(w_dtype)
 
 
-def _marker(dtype):
-    """A zero-size array carrying a dtype through custom_vjp's residuals."""
-    return jnp.zeros((0,), dtype)
+def _marker(a):
+    """A zero-size slice of `a`: carries its dtype and its shard_map
+    varying axes through custom_vjp's residuals."""
+    return a.reshape(-1)[:0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -291,7 +292,7 @@ def _dot_fwd(x, w, recipe):
         y, res = _block_fwd(x, w)
     else:
         y, res, _ = _tensor_fwd(x, w, recipe)
-    return y, (res, _marker(x.dtype), _marker(w.dtype))
+    return y, (res, _marker(x), _marker(w))
 
 
 def _dot_bwd(recipe, carry, dy):
@@ -313,7 +314,7 @@ def _dot_delayed(x, w, scales, recipe: Fp8Recipe):
 def _dot_delayed_fwd(x, w, scales, recipe):
     sx, sw, sdy = scales
     y, res, amaxes = _tensor_fwd(x, w, recipe, sx, sw)
-    return (y, amaxes), (res, sdy, _marker(x.dtype), _marker(w.dtype))
+    return (y, amaxes), (res, sdy, _marker(x), _marker(w))
 
 
 def _dot_delayed_bwd(recipe, carry, cts):

@@ -24,6 +24,9 @@ from jax import lax
 from pk_jax import groups, reference, runtime, tuning
 from pk_jax._compat import make_varying, sum_to_type_of, vary_alike
 from pk_jax._warnings import warn_once
+from pk_jax.ops import fp8 as fp8_ops
+from pk_jax.ops import fp8_primitive as prim_fp8
+from pk_jax.ops import tp_matmul_fp8
 from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_bwd_p,
                                              all_gather_matmul_p, matmul_all_reduce_p,
                                              matmul_reduce_scatter_bwd_p,
@@ -216,10 +219,33 @@ def _ar_backward(cfg: TpConfig, res, dy):
 _ar.defvjp(_ar_forward, _ar_backward)
 
 
+# ---- FP8 --------------------------------------------------------------------------
+def _fp8_call(op: str, impl, x, w, axis_name, fp8, preferred_element_type, mechanism,
+              rows_per_rank):
+    """The FP8 path of `op` (pk_jax/ops/tp_matmul_fp8.py) on x [rows, K] (leading
+    dims flattened by the caller's reshape) and w [K, N]."""
+    recipe = fp8_ops._recipe(fp8)
+    if mechanism != "auto":
+        raise ValueError(f"pk_jax.{op}(fp8=...): the FP8 path picks its own mechanisms; "
+                         f"leave mechanism='auto' (got {mechanism!r})")
+    cfg = _validate(op, x, w, axis_name, preferred_element_type, "xla")
+    for name, a in (("x", x), ("w", w)):
+        if jnp.dtype(a.dtype) not in prim_fp8.IN_TYPES:
+            raise TypeError(f"pk_jax.{op}(fp8=...): {name} must be bfloat16, float16 or "
+                            f"float32 (quantized inside the op), got {a.dtype}")
+    if cfg.out_dtype not in prim_fp8.IN_TYPES:
+        raise TypeError(f"pk_jax.{op}(fp8=...): preferred_element_type must be bfloat16, "
+                        f"float16 or float32, got {cfg.out_dtype}")
+    tp_matmul_fp8.check(op, x, w, recipe, cfg.n, rows_per_rank)
+    x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
+    w = make_varying(w, cfg.names)
+    return impl(x2, w, cfg.names, cfg.n, recipe, cfg.out_dtype), cfg
+
+
 # ---- public API ----------------------------------------------------------------
 def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
                       return_gathered: bool = False, preferred_element_type=None,
-                      mechanism: str = "auto"):
+                      mechanism: str = "auto", fp8=None):
     """`lax.all_gather(x, axis_name, axis=0, tiled=True) @ w`, overlapped.
 
     Args:
@@ -233,12 +259,25 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
         Accumulation is fp32 either way.
       mechanism: "auto"/"chunked" (GEMMs on row chunks as the copy engines
         bring them in; bf16/fp16 operands, K and N multiples of 8) or "xla".
+      fp8: None, or an FP8 recipe (pk_jax.Fp8Recipe or "current" / "block"):
+        x and w are quantized inside the op (x with the axis-wide amax under
+        "current"), the quantized rows and their factors are gathered, and
+        the forward and both gradients run pk's FP8 GEMMs. K and N multiples
+        of 16 (128 for "block"), the rows per device of 16 (128).
 
     Returns:
       out [n * x.shape[0], ..., N_local], and with return_gathered the
       gathered x [n * x.shape[0], ..., K].
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
+    if fp8 is not None:
+        if return_gathered:
+            raise ValueError("pk_jax.all_gather_matmul: return_gathered is not available "
+                             "with fp8 (the gathered rows are FP8)")
+        rows = int(np.prod(x.shape[:-1])) if x.ndim >= 2 else 0
+        out, cfg = _fp8_call("all_gather_matmul", tp_matmul_fp8.all_gather_matmul, x, w,
+                             axis_name, fp8, preferred_element_type, mechanism, rows)
+        return out.reshape((cfg.n * x.shape[0],) + x.shape[1:-1] + (w.shape[1],))
     cfg = _validate("all_gather_matmul", x, w, axis_name, preferred_element_type, mechanism)
     x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
     w = make_varying(w, cfg.names)
@@ -250,7 +289,8 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
-                          preferred_element_type=None, mechanism: str = "auto") -> jax.Array:
+                          preferred_element_type=None, mechanism: str = "auto",
+                          fp8=None) -> jax.Array:
     """`lax.psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`, overlapped.
 
     Args:
@@ -263,15 +303,24 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
       mechanism: "auto"/"chunked" (a GEMM per row chunk, each peer's chunk
         written straight into its memory by the GEMM's epilogue; bf16/fp16
         operands, K and N multiples of 8) or "xla".
+      fp8: None, or an FP8 recipe (as for all_gather_matmul): the partial
+        products come from pk's FP8 GEMM and are reduce-scattered in the
+        output dtype (fp32 sums); the backward gathers dy in FP8.
 
     Returns:
       This device's shard of the sum, [x.shape[0] / n, ..., N].
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
-    cfg = _validate("matmul_reduce_scatter", x, w, axis_name, preferred_element_type, mechanism)
+    cfg = _validate("matmul_reduce_scatter", x, w, axis_name, preferred_element_type,
+                    "xla" if fp8 is not None else mechanism)
     if x.shape[0] % cfg.n:
         raise ValueError(f"pk_jax.matmul_reduce_scatter: the first dim of x ({x.shape[0]}) "
                          f"must divide by the size of axis {cfg.names} ({cfg.n})")
+    if fp8 is not None:
+        rows = int(np.prod(x.shape[:-1])) // cfg.n
+        out, _ = _fp8_call("matmul_reduce_scatter", tp_matmul_fp8.matmul_reduce_scatter, x, w,
+                           axis_name, fp8, preferred_element_type, mechanism, rows)
+        return out.reshape((x.shape[0] // cfg.n,) + x.shape[1:-1] + (w.shape[1],))
     x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
     w = make_varying(w, cfg.names)
     out = _rs(x2, w, cfg)
@@ -279,7 +328,8 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
 
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
-                      preferred_element_type=None, mechanism: str = "auto") -> jax.Array:
+                      preferred_element_type=None, mechanism: str = "auto",
+                      fp8=None) -> jax.Array:
     """`lax.psum(x @ w, axis_name)`, fused; every rank gets the same bits.
 
     Call inside `jax.shard_map`, e.g. for the output of a row-parallel layer
@@ -304,12 +354,18 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
         "xla" (dot + psum). The kernels take bf16/fp16 operands, K and N
         multiples of 8; other inputs take XLA (a one-time warning under
         "auto" on GPUs, a ValueError when a kernel mechanism is forced).
+      fp8: None, or an FP8 recipe (as for all_gather_matmul): the partial
+        product from pk's FP8 GEMM, summed by pk's all_reduce.
 
     Returns:
       The sum, [*x.shape[:-1], N], replicated over `axis_name`.
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     rows = int(np.prod(x.shape[:-1])) if x.ndim >= 2 else 0
+    if fp8 is not None:
+        out, _ = _fp8_call("matmul_all_reduce", tp_matmul_fp8.matmul_all_reduce, x, w,
+                           axis_name, fp8, preferred_element_type, mechanism, rows)
+        return out.reshape(x.shape[:-1] + (w.shape[1],))
     cfg = _validate("matmul_all_reduce", x, w, axis_name, preferred_element_type, mechanism,
                     ALL_REDUCE_MECHANISMS,
                     lambda n: tuning.matmul_all_reduce_mechanism(rows, n))

@@ -1,0 +1,112 @@
+"""The FP8 paths of the tensor-parallel matmuls (fp8= recipes) on 8 fake CPU
+devices, Auto and Explicit meshes: values and gradients against float32
+references, with test_fp8_cpu.py's tolerances, and the errors for shapes the
+FP8 path does not take."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from conftest import cpu_mesh, rel_err
+
+FWD_TOL, GRAD_TOL = 0.06, 0.10
+N = 2
+
+
+def _put(mesh, a, spec):
+    return jax.device_put(a, NamedSharding(mesh, spec))
+
+
+def _data(rng, m, k, f):
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, f)) / np.sqrt(k), jnp.bfloat16)
+    return x, w
+
+
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_fp8_mlp_values_and_gradients(rng, recipe, sharding_mode):
+    """Column- then row-parallel pair (the TP MLP): the output and the
+    gradients of x, w1, w2 against float32 (two FP8 GEMMs deep: twice the
+    one-GEMM bounds)."""
+    mesh = cpu_mesh((N,), ("tp",))
+    m, d, f = N * 128, 128, N * 128
+    x, w1 = _data(rng, m, d, f)
+    _, w2 = _data(rng, f, f, d)
+    t = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+
+    @jax.shard_map(mesh=mesh, in_specs=(P("tp"), P(None, "tp"), P("tp", None)),
+                   out_specs=P("tp"))
+    def mlp(x, w1, w2):
+        h = pk_jax.all_gather_matmul(x, w1, "tp", fp8=recipe)
+        return pk_jax.matmul_reduce_scatter(h, w2, "tp", fp8=recipe)
+
+    args = (_put(mesh, x, P("tp")), _put(mesh, w1, P(None, "tp")), _put(mesh, w2, P("tp", None)))
+    loss = lambda *a: jnp.sum(mlp(*a).astype(jnp.float32) * t)
+    y = jax.jit(mlp)(*args)
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(*args)
+    f32 = lambda a: a.astype(jnp.float32)
+    ref = lambda x, w1, w2: (f32(x) @ f32(w1)) @ f32(w2)
+    rgrads = jax.grad(lambda *a: jnp.sum(ref(*a) * t), (0, 1, 2))(x, w1, w2)
+    assert y.dtype == jnp.bfloat16 and rel_err(y, ref(x, w1, w2)) < 2 * FWD_TOL
+    for g, r in zip(grads, rgrads):
+        assert g.dtype == jnp.bfloat16 and rel_err(g, r) < 2 * GRAD_TOL
+
+
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_fp8_all_gather_matmul_forward(rng, recipe, sharding_mode):
+    mesh = cpu_mesh((N,), ("tp",))
+    x, w = _data(rng, N * 128, 256, N * 128)
+    f = jax.jit(jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", fp8=recipe),
+                              mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                              out_specs=P(None, "tp")))
+    y = f(_put(mesh, x, P("tp")), _put(mesh, w, P(None, "tp")))
+    assert y.shape == (N * 128, N * 128) and y.dtype == jnp.bfloat16
+    assert rel_err(y, np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL
+
+
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_fp8_matmul_all_reduce(rng, recipe, sharding_mode):
+    mesh = cpu_mesh((N,), ("tp",))
+    x, w = _data(rng, 128, N * 128, 256)
+    t = jnp.asarray(rng.standard_normal((128, 256)), jnp.float32)
+
+    @jax.shard_map(mesh=mesh, in_specs=(P(None, "tp"), P("tp", None)), out_specs=P())
+    def f(x, w):
+        return pk_jax.matmul_all_reduce(x, w, "tp", fp8=recipe)
+
+    args = (_put(mesh, x, P(None, "tp")), _put(mesh, w, P("tp", None)))
+    y = jax.jit(f)(*args)
+    assert rel_err(y, np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL
+    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * t),
+                              (0, 1)))(*args)
+    rx, rw = jax.grad(lambda x, w: jnp.sum((x.astype(jnp.float32) @ w.astype(jnp.float32)) * t),
+                      (0, 1))(x, w)
+    assert rel_err(dx, rx) < GRAD_TOL and rel_err(dw, rw) < GRAD_TOL
+
+
+def test_fp8_tp_bad_input(rng):
+    mesh = cpu_mesh((N,), ("tp",))
+    x, w = _data(rng, N * 128, 256, N * 128)
+    run = lambda fn, xs, ws, ins, outs: jax.jit(jax.shard_map(
+        fn, mesh=mesh, in_specs=ins, out_specs=outs))(_put(mesh, xs, ins[0]), _put(mesh, ws, ins[1]))
+    ag = (P("tp"), P(None, "tp"))
+    with pytest.raises(ValueError, match="rows per device"):
+        run(lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", fp8="block"), x[:N * 64], w, ag,
+            P(None, "tp"))
+    with pytest.raises(ValueError, match="N \\(w.shape\\[1\\]\\)"):
+        run(lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", fp8="block"), x,
+            w[:, :N * 96], ag, P(None, "tp"))
+    with pytest.raises(ValueError, match="mechanism"):
+        run(lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", fp8="current", mechanism="xla"),
+            x, w, ag, P(None, "tp"))
+    with pytest.raises(ValueError, match="return_gathered"):
+        run(lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", fp8="current",
+                                                  return_gathered=True)[0], x, w, ag,
+            P(None, "tp"))
+    with pytest.raises(ValueError, match="delayed"):
+        run(lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", fp8="delayed"), x, w, ag,
+            P(None, "tp"))
