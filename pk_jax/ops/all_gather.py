@@ -1,9 +1,10 @@
 """pk_jax.all_gather: `lax.all_gather` with pk's peer-memory kernels on GPUs.
 
-Validation and the mechanism happen here, once, at trace time: dtypes with no
-kernel and mechanism="xla" call `lax.all_gather`; everything else binds the
-primitive (all_gather_primitive.py) with one frozen config, which lowers to
-the kernel on CUDA and to `lax.all_gather` on every other platform.
+Validation happens here, once, at trace time: dtypes with no kernel and
+mechanism="xla" call `lax.all_gather`; everything else goes to
+all_gather_primitive.gather, which resolves the mechanism and binds the
+primitive with one frozen config, lowered to the kernel on CUDA and to
+`lax.all_gather` on every other platform.
 """
 
 from __future__ import annotations
@@ -12,29 +13,13 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax import lax
 
-from pk_jax import groups, reference, runtime, tuning
-from pk_jax._compat import make_varying
+from pk_jax import groups, reference, runtime
 from pk_jax._warnings import warn_once
-from pk_jax.ops.all_gather_primitive import (KERNEL_MECHANISMS, AllGatherConfig, all_gather_p,
-                                             layout)
+from pk_jax.ops.all_gather_primitive import gather
 
 MECHANISMS = ("auto", "ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine", "xla")
 _KERNEL_ITEMSIZES = (1, 2, 4, 8)
-
-
-def _resolve_mechanism(mechanism: str, per_rank: int, row_bytes: int) -> str:
-    """The kernel mechanism of one call (`auto` from pk_jax/tuning.py)."""
-    ll_ok = per_rank <= runtime.LL_MAX_BYTES and row_bytes % 4 == 0
-    if mechanism == "auto":
-        return tuning.all_gather_mechanism(ll_ok)
-    if mechanism == "ld_st_ll" and not ll_ok:
-        raise ValueError(
-            f"pk_jax.all_gather(mechanism='ld_st_ll') takes messages of up to "
-            f"{runtime.LL_MAX_BYTES} bytes per rank made of whole 4-byte words (got "
-            f"{per_rank} bytes, rows of {row_bytes}); use 'ld_st_push'")
-    return mechanism
 
 
 def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
@@ -103,9 +88,4 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
             warn_once(f"all_gather-dtype-{x.dtype}",
                       f"pk_jax.all_gather: {why}; using lax.all_gather")
         return reference.all_gather(x, names, axis=dim, tiled=tiled)
-    rows, row_bytes = layout(x.shape, dim, itemsize)
-    chosen = _resolve_mechanism(mechanism, rows * row_bytes, row_bytes)
-    assert chosen in KERNEL_MECHANISMS, chosen
-    cfg = AllGatherConfig(names, lax.axis_size(names), dim, bool(tiled), chosen,
-                          mechanism != "auto", int(num_blocks or 0))
-    return all_gather_p.bind(make_varying(x, names), cfg=cfg)
+    return gather(x, names, dim, bool(tiled), mechanism, int(num_blocks or 0))
