@@ -81,10 +81,7 @@ ffi::Error RingAttentionBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   for (int r = 0; r < g.n; ++r) p.region[r] = ctx.regions[r];
   if (!ring_attention_bwd::supported(p))
     return invalid("unsupported shape (the Python checks missed it)");
-  p.stream = stream;
-  p.side_stream = d.side_stream;
-  p.fork = d.fork;
-  p.join = d.join;
+  ffi_common::set_streams(&p, stream, d);
   if (cudaError_t err = ring_attention_bwd::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "launch", err);
   return ffi::Error::Success();
