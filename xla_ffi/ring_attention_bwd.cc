@@ -91,15 +91,7 @@ ffi::Error RingAttentionBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RingAttentionBwd, RingAttentionBwdImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()                        // q [B, S, Hq, D]
-        .Arg<ffi::AnyBuffer>()                        // dout [B, S, Hq, D]
-        .Arg<ffi::Buffer<ffi::F32>>()                 // lse [B, Hq, S]
-        .Arg<ffi::Buffer<ffi::F32>>()                 // delta' [B, Hq, S]
-        .Arg<ffi::AnyBuffer>()                        // k [B, T, Hkv, D]
-        .Arg<ffi::AnyBuffer>()                        // v [B, T, Hkv, D]
+    attention_bwd_operands()                          // stream, ordinal, q, dout, lse, delta', k, v
         .Arg<ffi::Buffer<ffi::S32>>()                 // ranks [n]
         .Ret<ffi::Buffer<ffi::F32>>()                 // dq [B, S, Hq, D]
         .Ret<ffi::AnyBuffer>()                        // dk [B, T, Hkv, D], k's type
