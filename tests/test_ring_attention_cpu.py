@@ -500,3 +500,53 @@ def test_zigzag_chunk_must_fit_tiles():
                       check_vma=False)
     with pytest.raises(ValueError, match="multiple of 256"):
         jax.eval_shape(f, jax.ShapeDtypeStruct((1, 2 * 128, 4, 64), jnp.bfloat16))
+
+
+# ---- extreme scales and logits (the pure-JAX ring) ------------------------------
+def _extreme_case(rng, dtype, case):
+    """q, k, v [1, 16, 2, 8] and a scale: huge finite scales on unit logits,
+    or huge logits (a few keys far above the rest) at the default scale."""
+    q, k, v = (np.asarray(rng.standard_normal((1, 16, 2, 8))) for _ in range(3))
+    if case == "huge_logits":
+        k[:, rng.integers(16, size=3)] *= 1e15  # scores ~1e30, finite in fp32
+        return (*(jnp.asarray(a, dtype) for a in (q, k, v)), None)
+    return (*(jnp.asarray(a, dtype) for a in (q, k, v)), {"scale_1e10": 1e10,
+                                                           "scale_1e30": 1e30}[case])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["scale_1e10", "scale_1e30", "huge_logits"])
+def test_pure_jax_ring_extreme_scales_and_logits(rng, dtype, causal, case):
+    """The online softmax stays exact where a score dwarfs the others: every
+    exponent is bounded by the running max (no NaN, no inf, no row summing
+    to 0), equal to jax.nn.dot_product_attention. n = 4 and zigzag give
+    blocks where every key is masked for a query (and, for the first
+    blocks of zigzag, rows that have seen nothing yet)."""
+    with jax.enable_x64(dtype == jnp.float64):
+        q, k, v, scale = _extreme_case(rng, dtype, case)
+        want = np.asarray(jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal))
+        assert np.all(np.isfinite(want))
+        for layout in ("contiguous", "zigzag"):
+            ring = _sharded(cpu_mesh((4,), ("sp",)), layout, causal=causal, scale=scale,
+                            mechanism="xla")
+            got = np.asarray(jax.jit(ring)(q, k, v))
+            assert got.dtype == dtype and np.all(np.isfinite(got)), (layout, got)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=layout)
+
+
+def test_block_update_of_a_row_that_saw_nothing_yet(rng):
+    """A block where every key is masked for a query, merged into an empty
+    state, then a visible block with a huge scale: the first leaves max -inf
+    and sum 0 (no -inf - -inf), the second gives the exact softmax."""
+    q5 = _normal(rng, (1, 4, 1, 1, 8))
+    k, v = _normal(rng, (1, 4, 1, 8)), _normal(rng, (1, 4, 1, 8))
+    q_pos = jnp.arange(4, 8)
+    state = reference._block_update(reference._init_state(q5), q5, k, v, q_pos,
+                                    jnp.arange(8, 12), True, 1e10)
+    assert np.all(np.asarray(state[0]) == -np.inf) and np.all(np.asarray(state[1]) == 0)
+    state = reference._block_update(state, q5, k, v, q_pos, jnp.arange(4), True, 1e10)
+    out, lse = reference._finish(state, (1, 4, 1, 8), jnp.float32)
+    want = jax.nn.dot_product_attention(q5[:, :, :, 0], k, v, scale=1e10)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(np.asarray(lse)))
