@@ -229,6 +229,30 @@ def test_attention_cross_lengths(rng):
     _check_grads(f, ref, (q, k, v))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_value_head_dim(rng, causal):
+    """Values with their own head dim Dv (jax.nn refuses them): plain
+    attention per device, never the ring; values and gradients against a
+    softmax written out (GQA: 4 query heads on 2 kv heads)."""
+    mesh = cpu_mesh((2,), ("x",))
+    q = _put(mesh, rng, (2, 8, 4, 8), P(None, "x"))
+    k, v = _put(mesh, rng, (2, 8, 2, 8), P(None, "x")), _put(mesh, rng, (2, 8, 2, 3), P(None, "x"))
+    f = lambda q, k, v: pk_jax.dot_product_attention(q, k, v, causal=causal, scale=0.4)
+
+    def ref(q, k, v):
+        k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        s = jnp.einsum("bshd,bthd->bhst", q, k) * 0.4
+        if causal:
+            s = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), s, -jnp.inf)
+        return jnp.einsum("bhst,bthe->bshe", jax.nn.softmax(s, axis=-1), v)
+    jax.clear_caches()
+    with record_routes() as routes:
+        y = jax.jit(f)(q, k, v)
+    assert _routes(routes, "attention") == {("attention", ())}
+    assert y.shape == (2, 8, 4, 3) and _rel(y, ref(*(np.asarray(a) for a in (q, k, v)))) < 1e-5
+    _check_grads(f, ref, (q, k, v))
+
+
 # ---- Flax models not written for pk_jax -----------------------------------------
 class _Mlp(nnx.Module):
     def __init__(self, dot_general, rngs, out_sharding=None):
@@ -416,3 +440,7 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="scale must be finite"):
         x = jnp.ones((1, 4, 2, 8))
         pk_jax.dot_product_attention(x, x, x, scale=float("inf"))
+    with pytest.raises(TypeError, match="causal must be a bool .*'no'"):
+        pk_jax.dot_product_attention(x, x, x, causal="no")
+    empty = jnp.ones((1, 4, 2, 0))  # head dim 0: the empty result, as jax.nn
+    assert pk_jax.dot_product_attention(empty, empty, empty).shape == empty.shape

@@ -350,6 +350,9 @@ Q, KV = (2, 16, 8, 64), (2, 16, 2, 64)
      "q, k and v must have the same dtype"),
     ((Q, KV), dict(scale="big"), TypeError, "scale must be a real number or None"),
     ((Q, KV), dict(scale=float("inf")), ValueError, "scale must be finite"),
+    ((Q, KV), dict(causal="no"), TypeError, "causal must be a bool .*'no'"),
+    ((Q, KV), dict(causal=None), TypeError, "causal must be a bool"),
+    ((Q, KV), dict(deterministic="yes"), TypeError, "deterministic must be a bool"),
 ])
 def test_bad_inputs(args, kw, exc, match):
     with pytest.raises(exc, match=match):
@@ -366,6 +369,20 @@ def test_scale_as_a_jax_scalar_and_traced(rng):
     traced = jax.jit(lambda q, k, v, s: _sharded(cpu_mesh((2,), ("sp",)), scale=s)(q, k, v))
     with pytest.raises(TypeError, match="scale must be a concrete number.*traced"):
         traced(q, k, v, jnp.float32(0.3))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_empty_head_dim_as_jax_nn(rng, n):
+    """D = 0: the empty output jax.nn.dot_product_attention gives (not a
+    ZeroDivisionError from the default scale), and the log-sum-exp of the
+    all-zero scores, log(visible keys)."""
+    q = jnp.zeros((1, 4 * n, 2, 0))
+    f = jax.shard_map(lambda q: ring_attention(q, q, q, "sp", causal=True, return_lse=True),
+                      mesh=cpu_mesh((n,), ("sp",)), in_specs=SEQ,
+                      out_specs=(SEQ, P(None, None, "sp")), check_vma=False)
+    out, lse = jax.jit(f)(q)
+    assert out.shape == q.shape == jax.nn.dot_product_attention(q, q, q, is_causal=True).shape
+    np.testing.assert_allclose(np.asarray(lse)[0, 0], np.log(np.arange(1, 4 * n + 1)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
