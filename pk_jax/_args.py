@@ -33,12 +33,16 @@ def boolean(op: str, name: str, value) -> bool:
     return bool(value)
 
 
-def axis(op: str, name: str, value, ndim: int) -> int:
-    """An array axis `value` of a rank-`ndim` array, normalized to 0..ndim-1
-    (negative counts from the end)."""
-    if ndim < 1:
-        raise ValueError(f"pk_jax.{op}: {name} needs an array of rank >= 1, got rank {ndim}")
-    return integer(op, name, value, -ndim, ndim - 1) % ndim
+def axis(op: str, name: str, value, ndim: int, of: str) -> int:
+    """An axis `value` of `of` (e.g. "a rank-2 input"), which has `ndim`
+    axes, normalized to 0..ndim-1 (negative counts from the end)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"pk_jax.{op}: {name} must be an int (an axis of {of}), got "
+                        f"{value!r} ({type(value).__name__})")
+    if not -ndim <= value < ndim:
+        valid = f"{-ndim}..{ndim - 1}" if ndim else "none: it has no axes"
+        raise ValueError(f"pk_jax.{op}: {name}={value} out of range for {of} (valid: {valid})")
+    return int(value) % ndim
 
 
 def dtype(op: str, name: str, value) -> np.dtype:

@@ -67,6 +67,10 @@ def test_all_to_all_errors():
         call(split_axis=2, concat_axis=0)
     with pytest.raises(ValueError, match="mechanism"):
         call(split_axis=1, concat_axis=0, mechanism="nccl")
+    with pytest.raises(TypeError, match="split_axis must be an int .*0.0"):
+        call(split_axis=0.0, concat_axis=0)
+    with pytest.raises(TypeError, match="concat_axis must be an int"):
+        call(split_axis=0, concat_axis="1")
 
 
 # ---- dispatch / combine -----------------------------------------------------------

@@ -303,6 +303,8 @@ def test_zigzag_errors(kw, match):
     for fn in (zigzag_shard, zigzag_unshard):
         with pytest.raises(ValueError, match=match):
             fn(x, **kw)
+        with pytest.raises(TypeError, match="seq_axis must be an int .*1.0"):
+            fn(x, 1, seq_axis=1.0)
 
 
 # ---- input checks --------------------------------------------------------------

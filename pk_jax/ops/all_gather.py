@@ -13,8 +13,10 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax import lax
 
-from pk_jax import groups, reference, runtime
+from pk_jax import _args, groups, reference, runtime
+from pk_jax._compat import vary_alike
 from pk_jax._warnings import warn_once
 from pk_jax.ops.all_gather_primitive import gather
 
@@ -51,9 +53,12 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
         SMs; stages n blocks in the workspace; one copy per row of the
         output layout, so slow for gathers along a later axis of many rows);
         or "xla" (lax.all_gather).
-      num_blocks: thread blocks of the ld/st kernels (512 threads each; at most
-        what is co-resident, 2 per SM on H200). None: one per SM, the best
-        measured on 2 x H200.
+      num_blocks: thread blocks of the ld/st kernels (512 threads each; an
+        int 1..2^31 - 1, clamped to what is co-resident, 2 per SM on H200).
+        None: one per SM, the best measured on 2 x H200.
+
+    An empty x (a zero-size dimension anywhere, also the gathered one)
+    gives the empty result of the right shape; nothing moves.
 
     Returns:
       The gathered array, identical on every device of the group.
@@ -61,20 +66,24 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
     if mechanism not in MECHANISMS:
         raise ValueError(f"pk_jax.all_gather: mechanism must be one of {MECHANISMS}, got "
                          f"{mechanism!r}")
-    if num_blocks is not None and (isinstance(num_blocks, bool)
-                                   or not isinstance(num_blocks, (int, np.integer))
-                                   or num_blocks < 1):
-        raise ValueError(f"pk_jax.all_gather: num_blocks must be a positive int or None, got "
-                         f"{num_blocks!r}")
+    if num_blocks is not None:  # the kernels clamp it to the co-resident blocks
+        num_blocks = _args.integer("all_gather", "num_blocks", num_blocks, 1, _args.INT32_MAX)
+    tiled = _args.boolean("all_gather", "tiled", tiled)
     names = groups.axis_names(axis_name)
     x = jax.numpy.asarray(x)
-    ndim = x.ndim + (0 if tiled else 1)
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"pk_jax.all_gather: axis={axis} out of range for a rank-{x.ndim} "
-                         f"input with tiled={tiled} (valid: {-ndim}..{ndim - 1})")
     if tiled and x.ndim == 0:
         raise ValueError("pk_jax.all_gather: tiled=True needs an input of rank >= 1")
-    dim = axis % ndim
+    ndim = x.ndim + (0 if tiled else 1)
+    dim = _args.axis("all_gather", "axis", axis, ndim,
+                     f"a rank-{x.ndim} input with tiled={tiled}")
+    if x.size == 0:  # nothing moves (lax's collective refuses some empty shapes)
+        n = lax.axis_size(names)
+        shape = list(x.shape)
+        if tiled:
+            shape[dim] *= n
+        else:
+            shape.insert(dim, n)
+        return vary_alike(jax.numpy.zeros(shape, x.dtype), x, names=names)[0]
     if mechanism == "xla":
         return reference.all_gather(x, names, axis=dim, tiled=tiled)
     itemsize = np.dtype(x.dtype).itemsize
