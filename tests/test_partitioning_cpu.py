@@ -444,3 +444,29 @@ def test_clear_errors():
         pk_jax.dot_product_attention(x, x, x, causal="no")
     empty = jnp.ones((1, 4, 2, 0))  # head dim 0: the empty result, as jax.nn
     assert pk_jax.dot_product_attention(empty, empty, empty).shape == empty.shape
+
+
+@pytest.mark.parametrize("dims", [((1, 0), ((), ())), "nope", (((1,), (0,)),),
+                                  (((1.0,), (0,)), ((), ())), (((1,), (0,)), ((), (), ()))])
+def test_malformed_dimension_numbers_are_named(dims):
+    with pytest.raises(TypeError, match="dimension_numbers must be \\(\\(lhs_contracting"):
+        pk_jax.dot_general(jnp.ones((4, 3)), jnp.ones((3, 2)), dims)
+
+
+def test_bad_preferred_element_type_and_out_sharding_are_named(rng, sharding_mode):
+    x, w = jnp.ones((4, 3)), jnp.ones((3, 2))
+    with pytest.raises(TypeError, match="preferred_element_type must be a dtype.*'bogus'"):
+        pk_jax.matmul(x, w, preferred_element_type="bogus")
+    mesh = cpu_mesh((2,), ("x",))
+    xs = _put(mesh, rng, (4, 3), P("x"))
+    f = lambda spec: jax.jit(lambda a, b: pk_jax.matmul(a, b, out_sharding=spec))
+    # Auto: no mesh names the spec's axes; Explicit: the operands' mesh does
+    no_mesh = ("PartitionSpec, which needs a mesh" if sharding_mode == "auto" else
+               "names mesh axes \\['nope'\\]")
+    with pytest.raises(ValueError, match="out_sharding=.*nope.*" + no_mesh):
+        f(P("nope"))(xs, w)
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match="names mesh axes \\['nope'\\].*its axes: \\['x'\\]"):
+            f(P("nope"))(xs, w)
+        y = f(P("x"))(xs, w)  # a valid spec of the context's mesh
+    assert _rel(y, np.asarray(xs) @ np.asarray(w)) < 1e-6
