@@ -29,15 +29,51 @@ def launched() -> bool:
     return ENV_COORDINATOR in os.environ
 
 
+def _env_int(name: str, minimum: int, maximum: int | None = None) -> int:
+    """The integer environment variable `name`, in [minimum, maximum]."""
+    raw = os.environ.get(name)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"pk_jax.distributed.initialize: {name}={raw!r} must be an integer "
+                         "(pk_jax.launch sets it)") from None
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise ValueError(f"pk_jax.distributed.initialize: {name}={raw!r} must be {bound}")
+    return value
+
+
+def launch_settings() -> dict[str, Any]:
+    """The `jax.distributed.initialize` arguments `pk_jax.launch` set for this
+    process (its environment variables, validated), or {} when it did not
+    start this process."""
+    if not launched():
+        return {}
+    n = _env_int(ENV_NUM_PROCESSES, 1)
+    settings = {"coordinator_address": os.environ[ENV_COORDINATOR], "num_processes": n,
+                "process_id": _env_int(ENV_PROCESS_ID, 0, n - 1)}
+    devices = os.environ.get(ENV_LOCAL_DEVICES)
+    if devices:
+        try:
+            ids = [int(i) for i in devices.split(",")]
+        except ValueError:
+            ids = [-1]
+        if min(ids) < 0:
+            raise ValueError(f"pk_jax.distributed.initialize: {ENV_LOCAL_DEVICES}={devices!r} "
+                             "must be a comma-separated list of device ids >= 0")
+        settings["local_device_ids"] = ids
+    return settings
+
+
 def initialize(**kwargs: Any) -> None:
     """`jax.distributed.initialize`, with the coordinator, process count,
     process id and local devices of `pk_jax.launch` when it started this
-    process (explicit keyword arguments win)."""
-    if launched():
-        kwargs.setdefault("coordinator_address", os.environ[ENV_COORDINATOR])
-        kwargs.setdefault("num_processes", int(os.environ[ENV_NUM_PROCESSES]))
-        kwargs.setdefault("process_id", int(os.environ[ENV_PROCESS_ID]))
-        devices = os.environ.get(ENV_LOCAL_DEVICES)
-        if devices:
-            kwargs.setdefault("local_device_ids", [int(i) for i in devices.split(",")])
+    process (explicit keyword arguments win). Call it once per process,
+    before any JAX computation; a second call raises a RuntimeError."""
+    if jax.distributed.is_initialized():
+        raise RuntimeError("pk_jax.distributed.initialize: this process already joined its "
+                           "job (jax.distributed is initialized); call it once per process, "
+                           "before any JAX computation")
+    for key, value in launch_settings().items():
+        kwargs.setdefault(key, value)
     jax.distributed.initialize(**kwargs)

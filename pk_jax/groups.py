@@ -22,6 +22,10 @@ def axis_names(axis_name: str | Sequence[str]) -> tuple[str, ...]:
         names = (axis_name,)
     if not names:
         raise ValueError("axis_name must name at least one mesh axis")
+    repeated = sorted({str(a) for a in names if names.count(a) > 1})
+    if repeated:
+        raise ValueError(f"axis_name {names} names mesh axis {', '.join(repeated)} more than "
+                         "once; a tuple of axis names must name each axis at most once")
     return names
 
 

@@ -10,6 +10,10 @@ i drives GPUs i*k .. i*k+k-1). The script calls
 prefixed with the process id; the launcher returns the first non-zero exit
 code (and stops the other processes when one fails).
 
+Every process is watched: when one exits with an error, the others get
+SIGTERM, then SIGKILL if they are still running `--kill-after` seconds later
+(a process blocked on a dead peer may never notice the SIGTERM).
+
 Under SLURM (`srun`) or Open MPI (`mpirun`), start the script with them
 instead: `pk_jax.distributed.initialize()` then is `jax.distributed.initialize()`,
 which finds the job's layout itself.
@@ -18,6 +22,7 @@ which finds the job's layout itself.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import subprocess
@@ -41,49 +46,99 @@ def _pump(stream, prefix: str, out) -> None:
         out.flush()
 
 
-def main(argv: list[str] | None = None) -> int:
+KILL_AFTER_S = 10.0  # default grace period between SIGTERM and SIGKILL
+_POLL_S = 0.05
+
+
+def stop(procs: list[subprocess.Popen], kill_after_s: float) -> None:
+    """SIGTERM every process still running, SIGKILL those still running
+    `kill_after_s` seconds later, and reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + kill_after_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
+
+
+def supervise(procs: list[subprocess.Popen], kill_after_s: float) -> int:
+    """Wait for every process (polling all of them, not only the first
+    still running); on the first failure stop the others (`stop`) and
+    return its exit code; 0 when all exit with 0."""
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((c for c in codes if c not in (None, 0)), None)
+            if failed is not None:
+                stop(procs, kill_after_s)
+                return failed
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(_POLL_S)
+    except BaseException:  # Ctrl-C or an error of the launcher itself: no orphans
+        stop(procs, kill_after_s)
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m pk_jax.launch", description=__doc__.split(
         "\n\n")[0])
-    parser.add_argument("-n", "--num-processes", type=int, required=True)
+    parser.add_argument("-n", "--num-processes", type=int, required=True,
+                        help="processes to start (>= 1)")
     parser.add_argument("--gpus-per-process", type=int, default=None,
-                        help="GPUs each process drives (default: 1 when GPUs are visible; "
-                             "0: set none)")
+                        help="GPUs each process drives (>= 0; default: 1 when GPUs are "
+                             "visible; 0: set none)")
+    parser.add_argument("--kill-after", type=float, default=KILL_AFTER_S, metavar="SECONDS",
+                        help="after a process fails, seconds between SIGTERM and SIGKILL for "
+                             f"the others (> 0, default {KILL_AFTER_S:g})")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.num_processes < 1:
-        parser.error("-n must be >= 1")
+        parser.error(f"-n/--num-processes must be >= 1, got {args.num_processes}")
+    if args.gpus_per_process is not None and args.gpus_per_process < 0:
+        parser.error(f"--gpus-per-process must be >= 0 (0: set no GPUs), got "
+                     f"{args.gpus_per_process}")
+    if not (math.isfinite(args.kill_after) and args.kill_after > 0):
+        parser.error(f"--kill-after must be a finite number of seconds > 0, got "
+                     f"{args.kill_after}")
     gpus = args.gpus_per_process
     if gpus is None:
         gpus = 1 if os.path.exists("/dev/nvidia0") else 0
     address = f"127.0.0.1:{_free_port()}"
     procs, pumps = [], []
-    for i in range(args.num_processes):
-        env = dict(os.environ)
-        env.update({ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(args.num_processes),
-                    ENV_PROCESS_ID: str(i)})
-        if gpus:
-            env[ENV_LOCAL_DEVICES] = ",".join(str(i * gpus + g) for g in range(gpus))
-        env.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
-        proc = subprocess.Popen([sys.executable, args.script, *args.args], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{i}] ", sys.stdout),
-                                daemon=True)
-        pump.start()
-        procs.append(proc)
-        pumps.append(pump)
-    code = 0
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-        if failed and not code:
-            code = failed[0]
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-        time.sleep(0.1)
+    try:
+        for i in range(args.num_processes):
+            env = dict(os.environ)
+            env.update({ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(args.num_processes),
+                        ENV_PROCESS_ID: str(i)})
+            if gpus:
+                env[ENV_LOCAL_DEVICES] = ",".join(str(i * gpus + g) for g in range(gpus))
+            env.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast, ever
+            proc = subprocess.Popen([sys.executable, args.script, *args.args], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            procs.append(proc)
+            pump = threading.Thread(target=_pump, args=(proc.stdout, f"[{i}] ", sys.stdout),
+                                    daemon=True)
+            pump.start()
+            pumps.append(pump)
+    except BaseException:
+        stop(procs, args.kill_after)
+        raise
+    code = supervise(procs, args.kill_after)
     for pump in pumps:
         pump.join(timeout=5)
-    return code or next((p.returncode for p in procs if p.returncode), 0)
+    return code if code >= 0 else 128 - code  # killed by signal s: 128 + s, as a shell says
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from pk_jax._compat import make_varying, varying_axes
 
 AxisName = str | Sequence[str]
 
-# Mask value of the attention scores: finite, so fully masked rows give no inf - inf.
+# The log-sum-exp of a row that sees no key (finite: no inf - inf downstream).
 NEG = -1e30
 
 
@@ -96,24 +96,34 @@ def _grouped(x: jax.Array, kv_heads: int) -> jax.Array:
 def _scores(q5, k, q_pos, k_pos, causal: bool, scale: float):
     """Scaled fp32 scores [B, K, G, S, T] of q5 [B, S, K, G, D] against one
     K block [B, T, K, D], and the causal visibility [S, T] (None if not causal)."""
-    s = jnp.einsum("bskgd,btkd->bkgst", q5, k.astype(jnp.float32),
-                   preferred_element_type=jnp.float32) * scale
+    # The scale goes on q, not on the dot's result: a product x * scale
+    # feeding `x * scale - max` may be contracted into one FMA that skips the
+    # product's rounding, and at large scales that changes an exponent by
+    # thousands; a dot's result is rounded once, wherever it is read.
+    s = jnp.einsum("bskgd,btkd->bkgst", q5 * jnp.float32(scale), k.astype(jnp.float32),
+                   preferred_element_type=jnp.float32)
     return s, (q_pos[:, None] >= k_pos[None, :]) if causal else None
 
 
 def _block_update(state, q5, k, v, q_pos, k_pos, causal: bool, scale: float):
     """Merge attention of q5 [B, S, K, G, D] to one K/V block [B, T, K, D]
-    into the running (max, sum, output) state; all in fp32."""
+    into the running (max, sum, output) state; all in fp32.
+
+    The running max bounds every exponent, whatever the scale or the
+    logits: the max and the exponentials read the same rounded scores
+    (`_scores`), and every exponent is clamped at 0 besides. Masked scores
+    are -inf (no finite mask value stays below every real score at huge
+    scales); a row that sees no key yet keeps max -inf and adds nothing,
+    with no -inf - -inf anywhere."""
     m, l, acc = state
     s, visible = _scores(q5, k, q_pos, k_pos, causal, scale)
     if causal:
-        s = jnp.where(visible, s, NEG)
+        s = jnp.where(visible, s, -jnp.inf)
     # The max only stabilizes the exponentials: the result does not depend on it.
     m_new = lax.stop_gradient(jnp.maximum(m, s.max(axis=-1)))
-    p = jnp.exp(s - m_new[..., None])
-    if causal:  # rows with nothing visible yet have m_new == NEG and exp(0) == 1
-        p = jnp.where(visible, p, 0.0)
-    alpha = jnp.exp(m - m_new)
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: any finite value
+    p = jnp.exp(jnp.minimum(s - m_ref[..., None], 0.0))
+    alpha = jnp.exp(jnp.minimum(m - m_ref, 0.0))
     l = alpha * l + p.sum(axis=-1)
     pv = jnp.einsum("bkgst,btkd->bkgsd", p, v.astype(jnp.float32),
                     preferred_element_type=jnp.float32)
@@ -134,7 +144,7 @@ def ring_perm(n: int) -> list[tuple[int, int]]:
 def _init_state(q5: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(running max, running sum, running output) for q5 [B, S, K, G, D]."""
     b, s, kh, g, d = q5.shape
-    m = jnp.full((b, kh, g, s), NEG, jnp.float32)
+    m = jnp.full((b, kh, g, s), -jnp.inf, jnp.float32)
     return m, jnp.zeros_like(m), jnp.zeros((b, kh, g, s, d), jnp.float32)
 
 
@@ -196,7 +206,7 @@ def attention_block_grads(q, dout, lse, delta, k, v, q_pos, k_pos, *, causal: bo
     lse4, delta4 = (x.astype(jnp.float32).reshape(b, kh, hq // kh, s) for x in (lse, delta))
     kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
     sc, visible = _scores(q5, kf, q_pos, k_pos, causal, scale)
-    p = jnp.exp(sc - lse4[..., None])
+    p = jnp.exp(jnp.minimum(sc - lse4[..., None], 0.0))  # p <= 1: lse bounds every score
     if causal:
         p = jnp.where(visible, p, 0.0)
     dv = jnp.einsum("bkgst,bskgd->btkd", p, do5, preferred_element_type=jnp.float32)
@@ -215,9 +225,12 @@ def attention(q, k, v, *, causal: bool, scale: float, q_pos=None, k_pos=None) ->
     q_pos = jnp.arange(s) if q_pos is None else q_pos
     k_pos = jnp.arange(k.shape[1]) if k_pos is None else k_pos
     sc, visible = _scores(_grouped(q, k.shape[2]), k, q_pos, k_pos, causal, scale)
-    if causal:
-        sc = jnp.where(visible, sc, NEG)
-    p = jax.nn.softmax(sc, axis=-1)
+    if causal:  # -inf: below every real score at any scale; a row seeing nothing gets 0
+        sc = jnp.where(visible, sc, -jnp.inf)
+    m = jnp.max(sc, axis=-1, keepdims=True)
+    e = jnp.exp(sc - jnp.where(m == -jnp.inf, 0.0, m))
+    total = e.sum(axis=-1, keepdims=True)
+    p = e / jnp.where(total > 0, total, 1.0)
     o = jnp.einsum("bkgst,btkd->bskgd", p, v.astype(jnp.float32))
     return o.reshape(b, s, hq, v.shape[3])
 

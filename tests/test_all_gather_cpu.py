@@ -154,6 +154,46 @@ def test_bad_axis():
         jax.jit(f)(jnp.ones((4, 2)))
 
 
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(axis=None), TypeError, "axis must be an int .*None"),
+    (dict(axis="0"), TypeError, "axis must be an int .*'0'"),
+    (dict(axis=1.0), TypeError, "axis must be an int"),
+    (dict(tiled="no"), TypeError, "tiled must be a bool"),
+    (dict(num_blocks=2**31), ValueError, "num_blocks must be in 1..2147483647, got 2147483648"),
+    (dict(num_blocks=0), ValueError, "num_blocks must be in 1.."),
+    (dict(num_blocks=4.0), TypeError, "num_blocks must be an int"),
+])
+def test_bad_arguments_are_named(kw, exc, match):
+    mesh = cpu_mesh((2,), ("x",))
+    f = jax.shard_map(lambda a: pk_jax.all_gather(a, "x", **kw), mesh=mesh,
+                      in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(exc, match=match):
+        jax.jit(f)(jnp.ones((4, 2)))
+
+
+def test_repeated_axis_in_a_tuple_is_named():
+    mesh = cpu_mesh((2, 2), ("x", "y"))
+    f = jax.shard_map(lambda a: pk_jax.all_gather(a, ("x", "y", "x")), mesh=mesh,
+                      in_specs=P("x"), out_specs=P("x"))
+    with pytest.raises(ValueError, match="names mesh axis x more than once"):
+        jax.jit(f)(jnp.ones((4, 2)))
+
+
+@pytest.mark.parametrize("mechanism", ["auto", "ld_st_push", "xla"])
+@pytest.mark.parametrize("shape,axis,tiled,want", [((0, 3), 0, True, (0, 3)),
+                                                   ((0,), -1, True, (0,)),
+                                                   ((4, 0), 1, True, (4, 0)),
+                                                   ((0, 3), 0, False, (2, 0, 3))])
+def test_empty_shards(mechanism, shape, axis, tiled, want):
+    """Zero-size shards, also along the gathered axis (which lax refuses):
+    the empty result of the right shape."""
+    mesh = cpu_mesh((2,), ("x",))
+    f = jax.shard_map(lambda a: pk_jax.all_gather(a, "x", axis=axis, tiled=tiled,
+                                                  mechanism=mechanism),
+                      mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+    assert jax.jit(f)(jnp.ones(shape)).shape == want
+
+
 def test_unbound_axis_name():
     mesh = cpu_mesh((2,), ("x",))
     f = jax.shard_map(lambda a: pk_jax.all_gather(a, "nope"), mesh=mesh,

@@ -211,19 +211,33 @@ def test_bool_is_summed_as_int32_like_psum():
     np.testing.assert_array_equal(ours, _run(mesh, lambda a: lax.psum(a, "x"), x, P("x"), P()))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(mechanism="nvls"), "mechanism must be one of"),
-    (dict(scatter_dimension=2), "scatter_dimension=2 out of range"),
-    (dict(scatter_dimension=True), "scatter_dimension must be an int"),
-    (dict(scatter_dimension=1), "scatter_dimension=1 has size 3, not a multiple"),
-    (dict(scatter_dimension=0, tiled=False), "scatter_dimension=0 has size 4; tiled=False"),
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(mechanism="nvls"), ValueError, "mechanism must be one of"),
+    (dict(scatter_dimension=2), ValueError, "scatter_dimension=2 out of range"),
+    (dict(scatter_dimension=True), TypeError, "scatter_dimension must be an int"),
+    (dict(scatter_dimension=0.0), TypeError, "scatter_dimension must be an int.*0.0"),
+    (dict(tiled="yes"), TypeError, "tiled must be a bool"),
+    (dict(scatter_dimension=1), ValueError, "scatter_dimension=1 has size 3, not a multiple"),
+    (dict(scatter_dimension=0, tiled=False), ValueError,
+     "scatter_dimension=0 has size 4; tiled=False"),
 ])
-def test_reduce_scatter_bad_arguments(kwargs, match):
+def test_reduce_scatter_bad_arguments(kwargs, exc, match):
     mesh = cpu_mesh((2,), ("x",))
     f = jax.shard_map(lambda a: pk_jax.reduce_scatter(a, "x", **kwargs), mesh=mesh,
                       in_specs=P("x"), out_specs=P("x"))
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(exc, match=match):
         jax.jit(f)(jnp.ones((8, 3)))
+
+
+@pytest.mark.parametrize("shape,tiled,want", [((0, 3), True, (0, 3)), ((2, 0), False, (0,)),
+                                              ((4, 0), True, (2, 0))])
+def test_reduce_scatter_of_empty_arrays(shape, tiled, want):
+    """An empty x gives the empty chunk (lax refuses some of these shapes)."""
+    mesh = cpu_mesh((2,), ("x",))
+    f = jax.shard_map(lambda a: pk_jax.reduce_scatter(a, "x", tiled=tiled), mesh=mesh,
+                      in_specs=P(), out_specs=P("x"))
+    out = jax.jit(f)(jnp.ones(shape))
+    assert out.shape == (want[0] * 2,) + want[1:]  # the chunks of 2 devices
 
 
 def test_all_reduce_bad_mechanism():

@@ -55,10 +55,40 @@ def test_workspace_size_only_before_allocation():
     (dict(timeout_s=0), "timeout_s"), (dict(timeout_s=1e-12), "timeout_s"),
     (dict(timeout_s=1e10), "timeout_s"), (dict(timeout_s=float("inf")), "timeout_s"),
     (dict(timeout_s=float("nan")), "timeout_s"), (dict(workspace_bytes=-1), "workspace_bytes"),
-    (dict(workspace_bytes=1 << 50), "workspace_bytes")])
+    (dict(workspace_bytes=1 << 50), "workspace_bytes"),
+    (dict(workspace_bytes=1.9), "workspace_bytes must be a whole number, got 1.9"),
+    (dict(workspace_bytes=float("nan")), "workspace_bytes must be finite"),
+    (dict(workspace_bytes=float("inf")), "workspace_bytes must be finite")])
 def test_configure_rejects_bad_values(kwargs, match):
+    before = pk_jax.get_config()
     with pytest.raises(ValueError, match=match):
         pk_jax.configure(**kwargs)
+    assert pk_jax.get_config() == before
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(timeout_s=True), "timeout_s must be a real number, got True \\(bool\\)"),
+    (dict(timeout_s="abc"), "timeout_s must be a real number, got 'abc'"),
+    (dict(workspace_bytes="1e9"), "workspace_bytes must be an integer, got '1e9'"),
+    (dict(workspace_bytes=False), "workspace_bytes must be an integer")])
+def test_configure_rejects_bad_types(kwargs, match):
+    before = pk_jax.get_config()
+    with pytest.raises(TypeError, match=match):
+        pk_jax.configure(**kwargs)
+    assert pk_jax.get_config() == before
+
+
+def test_configure_takes_integral_floats_and_numpy_numbers():
+    import numpy as np
+    saved = pk_jax.get_config()
+    try:
+        cfg = pk_jax.configure(timeout_s=np.float32(0.5))
+        assert cfg.timeout_s == 0.5 and type(cfg.timeout_s) is float
+        if not runtime.initialized():  # the workspace size is still free
+            cfg = pk_jax.configure(workspace_bytes=2e6)
+            assert cfg.workspace_bytes == 2_000_000 and type(cfg.workspace_bytes) is int
+    finally:
+        pk_jax.configure(workspace_bytes=saved.workspace_bytes, timeout_s=saved.timeout_s)
 
 
 def _config_in_subprocess(env):
@@ -75,9 +105,20 @@ def test_environment_variables(monkeypatch):
     assert proc.stdout.split() == ["4096", "2.5"]
 
 
-@pytest.mark.parametrize("name,raw", [("PK_JAX_TIMEOUT_S", "soon"),
-                                      ("PK_JAX_WORKSPACE_BYTES", "1GB")])
-def test_bad_environment_variable_is_named(name, raw):
+@pytest.mark.parametrize("name,raw,why", [
+    ("PK_JAX_TIMEOUT_S", "soon", "not a valid number"),
+    ("PK_JAX_TIMEOUT_S", "nan", "must be finite"),
+    ("PK_JAX_WORKSPACE_BYTES", "1GB", "not a valid integer"),
+    ("PK_JAX_WORKSPACE_BYTES", "1.9", "must be a whole number"),
+    ("PK_JAX_WORKSPACE_BYTES", "-4096", "workspace_bytes must be")])
+def test_bad_environment_variable_is_named(name, raw, why):
     import os
     proc = _config_in_subprocess(dict(os.environ, **{name: raw}))
-    assert proc.returncode != 0 and name in proc.stderr
+    assert proc.returncode != 0 and f"{name}={raw!r}" in proc.stderr and why in proc.stderr, \
+        proc.stderr[-500:]
+
+
+def test_integral_float_environment_variable(monkeypatch):
+    import os
+    proc = _config_in_subprocess(dict(os.environ, PK_JAX_WORKSPACE_BYTES="1e6"))
+    assert proc.returncode == 0 and proc.stdout.split()[0] == "1000000", proc.stderr

@@ -223,3 +223,12 @@ def test_no_import_cycles():
     for m in sorted(graph):
         if m not in state:
             visit(m, [])
+
+
+def test_primitive_modules_import_no_op_module():
+    """A primitive module (ops/*_primitive.py) builds on primitives and the
+    lowering helpers, never on a public op module (ops/<op>.py)."""
+    for path in sorted((ROOT / "pk_jax" / "ops").glob("*_primitive.py")):
+        ops = {i.split(".")[2] for i in _imports(path, "pk_jax.ops") if i.count(".") >= 2}
+        public = {m for m in ops if not m.startswith("_") and not m.endswith("_primitive")}
+        assert not public, f"{path.name} imports {sorted(public)}"

@@ -147,3 +147,51 @@ def test_cuda_lowering_float32_result(cuda_lowering):
     hlo = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     (call,) = _calls(hlo)
     assert "tensor<256x32xf32>" in hlo and ffi_attr(call[1], "kind") == "0"
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])  # the kernel path, the reference
+def test_int64_group_sizes_do_not_wrap(rng, dtype):
+    """With x64 on, a group size of 2^32 + 1 means "past row M" (the group
+    takes every remaining row), not 1; so does 2^31; -2^32 + 1 is negative
+    (no rows), not 1. Equal to lax.ragged_dot on the clamped sizes."""
+    m, k, n = 24, 16, 8
+    x, w, t = inputs(rng, m, k, n, 3, dtype)
+    with jax.enable_x64(True):
+        for sizes in ([5, 2**32 + 1, 3], [-2**32 + 1, 7, 2**31]):
+            s = jnp.asarray(sizes, jnp.int64)
+            out = jax.jit(pk_jax.grouped_matmul)(x, w, s)
+            tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+            assert rel_err(out, dense(x, w, sizes)) < tol, sizes
+            dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(
+                pk_jax.grouped_matmul(x, w, s).astype(jnp.float32) * t), (0, 1)))(x, w)
+            want_dx, want_dw = dense_grads(x, w, sizes, t)
+            assert rel_err(dx, want_dx) < tol and rel_err(dw, want_dw) < tol, sizes
+
+
+def test_clamped_sizes_saturate_without_int32_overflow():
+    """Many groups of nearly 2^31 rows each: the running sum saturates at M
+    instead of wrapping negative."""
+    sizes = jnp.full((4,), 2**31 - 1, jnp.int32)
+    np.testing.assert_array_equal(np.asarray(prim.clamped_sizes(sizes, 2**31 - 2)),
+                                  [2**31 - 2, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(prim.clamped_sizes(jnp.asarray([3, -4, 9, 2]), 10)),
+                                  [3, 0, 7, 0])
+
+
+def test_float64_is_computed_in_float64(rng):
+    """float64 operands accumulate in float64 (the XLA path): the result is
+    the float64 dense product to float64 precision, not fp32's."""
+    m, k, n, sizes = 16, 8, 8, [5, 11]
+    with jax.enable_x64(True):
+        x, w = (jnp.asarray(rng.standard_normal(sh), jnp.float64) for sh in ((m, k), (2, k, n)))
+        out = pk_jax.grouped_matmul(x, w, jnp.asarray(sizes))
+        assert out.dtype == jnp.float64
+        assert rel_err(out, dense(x, w, sizes)) < 1e-13
+        out32 = pk_jax.grouped_matmul(x, w, jnp.asarray(sizes), preferred_element_type=jnp.float32)
+        assert out32.dtype == jnp.float32 and rel_err(out32, dense(x, w, sizes)) < 1e-7
+
+
+def test_unknown_preferred_element_type_is_named():
+    x, w = jnp.ones((4, 8)), jnp.ones((2, 8, 8))
+    with pytest.raises(TypeError, match="preferred_element_type must be a dtype.*'bogus'"):
+        pk_jax.grouped_matmul(x, w, jnp.asarray([2, 2]), preferred_element_type="bogus")

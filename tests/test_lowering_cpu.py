@@ -279,3 +279,27 @@ def test_ring_attention_mechanisms_get_their_own_channels(cuda_lowering):
     offsets = [int(ffi_attr(c, "data_offset")) for c in calls]
     assert len(calls) == 4 and len(set(slots[:3])) == 3 and slots[3] == slots[1]
     assert len(set(offsets[:3])) == 3 and offsets[3] == offsets[1]
+
+
+def test_command_buffer_targets_reads_the_outlined_computations():
+    """What the GPU tests use to assert that a custom call was captured in a
+    command buffer: the targets inside XLA's `command_buffer` computations,
+    not those the entry computation runs itself."""
+    from helpers.gpu_util import command_buffer_targets
+    hlo = "\n".join([
+        "HloModule jit_f, is_scheduled=true",
+        "%command_buffer (p: u32[8]) -> u32[16] {",
+        "  %p = u32[8]{0} parameter(0)",
+        '  ROOT %cc = u32[16]{0} custom-call(%p), custom_call_target="pk_all_gather", '
+        "api_version=API_VERSION_TYPED_FFI",
+        "}",
+        "%command_buffer.3 (p.1: f32[4]) -> f32[4] {",
+        '  ROOT %cc.1 = f32[4]{0} custom-call(%p.1), custom_call_target="pk_all_reduce"',
+        "}",
+        "ENTRY %main.9 (x: u32[8], y: f32[4]) -> (u32[16], f32[4], f32[4]) {",
+        "  %x = u32[8]{0} parameter(0)",
+        "  %call = u32[16]{0} call(%x), to_apply=%command_buffer",
+        '  %cc.2 = f32[4]{0} custom-call(%y), custom_call_target="pk_matmul_all_reduce"',
+        "}"])
+    assert command_buffer_targets(hlo) == {"pk_all_gather", "pk_all_reduce"}
+    assert command_buffer_targets(hlo.replace("command_buffer", "fused_computation")) == set()

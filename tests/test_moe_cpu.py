@@ -67,6 +67,10 @@ def test_all_to_all_errors():
         call(split_axis=2, concat_axis=0)
     with pytest.raises(ValueError, match="mechanism"):
         call(split_axis=1, concat_axis=0, mechanism="nccl")
+    with pytest.raises(TypeError, match="split_axis must be an int .*0.0"):
+        call(split_axis=0.0, concat_axis=0)
+    with pytest.raises(TypeError, match="concat_axis must be an int"):
+        call(split_axis=0, concat_axis="1")
 
 
 # ---- dispatch / combine -----------------------------------------------------------
@@ -239,7 +243,8 @@ def test_capacity_drops_and_counts(rng, sharding_mode, capacity):
     n, e = 4, 8
     f = _moe_fn(mesh, e, capacity=capacity, extra=True)
     out, rows, sizes, _, _, dest_row, dropped, invalid = f(*args)
-    assert rows.shape == (n * 2 * capacity, 8)
+    # 2 local experts x the capacity, clamped at every slot of the axis (n * t * k = 48)
+    assert rows.shape == (n * 2 * min(capacity, 48), 8)
     np.testing.assert_array_equal(np.asarray(dropped), (~keep).reshape(n, -1).sum(1))
     assert np.asarray(invalid).sum() == 0
     assert ((np.asarray(dest_row) >= 0) == keep).all()
@@ -291,6 +296,48 @@ def test_dispatch_and_combine_are_transposes(rng):
         *_put(mesh, P("ep"), x, ids, w, r))
     lhs, rhs, lhs_c, rhs_c = np.asarray(vals)[0]
     assert abs(lhs - rhs) < 1e-4 * abs(lhs) and abs(lhs_c - rhs_c) < 1e-4 * abs(lhs_c)
+
+
+def test_int64_ids_beyond_int32_are_invalid_not_wrapped(rng):
+    """With x64 on, an id of 2^32 + 3 is out of range (counted in
+    num_invalid, no row), not expert 3; so are 2^31 and -2^32 + 1."""
+    mesh = cpu_mesh((4,), ("ep",))
+    n, t, k, e = 4, 6, 2, 8
+    x, ids, w, wts = _inputs(rng, n, t, k, 8, e)
+    with jax.enable_x64(True):
+        bad = np.asarray(ids).astype(np.int64)
+        bad[0, 1], bad[7, 0], bad[23, 1] = 2**32 + 3, 2**31, -2**32 + 1
+        bad = jnp.asarray(bad, jnp.int64)
+        out = _moe_fn(mesh, e, extra=True)(*_put(mesh, P("ep"), x, bad, w, wts))
+        np.testing.assert_array_equal(np.asarray(out[7]), [1, 1, 0, 1])
+        assert int(np.asarray(out[2]).sum()) == n * t * k - 3
+        want = _dense(x, jnp.asarray(np.where((bad >= 0) & (bad < e), bad, -1), jnp.int32),
+                      w, wts, e)
+    assert rel_err(out[0], want) < 1e-5
+
+
+def test_capacity_clamped_and_int32_row_bounds():
+    """A capacity above every slot of the axis (n * T * k) drops nothing and
+    is clamped to it (10**9 and 2**31 give 2 * 32 rows, not billions); row
+    counts past int32 are refused naming the argument."""
+    mesh = cpu_mesh((4,), ("ep",))
+
+    def rows_shape(x, ids, **kw):
+        f = jax.shard_map(lambda a, b: pk_jax.moe_dispatch(a, b, "ep", **kw)[0], mesh=mesh,
+                          in_specs=P("ep"), out_specs=P("ep"))
+        return jax.eval_shape(f, x, ids).shape
+    x, ids = jnp.ones((16, 4)), jnp.zeros((16, 2), jnp.int32)  # T = 4, k = 2 per rank
+    for capacity in (32, 10**9, 2**31, 2**70):
+        assert rows_shape(x, ids, num_experts=8, capacity=capacity) == (4 * 2 * 32, 4)
+    assert rows_shape(x, ids, num_experts=8, capacity=3) == (4 * 2 * 3, 4)
+    shapes = lambda t, k: (jax.ShapeDtypeStruct((4 * t, 4), jnp.float32),
+                           jax.ShapeDtypeStruct((4 * t, k), jnp.int32))
+    with pytest.raises(ValueError, match="slots: row indices are int32"):
+        rows_shape(*shapes(2**28, 2), num_experts=8)  # 4 x 2^28 x 2 = 2^31 slots
+    with pytest.raises(ValueError, match="capacity=.*rows per rank: row indices are int32"):
+        rows_shape(*shapes(2**27, 1), num_experts=4 * 64, capacity=2**26)  # 64 x 2^26 rows
+    with pytest.raises(ValueError, match="num_experts=.* below 2\\^31"):
+        rows_shape(x, ids, num_experts=4 * 2**30)
 
 
 def test_static_errors():

@@ -229,6 +229,30 @@ def test_attention_cross_lengths(rng):
     _check_grads(f, ref, (q, k, v))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_value_head_dim(rng, causal):
+    """Values with their own head dim Dv (jax.nn refuses them): plain
+    attention per device, never the ring; values and gradients against a
+    softmax written out (GQA: 4 query heads on 2 kv heads)."""
+    mesh = cpu_mesh((2,), ("x",))
+    q = _put(mesh, rng, (2, 8, 4, 8), P(None, "x"))
+    k, v = _put(mesh, rng, (2, 8, 2, 8), P(None, "x")), _put(mesh, rng, (2, 8, 2, 3), P(None, "x"))
+    f = lambda q, k, v: pk_jax.dot_product_attention(q, k, v, causal=causal, scale=0.4)
+
+    def ref(q, k, v):
+        k, v = jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2)
+        s = jnp.einsum("bshd,bthd->bhst", q, k) * 0.4
+        if causal:
+            s = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), s, -jnp.inf)
+        return jnp.einsum("bhst,bthe->bshe", jax.nn.softmax(s, axis=-1), v)
+    jax.clear_caches()
+    with record_routes() as routes:
+        y = jax.jit(f)(q, k, v)
+    assert _routes(routes, "attention") == {("attention", ())}
+    assert y.shape == (2, 8, 4, 3) and _rel(y, ref(*(np.asarray(a) for a in (q, k, v)))) < 1e-5
+    _check_grads(f, ref, (q, k, v))
+
+
 # ---- Flax models not written for pk_jax -----------------------------------------
 class _Mlp(nnx.Module):
     def __init__(self, dot_general, rngs, out_sharding=None):
@@ -416,3 +440,33 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="scale must be finite"):
         x = jnp.ones((1, 4, 2, 8))
         pk_jax.dot_product_attention(x, x, x, scale=float("inf"))
+    with pytest.raises(TypeError, match="causal must be a bool .*'no'"):
+        pk_jax.dot_product_attention(x, x, x, causal="no")
+    empty = jnp.ones((1, 4, 2, 0))  # head dim 0: the empty result, as jax.nn
+    assert pk_jax.dot_product_attention(empty, empty, empty).shape == empty.shape
+
+
+@pytest.mark.parametrize("dims", [((1, 0), ((), ())), "nope", (((1,), (0,)),),
+                                  (((1.0,), (0,)), ((), ())), (((1,), (0,)), ((), (), ()))])
+def test_malformed_dimension_numbers_are_named(dims):
+    with pytest.raises(TypeError, match="dimension_numbers must be \\(\\(lhs_contracting"):
+        pk_jax.dot_general(jnp.ones((4, 3)), jnp.ones((3, 2)), dims)
+
+
+def test_bad_preferred_element_type_and_out_sharding_are_named(rng, sharding_mode):
+    x, w = jnp.ones((4, 3)), jnp.ones((3, 2))
+    with pytest.raises(TypeError, match="preferred_element_type must be a dtype.*'bogus'"):
+        pk_jax.matmul(x, w, preferred_element_type="bogus")
+    mesh = cpu_mesh((2,), ("x",))
+    xs = _put(mesh, rng, (4, 3), P("x"))
+    f = lambda spec: jax.jit(lambda a, b: pk_jax.matmul(a, b, out_sharding=spec))
+    # Auto: no mesh names the spec's axes; Explicit: the operands' mesh does
+    no_mesh = ("PartitionSpec, which needs a mesh" if sharding_mode == "auto" else
+               "names mesh axes \\['nope'\\]")
+    with pytest.raises(ValueError, match="out_sharding=.*nope.*" + no_mesh):
+        f(P("nope"))(xs, w)
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match="names mesh axes \\['nope'\\].*its axes: \\['x'\\]"):
+            f(P("nope"))(xs, w)
+        y = f(P("x"))(xs, w)  # a valid spec of the context's mesh
+    assert _rel(y, np.asarray(xs) @ np.asarray(w)) < 1e-6

@@ -1,37 +1,54 @@
 """A model of the fused ring backward's stream protocol
 (csrc/kernels/ring_attention_bwd/ring_attention_bwd.cu: enqueue and
-side_step, kept in step with it by hand): every rank's main and side streams
-as lists of waits, events, slot reads and writes, copies and posts, run in
-random interleavings. Checks, for rings of 2 .. 9: no deadlock, every
-posted[] flag grows monotonically (posts to prev and next share it at n = 2),
-and every read (a block kernel, an add, a forwarding copy) sees the content
-it expects, unchanged from its start to its end (so the two K/V slots and the
-partial slot are never overwritten under a reader). Two broken variants must
-fail: without the credit wait a slot is overwritten, and with the credit
-posted after the wait the ring deadlocks. Post indices come from the header's
-make_posts, parsed."""
+side_step): every rank's main and side streams as lists of waits, events,
+slot reads and writes, copies and posts, run in random interleavings.
+Checks, for rings of 2 .. 9: no deadlock, every posted[] flag grows
+monotonically (posts to prev and next share it at n = 2), and every read (a
+block kernel, an add, a forwarding copy) sees the content it expects,
+unchanged from its start to its end (so the two K/V slots and the partial
+slot are never overwritten under a reader). Two broken variants must fail:
+without the credit wait a slot is overwritten, and with the credit posted
+after the wait the ring deadlocks.
 
+The post indices the streams use are not a copy: they are what the header's
+make_posts computes, compiled for the host (tests/native/bwd_posts_check.cc)
+and read at test time, so a change of the header's post order is checked by
+the model as it is."""
+
+import os
 import random
-import re
+import subprocess
 
 import pytest
 
-from test_constants_cpu import _source
+from conftest import build_native, cuda_home
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N_MAX_MODEL = 9  # ring sizes the model runs (each interleaving grows with n)
 
 
-def make_posts(n):
-    kv, partial, credit = {}, {}, {}
-    i = 0; kv[1] = i; i += 1
-    home = None
-    for s in range(n):
-        if s >= 1: credit[s] = i; i += 1
-        if s < n - 1: partial[s + 1] = i; i += 1
-        else: home = i; i += 1
-        if s + 2 <= n - 1: kv[s + 2] = i; i += 1
-    return kv, partial, credit, home, i
+@pytest.fixture(scope="module")
+def posts(tmp_path_factory):
+    """{n: (kv, partial, credit, home, count)} from the header's make_posts,
+    kv / partial / credit as {step: index}."""
+    cuda = cuda_home()
+    include = (os.path.join(cuda, "include") if cuda else
+               os.path.join(ROOT, "tests", "native", "host_stub"))
+    exe = build_native("bwd_posts_check.cc", tmp_path_factory.mktemp("posts") / "bwd_posts",
+                       (include,))
+    out = subprocess.run([exe], capture_output=True, text=True, check=True, timeout=60).stdout
+    table = {}
+    for line in out.strip().splitlines():
+        head, kv, partial, credit = line.split("|")
+        n, count, home = (int(v) for v in head.split())
+        steps = lambda field: dict(zip(range(1, n), (int(v) for v in field.split())))
+        table[n] = (steps(kv), steps(partial), steps(credit), home, count)
+    return table
 
-def build(n, r, credit_wait=True, credit_first=True):
-    kv, partial, credit, home, count = make_posts(n)
+
+def build(posts, r, credit_wait=True, credit_first=True):
+    kv, partial, credit, home, count = posts
+    n = len(kv) + 1
     prev, nxt = (r - 1) % n, (r + 1) % n
     main, side = [], []
     ev = {"fork": 0, "join": 0}
@@ -73,11 +90,12 @@ def build(n, r, credit_wait=True, credit_first=True):
     main.append(("read", (r, "partial"), ("home", r)))
     return main, side
 
-def run(n, seed, **variant):
+def run(posts, seed, **variant):
     rnd = random.Random(seed)
+    n = len(posts[0]) + 1
     streams = {}
     for r in range(n):
-        m, s = build(n, r, **variant)
+        m, s = build(posts, r, **variant)
         streams[(r, "m")] = m; streams[(r, "s")] = s
     pc = {k: 0 for k in streams}
     posted = {(r, q): -1 for r in range(n) for q in range(n)}  # posted[q] on rank r
@@ -116,31 +134,40 @@ def run(n, seed, **variant):
 
 
 
-def test_make_posts_mirrors_the_header():
-    """The model's post order is the header's (make_posts, statement for statement)."""
-    body = re.search(r"inline Posts make_posts\(int n\) \{(.*?)\n\}", _source(
-        "csrc/kernels/ring_attention_bwd/ring_attention_bwd.h"), re.S).group(1)
-    lines = [x.strip() for x in body.strip().splitlines()]
-    assert lines == ["Posts p;", "int i = 0;", "p.kv[1] = i++;", "for (int s = 0; s < n; ++s) {",
-                     "if (s >= 1) p.credit[s] = i++;", "if (s < n - 1) p.partial[s + 1] = i++;",
-                     "else p.home = i++;", "if (s + 2 <= n - 1) p.kv[s + 2] = i++;", "}",
-                     "p.count = i;", "return p;"]
-    for n in range(2, 17):
-        assert make_posts(n)[4] == 3 * n - 2
+def test_posts_from_the_header(posts):
+    """Every ring size of the header (2 .. kMaxRanks) has 3n - 2 distinct
+    posts, one index each, 0 .. 3n - 3, and kv[1] is the first."""
+    assert sorted(posts) == list(range(2, max(posts) + 1)) and max(posts) >= N_MAX_MODEL
+    for n, (kv, partial, credit, home, count) in posts.items():
+        indices = [*kv.values(), *partial.values(), *credit.values(), home]
+        assert count == 3 * n - 2 and sorted(indices) == list(range(count)), n
+        assert kv[1] == 0 and home == count - 1
 
 
-@pytest.mark.parametrize("n", range(2, 10))
-def test_protocol_is_safe_and_live(n):
+@pytest.mark.parametrize("n", range(2, N_MAX_MODEL + 1))
+def test_protocol_is_safe_and_live(posts, n):
     for seed in range(60):
-        run(n, seed)
+        run(posts[n], seed)
 
 
-def test_missing_credit_wait_overwrites_a_slot():
+def test_missing_credit_wait_overwrites_a_slot(posts):
     with pytest.raises(AssertionError, match="overwritten|reads"):
         for seed in range(60):
-            run(4, seed, credit_wait=False)
+            run(posts[4], seed, credit_wait=False)
 
 
-def test_credit_after_its_wait_deadlocks():
+def test_credit_after_its_wait_deadlocks(posts):
     with pytest.raises(AssertionError, match="deadlock"):
-        run(3, 0, credit_first=False)
+        run(posts[3], 0, credit_first=False)
+
+
+def test_the_model_follows_the_header(posts):
+    """The model runs on the compiled constants, not on a copy: a header
+    whose kv posts come after their step's partial (another order) makes the
+    same model fail."""
+    kv, partial, credit, home, count = posts[4]
+    swapped = ({s: partial.get(s, v) for s, v in kv.items()},
+               {s: kv.get(s, v) for s, v in partial.items()}, credit, home, count)
+    with pytest.raises(AssertionError, match="non-monotonic|deadlock|reads|overwritten"):
+        for seed in range(20):
+            run(swapped, seed)

@@ -303,6 +303,8 @@ def test_zigzag_errors(kw, match):
     for fn in (zigzag_shard, zigzag_unshard):
         with pytest.raises(ValueError, match=match):
             fn(x, **kw)
+        with pytest.raises(TypeError, match="seq_axis must be an int .*1.0"):
+            fn(x, 1, seq_axis=1.0)
 
 
 # ---- input checks --------------------------------------------------------------
@@ -350,6 +352,9 @@ Q, KV = (2, 16, 8, 64), (2, 16, 2, 64)
      "q, k and v must have the same dtype"),
     ((Q, KV), dict(scale="big"), TypeError, "scale must be a real number or None"),
     ((Q, KV), dict(scale=float("inf")), ValueError, "scale must be finite"),
+    ((Q, KV), dict(causal="no"), TypeError, "causal must be a bool .*'no'"),
+    ((Q, KV), dict(causal=None), TypeError, "causal must be a bool"),
+    ((Q, KV), dict(deterministic="yes"), TypeError, "deterministic must be a bool"),
 ])
 def test_bad_inputs(args, kw, exc, match):
     with pytest.raises(exc, match=match):
@@ -366,6 +371,20 @@ def test_scale_as_a_jax_scalar_and_traced(rng):
     traced = jax.jit(lambda q, k, v, s: _sharded(cpu_mesh((2,), ("sp",)), scale=s)(q, k, v))
     with pytest.raises(TypeError, match="scale must be a concrete number.*traced"):
         traced(q, k, v, jnp.float32(0.3))
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_empty_head_dim_as_jax_nn(rng, n):
+    """D = 0: the empty output jax.nn.dot_product_attention gives (not a
+    ZeroDivisionError from the default scale), and the log-sum-exp of the
+    all-zero scores, log(visible keys)."""
+    q = jnp.zeros((1, 4 * n, 2, 0))
+    f = jax.shard_map(lambda q: ring_attention(q, q, q, "sp", causal=True, return_lse=True),
+                      mesh=cpu_mesh((n,), ("sp",)), in_specs=SEQ,
+                      out_specs=(SEQ, P(None, None, "sp")), check_vma=False)
+    out, lse = jax.jit(f)(q)
+    assert out.shape == q.shape == jax.nn.dot_product_attention(q, q, q, is_causal=True).shape
+    np.testing.assert_allclose(np.asarray(lse)[0, 0], np.log(np.arange(1, 4 * n + 1)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
@@ -500,3 +519,53 @@ def test_zigzag_chunk_must_fit_tiles():
                       check_vma=False)
     with pytest.raises(ValueError, match="multiple of 256"):
         jax.eval_shape(f, jax.ShapeDtypeStruct((1, 2 * 128, 4, 64), jnp.bfloat16))
+
+
+# ---- extreme scales and logits (the pure-JAX ring) ------------------------------
+def _extreme_case(rng, dtype, case):
+    """q, k, v [1, 16, 2, 8] and a scale: huge finite scales on unit logits,
+    or huge logits (a few keys far above the rest) at the default scale."""
+    q, k, v = (np.asarray(rng.standard_normal((1, 16, 2, 8))) for _ in range(3))
+    if case == "huge_logits":
+        k[:, rng.integers(16, size=3)] *= 1e15  # scores ~1e30, finite in fp32
+        return (*(jnp.asarray(a, dtype) for a in (q, k, v)), None)
+    return (*(jnp.asarray(a, dtype) for a in (q, k, v)), {"scale_1e10": 1e10,
+                                                           "scale_1e30": 1e30}[case])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", ["scale_1e10", "scale_1e30", "huge_logits"])
+def test_pure_jax_ring_extreme_scales_and_logits(rng, dtype, causal, case):
+    """The online softmax stays exact where a score dwarfs the others: every
+    exponent is bounded by the running max (no NaN, no inf, no row summing
+    to 0), equal to jax.nn.dot_product_attention. n = 4 and zigzag give
+    blocks where every key is masked for a query (and, for the first
+    blocks of zigzag, rows that have seen nothing yet)."""
+    with jax.enable_x64(dtype == jnp.float64):
+        q, k, v, scale = _extreme_case(rng, dtype, case)
+        want = np.asarray(jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal))
+        assert np.all(np.isfinite(want))
+        for layout in ("contiguous", "zigzag"):
+            ring = _sharded(cpu_mesh((4,), ("sp",)), layout, causal=causal, scale=scale,
+                            mechanism="xla")
+            got = np.asarray(jax.jit(ring)(q, k, v))
+            assert got.dtype == dtype and np.all(np.isfinite(got)), (layout, got)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=layout)
+
+
+def test_block_update_of_a_row_that_saw_nothing_yet(rng):
+    """A block where every key is masked for a query, merged into an empty
+    state, then a visible block with a huge scale: the first leaves max -inf
+    and sum 0 (no -inf - -inf), the second gives the exact softmax."""
+    q5 = _normal(rng, (1, 4, 1, 1, 8))
+    k, v = _normal(rng, (1, 4, 1, 8)), _normal(rng, (1, 4, 1, 8))
+    q_pos = jnp.arange(4, 8)
+    state = reference._block_update(reference._init_state(q5), q5, k, v, q_pos,
+                                    jnp.arange(8, 12), True, 1e10)
+    assert np.all(np.asarray(state[0]) == -np.inf) and np.all(np.asarray(state[1]) == 0)
+    state = reference._block_update(state, q5, k, v, q_pos, jnp.arange(4), True, 1e10)
+    out, lse = reference._finish(state, (1, 4, 1, 8), jnp.float32)
+    want = jax.nn.dot_product_attention(q5[:, :, :, 0], k, v, scale=1e10)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(np.asarray(lse)))

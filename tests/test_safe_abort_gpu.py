@@ -306,6 +306,7 @@ _REPLAY = textwrap.dedent("""
     import pk_jax
     from pk_jax import runtime
     from conftest import gpu_mesh
+    from helpers.gpu_util import command_buffer_targets
 
     mesh = gpu_mesh(2)
     f = lambda: jax.jit(jax.shard_map(
@@ -314,20 +315,28 @@ _REPLAY = textwrap.dedent("""
     host = np.arange(2 * 4096, dtype=np.int32)
     x = jax.device_put(host, NamedSharding(mesh, P("x")))
     good = f()
+    # The premise: XLA put the custom call into a command buffer, so a replay
+    # runs the recorded kernel without calling the handler.
+    captured = command_buffer_targets(good.lower(x).compile().as_text())
+    assert "pk_all_gather" in captured, f"not in a command buffer: {captured}"
     for _ in range(3):  # recorded, then replayed
         np.testing.assert_array_equal(np.asarray(good(x)), np.concatenate([host, host]))
     with pk_jax.configured(timeout_s=0.2):
         with runtime.testing_skip_post(1):
             jax.block_until_ready(f()(x))   # device 0 now holds an error
-    for _ in range(3):
+    poison_checked = 0
+    for _ in range(5):
         try:
             out = good(x)
             shard0 = [np.asarray(s.data) for s in out.addressable_shards
                       if s.device == mesh.devices.flat[0]][0]
+            del out  # its buffer goes back: the next call reuses it (a replay, no update)
         except Exception as e:   # the handler ran and refused: fine
             assert "timed out" in str(e) or "pk_jax" in str(e), e
             continue
         assert np.all(shard0 == -1), "a call on a failed device returned data"
+        poison_checked += 1
+    assert poison_checked, "every call raised: no replay reached the poison check"
     with pytest.raises(pk_jax.PkJaxTimeoutError):
         pk_jax.check_errors()
     np.testing.assert_array_equal(np.asarray(good(x)), np.concatenate([host, host]))

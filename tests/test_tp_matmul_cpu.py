@@ -68,6 +68,9 @@ def test_preferred_element_type(rng):
     x, w = _normal(rng, (8, 16), jnp.bfloat16), _normal(rng, (16, 16), jnp.bfloat16)
     assert _ag_fn(mesh, preferred_element_type=jnp.float32)(x, w).dtype == jnp.float32
     assert _rs_fn(mesh, preferred_element_type=jnp.float32)(x, w).dtype == jnp.float32
+    for fn in (_ag_fn, _rs_fn):
+        with pytest.raises(TypeError, match="preferred_element_type must be a dtype.*'bogus'"):
+            fn(mesh, preferred_element_type="bogus")(x, w)
 
 
 def test_mlp_pair_gradients_match_xla(rng):

@@ -82,15 +82,7 @@ ffi::Error AttentionBlockBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyB
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     AttentionBlockBwd, AttentionBlockBwdImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()            // q [B, S, Hq, D]
-        .Arg<ffi::AnyBuffer>()            // dout [B, S, Hq, D]
-        .Arg<ffi::Buffer<ffi::F32>>()     // lse [B, Hq, S]
-        .Arg<ffi::Buffer<ffi::F32>>()     // delta' [B, Hq, S]
-        .Arg<ffi::AnyBuffer>()            // k [B, T, Hkv, D]
-        .Arg<ffi::AnyBuffer>()            // v [B, T, Hkv, D]
+    attention_bwd_operands()              // stream, ordinal, q, dout, lse, delta', k, v
         .Arg<ffi::Buffer<ffi::S32>>()     // q_rank []
         .Arg<ffi::Buffer<ffi::S32>>()     // k_rank []
         .Ret<ffi::Buffer<ffi::F32>>()     // dq [B, S, Hq, D]

@@ -5,9 +5,13 @@
 //   token positions). The kernel takes each dimension and the ring's tokens
 //   (n * S, n * T) as int; strides and offsets are 64-bit (kv_walk.cuh:
 //   TensorStrides).
-// Sets the inputs, dimensions, type and n; the outputs, ranks, mask and
-// stream are the handler's.
+// decode_attention_bwd sets the inputs, dimensions, type and n; the outputs,
+// ranks, mask and stream are the handler's. attention_bwd_operands() is the
+// start of both handlers' FFI binding: the stream, the device ordinal and
+// these six operands, in this order.
 #pragma once
+
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -63,6 +67,20 @@ inline xla::ffi::Error decode_attention_bwd(const char* op, xla::ffi::AnyBuffer 
   p->dtype = t == ffi::DataType::BF16 ? attention_bwd::DType::kBF16 : attention_bwd::DType::kF16;
   p->n = int(n);
   return ffi::Error::Success();
+}
+
+// Each handler goes on with its own operands, then its results and attributes.
+inline auto attention_bwd_operands() {
+  namespace ffi = xla::ffi;
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()          // q [B, S, Hq, D]
+      .Arg<ffi::AnyBuffer>()          // dout [B, S, Hq, D]
+      .Arg<ffi::Buffer<ffi::F32>>()   // lse [B, Hq, S]
+      .Arg<ffi::Buffer<ffi::F32>>()   // delta' [B, Hq, S]
+      .Arg<ffi::AnyBuffer>()          // k [B, T, Hkv, D]
+      .Arg<ffi::AnyBuffer>();         // v [B, T, Hkv, D]
 }
 
 }  // namespace pk::ffi_handlers

@@ -10,6 +10,7 @@
 #include <initializer_list>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "pk/channel.h"
 #include "pk/layout.h"
@@ -127,6 +128,27 @@ inline ffi::Error pending_error(const runtime::DeviceState& d) {
   const std::optional<ErrorRecord> r = runtime::recorded_error(d);
   if (!r) return ffi::Error::Success();
   return ffi::Error::Internal(runtime::describe(*r, d.ordinal));
+}
+
+// The streams of a host sequence that forks a side stream (the Params of
+// tp_matmul, ring_attention, ring_attention_bwd): XLA's `stream`, and this
+// device's side stream with its fork and join events; and, where the Params
+// have one (ring_attention), the copy stream beside the side stream.
+template <class Params, class = void>
+struct HasCopyStream : std::false_type {};
+template <class Params>
+struct HasCopyStream<Params, std::void_t<decltype(Params::copy_stream)>> : std::true_type {};
+
+template <class Params>
+void set_streams(Params* p, cudaStream_t stream, const runtime::DeviceState& d) {
+  p->stream = stream;
+  p->side_stream = d.side_stream;
+  p->fork = d.fork;
+  p->join = d.join;
+  if constexpr (HasCopyStream<Params>::value) {
+    p->copy_stream = d.copy_stream;
+    p->copy_done = d.copy_done;
+  }
 }
 
 inline WaitContext wait_context(const runtime::DeviceState& d, int32_t op, int rank,

@@ -86,12 +86,9 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   for (int r = 0; r < g.n; ++r) p.region[r] = ctx.regions[r];
   p.ch = ctx.channel;
   p.sm_count = d.sm_count;
-  p.stream = stream;
-  p.side_stream = d.side_stream;
-  p.fork = d.fork;
-  p.join = d.join;
-  p.copy_stream = d.copy_stream;
-  p.copy_done = d.copy_done;
+  static_assert(ffi_common::HasCopyStream<ring_attention::Params>::value,
+                "set_streams must give ring attention its copy stream");
+  ffi_common::set_streams(&p, stream, d);
   if (cudaError_t err = ring_attention::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "launch", err);
   return ffi::Error::Success();

@@ -81,10 +81,7 @@ ffi::Error RingAttentionBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
   for (int r = 0; r < g.n; ++r) p.region[r] = ctx.regions[r];
   if (!ring_attention_bwd::supported(p))
     return invalid("unsupported shape (the Python checks missed it)");
-  p.stream = stream;
-  p.side_stream = d.side_stream;
-  p.fork = d.fork;
-  p.join = d.join;
+  ffi_common::set_streams(&p, stream, d);
   if (cudaError_t err = ring_attention_bwd::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "launch", err);
   return ffi::Error::Success();
@@ -94,15 +91,7 @@ ffi::Error RingAttentionBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     RingAttentionBwd, RingAttentionBwdImpl,
-    ffi::Ffi::Bind()
-        .Ctx<ffi::PlatformStream<cudaStream_t>>()
-        .Ctx<ffi::DeviceOrdinal>()
-        .Arg<ffi::AnyBuffer>()                        // q [B, S, Hq, D]
-        .Arg<ffi::AnyBuffer>()                        // dout [B, S, Hq, D]
-        .Arg<ffi::Buffer<ffi::F32>>()                 // lse [B, Hq, S]
-        .Arg<ffi::Buffer<ffi::F32>>()                 // delta' [B, Hq, S]
-        .Arg<ffi::AnyBuffer>()                        // k [B, T, Hkv, D]
-        .Arg<ffi::AnyBuffer>()                        // v [B, T, Hkv, D]
+    attention_bwd_operands()                          // stream, ordinal, q, dout, lse, delta', k, v
         .Arg<ffi::Buffer<ffi::S32>>()                 // ranks [n]
         .Ret<ffi::Buffer<ffi::F32>>()                 // dq [B, S, Hq, D]
         .Ret<ffi::AnyBuffer>()                        // dk [B, T, Hkv, D], k's type

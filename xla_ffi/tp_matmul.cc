@@ -46,10 +46,7 @@ ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t o
   p->ch = ctx.channel;
   p->skip_post = ctx.skip_post;
   p->gemm_dev = {d.ordinal, d.sm_count, d.gemm_workspace, d.gemm_workspace_bytes};
-  p->stream = stream;
-  p->side_stream = d.side_stream;
-  p->fork = d.fork;
-  p->join = d.join;
+  ffi_common::set_streams(p, stream, d);
   p->x = x.untyped_data();
   p->w = w.untyped_data();
   p->out = out.untyped_data();

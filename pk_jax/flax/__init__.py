@@ -3,17 +3,15 @@
 (`dot_general`, `attention_fn`) for unmodified Flax models under plain
 `jax.jit` (see `pk_jax.flax.dropins`)."""
 
+from pk_jax.flax._common import init_sharded, partition_specs, shard_size
 from pk_jax.flax.dropins import attention_fn, dot_general
-from pk_jax.flax.moe import MoE
 from pk_jax.flax.layers import (
     ColumnParallelLinear,
     ParallelMLP,
     RingSelfAttention,
     RowParallelLinear,
-    init_sharded,
-    partition_specs,
-    shard_size,
 )
+from pk_jax.flax.moe import MoE
 
 __all__ = [
     "ColumnParallelLinear",

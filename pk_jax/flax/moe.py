@@ -19,7 +19,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from pk_jax.flax.layers import SPEC_KEY, _check_positive, _new_param, shard_size
+from pk_jax.flax._common import SPEC_KEY, check_positive, new_param, shard_size
 from pk_jax.ops.grouped_matmul import grouped_matmul
 from pk_jax.ops.moe import MECHANISMS, moe_combine, moe_dispatch
 
@@ -64,8 +64,8 @@ class MoE(nnx.Module):
                  param_dtype: Any = jnp.float32, mechanism: str = "auto",
                  normalize_weights: bool = True,
                  kernel_init=default_expert_init, router_init=default_router_init) -> None:
-        _check_positive(features=features, hidden_features=hidden_features,
-                        num_experts=num_experts, top_k=top_k, num_shards=num_shards)
+        check_positive(features=features, hidden_features=hidden_features,
+                       num_experts=num_experts, top_k=top_k, num_shards=num_shards)
         if top_k > num_experts:
             raise ValueError(f"pk_jax.flax.MoE: top_k={top_k} must be at most "
                              f"num_experts={num_experts}")
@@ -80,12 +80,12 @@ class MoE(nnx.Module):
         self.router = nnx.Param(router_init(rngs.params(), (features, num_experts),
                                             jnp.float32), **{SPEC_KEY: P()})
         spec = P(axis_name)
-        self.gate = _new_param(rngs, kernel_init, (local, features, hidden_features),
-                               param_dtype, spec)
-        self.up = _new_param(rngs, kernel_init, (local, features, hidden_features),
-                             param_dtype, spec)
-        self.down = _new_param(rngs, kernel_init, (local, hidden_features, features),
-                               param_dtype, spec)
+        self.gate = new_param(rngs, kernel_init, (local, features, hidden_features),
+                              param_dtype, spec)
+        self.up = new_param(rngs, kernel_init, (local, features, hidden_features),
+                            param_dtype, spec)
+        self.down = new_param(rngs, kernel_init, (local, hidden_features, features),
+                              param_dtype, spec)
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(weights [T, k] float32, expert ids [T, k] int32) of tokens x [T, features]."""

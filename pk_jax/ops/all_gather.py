@@ -1,9 +1,10 @@
 """pk_jax.all_gather: `lax.all_gather` with pk's peer-memory kernels on GPUs.
 
-Validation and the mechanism happen here, once, at trace time: dtypes with no
-kernel and mechanism="xla" call `lax.all_gather`; everything else binds the
-primitive (all_gather_primitive.py) with one frozen config, which lowers to
-the kernel on CUDA and to `lax.all_gather` on every other platform.
+Validation happens here, once, at trace time: dtypes with no kernel and
+mechanism="xla" call `lax.all_gather`; everything else goes to
+all_gather_primitive.gather, which resolves the mechanism and binds the
+primitive with one frozen config, lowered to the kernel on CUDA and to
+`lax.all_gather` on every other platform.
 """
 
 from __future__ import annotations
@@ -14,27 +15,13 @@ import jax
 import numpy as np
 from jax import lax
 
-from pk_jax import groups, reference, runtime, tuning
-from pk_jax._compat import make_varying
+from pk_jax import _args, groups, reference, runtime
+from pk_jax._compat import vary_alike
 from pk_jax._warnings import warn_once
-from pk_jax.ops.all_gather_primitive import (KERNEL_MECHANISMS, AllGatherConfig, all_gather_p,
-                                             layout)
+from pk_jax.ops.all_gather_primitive import gather
 
 MECHANISMS = ("auto", "ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine", "xla")
 _KERNEL_ITEMSIZES = (1, 2, 4, 8)
-
-
-def _resolve_mechanism(mechanism: str, per_rank: int, row_bytes: int) -> str:
-    """The kernel mechanism of one call (`auto` from pk_jax/tuning.py)."""
-    ll_ok = per_rank <= runtime.LL_MAX_BYTES and row_bytes % 4 == 0
-    if mechanism == "auto":
-        return tuning.all_gather_mechanism(ll_ok)
-    if mechanism == "ld_st_ll" and not ll_ok:
-        raise ValueError(
-            f"pk_jax.all_gather(mechanism='ld_st_ll') takes messages of up to "
-            f"{runtime.LL_MAX_BYTES} bytes per rank made of whole 4-byte words (got "
-            f"{per_rank} bytes, rows of {row_bytes}); use 'ld_st_push'")
-    return mechanism
 
 
 def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
@@ -66,9 +53,12 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
         SMs; stages n blocks in the workspace; one copy per row of the
         output layout, so slow for gathers along a later axis of many rows);
         or "xla" (lax.all_gather).
-      num_blocks: thread blocks of the ld/st kernels (512 threads each; at most
-        what is co-resident, 2 per SM on H200). None: one per SM, the best
-        measured on 2 x H200.
+      num_blocks: thread blocks of the ld/st kernels (512 threads each; an
+        int 1..2^31 - 1, clamped to what is co-resident, 2 per SM on H200).
+        None: one per SM, the best measured on 2 x H200.
+
+    An empty x (a zero-size dimension anywhere, also the gathered one)
+    gives the empty result of the right shape; nothing moves.
 
     Returns:
       The gathered array, identical on every device of the group.
@@ -76,20 +66,24 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
     if mechanism not in MECHANISMS:
         raise ValueError(f"pk_jax.all_gather: mechanism must be one of {MECHANISMS}, got "
                          f"{mechanism!r}")
-    if num_blocks is not None and (isinstance(num_blocks, bool)
-                                   or not isinstance(num_blocks, (int, np.integer))
-                                   or num_blocks < 1):
-        raise ValueError(f"pk_jax.all_gather: num_blocks must be a positive int or None, got "
-                         f"{num_blocks!r}")
+    if num_blocks is not None:  # the kernels clamp it to the co-resident blocks
+        num_blocks = _args.integer("all_gather", "num_blocks", num_blocks, 1, _args.INT32_MAX)
+    tiled = _args.boolean("all_gather", "tiled", tiled)
     names = groups.axis_names(axis_name)
     x = jax.numpy.asarray(x)
-    ndim = x.ndim + (0 if tiled else 1)
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"pk_jax.all_gather: axis={axis} out of range for a rank-{x.ndim} "
-                         f"input with tiled={tiled} (valid: {-ndim}..{ndim - 1})")
     if tiled and x.ndim == 0:
         raise ValueError("pk_jax.all_gather: tiled=True needs an input of rank >= 1")
-    dim = axis % ndim
+    ndim = x.ndim + (0 if tiled else 1)
+    dim = _args.axis("all_gather", "axis", axis, ndim,
+                     f"a rank-{x.ndim} input with tiled={tiled}")
+    if x.size == 0:  # nothing moves (lax's collective refuses some empty shapes)
+        n = lax.axis_size(names)
+        shape = list(x.shape)
+        if tiled:
+            shape[dim] *= n
+        else:
+            shape.insert(dim, n)
+        return vary_alike(jax.numpy.zeros(shape, x.dtype), x, names=names)[0]
     if mechanism == "xla":
         return reference.all_gather(x, names, axis=dim, tiled=tiled)
     itemsize = np.dtype(x.dtype).itemsize
@@ -103,9 +97,4 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
             warn_once(f"all_gather-dtype-{x.dtype}",
                       f"pk_jax.all_gather: {why}; using lax.all_gather")
         return reference.all_gather(x, names, axis=dim, tiled=tiled)
-    rows, row_bytes = layout(x.shape, dim, itemsize)
-    chosen = _resolve_mechanism(mechanism, rows * row_bytes, row_bytes)
-    assert chosen in KERNEL_MECHANISMS, chosen
-    cfg = AllGatherConfig(names, lax.axis_size(names), dim, bool(tiled), chosen,
-                          mechanism != "auto", int(num_blocks or 0))
-    return all_gather_p.bind(make_varying(x, names), cfg=cfg)
+    return gather(x, names, dim, bool(tiled), mechanism, int(num_blocks or 0))

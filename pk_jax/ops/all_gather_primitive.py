@@ -17,7 +17,8 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
-from pk_jax import reference
+from pk_jax import reference, runtime, tuning
+from pk_jax._compat import make_varying
 from pk_jax.ops._lowering import channel_attr, kernel_group, spans_processes
 
 ZERO_COPY = ("ld_st_push", "ld_st_pull")  # publish raw buffer addresses
@@ -60,6 +61,33 @@ def layout(shape: tuple[int, ...], dim: int, itemsize: int) -> tuple[int, int]:
     rows = int(np.prod(shape[:dim], dtype=np.int64))
     row_bytes = int(np.prod(shape[dim:], dtype=np.int64)) * itemsize
     return rows, row_bytes
+
+
+def resolve_mechanism(mechanism: str, per_rank: int, row_bytes: int) -> str:
+    """The kernel mechanism of one call (`auto` from pk_jax/tuning.py)."""
+    ll_ok = per_rank <= runtime.LL_MAX_BYTES and row_bytes % 4 == 0
+    if mechanism == "auto":
+        return tuning.all_gather_mechanism(ll_ok)
+    if mechanism == "ld_st_ll" and not ll_ok:
+        raise ValueError(
+            f"pk_jax.all_gather(mechanism='ld_st_ll') takes messages of up to "
+            f"{runtime.LL_MAX_BYTES} bytes per rank made of whole 4-byte words (got "
+            f"{per_rank} bytes, rows of {row_bytes}); use 'ld_st_push'")
+    return mechanism
+
+
+def gather(x, names: tuple[str, ...], dim: int, tiled: bool, mechanism: str = "auto",
+           num_blocks: int = 0):
+    """The primitive bound on `x` (a dtype with a kernel; dim already
+    normalized), made varying over `names`, with the mechanism resolved for
+    this call. pk_jax.all_gather calls it once its arguments are checked, and
+    so does reduce_scatter's transpose (all_reduce_primitive.py)."""
+    rows, row_bytes = layout(x.shape, dim, np.dtype(x.dtype).itemsize)
+    chosen = resolve_mechanism(mechanism, rows * row_bytes, row_bytes)
+    assert chosen in KERNEL_MECHANISMS, chosen
+    cfg = AllGatherConfig(names, lax.axis_size(names), dim, tiled, chosen,
+                          mechanism != "auto", num_blocks)
+    return all_gather_p.bind(make_varying(x, names), cfg=cfg)
 
 
 def _abstract_eval(x, *, cfg: AllGatherConfig):

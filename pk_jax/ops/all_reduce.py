@@ -20,8 +20,8 @@ import jax
 import numpy as np
 from jax import lax
 
-from pk_jax import groups, reference, runtime, tuning
-from pk_jax._compat import make_varying, varying_axes
+from pk_jax import _args, groups, reference, runtime, tuning
+from pk_jax._compat import make_varying, vary_alike, varying_axes
 from pk_jax._warnings import warn_once
 from pk_jax.ops.all_reduce_primitive import (KERNEL_MECHANISMS, AllReduceConfig, all_reduce_p)
 
@@ -141,6 +141,9 @@ def reduce_scatter(x: jax.Array, axis_name: str | Sequence[str], *, scatter_dime
         engines push the chunks), or "xla" (lax.psum_scatter);
         "ld_st_oneshot" as in all_reduce.
 
+    An empty x (a zero-size dimension anywhere, also the scattered one)
+    gives the empty chunk of the right shape.
+
     Returns:
       This device's chunk of the sum (a pytree of arrays: the pytree of
       their chunks).
@@ -153,14 +156,9 @@ def reduce_scatter(x: jax.Array, axis_name: str | Sequence[str], *, scatter_dime
 
 def _reduce_scatter_leaf(x, names, scatter_dimension, tiled, mechanism: str) -> jax.Array:
     x = jax.numpy.asarray(x)
-    if isinstance(scatter_dimension, bool) or not isinstance(scatter_dimension,
-                                                             (int, np.integer)):
-        raise ValueError(f"pk_jax.reduce_scatter: scatter_dimension must be an int, got "
-                         f"{scatter_dimension!r}")
-    if x.ndim == 0 or not -x.ndim <= scatter_dimension < x.ndim:
-        raise ValueError(f"pk_jax.reduce_scatter: scatter_dimension={scatter_dimension} out of "
-                         f"range for x of shape {x.shape}")
-    dim = int(scatter_dimension) % x.ndim
+    tiled = _args.boolean("reduce_scatter", "tiled", tiled)
+    dim = _args.axis("reduce_scatter", "scatter_dimension", scatter_dimension, x.ndim,
+                     f"x of shape {x.shape}")
     n = lax.axis_size(names)
     size = x.shape[dim]
     if tiled and size % n != 0:
@@ -169,7 +167,14 @@ def _reduce_scatter_leaf(x, names, scatter_dimension, tiled, mechanism: str) -> 
     if not tiled and size != n:
         raise ValueError(f"pk_jax.reduce_scatter: x's dimension scatter_dimension={dim} has size "
                          f"{size}; tiled=False needs the axis size {n}")
-    if mechanism == "xla" or x.size == 0 or not _kernel_dtype("reduce_scatter", x, mechanism):
-        return reference.reduce_scatter(x, names, scatter_dimension=dim, tiled=bool(tiled))
-    return _bind(x, dict(scatter_dimension=dim, tiled=bool(tiled)), mechanism,
+    if x.size == 0:  # nothing to sum (lax's collective refuses some empty shapes)
+        shape = list(x.shape)
+        if tiled:
+            shape[dim] //= n
+        else:
+            del shape[dim]
+        return vary_alike(jax.numpy.zeros(shape, x.dtype), x, names=names)[0]
+    if mechanism == "xla" or not _kernel_dtype("reduce_scatter", x, mechanism):
+        return reference.reduce_scatter(x, names, scatter_dimension=dim, tiled=tiled)
+    return _bind(x, dict(scatter_dimension=dim, tiled=tiled), mechanism,
                  x.size * x.dtype.itemsize, names, "reduce_scatter")

@@ -21,7 +21,7 @@ from jax.interpreters import ad, mlir
 from pk_jax import reference
 from pk_jax._compat import make_varying
 from pk_jax.ops._lowering import channel_attr, kernel_group
-from pk_jax.ops.all_gather import all_gather
+from pk_jax.ops.all_gather_primitive import gather
 
 # The kernel mechanisms and their ids in the FFI attribute `mechanism`
 # (csrc/kernels/all_reduce/all_reduce.h: Mechanism).
@@ -118,7 +118,7 @@ def varying_axes_of(aval) -> frozenset:
 def _transpose(ct, x, *, cfg: AllReduceConfig):
     if cfg.kind == "reduce_scatter":
         # lax.psum_scatter's transpose: all_gather of the cotangent.
-        return [all_gather(ct, cfg.names, axis=cfg.scatter_dimension, tiled=cfg.tiled)]
+        return [gather(ct, cfg.names, cfg.scatter_dimension, cfg.tiled)]
     if cfg.check_vma:
         # psum_invariant's transpose: the invariant cotangent, cast to varying.
         return [make_varying(ct, cfg.names)]

@@ -14,7 +14,7 @@ from typing import Sequence
 import jax
 from jax import lax
 
-from pk_jax import groups
+from pk_jax import _args, groups
 
 MECHANISMS = ("auto", "xla")
 
@@ -53,11 +53,9 @@ def all_to_all(x: jax.Array, axis_name: str | Sequence[str], split_axis: int,
     x = jax.numpy.asarray(x)
     if x.ndim == 0:
         raise ValueError("pk_jax.all_to_all: needs an input of rank >= 1")
-    for what, ax in (("split_axis", split_axis), ("concat_axis", concat_axis)):
-        if not -x.ndim <= ax < x.ndim:
-            raise ValueError(f"pk_jax.all_to_all: {what}={ax} out of range for a rank-{x.ndim} "
-                             f"input (valid: {-x.ndim}..{x.ndim - 1})")
-    split, concat = split_axis % x.ndim, concat_axis % x.ndim
+    split, concat = (_args.axis("all_to_all", what, ax, x.ndim, f"a rank-{x.ndim} input")
+                     for what, ax in (("split_axis", split_axis), ("concat_axis", concat_axis)))
+    tiled = _args.boolean("all_to_all", "tiled", tiled)
     n = lax.axis_size(names)
     if (x.shape[split] % n) if tiled else (x.shape[split] != n):
         need = "divisible by" if tiled else "equal to (tiled=False)"

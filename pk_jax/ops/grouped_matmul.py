@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pk_jax import _args
 from pk_jax.ops import grouped_matmul_primitive as prim
 
 MECHANISMS = ("auto", "kernel", "xla")
@@ -28,8 +29,9 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       lhs: [M, K]; rows [o_g, o_g + group_sizes[g]) belong to group g (o_g:
         the sizes before g).
       rhs: [G, K, N], lhs's dtype.
-      group_sizes: [G] integers, on the device (no host sync). A negative
-        size counts as 0; a group reaching past row M is cut at M.
+      group_sizes: [G] integers of any integer dtype, on the device (no
+        host sync). A negative size counts as 0; a group reaching past row M
+        is cut at M (also a 64-bit size of 2^32 or more: nothing wraps).
       preferred_element_type: None (lhs's dtype) or float32: the result's
         dtype.
       mechanism: "kernel" (pk's grouped GEMM: bfloat16 or float16, K and N
@@ -38,7 +40,8 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         the shapes, else XLA).
 
     Returns:
-      [M, N] in `preferred_element_type` (fp32 accumulation): row i of group g is
+      [M, N] in `preferred_element_type` (fp32 accumulation; float64 operands,
+      which take the XLA path, accumulate in float64): row i of group g is
       lhs[i] @ rhs[g]; rows past the groups' sum are zeros. Differentiable
       in lhs and rhs (each gradient one kernel call).
     """
@@ -56,16 +59,21 @@ def grouped_matmul(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     if lhs.dtype != rhs.dtype or not jnp.issubdtype(lhs.dtype, jnp.floating):
         raise ValueError(f"pk_jax.grouped_matmul: lhs and rhs must share one floating dtype, "
                          f"got {lhs.dtype} and {rhs.dtype}")
-    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+    out_dtype = (lhs.dtype if preferred_element_type is None else
+                 _args.dtype("grouped_matmul", "preferred_element_type", preferred_element_type))
     if out_dtype not in (lhs.dtype, jnp.dtype(jnp.float32)):
         raise ValueError(f"pk_jax.grouped_matmul: preferred_element_type must be None, "
                          f"{lhs.dtype} or float32, got {out_dtype}")
+    if lhs.shape[0] > _args.INT32_MAX:
+        raise ValueError(f"pk_jax.grouped_matmul: lhs has {lhs.shape[0]} rows; group sizes "
+                         "and row indices are int32, so at most 2^31 - 1")
     why = prim.kernel_problem(lhs, rhs) if mechanism != "xla" else "mechanism='xla'"
     if mechanism == "kernel" and why:
         raise ValueError(f"pk_jax.grouped_matmul: mechanism='kernel' cannot run: {why}")
     if why:
         return prim.reference(lhs, rhs, group_sizes, "forward", out_dtype)
-    return _kernel(lhs, rhs, group_sizes.astype(jnp.int32), mechanism == "kernel", out_dtype)
+    sizes = prim.clamped_sizes(group_sizes, lhs.shape[0])  # int32 without wrapping
+    return _kernel(lhs, rhs, sizes, mechanism == "kernel", out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))

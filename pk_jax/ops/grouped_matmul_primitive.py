@@ -11,7 +11,8 @@ reaching past row M cut at M):
 
 Rows past the groups' sum (forward, lhs_grad) and the groups with no rows
 (rhs_grad) are zeros. One dtype throughout (the forward's result may be
-float32: `out_dtype`), fp32 accumulation. Lowering: on
+float32: `out_dtype`), fp32 accumulation (float64 for float64 operands, which
+only the reference takes). Lowering: on
 CUDA with the extension built with CUTLASS, the FFI kernel of
 xla_ffi/grouped_matmul.cc (its scratch a second result, dropped); anywhere
 else `reference`. Which shapes the kernel takes is decided before binding
@@ -64,10 +65,21 @@ def kernel_problem(lhs, rhs) -> str | None:
 
 
 def clamped_sizes(group_sizes, rows: int):
-    """Each group's rows after the clamps (negative -> 0, cut at row M)."""
-    s = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(s), rows)
+    """Each group's rows after the clamps (negative -> 0, cut at row M), as
+    int32 (M < 2^31). Clamped in the sizes' own dtype before the cast (an
+    int64 size of 2^32 is more than M rows, not 0) and summed saturating at
+    M (no int32 overflow however many groups are large)."""
+    group_sizes = jnp.asarray(group_sizes)
+    top = jnp.iinfo(group_sizes.dtype).max
+    s = jnp.clip(group_sizes, 0, rows) if rows <= top else jnp.maximum(group_sizes, 0)
+    s = s.astype(jnp.int32)
+    ends = lax.associative_scan(lambda a, b: a + jnp.minimum(b, rows - a), s)  # min(sum, M)
     return ends - jnp.concatenate([jnp.zeros((1,), ends.dtype), ends[:-1]])
+
+
+def accumulation_dtype(dtype):
+    """fp32, or float64 for float64 operands (computed at their precision)."""
+    return jnp.promote_types(dtype, jnp.float32)
 
 
 def reference(a, b, group_sizes, kind: str, out_dtype=None):
@@ -77,8 +89,10 @@ def reference(a, b, group_sizes, kind: str, out_dtype=None):
     sizes = clamped_sizes(group_sizes, rows)
     used = jnp.arange(rows) < jnp.sum(sizes)
 
+    acc = accumulation_dtype(a.dtype)
+
     def rows_dot(x, w):
-        out = lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32)
+        out = lax.ragged_dot(x, w, sizes, preferred_element_type=acc)
         return jnp.where(used[:, None], out, 0).astype(out_dtype)
 
     if kind == "forward":
@@ -91,7 +105,7 @@ def reference(a, b, group_sizes, kind: str, out_dtype=None):
     dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
                                          lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     dw = lax.ragged_dot_general(a, jnp.where(used[:, None], b, 0), sizes, dims,
-                                preferred_element_type=jnp.float32)
+                                preferred_element_type=acc)
     return dw.astype(a.dtype)
 
 

@@ -18,7 +18,8 @@ past `sum(group_sizes)` are zeros (padding) and are ignored by combine.
 Static bound: drop-less (capacity=None) means the worst case, every slot of
 every rank of the axis choosing this rank: `num_rows = n * T * k`. With
 `capacity=c`, every local expert keeps at most c rows (`num_rows =
-experts_per_rank * c`); the rows an expert keeps are the first c in the
+experts_per_rank * c`; a capacity above the drop-less bound n * T * k
+drops nothing and is clamped to it); the rows an expert keeps are the first c in the
 order above (lower source ranks first, then token order), the others are
 dropped: they contribute nothing to combine's output and are counted in
 `layout.num_dropped` (this rank's slots that were dropped).
@@ -69,6 +70,7 @@ import numpy as np
 from jax import lax
 
 from pk_jax import groups, tuning
+from pk_jax._args import INT32_MAX
 from pk_jax._compat import make_varying
 from pk_jax.ops.all_gather import all_gather as _pk_all_gather
 from pk_jax.ops.moe_primitive import ExchangeConfig, expand_mask, moe_exchange_p
@@ -185,15 +187,26 @@ def _config(x, expert_ids, names, num_experts, capacity, mechanism) -> MoeConfig
                          f"{expert_ids.dtype}")
     n = lax.axis_size(names)
     e = _int("num_experts", num_experts, 1)
+    if e > INT32_MAX:
+        raise ValueError(f"pk_jax.moe_dispatch: num_experts={e} must be below 2^31 (expert "
+                         "ids and counts are int32 on the device)")
     if e % n:
         raise ValueError(f"pk_jax.moe_dispatch: num_experts={e} must be a multiple of the {n} "
                          f"devices of {names} (each holds num_experts / {n} experts)")
-    k = expert_ids.shape[1]
+    t, k = expert_ids.shape
     if not 1 <= k <= e:
         raise ValueError(f"pk_jax.moe_dispatch: top-k = {k} (expert_ids.shape[1]) must be in "
                          f"1..num_experts={e}")
-    cap = None if capacity is None else _int("capacity", capacity, 1)
-    return MoeConfig(names, n, e, x.shape[0], k, cap,
+    dropless = n * t * k  # every slot of every rank of the axis on one expert
+    if dropless > INT32_MAX:
+        raise ValueError(f"pk_jax.moe_dispatch: {n} ranks x {t} tokens x top-{k} = {dropless} "
+                         "slots: row indices are int32 on the device, so at most 2^31 - 1")
+    cap = None if capacity is None else min(_int("capacity", capacity, 1), dropless)
+    if cap is not None and (e // n) * cap > INT32_MAX:
+        raise ValueError(f"pk_jax.moe_dispatch: capacity={capacity} gives {e // n} local "
+                         f"experts x {cap} = {(e // n) * cap} rows per rank: row indices are "
+                         "int32 on the device, so at most 2^31 - 1; lower the capacity")
+    return MoeConfig(names, n, e, t, k, cap,
                      tuning.MOE_MECHANISM if mechanism == "auto" else mechanism,
                      forced=mechanism != "auto")
 
@@ -225,8 +238,12 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     n, e, el, s = cfg.axis_size, cfg.num_experts, cfg.experts_per_rank, cfg.slots
     names = cfg.axis_names
     me = lax.axis_index(names)
-    ids = expert_ids.reshape(s).astype(jnp.int32)
-    valid = (ids >= 0) & (ids < e)
+    raw = expert_ids.reshape(s)  # compared in its own dtype: an int64 id never wraps
+    info = jnp.iinfo(raw.dtype)
+    valid = raw >= 0 if info.min < 0 else jnp.ones((s,), bool)
+    if e <= info.max:
+        valid = valid & (raw < e)
+    ids = jnp.where(valid, raw, 0).astype(jnp.int32)                # valid ids are < 2^31
     key = jnp.where(valid, ids, e)                                  # invalid last
     counts = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)[:e]     # [E]
     # The n x n x E_local count matrix, on every rank: C[src, dst, local expert].
@@ -415,7 +432,10 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str | Sequence[
       num_experts: E, a multiple of n.
       capacity: None (drop-less: `num_rows = n * T * k`, the worst case) or
         the rows each local expert keeps (`num_rows = (E / n) * capacity`;
-        the rest are dropped and counted in `layout.num_dropped`).
+        the rest are dropped and counted in `layout.num_dropped`). A
+        capacity above n * T * k drops nothing and is clamped to it. Row
+        indices are int32: n * T * k and (E / n) * capacity (after the
+        clamp) must stay below 2^31 (a ValueError otherwise).
       mechanism: "auto" ("ld_st" where the kernel can run, else the dense
         exchange), "ld_st" (pk's kernel; an error where it cannot run),
         "ragged" or "xla" (see the module docstring).

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pk_jax import groups, reference, runtime, tuning
+from pk_jax import _args, groups, reference, runtime, tuning
 from pk_jax._compat import make_varying, xla_attention
 from pk_jax._warnings import warn_once
 from pk_jax.ops import attention_bwd_primitive as block_bwd
@@ -84,8 +84,8 @@ def check_scale(op: str, scale, head_dim: int) -> float:
     """The score scale as a float: 1 / sqrt(head_dim) for None, else a real
     number (Python, NumPy or a concrete JAX scalar). It is compiled into the
     kernels, so a traced value is refused with what to do instead."""
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
+    if scale is None:  # head_dim 0: no scores to scale (jax.nn returns an empty result)
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
     if isinstance(scale, jax.core.Tracer):
         raise TypeError(f"pk_jax.{op}: scale must be a concrete number (it is compiled into "
                         "the kernel), got a traced value; pass a Python float (e.g. a static "
@@ -121,7 +121,7 @@ def _check_comm_ctas(num_comm_ctas, mechanism: str) -> int:
 def _mechanism(q, k, layout: str, mechanism: str) -> str:
     """The forward mechanism: a kernel mechanism where the kernel takes the
     call ("auto" through pk_jax/tuning.py), else "xla"."""
-    if mechanism == "xla" or q.shape[1] == 0:
+    if mechanism == "xla" or q.shape[1] == 0 or q.shape[3] == 0:  # empty: nothing to compute
         return "xla"
     why = kernel_problem(q, k, layout)
     if why is None:
@@ -143,9 +143,8 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
     if layout not in LAYOUTS:
         raise ValueError(f"pk_jax.ring_attention: layout must be one of {LAYOUTS}, "
                          f"got {layout!r}")
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"pk_jax.ring_attention: deterministic must be a bool, got "
-                        f"{type(deterministic).__name__}")
+    causal = _args.boolean("ring_attention", "causal", causal)
+    deterministic = _args.boolean("ring_attention", "deterministic", deterministic)
     comm_ctas = _check_comm_ctas(num_comm_ctas, mechanism)
     _check_shapes(q, k, v)
     if layout == "zigzag" and q.shape[1] % 2:
@@ -158,8 +157,11 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
                     and block_bwd.kernel_problem(q, k, layout) is None)
     scale = check_scale("ring_attention", scale, q.shape[3])
     n = lax.axis_size(names)
+    if n * q.shape[1] > _args.INT32_MAX:
+        raise ValueError(f"pk_jax.ring_attention: a global sequence of {n} x {q.shape[1]} "
+                         "tokens: positions are int32, so at most 2^31 - 1")
     fused = kernel_grads and n > 1 and tuning.RING_ATTENTION_BWD_TRANSPORT == "pk"
-    return RingConfig(names, n, bool(causal), scale,
+    return RingConfig(names, n, causal, scale,
                       layout, chosen, mechanism in KERNEL_MECHANISMS,
                       comm_ctas if chosen == "ld_st" else 0,
                       "kernel" if kernel_grads else "einsum", "pk" if fused else "xla")
@@ -233,14 +235,29 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         A tuple ranks devices row-major over the axes in the order given
         (`lax.axis_index(axis_name)`), which must be the order the sequence
         is sharded in: for a sequence sharded as P(None, ("a", "b")), pass
-        ("a", "b"), not ("b", "a").
-      causal: mask keys at later global positions than the query.
+        ("a", "b"), not ("b", "a"). The order cannot be checked: another
+        one gives wrong results without an error. On a mesh {"a": 2,
+        "b": 2}, device (a=0, b=1) holds sequence block 1 under
+        P(None, ("a", "b")), but ("b", "a") ranks it 2, so its queries and
+        keys get the positions of block 2 and a causal mask hides the wrong
+        keys.
+      causal: mask keys at later global positions than the query (a bool).
       scale: score scale; None: 1 / sqrt(D).
       layout: which global tokens this device holds. "contiguous": rank r
         holds [r * S_local, (r + 1) * S_local). "zigzag": the sequence is cut
         into 2n chunks of S_local / 2 and rank r holds chunks r and
-        2n - 1 - r (balanced causal work; S_local must be even; reorder
-        global arrays with `zigzag_shard` before sharding).
+        2n - 1 - r (balanced causal work; S_local must be even). The layout
+        is what the data is, not a reordering this op does: reorder global
+        arrays with `zigzag_shard` before sharding them, and the output
+        with `zigzag_unshard`. Naturally ordered data passed with
+        layout="zigzag" gives wrong causal results without an error (the
+        op cannot tell the orders apart):
+
+            q, k, v = (pk_jax.zigzag_shard(a, n) for a in (q, k, v))
+            out = pk_jax.zigzag_unshard(sharded_ring(q, k, v), n)
+
+        where `sharded_ring` is the shard_map of this op with
+        layout="zigzag" (sequence sharded as P(None, axis_name)).
       return_lse: also return the log-sum-exp of the scaled scores.
       mechanism: "auto" (the fused kernel where it takes the shapes, with the
         mechanism of pk_jax/tuning.py, else the pure-JAX ring with a one-time
@@ -255,6 +272,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         gradients are einsums in the ring's fixed order, never the
         block-backward kernel (whose dq reduce-adds land in arrival order).
         The forward is deterministic either way.
+
+    An empty sequence (S_local = 0) or head dim (D = 0) gives the empty
+    result, as jax.nn.dot_product_attention does.
 
     Returns:
       out [B, S_local, Hq, D] in q's dtype, and with return_lse also the

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pk_jax import groups, reference, runtime, tuning
+from pk_jax import _args, groups, reference, runtime, tuning
 from pk_jax._compat import make_varying, sum_to_type_of, vary_alike
 from pk_jax._warnings import warn_once
 from pk_jax.ops import fp8 as fp8_ops
@@ -56,7 +56,8 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism,
     for name, a in (("x", x), ("w", w)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise TypeError(f"pk_jax.{op}: {name} must be floating point, got {a.dtype}")
-    out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(x.dtype, w.dtype))
+    out_dtype = (jnp.dtype(jnp.result_type(x.dtype, w.dtype)) if preferred_element_type is None
+                 else _args.dtype(op, "preferred_element_type", preferred_element_type))
     names = groups.axis_names(axis_name)
     n = lax.axis_size(names)
     if mechanism == "xla":

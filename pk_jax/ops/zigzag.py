@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from pk_jax import _args
 from pk_jax._explicit import explicit_mesh, reshard, type_sharding
 
 
@@ -25,10 +26,7 @@ def _check(x: jax.Array, axis_size: int, seq_axis: int, op: str) -> int:
     if isinstance(axis_size, bool) or not isinstance(axis_size, (int, np.integer)) \
             or axis_size < 1:
         raise ValueError(f"pk_jax.{op}: axis_size must be a positive int, got {axis_size!r}")
-    if not -x.ndim <= seq_axis < x.ndim:
-        raise ValueError(f"pk_jax.{op}: seq_axis={seq_axis} out of range for a rank-{x.ndim} "
-                         f"array (valid: {-x.ndim}..{x.ndim - 1})")
-    dim = seq_axis % x.ndim
+    dim = _args.axis(op, "seq_axis", seq_axis, x.ndim, f"a rank-{x.ndim} array")
     if x.shape[dim] % (2 * axis_size):
         raise ValueError(f"pk_jax.{op}: the sequence length ({x.shape[dim]}, axis {dim}) "
                          f"must divide by 2 * axis_size ({2 * axis_size})")

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 
+from pk_jax import _args, reference
 from pk_jax._compat import xla_attention
 from pk_jax.ops.ring_attention import check_qkv_arrays, check_scale, ring_attention
 from pk_jax.partitioning._attention_plan import AttentionPlan, plan_attention
@@ -38,12 +39,21 @@ def _rule(same_heads: bool, same_len: bool, vjp: bool) -> str:
     return f"{q}, {k}, {v} -> {out}"
 
 
+def _dense(q, k, v, *, scale: float, is_causal: bool):
+    """Unsharded attention: XLA's (jax.nn.dot_product_attention), or for a
+    value head dim other than q's, which jax.nn does not take, the
+    pure-lax attention (fp32 scores and softmax) in q's dtype."""
+    if v.shape[3] == q.shape[3]:
+        return xla_attention(q, k, v, scale=scale, is_causal=is_causal)
+    return reference.attention(q, k, v, causal=is_causal, scale=scale).astype(q.dtype)
+
+
 def _local(plan: AttentionPlan, causal: bool, scale: float):
     """The per-device attention of a plan."""
     if plan.route == "ring_attention":
         return lambda q, k, v: ring_attention(q, k, v, plan.axes, causal=causal, scale=scale,
                                               layout="contiguous")
-    return functools.partial(xla_attention, scale=scale, is_causal=causal)
+    return functools.partial(_dense, scale=scale, is_causal=causal)
 
 
 def _plan(mesh, q_sharding, shapes, causal) -> AttentionPlan:
@@ -59,7 +69,7 @@ def _op(causal: bool, scale: float, same_heads: bool, same_len: bool, vjp: bool,
     Under explicit sharding `explicit_out` is the planned result spec(s)."""
 
     # The unpartitioned op: XLA's attention (its vjp), what every plan must equal.
-    attend = functools.partial(xla_attention, scale=scale, is_causal=causal)
+    attend = functools.partial(_dense, scale=scale, is_causal=causal)
     if vjp:
         def fun(q, k, v, g):
             return jax.vjp(attend, q, k, v)[1](g)
@@ -153,14 +163,17 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     differ); otherwise plain attention runs per device with the keys
     unsharded (batch and head sharding are kept in both cases; see
     `pk_jax/partitioning/_attention_plan.py`). Without a multi-device mesh
-    it is plain attention.
+    it is plain attention. Values may have their own head dim Dv (which
+    jax.nn.dot_product_attention does not take): that call runs the
+    pure-lax attention per device (fp32 scores and softmax), never the
+    ring. An empty head dim gives the empty result, as jax.nn does.
 
     Args:
       q: [B, S, Hq, D] queries, floating point.
       k: [B, T, Hkv, D] keys; Hq must be a multiple of Hkv (GQA / MQA).
       v: [B, T, Hkv, Dv] values.
       causal: mask keys at later positions than the query (aligned at 0, as
-        in jax.nn.dot_product_attention).
+        in jax.nn.dot_product_attention); a bool.
       scale: score scale; None: 1 / sqrt(D).
 
     Returns:
@@ -168,6 +181,7 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: b
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     _check(q, k, v)
+    causal = _args.boolean("dot_product_attention", "causal", causal)
     scale = check_scale("dot_product_attention", scale, q.shape[3])
-    key = (bool(causal), scale, q.shape[2] == k.shape[2], q.shape[1] == k.shape[1])
+    key = (causal, scale, q.shape[2] == k.shape[2], q.shape[1] == k.shape[1])
     return _attention(q, k, v, key)

@@ -26,11 +26,13 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pk_jax import _args
 from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 from pk_jax.partitioning._dot_plan import DotDims, DotPlan, plan_dot
 from pk_jax._explicit import (explicit_mesh, replicated_fun, reshard, spec_of,
@@ -232,6 +234,42 @@ _dot.defvjp(_dot_fwd, _dot_bwd)
 
 
 # ---- public API ----------------------------------------------------------------
+def _check_dimension_numbers(dimension_numbers) -> None:
+    """((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), each a
+    sequence of ints, or a TypeError saying what is expected."""
+    def ints(ds) -> bool:
+        return isinstance(ds, (tuple, list)) and all(
+            isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) for d in ds)
+
+    def pair(p) -> bool:
+        return isinstance(p, (tuple, list)) and len(p) == 2 and all(ints(ds) for ds in p)
+    if not (isinstance(dimension_numbers, (tuple, list)) and len(dimension_numbers) == 2
+            and all(pair(p) for p in dimension_numbers)):
+        raise TypeError("pk_jax.dot_general: dimension_numbers must be ((lhs_contracting, "
+                        "rhs_contracting), (lhs_batch, rhs_batch)), each a tuple of ints (as "
+                        "in lax.dot_general, e.g. (((1,), (0,)), ((), ())) for a matmul), got "
+                        f"{dimension_numbers!r}")
+
+
+def _check_out_sharding(out_sharding, explicit) -> None:
+    """A PartitionSpec result sharding needs a mesh naming its axes: the
+    operands' (explicit sharding) or the `jax.set_mesh` context's."""
+    if not isinstance(out_sharding, P):
+        return
+    mesh = explicit if explicit is not None else jax.sharding.get_abstract_mesh()
+    names = set(getattr(mesh, "axis_names", ()) or ())
+    if not names:
+        raise ValueError(f"pk_jax.dot_general: out_sharding={out_sharding} is a PartitionSpec, "
+                         "which needs a mesh to name its axes, and none is set: pass a "
+                         "NamedSharding(mesh, spec), or call under `with jax.set_mesh(mesh):`")
+    used = [a for e in out_sharding if e is not None
+            for a in ((e,) if isinstance(e, str) else tuple(e))]
+    unknown = [a for a in used if a not in names]
+    if unknown:
+        raise ValueError(f"pk_jax.dot_general: out_sharding={out_sharding} names mesh axes "
+                         f"{unknown} that the mesh does not have (its axes: {sorted(names)})")
+
+
 def _normalize(dimension_numbers, lhs: jax.Array, rhs: jax.Array) -> DotDims:
     (lc, rc), (lb, rb) = dimension_numbers
     norm = lambda ds, nd: tuple(int(d) % nd if -nd <= int(d) < nd else int(d) for d in ds)
@@ -270,13 +308,20 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision: An
         kernel's own precision: fp32 accumulation).
       preferred_element_type: the result dtype.
       out_sharding: optional sharding of the result (applied as a sharding
-        constraint; it also tells the route what the result should be).
+        constraint; it also tells the route what the result should be): a
+        NamedSharding, or a PartitionSpec of the operands' explicit mesh or
+        of the `jax.set_mesh` context's mesh (a ValueError when there is
+        none, or when it names axes the mesh lacks).
 
     Returns:
       The dot_general result. Differentiable (first order) w.r.t. floating
       operands; the backward dots are routed the same way.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    _check_dimension_numbers(dimension_numbers)
+    if preferred_element_type is not None:
+        preferred_element_type = _args.dtype("dot_general", "preferred_element_type",
+                                             preferred_element_type)
     # lax's own checks and error messages for shapes, dims and dtypes
     # (on unsharded shapes: the sharding is this op's to decide)
     out = jax.eval_shape(functools.partial(lax.dot_general, dimension_numbers=dimension_numbers,
@@ -284,7 +329,9 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision: An
                                            preferred_element_type=preferred_element_type),
                          *(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (lhs, rhs)))
     out_dtype = None if preferred_element_type is None else jnp.dtype(out.dtype)
-    explicit = explicit_mesh(lhs, rhs) is not None
+    mesh = explicit_mesh(lhs, rhs)
+    explicit = mesh is not None
+    _check_out_sharding(out_sharding, mesh)
     want = spec_of(out_sharding) if explicit else None
     if lhs.ndim == 0 or rhs.ndim == 0:  # nothing to route
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,

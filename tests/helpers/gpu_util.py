@@ -1,5 +1,7 @@
 """Helpers shared by the GPU tests."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,3 +40,25 @@ def put(mesh, host: np.ndarray, dtype):
     """Place a host array of raw bits sharded on the mesh's first axis."""
     x = jax.device_put(host, NamedSharding(mesh, P(mesh.axis_names[0])))
     return jax.lax.bitcast_convert_type(x, dtype) if np.dtype(dtype) != host.dtype else x
+
+
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def command_buffer_targets(hlo_text: str) -> set[str]:
+    """The custom-call targets XLA captured in a command buffer (CUDA graph)
+    of a compiled module: those inside its `command_buffer` computations
+    (what XLA's command-buffer scheduling outlines and calls), read from
+    `compiled.as_text()`. A custom call left outside every command buffer
+    runs its handler on every call, and is not in the set."""
+    targets, inside = set(), False
+    for line in hlo_text.splitlines():
+        start = _COMPUTATION.match(line)
+        if start:
+            inside = start.group(1).split(".")[0] == "command_buffer"
+        elif line.startswith("}"):
+            inside = False
+        elif inside:
+            targets.update(_TARGET.findall(line))
+    return targets

@@ -18,18 +18,31 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
 from conftest import gpu_mesh, rel_err  # noqa: E402
+from helpers.gpu_util import command_buffer_targets  # noqa: E402
 
 CALLS = 3
 SEQ = P(None, "sp")
 
 
-def _fresh_calls(f, draw, check, what):
+def assert_captured(f, args, targets, what):
+    """The premise of every case: XLA put each of the op's custom calls
+    (`targets`) into a command buffer of f's compiled module (else a new
+    call runs the handler and there is no graph to update)."""
+    captured = command_buffer_targets(f.lower(*args).compile().as_text())
+    missing = set(targets) - captured
+    assert not missing, f"{what}: {sorted(missing)} not in a command buffer ({sorted(captured)})"
+
+
+def _fresh_calls(f, draw, check, what, targets):
     """f compiled once, called CALLS times on new inputs; every earlier result
-    stays alive, so no call gets the previous call's buffers back."""
+    stays alive, so no call gets the previous call's buffers back. The
+    custom calls `targets` must be in a command buffer."""
     rng = np.random.default_rng()
     kept = []
     for i in range(CALLS):
         args = draw(rng)
+        if i == 0:
+            assert_captured(f, args, targets, what)
         out = f(*args)
         kept.append((args, out))
         check(args, out, f"{what}, call {i}")
@@ -71,7 +84,8 @@ def check_ring(mesh, *, mechanism="copy_engine", grad=False):
             err, base = rel_err(g, e), rel_err(h, e)
             assert np.isfinite(err) and err <= 2 * base + 5e-3, f"{what}: {err:.3g} vs {base:.3g}"
 
-    _fresh_calls(f, draw, check, f"ring {mechanism}" + (" grad" if grad else ""))
+    targets = {"pk_ring_attention"} | ({"pk_ring_attention_bwd"} if grad else set())
+    _fresh_calls(f, draw, check, f"ring {mechanism}" + (" grad" if grad else ""), targets)
 
 
 def check_all_gather(mesh, mechanism):
@@ -89,7 +103,7 @@ def check_all_gather(mesh, mechanism):
     def check(args, out, what):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(ref(*args)), err_msg=what)
 
-    _fresh_calls(f, draw, check, f"all_gather {mechanism}")
+    _fresh_calls(f, draw, check, f"all_gather {mechanism}", {"pk_all_gather"})
 
 
 def check_tp(mesh):
@@ -112,7 +126,8 @@ def check_tp(mesh):
         err = rel_err(out, exact)
         assert err <= 2e-2, f"{what}: rel err {err:.3g}"
 
-    _fresh_calls(f, draw, check, "all_gather_matmul + matmul_reduce_scatter")
+    _fresh_calls(f, draw, check, "all_gather_matmul + matmul_reduce_scatter",
+                 {"pk_all_gather_matmul", "pk_matmul_reduce_scatter"})
 
 
 def check_matmul_all_reduce(mesh, mechanism):
@@ -131,7 +146,7 @@ def check_matmul_all_reduce(mesh, mechanism):
         err = rel_err(out, x @ w)
         assert err <= 1e-2, f"{what}: rel err {err:.3g}"
 
-    _fresh_calls(f, draw, check, f"matmul_all_reduce {mechanism}")
+    _fresh_calls(f, draw, check, f"matmul_all_reduce {mechanism}", {"pk_matmul_all_reduce"})
 
 
 if __name__ == "__main__":
