@@ -42,10 +42,10 @@ Drop-less routing, uniform random expert choices (k distinct per token).
 Every visible device is a rank of the expert axis (--ranks: the first few;
 on CPU the example this imports asks for 8 fake devices).
 
-Shapes (--shape; results/<name>.json with --save): train (4096 tokens per
-rank, hidden 4096, top-2 of 8 experts: moe), decode (128 tokens, hidden
-7168, top-8 of 8: moe_decode), wide (16384 tokens, hidden 7168, top-8 of 64:
-moe_wide); each expert's ffn 2048. `--smoke`: tiny sizes, few calls, nothing
+Shapes (--shape; results/<name>.json with --save, <name>_ep<n> on n > 1
+ranks): train (4096 tokens per rank, hidden 4096, top-2 of 8 experts: moe),
+decode (128 tokens, hidden 7168, top-8 of 8: moe_decode), wide (16384
+tokens, hidden 7168, top-8 of 64: moe_wide); each expert's ffn 2048. `--smoke`: tiny sizes, few calls, nothing
 written (CPU too).
 
 Usage: python benchmarks/moe.py [--shape train|decode|wide] [--tokens T] [--hidden H]
@@ -331,7 +331,7 @@ def main() -> None:
     if args.smoke:
         print("SMOKE_OK (nothing written)")
     elif args.save:
-        write_results(result, rows,
+        write_results(result if n == 1 else f"{result}_ep{n}", rows,
                       f"MoE dispatch, dispatch + combine and layer fwd+bwd ({what}). Each "
                       f"ratio is against the fastest baseline of its op in this run "
                       f"(benchmarks/moe.py's docstring says what each is): at one rank "
