@@ -1,13 +1,28 @@
-"""Tensor-parallel matmuls: pk_jax against XLA (all_gather + dot, dot +
-psum_scatter, dot + psum) and against gemm-only (the same local GEMM with no
-communication: the floor perfect overlap reaches), in one run.
+"""Tensor-parallel matmuls: pk_jax against XLA and against gemm-only (the
+same local GEMM with no communication: the floor perfect overlap reaches),
+in one run. XLA's rows:
 
-Usage: python benchmarks/tp_matmul.py [--quick] [--only OP[,OP...]]
+  * "xla": the collective and the dot as written inside shard_map
+    (all_gather + dot, dot + psum_scatter, dot + psum);
+  * "xla_windowed": XLA's own collective matmul: the same product as a
+    global-view jit program that XLA partitions from the operands'
+    shardings, compiled with the windowed-einsum flags (WINDOWED_OPTIONS:
+    every size decomposed into a loop of per-peer dots overlapped with the
+    transfers, on several streams); whether the compiled program holds the
+    windowed loop is printed. Left out, with the reason printed, where the
+    compiler refuses the flags.
+
+Every ratio is against the faster of the two (named in each row), and every
+output is checked against "xla"'s before timing.
+
+Usage: python benchmarks/tp_matmul.py [--quick] [--only OP[,OP...]] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import re
 import sys
 
 import jax
@@ -20,6 +35,12 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from common import (bench_setup, interleaved_ms, markdown_table, one_axis_mesh, time_ms,
                     write_results)
+
+# XLA's collective matmul: the SPMD partitioner's windowed einsum at every
+# size, its loop's dots on several streams (XLA debug options, per compile).
+WINDOWED_OPTIONS = {"xla_gpu_multi_streamed_windowed_einsum": True,
+                    "xla_gpu_threshold_for_windowed_einsum_mib": 0}
+XLA_IMPLS = ("xla", "xla_windowed")
 
 # Global M x K x N: the shapes XLA's collective matmuls were first measured at on
 # 2 x H200 (a square pair, then an MLP layer's: hidden 8192, ffn 28672).
@@ -34,6 +55,9 @@ AR_SHAPES = [(8192, 8192, 8192)] + [(m, 8192, 8192) for m in (16, 32, 64, 128, 2
 WS1_SHAPES = [(8192, 8192, 8192), (8192, 8192, 14336), (8192, 14336, 8192), (4096, 4096, 4096)]
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "gemm_world_size_1",
        "mlp_fwd_bwd")
+# --smoke (CPU too): one tiny shape per op (M, K and N multiples of 8 devices).
+SMOKE = {"ag": (256, 128, 256), "rs": (256, 256, 128), "ar": (64, 256, 128),
+         "ws1": (128, 128, 128), "mlp": (256, 128, 512)}
 
 
 def _put(mesh, shape, spec, rng, scale=1.0):
@@ -102,11 +126,70 @@ def mlp_impls(mesh):
             for impl in ("pk", "xla", "gemm_only")}
 
 
+def mlp_global(mesh):
+    """The MLP pair's loss as a global-view program (XLA partitions it from
+    the operands' shardings and these constraints): xla_windowed's."""
+    pin = lambda a, spec: lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+    def loss(x, w1, w2):
+        h = pin(x @ w1, P(None, "x"))
+        return jnp.sum(pin(jax.nn.gelu(h) @ w2, P("x", None)).astype(jnp.float32))
+    return jax.value_and_grad(loss, (0, 1, 2))
+
+
+_COLLECTIVE = re.compile(
+    r" (all-gather|reduce-scatter|all-reduce|collective-permute)(?:-start)?\(")
+
+
+def windowed(mesh, f, out_spec, *args) -> dict:
+    """{"xla_windowed": f (a global-view program) compiled for `args` (their
+    shardings, the result's `out_spec`; None: XLA's choice) with
+    WINDOWED_OPTIONS}, or {} with the reason printed where the compiler
+    refuses them. Prints what the compiled program communicates with (a
+    windowed einsum: collective-permutes in place of the all-gather /
+    reduce-scatter)."""
+    shardings = {} if out_spec is None else dict(out_shardings=NamedSharding(mesh, out_spec))
+    try:
+        compiled = jax.jit(f, **shardings).lower(*args).compile(
+            compiler_options=WINDOWED_OPTIONS)
+    except Exception as e:  # noqa: BLE001: reported, row left out
+        print(f"xla_windowed left out: the compiler refused {WINDOWED_OPTIONS}: "
+              f"{type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+        return {}
+    text = compiled.as_text()
+    ops = collections.Counter(_COLLECTIVE.findall(text))
+    print(f"xla_windowed {' '.join(str(a.shape) for a in args)}: flags accepted by the "
+          f"{jax.devices()[0].platform} compiler; windowed_dot_general loop: "
+          f"{'yes' if 'windowed_dot_general' in text else 'no'}; collectives "
+          f"{dict(ops) or 'none'}", flush=True)
+    return {"xla_windowed": compiled}
+
+
+def checked(impls: dict, *args) -> dict:
+    """`impls` less those whose output differs from "xla"'s (printed); the
+    gemm-only floor computes something else and is not checked."""
+    leaves = lambda f: [np.asarray(a, np.float32) for a in jax.tree.leaves(f(*args))]
+    want = leaves(impls["xla"])
+    out = {}
+    for name, f in impls.items():
+        errs = [] if name == "gemm_only" else [
+            float(np.abs(a - b).max()) / max(float(np.abs(b).max()), 1e-30)
+            for a, b in zip(leaves(f), want)]
+        if errs and max(errs) > 2e-2:
+            print(f"!!!! {name}: FAILED the check against xla (relative error "
+                  f"{max(errs):.2e}): left out", flush=True)
+            continue
+        out[name] = f
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="the first shape of each op only")
     ap.add_argument("--only", default=",".join(OPS),
                     help=f"comma-separated subset of {', '.join(OPS)}")
+    ap.add_argument("--smoke", action="store_true",
+                    help="one tiny shape per op, few calls, nothing written (CPU too)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     if only - set(OPS):
@@ -114,78 +197,102 @@ def main() -> int:
     devices, mesh, rng = bench_setup()
     n = len(devices)
     rows, table = [], []
+    timing = dict(calls=2, batches=1, warmup=1) if args.smoke else {}
     # Each op's channel stages its largest shape in a power-of-two region
     # (pk_jax/_channels.py): this sweep's regions add up to ~1 GiB.
     pk_jax.configure(workspace_bytes=3 << 30)
 
+    def shapes(op, full, quick, smoke):
+        if op not in only:
+            return []
+        return [smoke] if args.smoke else full[:quick] if args.quick else full
+
     def record(op, shape, times, flops, gpus=n):
-        base, floor = times["xla"], times.get("gemm_only")
+        xla = {name: times[name] for name in XLA_IMPLS if name in times}
+        best = min(xla, key=xla.get)
+        base, floor = xla[best], times.get("gemm_only")
         for name, ms in times.items():
             rows.append({"op": op, "shape": list(shape), "dtype": "bfloat16",
-                         "implementation": name, "median_ms": ms, "baseline": "xla",
-                         "baseline_median_ms": base, "gemm_only_ms": floor,
+                         "implementation": name, "median_ms": ms, "baseline": best,
+                         "baseline_median_ms": base, "xla_median_ms": xla,
+                         "gemm_only_ms": floor,
                          "tflops_per_gpu": flops / gpus / (ms * 1e-3) / 1e12})
             table.append([op, "x".join(map(str, shape)), name, f"{ms:.3f}",
                           f"{flops / gpus / (ms * 1e-3) / 1e12:.0f}",
-                          f"{ms / floor:.3f}" if floor else "-", f"{base / ms:.2f}x"])
+                          f"{ms / floor:.3f}" if floor else "-", best, f"{base / ms:.2f}x"])
         print(markdown_table(HEADER, table[-len(times):]), flush=True)
 
-    for shape in AG_SHAPES[: 0 if "all_gather_matmul" not in only else 1 if args.quick else None]:
+    def run(op, shape, impls, flops, *args, **kw):
+        impls = checked(impls, *args)
+        record(op, shape, {name: time_ms(lambda f=f: f(*args), **{**timing, **kw})
+                           for name, f in impls.items()}, flops)
+
+    for shape in shapes("all_gather_matmul", AG_SHAPES, 1, SMOKE["ag"]):
         m, k, nn = shape
         x, w = _put(mesh, (m, k), P("x"), rng), _put(mesh, (k, nn), P(None, "x"), rng, k ** -0.5)
-        times = {name: time_ms(lambda: f(x, w)) for name, f in ag_impls(mesh).items()}
-        record("all_gather_matmul", shape, times, 2.0 * m * k * nn)
-    for shape in RS_SHAPES[: 0 if "matmul_reduce_scatter" not in only
-                           else 1 if args.quick else None]:
+        run("all_gather_matmul", shape,
+            {**ag_impls(mesh), **windowed(mesh, jnp.matmul, P(None, "x"), x, w)},
+            2.0 * m * k * nn, x, w)
+    for shape in shapes("matmul_reduce_scatter", RS_SHAPES, 1, SMOKE["rs"]):
         m, k, nn = shape
         x, w = _put(mesh, (m, k), P(None, "x"), rng), _put(mesh, (k, nn), P("x"), rng, k ** -0.5)
-        times = {name: time_ms(lambda: f(x, w)) for name, f in rs_impls(mesh).items()}
-        record("matmul_reduce_scatter", shape, times, 2.0 * m * k * nn)
-    for shape in AR_SHAPES[: 0 if "matmul_all_reduce" not in only else 2 if args.quick else None]:
+        run("matmul_reduce_scatter", shape,
+            {**rs_impls(mesh), **windowed(mesh, jnp.matmul, P("x"), x, w)},
+            2.0 * m * k * nn, x, w)
+    for shape in shapes("matmul_all_reduce", AR_SHAPES, 2, SMOKE["ar"]):
         m, k, nn = shape
         x, w = _put(mesh, (m, k), P(None, "x"), rng), _put(mesh, (k, nn), P("x"), rng, k ** -0.5)
-        times = {name: time_ms(lambda: f(x, w)) for name, f in ar_impls(mesh).items()}
-        record("matmul_all_reduce", shape, times, 2.0 * m * k * nn)
-    for shape in WS1_SHAPES[: 0 if "gemm_world_size_1" not in only else 1 if args.quick else None]:
+        run("matmul_all_reduce", shape,
+            {**ar_impls(mesh), **windowed(mesh, jnp.matmul, P(), x, w)},
+            2.0 * m * k * nn, x, w)
+    for shape in shapes("gemm_world_size_1", WS1_SHAPES, 1, SMOKE["ws1"]):
         # World size 1: pk's GEMM (no peers) against XLA's dot on one GPU, in
         # interleaved rounds (clocks drift under sustained load).
         m, k, nn = shape
         one = one_axis_mesh(devices[:1])
         x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
         impls = ag_impls(one)
-        runs = interleaved_ms({name: (lambda f=impls[name]: f(x, w)) for name in ("pk", "xla")})
+        runs = interleaved_ms({name: (lambda f=impls[name]: f(x, w)) for name in ("pk", "xla")},
+                              **(dict(rounds=1, calls=2, batches=1) if args.smoke else {}))
         times = {name: float(np.median(t)) for name, t in runs.items()}
         record("gemm_world_size_1", shape, times, 2.0 * m * k * nn, gpus=1)
-    if "mlp_fwd_bwd" in only:
-        # MLP pair, forward + backward, hidden 8192 (ffn 28672), 8192 tokens.
-        tokens, d, ffn = 8192, 8192, 28672
+    for tokens, d, ffn in shapes("mlp_fwd_bwd", [(8192, 8192, 28672)], 1, SMOKE["mlp"]):
+        # MLP pair, forward + backward (hidden 8192, ffn 28672, 8192 tokens).
         x = _put(mesh, (tokens, d), P("x"), rng)
         w1 = _put(mesh, (d, ffn), P(None, "x"), rng, d ** -0.5)
-        w2 = _put(mesh, (ffn, d), P("x"), rng, ffn ** -0.5)
+        w2 = _put(mesh, (ffn, d), P("x", None), rng, ffn ** -0.5)
         impls = mlp_impls(mesh)
-        text = impls["pk"].lower(x, w1, w2).as_text()  # the fused backward, not a fallback
-        assert "@pk_all_gather_matmul_bwd(" in text and "@pk_matmul_reduce_scatter_bwd(" in text
-        times = {name: time_ms(lambda: f(x, w1, w2), calls=5) for name, f in impls.items()}
-        record("mlp_fwd_bwd", (tokens, d, ffn), times, 3 * 2 * 2.0 * tokens * d * ffn)
-    return _finish(rows, table, write=only == set(OPS))
+        if devices[0].platform == "gpu":  # the fused backward, not a fallback (CPU: XLA's)
+            text = impls["pk"].lower(x, w1, w2).as_text()
+            assert "@pk_all_gather_matmul_bwd(" in text
+            assert "@pk_matmul_reduce_scatter_bwd(" in text
+        run("mlp_fwd_bwd", (tokens, d, ffn),
+            {**impls, **windowed(mesh, mlp_global(mesh), None, x, w1, w2)},
+            3 * 2 * 2.0 * tokens * d * ffn, x, w1, w2, calls=2 if args.smoke else 5)
+    if args.smoke:
+        print("SMOKE_OK (nothing written)")
+    return _finish(rows, table, write=only == set(OPS) and not args.smoke)
 
 
 def _finish(rows, table, write: bool) -> int:
     md = ("Columns: time per call (ms), TFLOP/s per GPU, time over gemm-only (the same local "
-          "GEMM with no communication), speedup over XLA. mlp_fwd_bwd: column- then "
-          "row-parallel layer, loss and gradients, 3x the forward FLOPs.\n\n"
+          "GEMM with no communication), the faster of XLA's two rows (xla: the collective and "
+          "the dot in shard_map; xla_windowed: XLA's collective matmul, the global-view "
+          f"program compiled with {WINDOWED_OPTIONS}) and the speedup over it. mlp_fwd_bwd: "
+          "column- then row-parallel layer, loss and gradients, 3x the forward FLOPs.\n\n"
           + markdown_table(HEADER, table))
     if write:
         write_results("tp_matmul", rows, md,
                       "python benchmarks/tp_matmul.py " + " ".join(sys.argv[1:]))
     else:  # a partial run would replace the full run's results: table only
-        print("--only: results/tp_matmul.json and RESULTS.md left as they are")
+        print("--only / --smoke: results/tp_matmul.json and RESULTS.md left as they are")
     print(md)
     pk_jax.check_errors()
     return 0
 
 
-HEADER = ["op", "M x K x N", "impl", "ms", "TFLOP/s/GPU", "vs gemm-only", "vs xla"]
+HEADER = ["op", "M x K x N", "impl", "ms", "TFLOP/s/GPU", "vs gemm-only", "best xla",
+          "vs best xla"]
 
 if __name__ == "__main__":
     raise SystemExit(main())

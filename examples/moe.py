@@ -41,6 +41,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pk_jax.flax import MoE, init_sharded, shard_size
+from pk_jax.ops.moe import segment_of
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/ is not a package
 from _train_util import (  # noqa: E402
@@ -102,7 +103,9 @@ def xla_ragged_dispatch(tokens: jax.Array, ids: jax.Array, axis: str, num_expert
     """Drop-less dispatch as a JAX user writes it: sort the [T, k] slots by
     expert, exchange the counts (lax.all_to_all) and the rows
     (ragged_all_to_all), regroup the received (source, expert) blocks by
-    local expert. Returns (rows [n*T*k, H], group_sizes, state for combine)."""
+    local expert (each row's block found with pk's fused compare,
+    `segment_of`, rather than `jnp.searchsorted`'s while loop). Returns
+    (rows [n*T*k, H], group_sizes, state for combine)."""
     n = lax.axis_size(axis)
     local = num_experts // n
     t, k = ids.shape
@@ -120,7 +123,7 @@ def xla_ragged_dispatch(tokens: jax.Array, ids: jax.Array, axis: str, num_expert
     got = _ragged_a2a(tokens[order // k], rows, in_off, send, out_off, recv, axis)
     ends = jnp.cumsum(recv_counts.reshape(-1))
     p = jnp.arange(rows)
-    label = jnp.where(p < ends[-1], jnp.searchsorted(ends, p, side="right") % local, local)
+    label = jnp.where(p < ends[-1], segment_of(p, ends) % local, local)
     perm = jnp.argsort(label, stable=True)
     state = (order, perm, send, recv, recv_off, back_off, (t, k), axis)
     return got[perm], recv_counts.sum(0), state
@@ -143,14 +146,16 @@ class XlaRaggedMoE(MoE):
     xla_ragged_combine and jax.lax.ragged_dot."""
 
     grouped_dot = staticmethod(lax.ragged_dot)
+    # The exchange (a subclass may swap it: benchmarks/moe.py's baselines).
+    dispatch = staticmethod(xla_ragged_dispatch)
+    combine = staticmethod(xla_ragged_combine)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = jnp.dtype(self.dtype) if self.dtype is not None else x.dtype
         tokens = x.reshape(-1, self.features).astype(dt)
         weights, ids = self.route(tokens)
-        rows, group_sizes, state = xla_ragged_dispatch(tokens, ids, self.axis_name,
-                                                       self.num_experts)
-        out = xla_ragged_combine(self.experts(rows, group_sizes), weights, state)
+        rows, group_sizes, state = self.dispatch(tokens, ids, self.axis_name, self.num_experts)
+        out = self.combine(self.experts(rows, group_sizes), weights, state)
         return out.reshape(x.shape).astype(dt)
 
 

@@ -67,3 +67,40 @@ def test_shell_commands(segment):
     proc = subprocess.run([sys.executable, *words[1:]], env=_env(), capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+# A ratio quoted in prose: "248x", "1.04-1.14x", "1.5 x" (not a count or a shape such as
+# "2 x NVIDIA H200", "128 x 7168"); the code blocks are left out.
+_RATIO = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?:\s?-\s?(\d+(?:\.\d+)?))?"
+                    r"(?:x|\sx(?!\s*(?:\d|NVIDIA|H\d|GPU)))(?!\w)")
+
+
+def quoted_ratios(text: str) -> list[str]:
+    """Every value of every ratio quoted outside the code blocks (both ends
+    of a range)."""
+    prose = re.sub(r"```.*?```", "", text, flags=re.S)
+    return [v for m in _RATIO.finditer(prose) for v in m.groups() if v is not None]
+
+
+def unbacked_ratios(readme: str, results: str) -> list[str]:
+    """The README's ratios that no ratio of the results shows (at the
+    README's precision: "1.3x" is backed by "1.30x" or "1.34x")."""
+    held = [m.group(1) for m in re.finditer(r"(?<![\w.])(\d+(?:\.\d+)?)\s?x(?!\w)", results)]
+    decimals = lambda v: len(v.split(".")[1]) if "." in v else 0
+    return [v for v in quoted_ratios(readme)
+            if not any(round(float(h), decimals(v)) == float(v) for h in held)]
+
+
+def test_ratio_extraction():
+    text = ("dispatch + combine 248x, fwd+bwd 1.04-1.14x and 7 - 18x; 1.5 x the baseline; "
+            "2 x NVIDIA H200, 128 x 7168, 0x1f, sm_90a\n```python\ny = 3x\n```")
+    assert quoted_ratios(text) == ["248", "1.04", "1.14", "7", "18", "1.5"]
+    results = "| a | 1.04x |\n| b | 1.141x |\n| c | 7.00x | 18.2 x |"
+    assert unbacked_ratios(text, results) == ["248", "1.5"]
+
+
+def test_readme_ratios_are_in_the_results():
+    """Every ratio README.md quotes is one benchmarks/RESULTS.md holds, so a
+    headline cannot outlive the measurement it came from."""
+    results = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    assert unbacked_ratios(README, results) == []

@@ -234,6 +234,15 @@ def _rank_within_expert(key: jax.Array, e: int) -> jax.Array:
         jnp.arange(s, dtype=jnp.int32) - starts[key[order]])
 
 
+def segment_of(positions: jax.Array, ends: jax.Array) -> jax.Array:
+    """The segment each of `positions` falls in, given the segments' ends
+    (their inclusive cumulative sizes, `jnp.cumsum(sizes)`): how many
+    segments end at or before it, `len(ends)` past the last one. The value
+    of `jnp.searchsorted(ends, positions, side="right")` as one fused compare
+    over the segments (searchsorted's while loop runs on the host)."""
+    return jnp.sum(positions[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
+
+
 def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     n, e, el, s = cfg.axis_size, cfg.num_experts, cfg.experts_per_rank, cfg.slots
     names = cfg.axis_names
@@ -273,9 +282,7 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     block = mine.T.reshape(el * n)                                    # (l, s) blocks
     block_end = jnp.cumsum(block)
     p = jnp.arange(cfg.num_rows, dtype=jnp.int32)
-    # The block of row p: how many blocks end at or before it (one fused
-    # compare over the E blocks; searchsorted's loop runs on the host).
-    b = jnp.sum(p[:, None] >= block_end[None, :], axis=1, dtype=jnp.int32)
+    b = segment_of(p, block_end)
     used = p < block_end[-1]
     b = jnp.minimum(b, el * n - 1)
     l_of, s_of = b // n, b % n
