@@ -3,7 +3,9 @@ a user runs without pk_jax, in the same run, in interleaved rounds (clock
 drift under sustained load moves every implementation alike).
 
 Sections (--only):
-  attention  pk's ring_attention at world size 1 (its fused kernel) against
+  attention  pk's ring_attention at world size 1 ("pk": what `auto` runs there,
+             pk_jax/tuning.py's measured choice; "pk_kernel": pk's own fused
+             kernel, mechanism="copy_engine", where it takes the shapes) against
              cuDNN (jax.nn.dot_product_attention(implementation="cudnn")) and
              tokamax 0.0.17 (implementation="mosaic", Mosaic GPU; "triton"
              where it runs): forward, and forward + backward (value_and_grad).
@@ -130,10 +132,12 @@ def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
         k = jax.random.normal(keys[1], (b, s, hkv, d), dtype)
         v = jax.random.normal(keys[2], (b, s, hkv, d), dtype)
         do = jax.random.normal(keys[3], (b, s, h, d), dtype)
+        ring = lambda **kw: jax.shard_map(
+            lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal, **kw),
+            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
         impls: dict[str, Callable] = {
-            "pk": jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp",
-                                                                      causal=causal),
-                                mesh=mesh, in_specs=(spec,) * 3, out_specs=spec),
+            "pk": ring(),  # auto: the measured choice (pk_jax/tuning.py)
+            "pk_kernel": ring(mechanism="copy_engine"),  # pk's own fused kernel
             "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=causal, implementation="cudnn"),
         }
@@ -166,8 +170,10 @@ def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
                 fns[name] = lambda g=g: g(q, k, v)
             ref = outs.get("cudnn", next((o for n, o in outs.items() if n != "pk"), None))
             if ref is not None:  # pk against a baseline's output before timing
-                for got, want in zip(jax.tree.leaves(outs["pk"]), jax.tree.leaves(ref)):
-                    _close(f"attention {mode} {case}", got, want, 2e-2)
+                for name in ("pk", "pk_kernel"):
+                    for got, want in zip(jax.tree.leaves(outs.get(name, ())),
+                                         jax.tree.leaves(ref)):
+                        _close(f"attention {name} {mode} {case}", got, want, 2e-2)
             times = _time(fns, rounds, smoke)
             table.add(f"attention_{mode}", case, {**fields, "mode": mode}, times, flops * mult)
 

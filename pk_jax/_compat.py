@@ -68,3 +68,36 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
         return xla(q, k, v)
     f32 = lambda q, k, v: xla(*(x.astype(jax.numpy.float32) for x in (q, k, v))).astype(q.dtype)
     return jax.lax.platform_dependent(q, k, v, cpu=f32, default=xla)
+
+
+def cudnn_available() -> bool:
+    """Whether this process can trace cuDNN's fused attention (JAX checks
+    for cuDNN when tracing implementation="cudnn": a GPU build of jaxlib
+    with cuDNN 9 or newer loaded)."""
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+        check_cudnn_version()
+        return any(d.platform == "gpu" for d in jax.devices())
+    except Exception:  # noqa: BLE001 - no CUDA plugin, no cuDNN, no GPU: not available
+        return False
+
+
+def cudnn_takes(q: jax.Array, k: jax.Array) -> bool:
+    """Whether cuDNN's fused attention (through jax.nn.dot_product_attention)
+    takes these operands: bf16/fp16, a head dim that is a multiple of 8 up
+    to 256, as many keys as queries."""
+    half = (jax.numpy.dtype(jax.numpy.bfloat16), jax.numpy.dtype(jax.numpy.float16))
+    d = q.shape[-1]
+    return (jax.numpy.dtype(q.dtype) in half and 0 < d <= 256 and d % 8 == 0
+            and q.shape[1] == k.shape[1] and q.shape[1] > 0)
+
+
+def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+                    is_causal: bool) -> jax.Array:
+    """cuDNN's fused attention on CUDA (jax.nn.dot_product_attention with
+    implementation="cudnn", its own backward included), `xla_attention`
+    on every other platform. The caller checked `cudnn_takes`."""
+    cudnn = lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=is_causal, implementation="cudnn")
+    other = lambda q, k, v: xla_attention(q, k, v, scale=scale, is_causal=is_causal)
+    return jax.lax.platform_dependent(q, k, v, cuda=cudnn, default=other)

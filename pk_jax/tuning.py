@@ -69,3 +69,21 @@ def all_reduce_mechanism(kind: str, per_rank_bytes: int) -> str:
 # 4096 tokens x 4096, top-2 of 8) dispatch + combine took 0.36 ms with it and
 # 50 ms with XLA's ragged_all_to_all ("ragged"); not yet measured on two GPUs.
 MOE_MECHANISM = "ld_st"
+
+
+def single_gpu_attention(head_dim: int, causal: bool, kernel_takes: bool) -> str:
+    """What ring_attention under `auto` runs on a ring of one device (one GPU
+    holding the whole sequence, no communication): "kernel" (pk's fused
+    attention kernel and its block backward) or "cudnn" (cuDNN's fused
+    attention and its backward, through jax.nn.dot_product_attention).
+
+    The choice is by forward + backward time (training), from
+    benchmarks/kernels.py's attention rows (one H200, bf16, against the same
+    run's cuDNN): pk's kernels were 0.88-0.98x cuDNN on every forward +
+    backward row measured (head dims 64 and 128, full and causal, 8k-32k
+    tokens), so cuDNN runs at every head dim cuDNN takes; head dims pk's
+    kernel does not take (e.g. 256) take cuDNN too. Shapes cuDNN does not
+    take stay on the kernel (or the pure-JAX ring where neither applies).
+    """
+    del head_dim, causal, kernel_takes  # no shape class measured where the kernel leads
+    return "cudnn"

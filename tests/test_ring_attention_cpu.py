@@ -569,3 +569,32 @@ def test_block_update_of_a_row_that_saw_nothing_yet(rng):
     want = jax.nn.dot_product_attention(q5[:, :, :, 0], k, v, scale=1e10)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)
     assert np.all(np.isfinite(np.asarray(lse)))
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("n", [1, 2])
+def test_one_device_auto_takes_cudnn_where_available(monkeypatch, rng, head_dim, n):
+    """Under `auto`, a ring of one device runs cuDNN's fused attention where
+    this process has cuDNN (pk_jax/tuning.py's single_gpu_attention); rings
+    of two or more, return_lse, deterministic=True and forced mechanisms do
+    not. cuDNN itself is stood in for by XLA's attention here (CPU)."""
+    from pk_jax import _compat
+    calls = []
+
+    def fake(q, k, v, *, scale, is_causal):
+        calls.append(q.shape)
+        return _compat.xla_attention(q, k, v, scale=scale, is_causal=is_causal)
+    monkeypatch.setattr(_compat, "cudnn_available", lambda: True)
+    monkeypatch.setattr(_compat, "cudnn_attention", fake)
+    mesh = cpu_mesh((n,), ("sp",))
+    q, k, v = (_normal(rng, (1, 128 * n, 2, head_dim), jnp.bfloat16) for _ in range(3))
+    for kwargs, used in (({}, n == 1), ({"deterministic": True}, False),
+                         ({"mechanism": "xla"}, False)):
+        calls.clear()
+        f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, "sp", causal=True, **kwargs),
+                          mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+        out = jax.jit(f)(q, k, v)
+        assert bool(calls) == used, kwargs
+        want = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)),
+                                            is_causal=True)
+        assert rel_err(out, want) < 2e-2

@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 
 from pk_jax import _args, groups, reference, runtime, tuning
+from pk_jax import _compat
 from pk_jax._compat import make_varying, xla_attention
 from pk_jax._warnings import warn_once
 from pk_jax.ops import attention_bwd_primitive as block_bwd
@@ -129,10 +130,29 @@ def _mechanism(q, k, layout: str, mechanism: str) -> str:
     if mechanism in KERNEL_MECHANISMS:
         raise ValueError(f"pk_jax.ring_attention: mechanism={mechanism!r} does not take {why}; "
                          "use mechanism='auto' or 'xla' for this call")
-    if runtime.available():  # only where the kernel could have run
+    return "xla"
+
+
+def _warn_fallback(q, k, layout: str) -> None:
+    """The one-time warning of an `auto` call the kernel does not take."""
+    why = kernel_problem(q, k, layout)
+    if why and runtime.available():  # only where the kernel could have run
         warn_once(f"ring_attention-fallback-{why}", f"pk_jax.ring_attention: the fused "
                   f"kernel does not take {why}; using the pure-JAX ring")
-    return "xla"
+
+
+def _single_gpu_cudnn(q, k, cfg: RingConfig, mechanism: str, return_lse: bool,
+                      deterministic: bool) -> bool:
+    """Whether this call runs cuDNN's attention: `auto` on a ring of one
+    device (the whole sequence here, nothing to communicate) where
+    pk_jax/tuning.py's measured choice is cuDNN and cuDNN takes the shapes
+    (not with return_lse: cuDNN's backward takes no log-sum-exp cotangent;
+    not with deterministic=True: cuDNN does not promise bitwise gradients)."""
+    if mechanism != "auto" or return_lse or deterministic or cfg.n != 1 \
+            or not _compat.cudnn_takes(q, k) or not _compat.cudnn_available():
+        return False
+    takes = cfg.mechanism in KERNEL_MECHANISMS
+    return tuning.single_gpu_attention(q.shape[3], cfg.causal, takes) == "cudnn"
 
 
 def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
@@ -286,6 +306,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     cfg = _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
                   deterministic)
     q, k, v = (make_varying(x, cfg.names) for x in (q, k, v))
+    if _single_gpu_cudnn(q, k, cfg, mechanism, return_lse, deterministic):
+        # one device: cuDNN where tuning.py measured it faster (module docstring)
+        return _compat.cudnn_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal)
+    if mechanism == "auto" and cfg.mechanism == "xla":
+        _warn_fallback(q, k, layout)
     if q.shape[1] == 0:  # no tokens: an empty result, as jax.nn.dot_product_attention
         out, lse = jnp.zeros_like(q), jnp.zeros((q.shape[0], q.shape[2], 0), jnp.float32)
         return (out, lse) if return_lse else out
