@@ -20,7 +20,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from pk_jax._compat import make_varying, sum_to_type_of
 from pk_jax.ops import fp8 as fp8_ops
@@ -58,10 +57,12 @@ def _scatter(a, names, n: int):
 
 def _axis_scale(x, names, n: int, dtype, margin: float):
     """The scale of a tensor sharded over the axis: fp8_max * 2^-margin over
-    the axis-wide amax (1 where it is 0)."""
+    the axis-wide amax (1 where it is 0). The n amaxes travel by pk's
+    all_gather (no XLA collective: it also runs where NCCL cannot, e.g.
+    two processes sharing a GPU)."""
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
     if n > 1:
-        amax = lax.pmax(amax, names)
+        amax = jnp.max(all_gather(amax.reshape(1), names, tiled=True))
     fp8_max = prim.FP8_MAX[jnp.dtype(dtype)] * 2.0 ** -margin
     return jnp.where(amax == 0, jnp.float32(1), jnp.float32(fp8_max) / amax)
 

@@ -90,6 +90,7 @@ def main() -> None:
     _tp_grads_timeout(mlp_sm, args, put(bf(cot), P("x")), ref)
 
     _matmul_all_reduce(mesh, put, cpu, rng, sm, bf)
+    _fp8_mlp(mesh, put, cpu, rng, bf)
 
     # Ring attention (both kernel mechanisms), forward and gradients.
     s, hq, hkv, hd = 2 * 512, 8, 2, 128
@@ -113,6 +114,40 @@ def main() -> None:
     _timeout_and_reset(mesh, put, sm, rng)
     _moe_timeout(mesh, put, sm, rng)
     print("GPU_MULTIPROCESS_DONE", flush=True)
+
+
+def _fp8_mlp(mesh, put, cpu, rng, bf):
+    """The tensor-parallel MLP with fp8= (every recipe the TP ops take):
+    forward and gradients against float32 on the host, with the FP8
+    tolerances of tests/test_fp8_cpu.py (two FP8 GEMMs deep: twice them),
+    and matmul_all_reduce(fp8=) giving the same bits on both processes."""
+    d, f_, m = 256, 512, 256
+    x = rng.standard_normal((2 * m, d)).astype(np.float32)
+    w1 = (rng.standard_normal((d, f_)) / np.sqrt(d)).astype(np.float32)
+    w2 = (rng.standard_normal((f_, d)) / np.sqrt(f_)).astype(np.float32)
+    cot = rng.standard_normal((2 * m, d)).astype(np.float32)
+    specs = (P("x"), P(None, "x"), P("x", None))
+    xr, w1r, w2r = (np.asarray(bf(a), np.float32) for a in (x, w1, w2))
+    with jax.default_device(cpu):
+        ref_fn = lambda *a: (a[0] @ a[1]) @ a[2]
+        want = np.asarray(ref_fn(xr, w1r, w2r))
+        ref = jax.vjp(ref_fn, xr, w1r, w2r)[1](cot)
+    args = [put(bf(a), s) for a, s in zip((x, w1, w2), specs)]
+    for recipe in ("current", "block"):
+        def mlp(x, w1, w2, r=recipe):
+            h = pk_jax.all_gather_matmul(x, w1, "x", fp8=r)
+            return pk_jax.matmul_reduce_scatter(h, w2, "x", fp8=r)
+        mlp_sm = jax.shard_map(mlp, mesh=mesh, in_specs=specs, out_specs=P("x"),
+                               check_vma=False)
+        idx, got = local(jax.jit(mlp_sm)(*args))
+        check(rel(got.astype(np.float32), want[idx]) < 0.12,
+              f"FP8 ({recipe}) tensor-parallel MLP across processes")
+        grads = jax.jit(lambda c, *a: jax.vjp(mlp_sm, *a)[1](c))(put(bf(cot), P("x")), *args)
+        for name, gr, r in zip(("dx", "dw1", "dw2"), grads, ref):
+            shard, = gr.addressable_shards
+            check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 0.2,
+                  f"FP8 ({recipe}) tensor-parallel MLP gradient {name} across processes")
+    pk_jax.check_errors()
 
 
 def _ring_grads(mesh, put, cpu, rng, bf):
