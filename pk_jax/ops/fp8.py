@@ -122,7 +122,7 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or \
             not math.isfinite(margin) or margin < 0:
         raise ValueError(f"fp8_quantize(margin={margin!r}): a finite number >= 0")
-    q, qt, factors, amax = prim.quantize(x, granularity=granularity, dtype=dtype,
+    q, qt, factors, amax = prim.quantize(prim.unsharded(x), granularity=granularity, dtype=dtype,
                                          rowwise=rowwise, transposed=transposed, scale=scale,
                                          margin=margin)
     return (q if rowwise else None, qt if transposed else None, factors,
@@ -178,6 +178,7 @@ def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks:
         if m % 4 or (b_row_blocks and n % 4):
             raise ValueError(f"fp8_matmul(scaling='block'): M={m} (and N={n} with "
                              "b_row_blocks) must be multiples of 4")
+    a, b, sa, sb = (prim.unsharded(t) for t in (a, b, sa, sb))
     return prim.matmul(a, b, sa, sb, scaling=scaling, b_row_blocks=b_row_blocks,
                        out_dtype=out_dtype)
 
@@ -228,6 +229,7 @@ def fp8_dot(x, w, recipe=Fp8Recipe(), *, scales=None):
     x, w = jnp.asarray(x), jnp.asarray(w)
     _check_dot(x, w, recipe, scales)
     lead = x.shape[:-1]
+    x, w = prim.unsharded(x), prim.unsharded(w)  # no partitioning rule: see unsharded
     x2 = x.reshape(-1, x.shape[-1])
     if recipe.scaling == "delayed":
         s = tuple(jnp.asarray(v, jnp.float32).reshape(1) for v in scales)

@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
+from jax.sharding import PartitionSpec as P
 
 from pk_jax._compat import vary_alike
 from pk_jax.ops._lowering import kernels_missing
@@ -173,16 +174,32 @@ def matmul(a, b, scale_a, scale_b, *, scaling: str, b_row_blocks: bool = False, 
                          out_dtype=jnp.dtype(out_dtype))
 
 
+def unsharded(a):
+    """`a` replicated where its type is sharded over Explicit mesh axes
+    (plain jit on such arrays): these ops have no partitioning rule, so a
+    call outside shard_map gathers its operands (inside shard_map, and on
+    Auto meshes, `a` as is)."""
+    sharding = getattr(jax.typeof(a), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is not None and any(p is not None for p in spec):
+        return jax.sharding.reshard(a, jax.sharding.NamedSharding(sharding.mesh, P()))
+    return a
+
+
+def _result(x, shape, dtype):
+    return x.update(shape=shape, dtype=dtype)
+
+
 def _quantize_abstract(x, s, *, granularity, dtype, rowwise, transposed, given_scale, margin):
     r, c = x.shape
-    fp8 = lambda shape: x.update(shape=shape, dtype=dtype)
-    f32 = lambda shape: x.update(shape=shape, dtype=jnp.dtype(jnp.float32))
+    fp8 = lambda shape: _result(x, shape, dtype)
+    f32 = lambda shape: _result(x, shape, jnp.dtype(jnp.float32))
     return [fp8((r, c) if rowwise else (0, 0)), fp8((c, r) if transposed else (0, 0)),
             f32(factors_shape(granularity, r, c)), f32((1,) if granularity == "tensor" else (0,))]
 
 
 def _matmul_abstract(a, b, sa, sb, *, scaling, b_row_blocks, out_dtype):
-    return a.update(shape=(a.shape[0], b.shape[0]), dtype=out_dtype)
+    return _result(a, (a.shape[0], b.shape[0]), out_dtype)
 
 
 def _quantize_reference_lowering(ctx, x, s, **params):
