@@ -14,8 +14,11 @@ Sections (--only):
              backward: dx and dw in one call) against XLA's dot (cuBLAS).
   fp8        pk's scaled FP8 GEMM (pk_jax.fp8_matmul: e4m3 per-tensor factors,
              and 1x128 / 128x128 block factors) against XLA's dot on the same
-             FP8 operands with their factors (cuBLASLt FP8, "xla_fp8") and
-             XLA's bf16 dot ("xla_bf16").
+             FP8 operands with their factors, every way a user writes it
+             ("xla_fp8_*": dequantize-then-dot in f32 or bf16, which XLA's
+             rewriter maps to cuBLASLt FP8, or the FP8 dot itself; the
+             custom calls XLA compiled each to are printed), and XLA's bf16
+             dot ("xla_bf16").
 Every pk result is checked against its baseline's before timing (a mismatch
 is an error). tokamax is optional (pip install '.[bench]'): without it its
 rows are skipped with a message. Results: results/kernels.json (one row per
@@ -29,6 +32,7 @@ Usage: python benchmarks/kernels.py [--only attention,gemm,fp8] [--quick]
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from typing import Any, Callable
@@ -212,21 +216,35 @@ def gemm(table: Table, shapes, rounds: int, smoke: bool) -> None:
 
 # --- FP8 GEMM ------------------------------------------------------------------
 
-def _xla_fp8(a, b, sa, sb):
-    """XLA's FP8 GEMM: dequantized operands into a dot, which XLA's GEMM
-    rewriter turns into one cuBLASLt FP8 call with the factors as scales."""
-    deq = lambda q, s: q.astype(jnp.bfloat16) * s.astype(jnp.bfloat16)
-    return lax.dot_general(deq(a, sa), deq(b, sb), (((1,), (1,)), ((), ())),
-                           preferred_element_type=jnp.bfloat16)
+def _xla_fp8_variants():
+    """The ways a JAX user writes an FP8 GEMM for XLA: dequantized operands
+    into a dot (the pattern XLA's GEMM rewriter turns into one cuBLASLt FP8
+    call with the factors as scales), in float32 or bfloat16, or a dot of the
+    FP8 operands themselves with the factors applied after. Every one is
+    timed; the fastest is the row's baseline."""
+    dims = (((1,), (1,)), ((), ()))
+
+    def dequant(dtype):
+        def f(a, b, sa, sb):
+            deq = lambda q, s: q.astype(dtype) * s.astype(dtype)
+            return lax.dot_general(deq(a, sa), deq(b, sb), dims,
+                                   preferred_element_type=dtype).astype(jnp.bfloat16)
+        return f
+
+    def direct(a, b, sa, sb):
+        out = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+        return (out * (sa * sb)).astype(jnp.bfloat16)
+    return {"xla_fp8_dq_f32": dequant(jnp.float32), "xla_fp8_dq_bf16": dequant(jnp.bfloat16),
+            "xla_fp8_direct": direct}
 
 
 def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
-    xla_fp8 = jax.jit(_xla_fp8)
-    text = xla_fp8.lower(*(jnp.zeros((256, 256), jnp.float8_e4m3fn),) * 2,
-                         jnp.float32(1), jnp.float32(1)).compile().as_text()
-    if "f8" not in text.lower():
-        print("-- note: XLA did not compile xla_fp8 to an FP8 GEMM here (no f8 custom call)",
-              flush=True)
+    xla_fp8 = {name: jax.jit(f) for name, f in _xla_fp8_variants().items()}
+    probe = (*(jnp.zeros((256, 256), jnp.float8_e4m3fn),) * 2, jnp.float32(1), jnp.float32(1))
+    for name, f in xla_fp8.items():
+        text = f.lower(*probe).compile().as_text()
+        calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+        print(f"-- {name}: XLA's custom calls {calls or 'none'}", flush=True)
     for m, n, k in shapes:
         if k % 128 or n % 128:
             continue
@@ -243,19 +261,20 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
             "pk_fp8_tensor": (jax.jit(pk_jax.fp8_matmul), (xq, wq, fx, fw)),
             "pk_fp8_block": (jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(
                 a, b, fa, fb, scaling="block")), (xb, wbt, fxb, fwb)),
-            "xla_fp8": (xla_fp8, (xq, wq, sx, sw)),
+            **{name: (f, (xq, wq, sx, sw)) for name, f in xla_fp8.items()},
             "xla_bf16": (jax.jit(dot_t), (x, w)),
         }
         fns = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in calls.items()}
         outs = {name: jax.block_until_ready(f()) for name, f in fns.items()}
-        _close(f"fp8 tensor {m}x{n}x{k}", outs["pk_fp8_tensor"], outs["xla_fp8"], 1e-2)
+        for name in xla_fp8:
+            _close(f"fp8 tensor {m}x{n}x{k} vs {name}", outs["pk_fp8_tensor"], outs[name], 1e-2)
         _close(f"fp8 block {m}x{n}x{k}", outs["pk_fp8_block"], outs["xla_bf16"], 6e-2)
         times = _time(fns, rounds, smoke)
         case = f"{m}x{n}x{k}"
         fields = {"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"}
         for recipe in ("tensor", "block"):
-            sub = {f"pk_fp8_{recipe}": times[f"pk_fp8_{recipe}"], "xla_fp8": times["xla_fp8"],
-                   "xla_bf16": times["xla_bf16"]}
+            sub = {f"pk_fp8_{recipe}": times[f"pk_fp8_{recipe}"], "xla_bf16": times["xla_bf16"],
+                   **{name: times[name] for name in xla_fp8}}
             table.add(f"fp8_gemm_{recipe}", case, {**fields, "recipe": recipe}, sub,
                       2.0 * m * n * k)
 

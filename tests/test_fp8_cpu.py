@@ -46,7 +46,7 @@ def test_quantize_reconstructs(rng, granularity, dtype):
     x = jnp.asarray(rng.standard_normal((200, 300)) * 3, jnp.float32)  # partial blocks
     rowwise = granularity != "cols"
     q, qt, f, amax = pk_jax.fp8_quantize(x, granularity, dtype, rowwise=rowwise,
-                                         transposed=True)
+                                         transposed=granularity != "rows")
     assert f.shape == prim.factors_shape(granularity, 200, 300)
     deq_t = qt.astype(jnp.float32)
     if granularity == "tensor":
@@ -56,6 +56,7 @@ def test_quantize_reconstructs(rng, granularity, dtype):
         deq_t = deq_t * jnp.repeat(f.T, 128, axis=1)[:, :200]
     elif granularity == "rows":
         deq_t = None
+        assert qt is None
     else:
         deq_t = deq_t * jnp.repeat(jnp.repeat(f, 128, 0), 128, 1)[:200, :300].T
     bound = 2.0 ** -(4 if jnp.dtype(dtype) == prim.E4M3 else 3)
@@ -189,6 +190,7 @@ def test_fp8_matmul_reference_block_layouts(rng):
     (lambda x, w: pk_jax.fp8_dot(x, w[:, :128].T), ValueError, "expected"),
     (lambda x, w: pk_jax.fp8_quantize(x, "cols"), ValueError, "transposed"),
     (lambda x, w: pk_jax.fp8_quantize(x, "rows", scale=1.0), ValueError, "tensor"),
+    (lambda x, w: pk_jax.fp8_quantize(x, "rows", transposed=True), ValueError, "cols"),
     (lambda x, w: pk_jax.fp8_quantize(x, "tensor", jnp.bfloat16), TypeError, "float8"),
     (lambda x, w: pk_jax.fp8_quantize(x, "tensor", margin=float("nan")), ValueError,
      "margin"),

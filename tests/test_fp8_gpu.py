@@ -32,9 +32,9 @@ def _bits(a):
 def test_quantize_bitwise(rng, granularity, shape, in_dtype, dtype):
     mesh = gpu_mesh(1)
     x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.01, 100), in_dtype)
-    rowwise = granularity != "cols"
-    kw = dict(granularity=granularity, dtype=jnp.dtype(dtype), rowwise=rowwise,
-              transposed=True, given_scale=False, margin=0.0)
+    # every copy the granularity has: rows row-wise only, cols transposed only
+    kw = dict(granularity=granularity, dtype=jnp.dtype(dtype), rowwise=granularity != "cols",
+              transposed=granularity != "rows", given_scale=False, margin=0.0)
     hlo = jax.jit(lambda x: prim.quantize(x, **{k: v for k, v in kw.items()
                                                 if k != "given_scale"})).lower(x).as_text()
     assert "pk_fp8_quantize" in hlo  # the kernel, not a fallback

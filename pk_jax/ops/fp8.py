@@ -115,6 +115,10 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
     if granularity == "cols" and (rowwise or not transposed):
         raise ValueError("fp8_quantize(granularity='cols') returns the transposed copy only: "
                          "pass rowwise=False, transposed=True")
+    if granularity == "rows" and transposed:
+        raise ValueError("fp8_quantize(granularity='rows') returns the row-wise copy only "
+                         "(factors along the rows); for the transposed copy quantize with "
+                         "granularity='cols'")
     if not (rowwise or transposed):
         raise ValueError("fp8_quantize: ask for rowwise and/or transposed")
     if scale is not None and granularity != "tensor":
