@@ -10,8 +10,9 @@ Sections (--only):
              tokamax 0.0.17 (implementation="mosaic", Mosaic GPU; "triton"
              where it runs): forward, and forward + backward (value_and_grad).
              TFLOP/s count 4 B S^2 H D (x0.5 causal, x3.5 forward + backward).
-  gemm       pk's CUTLASS GEMM (all_gather_matmul at world size 1, and its
-             backward: dx and dw in one call) against XLA's dot (cuBLAS).
+  gemm       pk's CUTLASS GEMM (all_gather_matmul at world size 1; forward, and
+             forward + backward: y, then dx and dw in one call) against XLA's
+             dot (cuBLAS).
   fp8        pk's scaled FP8 GEMM (pk_jax.fp8_matmul: e4m3 per-tensor factors,
              and 1x128 / 128x128 block factors) against XLA's dot on the same
              FP8 operands with their factors, every way a user writes it
@@ -21,9 +22,10 @@ Sections (--only):
              dot ("xla_bf16").
 Every pk result is checked against its baseline's before timing (a mismatch
 is an error). tokamax is optional (pip install '.[bench]'): without it its
-rows are skipped with a message. Results: results/kernels.json (one row per
+rows are skipped with a message. Results, one file and RESULTS.md section per
+section run (each one run's rows): results/kernels_<section>.json (one row per
 implementation: op, shape fields, implementation, median_ms, tflops,
-best_other, best_other_ms) and RESULTS.md's kernels section.
+best_other, best_other_ms).
 
 Usage: python benchmarks/kernels.py [--only attention,gemm,fp8] [--quick]
        [--rounds N] [--smoke]  (--smoke: tiny shapes, nothing written)
@@ -74,6 +76,9 @@ GEMM_SHAPES = [
 SMOKE_ATTENTION = [(1, 256, 2, 2, 64, True, "bfloat16")]
 SMOKE_GEMM = [(256, 256, 256)]
 HEADER = ["op", "case", "impl", "ms", "TFLOP/s", "best other", "pk vs best other"]
+COLUMNS = ("Columns: median ms per call over interleaved rounds, TFLOP/s, the fastest "
+           "non-pk implementation of the row's group and pk's speedup over it (above 1: pk "
+           "faster).\n\n")
 
 
 def _tokamax():
@@ -198,13 +203,17 @@ def gemm(table: Table, shapes, rounds: int, smoke: bool) -> None:
         fields = {"m": m, "n": n, "k": k, "dtype": "bfloat16"}
         for mode, impls, flops in (
                 ("fwd", {"pk": pk_fwd, "xla": xla_fwd}, 2.0 * m * n * k),
-                ("bwd", {"pk": pk_fwd, "xla": xla_fwd}, 4.0 * m * n * k)):
+                ("fwd+bwd", {"pk": pk_fwd, "xla": xla_fwd}, 6.0 * m * n * k)):
             fns, outs = {}, {}
             for name, f in impls.items():
                 if mode == "fwd":
                     g = jax.jit(f)
-                else:  # dx = dy w^T and dw = x^T dy (pk: one fused backward call)
-                    g = jax.jit(lambda x, w, dy, f=f: jax.vjp(f, x, w)[1](dy))
+                else:  # y, then dx = dy w^T and dw = x^T dy (pk: one fused backward call);
+                    # y is returned, so neither side can drop the forward GEMM
+                    def g(x, w, dy, f=f):
+                        y, vjp = jax.vjp(f, x, w)
+                        return y, vjp(dy)
+                    g = jax.jit(g)
                 args = (x, w) if mode == "fwd" else (x, w, dy)
                 outs[name] = jax.block_until_ready(g(*args))
                 fns[name] = lambda g=g, args=args: g(*args)
@@ -299,16 +308,16 @@ def main() -> int:
         gemm(table, SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES), args.rounds, args.smoke)
     if "fp8" in only:
         fp8(table, SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES), args.rounds, args.smoke)
-    md = ("Columns: median ms per call over interleaved rounds, TFLOP/s, the fastest "
-          "non-pk implementation of the row's group and pk's speedup over it (above 1: pk "
-          "faster).\n\n" + markdown_table(HEADER, table.md))
-    if args.smoke:
-        print("SMOKE_OK (nothing written)")
-    elif only == set(SECTIONS) and not args.quick:
-        write_results("kernels", table.rows, md, "python benchmarks/kernels.py " +
-                      " ".join(sys.argv[1:]))
-    else:
-        print("partial run: results/kernels.json and RESULTS.md left as they are")
+    md = COLUMNS + markdown_table(HEADER, table.md)
+    if args.smoke or args.quick:
+        print("SMOKE_OK (nothing written)" if args.smoke else
+              "--quick: results and RESULTS.md left as they are")
+    else:  # one file and RESULTS.md section per section run: each one run's rows
+        for section in sorted(only):
+            rows = [r for r in table.rows if r["op"].split("_")[0] in section.split("_")[0]]
+            md_rows = [m for m in table.md if m[0].split("_")[0] == section.split("_")[0]]
+            write_results(f"kernels_{section}", rows, COLUMNS + markdown_table(HEADER, md_rows),
+                          "python benchmarks/kernels.py " + " ".join(sys.argv[1:]))
     print(md)
     pk_jax.check_errors()
     return 0

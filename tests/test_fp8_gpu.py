@@ -1,5 +1,7 @@
 """pk_jax's FP8 kernels on one GPU against their references (the same
-numerics in jax.numpy, run on the GPU by XLA): quantization bit for bit, the
+numerics in jax.numpy, run by XLA on the host's CPU, whose float32 division
+is IEEE's as the kernel's is; XLA:GPU divides approximately): quantization
+bit for bit, the
 scaled GEMMs within fp32-summation-order tolerance, fp8_dot's values and
 gradients against float32 matmuls (test_fp8_cpu.py states the tolerances).
 Fresh random inputs each run; the allocator is poisoned before each kernel
@@ -38,7 +40,9 @@ def test_quantize_bitwise(rng, granularity, shape, in_dtype, dtype):
     hlo = jax.jit(lambda x: prim.quantize(x, **{k: v for k, v in kw.items()
                                                 if k != "given_scale"})).lower(x).as_text()
     assert "pk_fp8_quantize" in hlo  # the kernel, not a fallback
-    want = jax.jit(lambda x: prim.quantize_reference(x, jnp.ones((1,), jnp.float32), **kw))(x)
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        want = jax.jit(lambda x: prim.quantize_reference(x, jnp.ones((1,), jnp.float32), **kw))(
+            np.asarray(x))
     poison_allocator(mesh, 4 * x.size)
     got = jax.jit(lambda x: prim.quantize(x, **{k: v for k, v in kw.items()
                                                 if k != "given_scale"}))(x)
@@ -53,9 +57,10 @@ def test_quantize_given_scale_and_amax(rng):
     s = jnp.float32(448 / 7)  # saturates the largest values
     poison_allocator(mesh, 4 * x.size)
     q, qt, f, amax = pk_jax.fp8_quantize(x, "tensor", transposed=True, scale=s)
-    rq, rqt, rf, ramax = jax.jit(lambda x: prim.quantize_reference(
-        x, s.reshape(1), granularity="tensor", dtype=prim.E4M3, rowwise=True, transposed=True,
-        given_scale=True, margin=0.0))(x)
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        rq, rqt, rf, ramax = jax.jit(lambda x: prim.quantize_reference(
+            x, np.float32(s).reshape(1), granularity="tensor", dtype=prim.E4M3, rowwise=True,
+            transposed=True, given_scale=True, margin=0.0))(np.asarray(x))
     for g, w in ((q, rq), (qt, rqt), (f, rf), (amax, ramax)):
         np.testing.assert_array_equal(_bits(g), _bits(w))
 
@@ -100,7 +105,8 @@ def test_matmul_block(rng, m, n, k, row_blocks, out):
     poison_allocator(mesh, 4 * m * n)
     got = jax.jit(lambda *x: pk_jax.fp8_matmul(*x, scaling="block", b_row_blocks=row_blocks,
                                                 out_dtype=out))(a, b, sa, sb)
-    assert rel_err(got, want) < (3e-3 if out == jnp.bfloat16 else 1e-4)
+    # float32 out: the per-block products summed in another order
+    assert rel_err(got, want) < (3e-3 if out == jnp.bfloat16 else 5e-4)
 
 
 @pytest.mark.parametrize("recipe", ["current", "block"])
@@ -111,8 +117,11 @@ def test_fp8_dot_values_and_gradients(rng, recipe, m, k, n):
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
     t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
     loss = lambda x, w: jnp.sum(pk_jax.fp8_dot(x, w, recipe).astype(jnp.float32) * t)
-    text = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
-    assert text.count("pk_fp8_matmul") == 3  # forward, dgrad, wgrad: all FP8 kernels
+    # the loss is linear in y, so its gradient needs no forward GEMM: dgrad and
+    # wgrad, both FP8 kernels; the forward is one more
+    assert jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text().count("pk_fp8_matmul") == 2
+    assert jax.jit(lambda x, w: pk_jax.fp8_dot(x, w, recipe)).lower(x, w).as_text().count(
+        "pk_fp8_matmul") == 1
     poison_allocator(mesh, 8 * m * (k + n))
     y = jax.jit(lambda x, w: pk_jax.fp8_dot(x, w, recipe))(x, w)
     dx, dw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
