@@ -58,7 +58,7 @@ if stage mp; then
   gpus=$(nvidia-smi -L | wc -l)
   pair="0 0"; [ "$gpus" -ge 2 ] && pair="0 1"
   nvcc -std=c++17 -O1 -gencode=arch=compute_90a,code=sm_90a -I csrc -I . \
-    tests/native/ipc_pair_check.cu csrc/runtime/workspace.cc csrc/runtime/topology.cc \
+    tests/native/ipc_pair_check.cu csrc/runtime/*.cc \
     -o /tmp/ipc_pair_check -lcuda > "$OUT/ipc_pair_check.log" 2>&1 \
     && timeout 120 /tmp/ipc_pair_check $pair >> "$OUT/ipc_pair_check.log" 2>&1
   echo "ipc_pair_check ($pair): rc=$?"; tail -3 "$OUT/ipc_pair_check.log"
