@@ -31,8 +31,8 @@ inline std::string cuda_text(cudaError_t e) {
 }
 
 inline std::string cuda_message(const char* call, int ordinal, cudaError_t e) {
-  // std::string only: iostreams crashed when the host process loaded another
-  // libstdc++ build (seen on the GPU machines' Python).
+  // std::string only: iostreams crashed when the host process had loaded
+  // another libstdc++ build.
   return std::string("pk_jax runtime: ") + call +
          (ordinal >= 0 ? " on device " + std::to_string(ordinal) : std::string()) +
          " failed: " + cuda_text(e);
