@@ -122,7 +122,7 @@ def write_results(op: str, rows: list[dict[str, Any]], table_md: str, command: s
         text = text.rstrip() + "\n\n" + section + "\n"
     RESULTS_MD.write_text(text)
     out = os.environ.get("OUT")
-    if out:  # on the device machine, results travel back through $OUT
+    if out:  # tools/gpu_check.sh collects its outputs in $OUT
         (pathlib.Path(out) / f"{op}.json").write_text(json.dumps(rows, indent=1) + "\n")
         (pathlib.Path(out) / "RESULTS.md").write_text(text)
 

@@ -6,6 +6,14 @@ arrays and run the fused ops where the shardings call for them
 (`pk_jax.partitioning`). On CUDA GPUs they run pk_jax kernels
 that read and write peer GPUs' memory directly; on other platforms (and for
 shapes the kernels do not take) they run their pure-lax reference.
+
+Public API: the names exported here (`__all__`), by `pk_jax.flax` and by
+`pk_jax.partitioning`, and `python -m pk_jax.launch`. Not public API, free to
+change between versions: the primitive modules (`pk_jax.ops.*_primitive`:
+primitives, their configs and FFI lowerings) and every module or name that
+starts with an underscore (`pk_jax._channels`, `pk_jax.ops._lowering`,
+`pk_jax.flax._common`, ...; `pk_jax._build_info` is there to be printed when
+diagnosing an install, not imported by programs).
 """
 
 from pk_jax import distributed

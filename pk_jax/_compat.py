@@ -1,5 +1,5 @@
 """Small shims over JAX internals that differ between supported versions
-(jax 0.10.2 on CPU machines, 0.11.x on the GPU machines)."""
+(jax 0.10.2, the oldest supported, to 0.11.x)."""
 
 from __future__ import annotations
 

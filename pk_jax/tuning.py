@@ -21,12 +21,14 @@ def all_gather_mechanism(ll_eligible: bool) -> str:
 def matmul_all_reduce_mechanism(rows: int, n: int) -> str:
     """The matmul_all_reduce mechanism `auto` takes for `rows` rows of x.
 
-    PROVISIONAL, not measured yet (the 2-GPU runs of benchmarks/tp_matmul.py
-    will decide): one_shot (each rank's whole partial product pushed to every
+    PROVISIONAL: one_shot (each rank's whole partial product pushed to every
     peer, summed by every rank) up to 256 rows, where chunking the rows by
     rank leaves GEMMs too small to hide anything; chunked above (the
     reduce-scatter of the partials overlapped with the GEMMs, then the
     reduced chunks exchanged). Rows that do not divide by n take one_shot.
+    Settled by `python benchmarks/tp_matmul.py --only matmul_all_reduce` on 2
+    GPUs: its pk_chunked and pk_one_shot rows at M = 16..256 and 8192 give
+    the crossover (MATMUL_ALL_REDUCE_ONE_SHOT_ROWS).
     """
     return "one_shot" if rows <= MATMUL_ALL_REDUCE_ONE_SHOT_ROWS or rows % n else "chunked"
 
@@ -44,16 +46,17 @@ RING_ATTENTION_MECHANISM = "copy_engine"
 # (one fused call per backward: block kernels, copy-engine pushes and posted
 # flags; ring_attention_bwd_primitive.py) or "xla" (the block kernel per step
 # with XLA collective-permutes between the steps, the path before the fused
-# call; kept for comparison and as the fallback). Not yet measured against
-# each other on 2 x H200.
+# call; kept for comparison and as the fallback). PROVISIONAL: settled by
+# `python benchmarks/ring_attention.py --backward --bwd-transport pk` against
+# `--bwd-transport xla` on 2 GPUs (fwd+bwd rows, 16k and 32k).
 RING_ATTENTION_BWD_TRANSPORT = "pk"
 
 
-# all_reduce / reduce_scatter under `auto`. PROVISIONAL: not measured yet (the
-# kernels need 2 GPUs, not lent when they were written); the one-shot reads
-# n times the bytes of the two-shot but takes one exchange, so it should lead
-# for small messages. Replace with the crossover benchmarks/all_reduce.py
-# measures on 2 x H200.
+# all_reduce / reduce_scatter under `auto`. PROVISIONAL: the one-shot reads n
+# times the bytes of the two-shot but takes one exchange, so it should lead
+# for small messages. Settled by `python benchmarks/all_reduce.py` on 2 GPUs:
+# the per-rank size where pk_two_shot overtakes pk_one_shot (host-timed and
+# in-program latency columns) sets ALL_REDUCE_ONE_SHOT_MAX_BYTES.
 ALL_REDUCE_ONE_SHOT_MAX_BYTES = 256 << 10
 
 
@@ -67,7 +70,8 @@ def all_reduce_mechanism(kind: str, per_rank_bytes: int) -> str:
 # The MoE exchange's mechanism under `auto`: pk's "ld_st" exchange kernel (where
 # it cannot run, the dense reference exchange). On one H200 (world size 1,
 # 4096 tokens x 4096, top-2 of 8) dispatch + combine took 0.36 ms with it and
-# 50 ms with XLA's ragged_all_to_all ("ragged"); not yet measured on two GPUs.
+# 50 ms with XLA's ragged_all_to_all ("ragged"). To confirm across GPUs:
+# `python benchmarks/moe.py` on 2 GPUs (pk against xla_ragged at world size 2).
 MOE_MECHANISM = "ld_st"
 
 

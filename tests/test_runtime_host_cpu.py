@@ -25,10 +25,10 @@ def test_runtime_host_checks(tmp_path):
         pytest.skip("needs g++ and the CUDA toolkit (headers and libcudart_static)")
     lib = os.path.dirname(glob.glob(os.path.join(cuda, "lib*", "libcudart_static.a"))[0])
     exe = tmp_path / "runtime_host_check"
+    runtime = sorted(str(p) for p in (ROOT / "csrc/runtime").glob("*.cc"))
     subprocess.run(["g++", "-std=c++17", "-O1", "-pthread", "-I", str(ROOT / "csrc"), "-I",
                     str(ROOT), "-I", os.path.join(cuda, "include"),
-                    str(ROOT / "tests/native/runtime_host_check.cc"),
-                    str(ROOT / "csrc/runtime/workspace.cc"), str(ROOT / "csrc/runtime/topology.cc"),
+                    str(ROOT / "tests/native/runtime_host_check.cc"), *runtime,
                     "-L", lib, "-lcudart_static", "-ldl", "-lrt", "-o", str(exe)], check=True)
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "runtime host checks passed" in proc.stdout, \

@@ -2,10 +2,10 @@
 # One command on a GPU machine: build + install, GPU and CPU tests, benchmarks,
 # and a short summary last. Usage: tools/gpu_check.sh [pytest args...]
 # PK_GPU_STAGES picks what runs after the build (default: all, ~40 min on 2 GPUs;
-# one device call is capped at 10 min, so split it; "none" only builds):
+# a few stages at a time keep each run short; "none" only builds):
 #   tests  pytest -v on the given args (default: the whole tests/ directory, ~25 min
 #          on 2 GPUs: the ring attention GPU file alone is ~120 tests of ~7 s, so
-#          pass a file and -k to fit a call), one line per test in $OUT/pytest.log
+#          pass a file and -k for a shorter run), one line per test in $OUT/pytest.log
 #   bwd    ring attention's end-to-end backward GPU tests, then fwd+bwd rows
 #   bench  all_gather and tp_matmul benchmarks
 #   ring   ring attention forward (16k-64k), mechanisms copy_engine and ld_st
@@ -58,7 +58,7 @@ if stage mp; then
   gpus=$(nvidia-smi -L | wc -l)
   pair="0 0"; [ "$gpus" -ge 2 ] && pair="0 1"
   nvcc -std=c++17 -O1 -gencode=arch=compute_90a,code=sm_90a -I csrc -I . \
-    tests/native/ipc_pair_check.cu csrc/runtime/workspace.cc csrc/runtime/topology.cc \
+    tests/native/ipc_pair_check.cu csrc/runtime/*.cc \
     -o /tmp/ipc_pair_check -lcuda > "$OUT/ipc_pair_check.log" 2>&1 \
     && timeout 120 /tmp/ipc_pair_check $pair >> "$OUT/ipc_pair_check.log" 2>&1
   echo "ipc_pair_check ($pair): rc=$?"; tail -3 "$OUT/ipc_pair_check.log"

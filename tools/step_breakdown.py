@@ -255,7 +255,7 @@ def rows(run: str, b: dict) -> list[dict]:
 
 def markdown(runs: dict[str, dict]) -> str:
     """One table over the runs: a row per category with time, then the step."""
-    lines = ["| run | category | events | device time (ms) | % of step | exposed (ms) |",
+    lines = ["| run | category | events | GPU time (ms) | % of step | exposed (ms) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for run, b in runs.items():
         for c, v in b["categories"].items():

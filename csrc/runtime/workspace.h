@@ -17,6 +17,11 @@
 // every remote device, then connect_group of every group row that holds a
 // local device, before any kernel of that group runs. Handlers refuse a
 // member that was not connected (resolve_group, xla_ffi/ffi_common.h).
+//
+// Implemented by job: workspace.cc (init, device queries and table), ipc.cc
+// (export_workspace, import_peer), peers.cc (connect_group, can_access,
+// member_workspaces), recovery.cc (synchronize, reset), errors.cc (the error
+// records and their text); internal.h holds what they share.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,1 +1,2 @@
-"""One module per op: the shard_map-level function and its primitive."""
+"""One module per op: the shard_map-level function (public, re-exported by
+pk_jax) and its primitive (`<op>_primitive.py`, not public API)."""

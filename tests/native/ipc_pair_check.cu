@@ -12,7 +12,7 @@
 //
 // Build and run (from the repository root; one command, split here):
 //   nvcc -std=c++17 -O1 -gencode=arch=compute_90a,code=sm_90a -I csrc -I .
-//        tests/native/ipc_pair_check.cu csrc/runtime/workspace.cc csrc/runtime/topology.cc
+//        tests/native/ipc_pair_check.cu csrc/runtime/*.cc
 //        -o /tmp/ipc_pair_check && /tmp/ipc_pair_check 0 0
 #include <sys/types.h>
 #include <sys/wait.h>

@@ -6,8 +6,8 @@
 //
 // Build and run (from the repository root; one command, split here):
 //   g++ -std=c++17 -O1 -pthread -I csrc -I . -I /usr/local/cuda/include
-//       tests/native/runtime_host_check.cc csrc/runtime/workspace.cc
-//       csrc/runtime/topology.cc -L /usr/local/cuda/lib64 -lcudart_static -ldl -lrt
+//       tests/native/runtime_host_check.cc csrc/runtime/*.cc
+//       -L /usr/local/cuda/lib64 -lcudart_static -ldl -lrt
 //       -o /tmp/runtime_host_check && /tmp/runtime_host_check
 #include <atomic>
 #include <chrono>
