@@ -82,12 +82,13 @@ def single_gpu_attention(head_dim: int, causal: bool, kernel_takes: bool) -> str
     attention and its backward, through jax.nn.dot_product_attention).
 
     The choice is by forward + backward time (training), from
-    benchmarks/kernels.py's attention rows (one H200, bf16, against the same
-    run's cuDNN): pk's kernels were 0.88-0.98x cuDNN on every forward +
-    backward row measured (head dims 64 and 128, full and causal, 8k-32k
-    tokens), so cuDNN runs at every head dim cuDNN takes; head dims pk's
-    kernel does not take (e.g. 256) take cuDNN too. Shapes cuDNN does not
-    take stay on the kernel (or the pure-JAX ring where neither applies).
+    benchmarks/RESULTS.md's kernels_attention (one H200, bf16 and fp16, the
+    same run's cuDNN): pk's kernel was 0.89-0.98x cuDNN on every forward +
+    backward row (head dims 64 and 128, full and causal, MHA and GQA, 4k-32k
+    tokens, batch 1 and 4), so cuDNN runs at every head dim cuDNN takes;
+    head dims pk's kernel does not take (256) take cuDNN too. Shapes cuDNN
+    does not take stay on the kernel (or the pure-JAX ring where neither
+    applies).
     """
     del head_dim, causal, kernel_takes  # no shape class measured where the kernel leads
     return "cudnn"

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from pk_jax import runtime
-from pk_jax.ops import (all_gather_primitive, all_reduce_primitive, attention_bwd_primitive,
+from pk_jax.ops import (fp8_primitive, all_gather_primitive, all_reduce_primitive, attention_bwd_primitive,
                         grouped_matmul_primitive, ring_attention_bwd_primitive,
                         ring_attention_primitive)
 
@@ -63,6 +63,8 @@ GROUPED = "csrc/kernels/grouped_matmul/grouped_matmul.h"
 RING = "csrc/kernels/ring_attention/ring_attention.h"
 BWD = "csrc/kernels/attention_bwd/attention_bwd.h"
 RING_BWD = "csrc/kernels/ring_attention_bwd/ring_attention_bwd.h"
+FP8 = "csrc/kernels/fp8/fp8.h"
+GEMM = "csrc/kernels/gemm/gemm.h"
 
 
 @pytest.mark.parametrize("python,header,name", [
@@ -75,6 +77,8 @@ RING_BWD = "csrc/kernels/ring_attention_bwd/ring_attention_bwd.h"
     (ring_attention_primitive.MAX_COMM_CTAS, RING, "kMaxCommCtas"),
     (attention_bwd_primitive.TILE_KV, BWD, "kTileKv"),
     (ring_attention_bwd_primitive.STAMP_BYTES, RING_BWD, "kStampBytes"),
+    (fp8_primitive.BLOCK, FP8, "kBlock"),
+    (fp8_primitive.BLOCK, GEMM, "kBlockK"),
 ])
 def test_constant_matches_header(python, header, name):
     assert cxx_constants(header)[name] == python, f"{name} in {header}"
@@ -148,6 +152,10 @@ FFI_ENUMS = [
      {"copy_engine": "kCopyEngine", "ld_st": "kLdSt"}),
     (grouped_matmul_primitive.KINDS, GROUPED, "Kind",
      {"forward": "kForward", "lhs_grad": "kLhsGrad", "rhs_grad": "kRhsGrad"}),
+    (fp8_primitive.GRANULARITY, FP8, "Granularity",
+     {"tensor": "kTensor", "rows": "kRows", "cols": "kCols", "blocks": "kBlocks"}),
+    (fp8_primitive.SCALING, GEMM, "Scaling",
+     {"none": "kNone", "tensor": "kTensor", "block": "kBlock"}),
 ]
 
 

@@ -152,7 +152,7 @@ def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks:
     if ta not in prim.FP8_TYPES or tb not in prim.FP8_TYPES or ta == tb == prim.E5M2:
         raise TypeError(f"fp8_matmul: a and b must be float8_e4m3fn or float8_e5m2, not both "
                         f"e5m2; got {ta}, {tb}")
-    if scaling not in prim.SCALING:
+    if scaling not in ("tensor", "block"):
         raise ValueError(f"fp8_matmul(scaling={scaling!r}): 'tensor' or 'block'")
     out_dtype = jnp.dtype(out_dtype)
     if out_dtype not in prim.OUT_TYPES:

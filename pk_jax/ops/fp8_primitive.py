@@ -46,7 +46,7 @@ matmul_p = Primitive("pk_fp8_matmul")
 # Mirrors of csrc/kernels/fp8/fp8.h (Granularity, kBlock) and
 # csrc/kernels/gemm/gemm.h (Scaling) (tests/test_constants_cpu.py).
 GRANULARITY = {"tensor": 0, "rows": 1, "cols": 2, "blocks": 3}
-SCALING = {"tensor": 1, "block": 2}
+SCALING = {"none": 0, "tensor": 1, "block": 2}  # "none": the bf16/fp16 GEMMs
 BLOCK = 128
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
