@@ -62,6 +62,16 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], *, rounds: int = 3, calls:
     return runs
 
 
+def cuda_profiler(start: bool) -> None:
+    """cudaProfilerStart / Stop (through CuPy) around the region Nsight
+    Compute profiles with --profile-from-start off; best effort."""
+    try:
+        import cupy
+        (cupy.cuda.runtime.profilerStart if start else cupy.cuda.runtime.profilerStop)()
+    except Exception as e:  # noqa: BLE001 - best effort: timing still runs
+        print(f"profiler {'start' if start else 'stop'} unavailable: {e}")
+
+
 def one_axis_mesh(devices, name: str = "x") -> Mesh:
     """A 1-D mesh over `devices` (the benchmarks' layout)."""
     return Mesh(np.array(devices), (name,), axis_types=(AxisType.Auto,))

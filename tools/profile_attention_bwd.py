@@ -26,15 +26,9 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from common import interleaved_ms  # noqa: E402
+from common import cuda_profiler, interleaved_ms  # noqa: E402
 
 
-def _profiler(start: bool) -> None:
-    try:
-        import cupy
-        (cupy.cuda.runtime.profilerStart if start else cupy.cuda.runtime.profilerStop)()
-    except Exception as e:  # noqa: BLE001 - best effort: timing still runs
-        print(f"profiler {'start' if start else 'stop'} unavailable: {e}")
 
 
 def main() -> None:
@@ -79,10 +73,10 @@ def main() -> None:
     ratios = [c / p for c, p in zip(times["cudnn"], times["pk"])]
     print(f"cudnn/pk median {statistics.median(ratios):.3f} (range {min(ratios):.3f}-"
           f"{max(ratios):.3f})", flush=True)
-    _profiler(True)
+    cuda_profiler(True)
     for f in fns.values():
         jax.block_until_ready(f(q, k, v))
-    _profiler(False)
+    cuda_profiler(False)
 
 
 if __name__ == "__main__":

@@ -22,15 +22,9 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from common import interleaved_ms, one_axis_mesh  # noqa: E402
+from common import cuda_profiler, interleaved_ms, one_axis_mesh  # noqa: E402
 
 
-def _profiler(start: bool) -> None:
-    try:
-        import cupy
-        (cupy.cuda.runtime.profilerStart if start else cupy.cuda.runtime.profilerStop)()
-    except Exception as e:  # noqa: BLE001 - best effort: timing still runs
-        print(f"profiler {'start' if start else 'stop'} unavailable: {e}")
 
 
 def main() -> None:
@@ -49,10 +43,10 @@ def main() -> None:
            for name, f in (("pk", pk), ("xla", lambda x, w: x @ w))}
     for f in fns.values():
         jax.block_until_ready(f(x, w, dy))
-    _profiler(True)
+    cuda_profiler(True)
     for f in fns.values():
         jax.block_until_ready(f(x, w, dy))
-    _profiler(False)
+    cuda_profiler(False)
     times = interleaved_ms({name: (lambda f=f: f(x, w, dy)) for name, f in fns.items()},
                            rounds=2)
     for name, ts in times.items():

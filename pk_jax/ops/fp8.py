@@ -282,7 +282,7 @@ def _block_bwd(res, dy, x_dtype, w_dtype):
     return dx.astype(x_dtype), dw.astype(w_dtype)
 
 
-def _marker(a):
+def residual_marker(a):
     """A zero-size slice of `a`: carries its dtype and its shard_map
     varying axes through custom_vjp's residuals."""
     return a.reshape(-1)[:0]
@@ -298,7 +298,7 @@ def _dot_fwd(x, w, recipe):
         y, res = _block_fwd(x, w)
     else:
         y, res, _ = _tensor_fwd(x, w, recipe)
-    return y, (res, _marker(x), _marker(w))
+    return y, (res, residual_marker(x), residual_marker(w))
 
 
 def _dot_bwd(recipe, carry, dy):
@@ -320,7 +320,7 @@ def _dot_delayed(x, w, scales, recipe: Fp8Recipe):
 def _dot_delayed_fwd(x, w, scales, recipe):
     sx, sw, sdy = scales
     y, res, amaxes = _tensor_fwd(x, w, recipe, sx, sw)
-    return (y, amaxes), (res, sdy, _marker(x), _marker(w))
+    return (y, amaxes), (res, sdy, residual_marker(x), residual_marker(w))
 
 
 def _dot_delayed_bwd(recipe, carry, cts):

@@ -114,6 +114,37 @@ def _quantize_local(a, recipe: Recipe, dtype, *, rowwise=True, transposed=False)
                                   transposed=transposed)
 
 
+def _gather_rows(q, qt, fq, fqt, names, n: int, recipe: Recipe):
+    """An operand quantized by `_quantize_rows_sharded`, gathered along its
+    rows: the row-wise copy (axis 0), the transposed copy (axis 1) and, with
+    block factors, their factors ([K/128, rows] along axis 1, [rows/128, K]
+    along axis 0); a per-tensor factor is already the axis's."""
+    block = recipe.scaling == "block"
+    return (_gather(q, names, n), _gather(qt, names, n, axis=1),
+            _gather(fq, names, n, axis=1) if block else fq,
+            _gather(fqt, names, n, axis=0) if block else fqt)
+
+
+def _local_forward(x, w, recipe: Recipe, out_dtype):
+    """This rank's partial product x @ w [M, N] (x [M, K_local]) and the
+    backward's residuals: x^T and w quantized, with their factors."""
+    q, qt, fq, fqt = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=True)
+    wq, wt, fw_fwd, fw_bwd = _quantize_w(w, recipe)
+    partial = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
+    return partial, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
+                     fp8_ops.residual_marker(w))
+
+
+def _grads(quantized_dy, res, recipe: Recipe, reduce_dx=lambda dx: dx):
+    """(dx, dw) typed like (x, w): dx = reduce_dx(dy w^T), dw = x^T dy, from
+    the quantized dy (q, qt, their factors) and the forward's residuals."""
+    dq, dt, fdq, fdt = quantized_dy
+    qt, fqt, wq, fw_bwd, xm, wm = res
+    dx = reduce_dx(_gemm(dq, wq, fdq, fw_bwd, recipe, xm.dtype))
+    dw = _gemm(qt, dt, fqt, fdt, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block")
+    return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm)
+
+
 # ---- all_gather_matmul -------------------------------------------------------------
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def all_gather_matmul(x, w, names, n: int, recipe: Recipe, out_dtype):
@@ -122,28 +153,20 @@ def all_gather_matmul(x, w, names, n: int, recipe: Recipe, out_dtype):
 
 
 def _ag_fwd(x, w, names, n, recipe, out_dtype):
-    fwd, bwd = recipe.fwd_dtype, recipe.bwd_dtype
-    q, qt, fq, fqt = _quantize_rows_sharded(x, names, n, recipe, fwd, transposed=True)
-    q_all = _gather(q, names, n)
-    # tensor: one shared factor; block: rows factors [K/128, m] gathered along m
-    fq_all = fq if recipe.scaling != "block" else _gather(fq, names, n, axis=1)
+    q, qt, fq, fqt = _gather_rows(*_quantize_rows_sharded(x, names, n, recipe,
+                                                          recipe.fwd_dtype, transposed=True),
+                                  names, n, recipe)
     wq, wt, fw_fwd, fw_bwd = _quantize_w(w, recipe)
-    y = _gemm(q_all, wt, fq_all, fw_fwd, recipe, out_dtype)
-    # the weight gradient's operand: x^T gathered along the tokens
-    qt_all = _gather(qt, names, n, axis=1)
-    fqt_all = fqt if recipe.scaling != "block" else _gather(fqt, names, n, axis=0)
-    return y, (qt_all, fqt_all, wq, fw_bwd, fp8_ops._marker(x), fp8_ops._marker(w))
+    y = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
+    # the weight gradient reads x^T gathered along the tokens
+    return y, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x), fp8_ops.residual_marker(w))
 
 
 def _ag_bwd(names, n, recipe, out_dtype, res, dy):
-    qt_all, fqt_all, wq, fw_bwd, xm, wm = res
-    bwd = recipe.bwd_dtype
-    # dy [n m, N_local] is local to this rank's column shard
-    dq, dt, fdq, fdt = _quantize_local(dy, recipe, bwd, transposed=True)
-    dx_all = _gemm(dq, wq, fdq, fw_bwd, recipe, xm.dtype)         # [n m, K]
-    dx = _scatter(dx_all, names, n)
-    dw = _gemm(qt_all, dt, fqt_all, fdt, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block")
-    return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm)
+    # dy [n m, N_local] is local to this rank's column shard; dy w^T [n m, K]
+    # is reduce-scattered to this rank's rows
+    return _grads(_quantize_local(dy, recipe, recipe.bwd_dtype, transposed=True), res, recipe,
+                  lambda dx: _scatter(dx, names, n))
 
 
 all_gather_matmul.defvjp(_ag_fwd, _ag_bwd)
@@ -157,26 +180,16 @@ def matmul_reduce_scatter(x, w, names, n: int, recipe: Recipe, out_dtype):
 
 
 def _rs_fwd(x, w, names, n, recipe, out_dtype):
-    q, qt, fq, fqt = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=True)
-    wq, wt, fw_fwd, fw_bwd = _quantize_w(w, recipe)
-    partial = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)          # [M, N]
-    return _scatter(partial, names, n), (qt, fqt, wq, fw_bwd, fp8_ops._marker(x),
-                                         fp8_ops._marker(w))
+    partial, res = _local_forward(x, w, recipe, out_dtype)
+    return _scatter(partial, names, n), res
 
 
 def _rs_bwd(names, n, recipe, out_dtype, res, dy):
-    qt, fqt, wq, fw_bwd, xm, wm = res
-    bwd = recipe.bwd_dtype
     # dy [M / n, N] this rank's rows: gathered in FP8 (row-wise for dx, the
     # transposed copy along the tokens for dw)
-    dq, dt, fdq, fdt = _quantize_rows_sharded(dy, names, n, recipe, bwd, transposed=True)
-    dq_all = _gather(dq, names, n)
-    fdq_all = fdq if recipe.scaling != "block" else _gather(fdq, names, n, axis=1)
-    dt_all = _gather(dt, names, n, axis=1)
-    fdt_all = fdt if recipe.scaling != "block" else _gather(fdt, names, n, axis=0)
-    dx = _gemm(dq_all, wq, fdq_all, fw_bwd, recipe, xm.dtype)       # [M, K_local]
-    dw = _gemm(qt, dt_all, fqt, fdt_all, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block")
-    return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm)
+    return _grads(_gather_rows(*_quantize_rows_sharded(dy, names, n, recipe, recipe.bwd_dtype,
+                                                        transposed=True), names, n, recipe),
+                  res, recipe)
 
 
 matmul_reduce_scatter.defvjp(_rs_fwd, _rs_bwd)
@@ -190,23 +203,15 @@ def matmul_all_reduce(x, w, names, n: int, recipe: Recipe, out_dtype):
 
 
 def _ar_fwd(x, w, names, n, recipe, out_dtype):
-    q, qt, fq, fqt = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=True)
-    wq, wt, fw_fwd, fw_bwd = _quantize_w(w, recipe)
-    partial = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
-    y = all_reduce(partial, names)  # also at n = 1: psum's invariant result type
-    return y, (qt, fqt, wq, fw_bwd, fp8_ops._marker(x), fp8_ops._marker(w))
+    partial, res = _local_forward(x, w, recipe, out_dtype)
+    return all_reduce(partial, names), res  # also at n = 1: psum's invariant result type
 
 
 def _ar_bwd(names, n, recipe, out_dtype, res, dy):
     """psum's transpose: every rank gets the full (invariant) dy; both
     gradients are local FP8 GEMMs."""
-    from pk_jax._compat import make_varying
-    qt, fqt, wq, fw_bwd, xm, wm = res
-    dy = make_varying(dy, names)
-    dq, dt, fdq, fdt = _quantize_local(dy, recipe, recipe.bwd_dtype, transposed=True)
-    dx = _gemm(dq, wq, fdq, fw_bwd, recipe, xm.dtype)
-    dw = _gemm(qt, dt, fqt, fdt, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block")
-    return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm)
+    return _grads(_quantize_local(make_varying(dy, names), recipe, recipe.bwd_dtype,
+                                  transposed=True), res, recipe)
 
 
 matmul_all_reduce.defvjp(_ar_fwd, _ar_bwd)
