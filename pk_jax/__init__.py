@@ -16,7 +16,11 @@ starts with an underscore (`pk_jax._channels`, `pk_jax.ops._lowering`,
 diagnosing an install, not imported by programs).
 """
 
-from pk_jax import distributed
+from pk_jax._compat import check_jax_version
+
+check_jax_version()
+
+from pk_jax import distributed  # noqa: E402
 from pk_jax.config import Config, configure, configured, get_config
 from pk_jax._warnings import PkJaxFallbackWarning
 from pk_jax.errors import PkJaxError, PkJaxTimeoutError

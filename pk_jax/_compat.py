@@ -3,7 +3,27 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax
+
+# The jax versions pk_jax is tested with: the CPU suite on the oldest, the GPU
+# runs on the newest minor release.
+JAX_MIN = (0, 10, 2)
+JAX_TESTED_BELOW = (0, 12)
+
+
+def check_jax_version(version: str = jax.__version__) -> None:
+    """ImportError for a jax older than JAX_MIN; a warning for one newer than
+    the tested releases (pk_jax reaches into jax internals that move)."""
+    parts = tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+    if parts < JAX_MIN:
+        raise ImportError(f"pk_jax needs jax >= {'.'.join(map(str, JAX_MIN))}, found jax "
+                          f"{version}: pip install -U 'jax>={'.'.join(map(str, JAX_MIN))}'")
+    if parts[:2] >= JAX_TESTED_BELOW:
+        warnings.warn(f"pk_jax is tested with jax {'.'.join(map(str, JAX_MIN))} to "
+                      f"{JAX_TESTED_BELOW[0]}.{JAX_TESTED_BELOW[1] - 1}.x, found {version}; "
+                      "its kernels may not lower with it", RuntimeWarning, stacklevel=3)
 
 
 def make_varying(x: jax.Array, names: tuple[str, ...]) -> jax.Array:

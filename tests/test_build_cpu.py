@@ -151,3 +151,18 @@ def test_no_multi_dimensional_copies_in_handler_code():
             if banned.search(code):
                 offenders.append(f"{path.relative_to(root)}:{i}: {line.strip()}")
     assert not offenders, "\n".join(offenders)
+
+
+def test_jax_version_check():
+    """An older jax is refused at import with what to install; a newer,
+    untested one gets a warning; the tested range passes silently."""
+    import warnings
+    from pk_jax._compat import check_jax_version
+    with pytest.raises(ImportError, match="jax >= 0.10.2"):
+        check_jax_version("0.9.9")
+    with pytest.warns(RuntimeWarning, match="tested with jax"):
+        check_jax_version("0.12.0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_jax_version("0.10.2")
+        check_jax_version("0.11.2.dev20261201")
