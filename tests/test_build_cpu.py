@@ -18,12 +18,10 @@ from helpers import compile_check
 from pk_jax import runtime
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-# The FFI targets the extension registers (xla_ffi/module.cc).
-REGISTRATIONS = {"pk_all_gather", "pk_all_gather_matmul", "pk_matmul_reduce_scatter",
-                 "pk_all_gather_matmul_bwd", "pk_matmul_reduce_scatter_bwd",
-                 "pk_matmul_all_reduce", "pk_ring_attention", "pk_attention_block_bwd",
-                 "pk_ring_attention_bwd", "pk_all_reduce", "pk_moe_exchange",
-                 "pk_grouped_matmul"}
+# The FFI targets the Python side lowers to (every ffi_lowering("pk_...") in
+# pk_jax/): the extension (xla_ffi/module.cc) must register exactly these.
+REGISTRATIONS = {m.group(1) for f in (ROOT / "pk_jax").rglob("*.py")
+                 for m in re.finditer(r'ffi_lowering\(\s*"(pk_[a-z0-9_]+)"', f.read_text())}
 
 
 def _fake_tools(tmp_path, **scripts) -> str:
