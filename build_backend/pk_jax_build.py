@@ -17,7 +17,8 @@ headers) to the isolated build environment and passes
 metadata pip prepares matches the wheel it builds.
 
 The decision is recorded in the package as ``pk_jax._build_info`` (``cuda``,
-``setting``, ``reason``), generated through ``[[tool.scikit-build.generate]]``
+``setting``, ``reason``, and ``kernels``: the GPU code, nvcc release and
+CUTLASS of a CUDA build), generated through ``[[tool.scikit-build.generate]]``
 from a template this backend writes to build/pk_jax_build_info.py.in.
 """
 
@@ -29,6 +30,7 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
 
 import scikit_build_core
 from scikit_build_core import build as _skbuild
@@ -62,16 +64,44 @@ CUDA_BUILD_REQUIRES = ["nanobind>=2.0", "jax>=0.10.2", "nvidia-cutlass>=3.5",
 BUILD_INFO_TEMPLATE = pathlib.Path("build", "pk_jax_build_info.py.in")
 
 
+# The GPU code a CUDA build compiles (CMakeLists.txt's PK_CUDA_GENCODE default).
+DEFAULT_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
+
+
+def nvcc_release(nvcc: str) -> str:
+    """nvcc's release ("13.0"), or "" when it does not say."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    found = re.search(r"release (\d+\.\d+)", out)
+    return found.group(1) if found else ""
+
+
 def _config(config_settings, *, write_info: bool = False):
     """The config settings for scikit-build-core, and whether CUDA is on."""
     cuda, setting, reason = cuda_decision()
     settings = dict(config_settings or {})
+    kernels = ""
     if cuda:
         settings.setdefault("cmake.define.PK_JAX_CUDA", "ON")
+        # A CUDA build holds the CUTLASS kernels or fails (CUDA_BUILD_REQUIRES
+        # brings nvidia-cutlass); -C cmake.define.PK_JAX_REQUIRE_CUTLASS=OFF
+        # allows a build without them (their ops then run XLA's path).
+        settings.setdefault("cmake.define.PK_JAX_REQUIRE_CUTLASS", "ON")
         nvcc = find_nvcc()
         if not os.environ.get("CUDACXX") and shutil.which("nvcc") is None:
             # Found outside PATH (toolkit home): tell CMake where.
             settings.setdefault("cmake.define.CMAKE_CUDA_COMPILER", nvcc)
+        if write_info:
+            gencode = settings.get("cmake.define.PK_CUDA_GENCODE", DEFAULT_GENCODE)
+            arches = ", ".join(re.findall(r"code=(\w+)", gencode)) or gencode
+            cutlass = settings["cmake.define.PK_JAX_REQUIRE_CUTLASS"].upper() in \
+                ("ON", "1", "TRUE", "YES")
+            kernels = (f"{arches} kernels compiled by nvcc {nvcc_release(nvcc) or '(unknown)'}"
+                       f"{', CUTLASS GEMMs included' if cutlass else ', CUTLASS GEMMs if found'}"
+                       "; CUDA runtime linked statically, the driver loaded at run time")
     else:
         settings.setdefault("wheel.cmake", "false")
     if write_info:
@@ -80,7 +110,8 @@ def _config(config_settings, *, write_info: bool = False):
                 'build_backend/pk_jax_build.py)."""\n\n'
                 f"cuda = {cuda!r}  # the CUDA extension was built\n"
                 f"setting = {setting!r}  # PK_JAX_BUILD_CUDA: '1', '0' or 'auto'\n"
-                f"reason = {reason!r}\n")
+                f"reason = {reason!r}\n"
+                f"kernels = {kernels!r}  # what the extension holds ('' without one)\n")
         BUILD_INFO_TEMPLATE.parent.mkdir(parents=True, exist_ok=True)
         # string.Template placeholders: a literal $ is written $$.
         BUILD_INFO_TEMPLATE.write_text(text.replace("$", "$$"), encoding="utf-8")

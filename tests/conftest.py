@@ -12,6 +12,32 @@ if _flag not in os.environ.get("XLA_FLAGS", ""):
 # Multicast stays off on shared hosts, also for NCCL inside XLA.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
+
+def _no_gpu_here() -> bool:
+    return not os.path.exists("/dev/nvidia0") and not os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+# On machines without a GPU (CI) the suite's time is XLA:CPU compiling
+# thousands of small programs, many of them the same program built by
+# another test or parameter: compile at LLVM -O0 (the tests time nothing;
+# IEEE results are the same) and share compiled programs through a
+# persistent compilation cache of this session (a fresh directory, also
+# read by the tests' subprocesses). PK_JAX_TEST_FAST_COMPILE=0 turns both off.
+if os.environ.get("PK_JAX_TEST_FAST_COMPILE", "1" if _no_gpu_here() else "0") == "1":
+    import atexit
+    import shutil
+    import tempfile
+
+    _opt = "--xla_backend_optimization_level=0"
+    if _opt not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " " + _opt
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        _cache = tempfile.mkdtemp(prefix="pk_jax_tests_xla_cache_")
+        atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+        os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -11,6 +11,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import zipfile
 
 import pytest
 
@@ -94,26 +95,78 @@ def test_installed_extension_follows_the_build_decision():
                          f"{why}: reinstall; PK_JAX_BUILD_CUDA=1 forces the build")
 
 
-def test_extension_compiles():
-    """The compile check (tests/helpers/compile_check.py, built in the background
-    while the other tests run; conftest.py runs this test last): wherever
-    nvcc exists, the extension builds with CUDA and CUTLASS on, the built
-    module imports on this machine and registers its FFI targets. Skipped
-    where the install itself compiled the extension (the test above checks
-    that one). PK_JAX_COMPILE_CHECK=0 skips it, =1 runs it even then."""
+# What the extension may link: the C and C++ runtimes a manylinux system
+# provides. No CUDA library (the runtime is static, the driver is loaded with
+# dlopen at run time), so the wheel installs where no CUDA toolkit exists.
+SYSTEM_LIBRARIES = ("libc.so.", "libm.so.", "libstdc++.so.", "libgcc_s.so.", "libdl.so.",
+                    "libpthread.so.", "librt.so.", "ld-linux-x86-64.so.")
+
+
+def _needed(shared_object: pathlib.Path) -> list[str]:
+    """The DT_NEEDED entries of an ELF shared object."""
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+    with open(shared_object, "rb") as f:
+        return [tag.needed for section in ELFFile(f).iter_sections()
+                if isinstance(section, DynamicSection)
+                for tag in section.iter_tags() if tag.entry.d_tag == "DT_NEEDED"]
+
+
+def test_wheel_carries_the_kernels(tmp_path):
+    """The compile check (tests/helpers/compile_check.py, built in the
+    background while the other tests run; conftest.py runs this test last):
+    wherever nvcc exists, `PK_JAX_BUILD_CUDA=1 pip wheel` builds the wheel a
+    release ships. It holds the sm_90a extension (CUTLASS kernels required),
+    says so in _build_info, links no CUDA toolkit library, is a manylinux
+    wheel by auditwheel's reading (repaired to that tag), and its extension
+    imports on this machine and registers the FFI targets the Python side
+    lowers to. Skipped where the install itself compiled the extension (the
+    test above checks that one). PK_JAX_COMPILE_CHECK=0 skips it, =1 runs it
+    even then."""
     p, rc = compile_check.result()
     if p.skip is not None:
         pytest.skip(p.skip)
-    missing = [m for m in ("nanobind", "cutlass_library", "jax")
+    missing = [m for m in (*compile_check.BUILD_MODULES, "elftools")
                if importlib.util.find_spec(m) is None]
     assert not missing, f"the compile check needs {missing}: pip install -e '.[test]'"
     if rc != 0:
         tail = "\n".join(p.log.read_text(errors="replace").splitlines()[-60:])
-        pytest.fail(f"the CUDA extension does not build (full log: {p.log}):\n{tail}")
-    build = p.build
+        pytest.fail(f"the wheel with the CUDA extension does not build (full log: {p.log}):"
+                    f"\n{tail}")
+    wheels = sorted(p.dist.glob("pk_jax-*.whl"))
+    assert len(wheels) == 1, f"expected one wheel in {p.dist}, found {wheels}"
+    wheel = wheels[0]
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    assert f"-{tag}-{tag}-linux_x86_64.whl" in wheel.name, wheel.name
 
-    built = sorted(build.glob("_pk_jax_ext*.so"))
-    assert built, f"no _pk_jax_ext module in {build}"
+    unpacked = tmp_path / "wheel"
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(unpacked)
+    built = sorted((unpacked / "pk_jax").glob("_pk_jax_ext*.so"))
+    assert len(built) == 1, f"no _pk_jax_ext module in {wheel.name}"
+    needed = _needed(built[0])
+    foreign = [lib for lib in needed if not lib.startswith(SYSTEM_LIBRARIES)]
+    assert not foreign, f"the extension needs {foreign} (all: {needed})"
+    info = (unpacked / "pk_jax" / "_build_info.py").read_text()
+    assert "cuda = True" in info and "sm_90a kernels compiled by nvcc" in info \
+        and "CUTLASS GEMMs included" in info, info
+
+    # auditwheel: the platform tag the wheel's symbols allow, and the repair
+    # that writes it into the wheel (nothing to graft: no external library).
+    env = {**os.environ, "PATH": compile_check.tool_path()}
+    show = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)],
+                          capture_output=True, text=True, env=env)
+    assert show.returncode == 0, show.stdout + show.stderr
+    found = re.search(r'platform tag:\s*"(manylinux_\d+_\d+_x86_64)"', show.stdout)
+    assert found, show.stdout
+    repaired = tmp_path / "wheelhouse"
+    repair = subprocess.run([sys.executable, "-m", "auditwheel", "repair", "-w", str(repaired),
+                             "--plat", found.group(1), str(wheel)],
+                            capture_output=True, text=True, env=env)
+    assert repair.returncode == 0, repair.stdout + repair.stderr
+    assert [w.name for w in repaired.glob("*.whl")] == \
+        [wheel.name.replace("linux_x86_64", found.group(1))], repair.stderr
+
     # In a subprocess: its own copy of the module, never mixed with an installed one.
     probe = ("import importlib.util, json, sys\n"
              "spec = importlib.util.spec_from_file_location('_pk_jax_ext', sys.argv[1])\n"

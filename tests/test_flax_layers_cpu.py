@@ -184,9 +184,12 @@ def test_init_does_not_depend_on_mesh():
         _, state = init_sharded(lambda: ParallelMLP(F, HIDDEN // n, axis_name="tp",
                                                     rngs=nnx.Rngs(3)), mesh)
         weights.append([np.asarray(a) for a in jax.tree.leaves(state)])
+    # The same random draws (another key or split would differ by O(1));
+    # programs compiled for other shardings may round the normal transform
+    # an ulp apart (seen at XLA:CPU's -O0, conftest.py).
     for other in weights[1:]:
         for a, b in zip(weights[0], other):
-            np.testing.assert_array_equal(a, b)
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     specs = partition_specs(state)
     assert specs["gate"]["kernel"] == P(None, "tp") and specs["down"]["kernel"] == P("tp", None)
 

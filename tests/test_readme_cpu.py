@@ -54,12 +54,18 @@ def test_ci_runs_the_readme_test_command():
 @pytest.mark.parametrize("segment", sorted({s.strip() for c in _commands() for s in c.split("&&")}))
 def test_shell_commands(segment):
     """Each command of the README's shell blocks: install steps and the test
-    suite itself are CI's (above); GPU scripts must exist; the rest runs."""
+    suite itself are CI's (above), the wheel build the compile check's; GPU
+    scripts must exist; the rest runs."""
     words = shlex.split(segment)
     if words[:3] == ["python3", "-m", "venv"] or words[0] == "." or words[:2] == ["pip", "install"]:
         pytest.skip("an install step: .ci/run runs it on a clean machine")
     if words[:2] == ["pytest", "-q"]:
         pytest.skip("the test suite itself")
+    if words[:3] == ["PK_JAX_BUILD_CUDA=1", "pip", "wheel"] or words[:2] == ["auditwheel", "repair"]:
+        from helpers import compile_check
+        assert words[0] == "auditwheel" or set(compile_check.WHEEL_FLAGS) <= set(words), segment
+        pytest.skip("the wheel build: the compile check builds this wheel and repairs it "
+                    "(test_build_cpu.py::test_wheel_carries_the_kernels)")
     if words[0].startswith("tools/"):
         assert os.access(ROOT / words[0], os.X_OK), f"{words[0]} is not an executable script"
         pytest.skip(f"{words[0]} needs GPUs")

@@ -1,11 +1,13 @@
-"""The CUDA compile check (tests/test_build_cpu.py::test_extension_compiles),
-run in the background while the other tests run: wherever nvcc exists, CMake
-builds the extension with CUDA and CUTLASS on into build/compile-check-<python>
-(kept, so a rerun recompiles only what changed). conftest.py starts it once
-collection has picked that test (at the lowest CPU priority, so the tests
-keep theirs) and runs the test last; the test waits for the build and checks
-it. On CI's two cores the build (about 10 minutes of both) otherwise ran
-alone after the tests' own quarter hour.
+"""The CUDA compile check (tests/test_build_cpu.py::test_wheel_carries_the_kernels):
+wherever nvcc exists, the wheel a release ships is built in the background
+while the other tests run: `PK_JAX_BUILD_CUDA=1 pip wheel --no-build-isolation`
+(the sm_90a kernels, CUTLASS required) into build/compile-check-<python>
+(kept, so a rerun recompiles only what changed), the wheel to
+build/compile-check-<python>/dist. conftest.py starts it once collection has
+picked that test (at the lowest CPU priority, so the tests keep theirs) and
+runs the test last; the test waits for the build, then checks the wheel
+(auditwheel's manylinux tag, no CUDA toolkit library needed, the extension
+importing and registering its FFI targets).
 
 PK_JAX_COMPILE_CHECK=0 skips it, =1 runs it even where the install itself
 compiled the extension (test_build_cpu.py checks that one otherwise);
@@ -26,19 +28,31 @@ import sysconfig
 import threading
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TEST_NAME = "test_extension_compiles"
+TEST_NAME = "test_wheel_carries_the_kernels"
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     skip: str | None                  # why the check does not run here, or None
     build: pathlib.Path | None = None
-    generator: str = ""               # CMake's generator (a cache made with another is wiped)
     commands: tuple[tuple[str, ...], ...] = ()
+    env: dict | None = None           # the commands' environment
 
     @property
     def log(self) -> pathlib.Path:
         return self.build / "compile-check.log"
+
+    @property
+    def dist(self) -> pathlib.Path:
+        """Where the wheel is written (emptied before each build)."""
+        return self.build / "dist"
+
+
+# What `pip wheel --no-build-isolation` takes from this environment (the test
+# extra): the build backend's requirements and those of a CUDA build.
+BUILD_MODULES = ("scikit_build_core", "nanobind", "cutlass_library", "jax")
+# README's wheel command takes these too (tests/test_readme_cpu.py checks).
+WHEEL_FLAGS = ("--no-build-isolation", "--no-deps")
 
 
 def decision_module():
@@ -60,11 +74,9 @@ def build_info():
     return _build_info
 
 
-def tool(name: str) -> str | None:
-    """A tool from this environment's bin directory first (the test extra's
-    cmake and ninja), then PATH."""
-    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-    return shutil.which(name, path=path)
+def tool_path() -> str:
+    """PATH with this environment's bin directory first (for the build and auditwheel)."""
+    return os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 
 def plan() -> Plan:
@@ -78,24 +90,16 @@ def plan() -> Plan:
     info = build_info()
     if forced != "1" and info is not None and info.cuda:
         return Plan(f"the install compiled the extension ({info.reason})")
-    cmake = tool("cmake")
-    if cmake is None:
-        return Plan("cmake not found (pip install -e '.[test]' brings it)")
     tag = sysconfig.get_config_var("SOABI") or f"py{sys.version_info[0]}{sys.version_info[1]}"
     build = ROOT / "build" / f"compile-check-{tag}"
-    ninja = tool("ninja")
-    generator = "Ninja" if ninja is not None else "Unix Makefiles"
-    configure = [cmake, "-S", str(ROOT), "-B", str(build), "-DPK_JAX_CUDA=ON",
-                 "-DPK_JAX_REQUIRE_CUTLASS=ON", "-DCMAKE_BUILD_TYPE=Release",
-                 f"-DPython_EXECUTABLE={sys.executable}", "-G", generator]
-    if ninja is not None:
-        configure.append(f"-DCMAKE_MAKE_PROGRAM={ninja}")
-    if shutil.which("nvcc") is None and not os.environ.get("CUDACXX"):
-        configure.append(f"-DCMAKE_CUDA_COMPILER={nvcc}")
     jobs = os.environ.get("PK_JAX_COMPILE_CHECK_JOBS") or str(os.cpu_count() or 2)
+    env = {**os.environ, "PK_JAX_BUILD_CUDA": "1", "CMAKE_BUILD_PARALLEL_LEVEL": jobs,
+           "PATH": tool_path()}
+    if shutil.which("nvcc", path=env["PATH"]) is None and not os.environ.get("CUDACXX"):
+        env["CUDACXX"] = nvcc
     nice = ("nice", "-n", "19") if shutil.which("nice") else ()
-    return Plan(None, build, generator,
-                (tuple(configure), (*nice, cmake, "--build", str(build), "--parallel", jobs)))
+    wheel = (*nice, sys.executable, "-m", "pip", "wheel", *WHEEL_FLAGS, "--no-index", "-C", f"build-dir={build}", "-w", str(build / "dist"), str(ROOT))
+    return Plan(None, build, (wheel,), env)
 
 
 class _Run:
@@ -112,11 +116,7 @@ class _Run:
     def _go(self) -> None:
         build = self.plan.build
         build.mkdir(parents=True, exist_ok=True)
-        cache = build / "CMakeCache.txt"
-        if cache.exists() and \
-                f"CMAKE_GENERATOR:INTERNAL={self.plan.generator}\n" not in cache.read_text():
-            shutil.rmtree(build)  # configured with another generator: start over
-            build.mkdir(parents=True)
+        shutil.rmtree(self.plan.dist, ignore_errors=True)  # only this build's wheel
         rc = 0
         with open(self.plan.log, "w") as out:
             for cmd in self.plan.commands:
@@ -127,7 +127,7 @@ class _Run:
                     break
                 # Its own process group: stop() ends the compilers with it.
                 self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                              start_new_session=True)
+                                              env=self.plan.env, start_new_session=True)
                 rc = self._proc.wait()
                 if rc != 0:
                     break
