@@ -64,19 +64,31 @@ def batches(cfg: LMConfig, seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarr
 
 
 def sharded_lm_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
-                    tokens: P) -> Callable:
+                    tokens: P, state: nnx.State | None = None) -> Callable:
     """loss(params, inputs, targets): mean next-token cross-entropy over the
     global batch, with the model (graphdef, params) run per shard on tokens
-    laid out as `tokens`."""
+    laid out as `tokens`. With `state` (the model's variables that are not
+    parameters, which its forward pass updates: FP8 amax histories):
+    loss(params, state, inputs, targets) -> (loss, the state after the
+    forward pass)."""
+    stateful = state is not None
+    state_specs = (partition_specs(state),) if stateful else ()
 
-    @jax.shard_map(mesh=mesh, in_specs=(partition_specs(params), tokens, tokens),
-                   out_specs=P(tuple(mesh.axis_names)))
-    def per_shard(params, inputs, targets):
-        logits = nnx.merge(graphdef, params)(inputs)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()[None]
+    @jax.shard_map(mesh=mesh, in_specs=(partition_specs(params), *state_specs, tokens, tokens),
+                   out_specs=(P(tuple(mesh.axis_names)), *state_specs))
+    def per_shard(params, *args):
+        *state, inputs, targets = args
+        model = nnx.merge(graphdef, params, *state)
+        logits = model(inputs)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()[None]
+        return (loss, nnx.state(model, nnx.Not(nnx.Param))) if stateful else (loss,)
 
-    # Every shard holds as many tokens: the mean of the shard means is the mean.
-    return lambda params, inputs, targets: per_shard(params, inputs, targets).mean()
+    def loss(params, *args):
+        out = per_shard(params, *args)
+        # Every shard holds as many tokens: the mean of the shard means is the mean.
+        return (out[0].mean(), out[1]) if stateful else out[0].mean()
+
+    return loss
 
 
 @dataclasses.dataclass
@@ -102,18 +114,40 @@ class Trainer:
 
 
 def adam_trainer(loss_fn: Callable, params: Any, learning_rate: float,
-                 sharding: NamedSharding, description: str) -> Trainer:
-    """A Trainer of Adam on loss_fn(params, inputs, targets), from `params`."""
+                 sharding: NamedSharding, description: str, state: Any = None,
+                 update_state: Callable | None = None) -> Trainer:
+    """A Trainer of Adam on loss_fn(params, inputs, targets), from `params`.
+
+    With `state` (variables that are not trained: `sharded_lm_loss`'s):
+    loss_fn(params, state, inputs, targets) -> (loss, state after the
+    forward pass); the step differentiates with respect to the state too
+    and sets it to update_state(state after the forward, its gradient)
+    (pk_jax.flax.update_fp8_state: amax(dy) into FP8 delayed scaling's
+    histories). The Trainer's params are then (params, state)."""
     tx = optax.adam(learning_rate)
     opt_state = jax.jit(tx.init)(params)
+
+    def adam(params, grads, opt_state):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
 
     @jax.jit
     def train_step(params, opt_state, inputs, targets):
         loss, grads = jax.value_and_grad(loss_fn)(params, inputs, targets)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        params, opt_state = adam(params, grads, opt_state)
+        return params, opt_state, loss
 
-    return Trainer(train_step, params, opt_state, sharding, description)
+    @jax.jit
+    def stateful_step(carry, opt_state, inputs, targets):
+        params, state = carry
+        (loss, after), (grads, state_grads) = jax.value_and_grad(
+            loss_fn, argnums=(0, 1), has_aux=True)(params, state, inputs, targets)
+        params, opt_state = adam(params, grads, opt_state)
+        return (params, update_state(after, state_grads)), opt_state, loss
+
+    if state is None:
+        return Trainer(train_step, params, opt_state, sharding, description)
+    return Trainer(stateful_step, (params, state), opt_state, sharding, description)
 
 
 def train_loop(steps: int, trainer: Trainer, data: Iterator, log: Callable[[str], None],

@@ -27,6 +27,7 @@ baseline is named "xla": XLA's attention, or the pure-JAX ring. The losses of
 pk and the baseline agree.
 
     python examples/flax_transformer.py [--steps 50] [--collectives {pk,xla,both}]
+                                        [--fp8 {none,current,delayed,block}]
 
 Runs on GPUs unchanged (use --dtype bfloat16 there for the fused kernels) or
 on 8 fake CPU devices. `--preset gpu` is a model the fused kernels take (head
@@ -34,6 +35,15 @@ dim 128, 8k tokens, bf16); `--collectives both --save` times pk against the
 baseline and writes the "flax_transformer" section of benchmarks/RESULTS.md
 (rows name their baseline). tools/step_breakdown.py profiles one step of
 either run and splits its GPU time by op.
+
+`--fp8 current|delayed|block` builds every tensor-parallel projection
+(attention's q|k|v and output, the MLP's gate|up and down) with that FP8
+recipe (pk_jax.flax's `fp8=`), parameters and everything else as without;
+"delayed" keeps amax histories, and the training step writes amax(dy) into
+them (`pk_jax.flax.update_fp8_state`, see `build`). Block scaling needs
+128-multiples (128 rows per device among them): its default preset is
+"fp8_block". `--compare-fp8` trains without and with each recipe and
+prints the final losses.
 """
 
 from __future__ import annotations
@@ -52,7 +62,9 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pk_jax.flax import ParallelMLP, RingSelfAttention, init_sharded, shard_size
+import pk_jax
+from pk_jax.flax import (ParallelMLP, RingSelfAttention, init_sharded, shard_size,
+                         update_fp8_state)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # examples/ is not a package
 from _train_util import (  # noqa: E402
@@ -75,21 +87,26 @@ class Config(LMConfig):
     hidden: int = 128
 
 
+FP8 = ("none", "current", "delayed", "block")  # --fp8: "none" or a pk_jax.Fp8Recipe scaling
+
+
 class Block(nnx.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x));
+    `fp8`: the projections' FP8 recipe (None: none)."""
 
     def __init__(self, cfg: Config, tp: int, mechanism: str, rngs: nnx.Rngs,
-                 attention_fn: Callable | None = None) -> None:
+                 attention_fn: Callable | None = None, fp8=None) -> None:
         dtype = jnp.dtype(cfg.dtype)
         self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.attn = RingSelfAttention(
             shard_size(cfg.num_heads, tp, "num_heads"),
             shard_size(cfg.num_kv_heads, tp, "num_kv_heads"), cfg.head_dim, cfg.d_model,
             axis_name="sp", tp_axis_name="tp", causal=True, dtype=dtype, rngs=rngs,
-            mechanism=mechanism, attention_fn=attention_fn)
+            mechanism=mechanism, attention_fn=attention_fn, fp8=fp8)
         self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.mlp = ParallelMLP(cfg.d_model, shard_size(cfg.hidden, tp, "hidden"),
-                               axis_name="tp", dtype=dtype, rngs=rngs, mechanism=mechanism)
+                               axis_name="tp", dtype=dtype, rngs=rngs, mechanism=mechanism,
+                               fp8=fp8)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x + self.attn(self.attn_norm(x))
@@ -99,14 +116,15 @@ class Block(nnx.Module):
 class Transformer(nnx.Module):
     """Decoder-only LM; called per shard on tokens [batch / tp, seq / sp].
     `attention_fn` replaces pk_jax.ring_attention in every block (a baseline's
-    attention, see `baseline_attention`); None: pk_jax's."""
+    attention, see `baseline_attention`); None: pk_jax's. `fp8`: the
+    tensor-parallel projections' FP8 recipe (None: none)."""
 
     def __init__(self, cfg: Config, tp: int, mechanism: str, rngs: nnx.Rngs,
-                 attention_fn: Callable | None = None) -> None:
+                 attention_fn: Callable | None = None, fp8=None) -> None:
         dtype = jnp.dtype(cfg.dtype)
         self.embed = nnx.Embed(cfg.vocab, cfg.d_model, dtype=dtype, rngs=rngs)
         self.pos_embed = nnx.Embed(cfg.seq_len, cfg.d_model, dtype=dtype, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, tp, mechanism, rngs, attention_fn)
+        self.blocks = nnx.List([Block(cfg, tp, mechanism, rngs, attention_fn, fp8)
                                 for _ in range(cfg.num_layers)])
         self.norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, rngs=rngs)
         self.head = nnx.Linear(cfg.d_model, cfg.vocab, use_bias=False, dtype=dtype, rngs=rngs)
@@ -132,17 +150,23 @@ def make_mesh(sp: int | None = None, tp: int | None = None,
                          devices=jax.devices()[:sp * tp])
 
 
-def make_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh) -> Callable:
+def make_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,
+              state: nnx.State | None = None) -> Callable:
     """loss(params, inputs, targets): mean next-token cross-entropy over the
     global batch, with the model run per shard (tokens laid out as TOKENS).
-    The data: `batches(cfg)`, a repeating token pattern (_train_util.py)."""
-    return sharded_lm_loss(graphdef, params, mesh, TOKENS)
+    The data: `batches(cfg)`, a repeating token pattern (_train_util.py).
+    With `state` (FP8 delayed scaling's histories): loss(params, state,
+    inputs, targets) -> (loss, state after the forward pass)."""
+    return sharded_lm_loss(graphdef, params, mesh, TOKENS, state)
 
 
 # Model sizes by name: "small" trains in seconds on CPU; "gpu" is shaped for
-# the fused kernels (bf16, head dim 128, S_local a multiple of 128).
+# the fused kernels (bf16, head dim 128, S_local a multiple of 128);
+# "fp8_block" is "small" in the 128-multiples FP8 block scaling needs (128
+# token rows per device on the default sp=4 x tp=2 mesh of 8 devices).
 PRESETS = {
     "small": Config(),
+    "fp8_block": Config(d_model=128, head_dim=64, hidden=256, seq_len=128),
     "gpu": Config(vocab=8192, d_model=2048, num_heads=16, num_kv_heads=4, head_dim=128,
                   hidden=8192, num_layers=4, batch=4, seq_len=8192, period=64,
                   dtype="bfloat16"),
@@ -243,45 +267,91 @@ def baseline_attention(cfg: Config, mesh: Mesh, blocks=None) -> Attention:
 
 # ---- training (the loop and the Adam step: _train_util.py) -------------------
 def build(collectives: str, cfg: Config, mesh: Mesh,
-          attention: Attention | None = None) -> Trainer:
+          attention: Attention | None = None, fp8: str = "none") -> Trainer:
     """The training step of `collectives`: "pk" (every pk_jax op at
     mechanism "auto") or "xla" (the baseline: XLA's collectives for the
     tensor-parallel layers, `attention` for attention, by default
-    `baseline_attention(cfg, mesh)`). Call it inside `jax.set_mesh(mesh)`."""
+    `baseline_attention(cfg, mesh)`). Call it inside `jax.set_mesh(mesh)`.
+
+    fp8 (one of FP8; "pk" only): the tensor-parallel projections' recipe.
+    With "delayed" the model's amax histories (every variable that is not
+    an nnx.Param) travel beside the parameters: the loss returns them as the
+    forward pass left them (the amaxes of x and w recorded), the step
+    differentiates with respect to them too (the dy histories' gradients
+    carry amax(dy)) and `update_fp8_state` writes those in; Adam sees the
+    parameters only."""
     sp, tp = mesh.shape["sp"], mesh.shape["tp"]
     shard_size(cfg.batch, tp, "batch")
     shard_size(cfg.seq_len, sp, "seq_len")
+    if fp8 not in FP8:
+        raise ValueError(f"fp8 must be one of {FP8}, got {fp8!r}")
+    if fp8 != "none" and collectives != "pk":
+        raise ValueError(f"fp8={fp8!r} runs pk_jax's FP8 ops: collectives='pk', not "
+                         f"{collectives!r}")
     mechanism = {"pk": "auto", "xla": "xla"}[collectives]
     if collectives == "pk":
         attention = Attention("pk", None, "pk_jax.ring_attention")
     elif attention is None:
         attention = baseline_attention(cfg, mesh)
+    recipe = None if fp8 == "none" else pk_jax.Fp8Recipe(fp8)
     graphdef, params = init_sharded(
-        lambda: Transformer(cfg, tp, mechanism, nnx.Rngs(0), attention.fn), mesh)
-    return adam_trainer(make_loss(graphdef, params, mesh), params, cfg.learning_rate,
-                        NamedSharding(mesh, TOKENS),
-                        f"mesh sp={sp} x tp={tp} on {mesh.devices.flat[0].device_kind}; "
-                        f"collectives={collectives} (mechanism={mechanism!r}, attention: "
-                        f"{attention.name}, {attention.note}); dtype={cfg.dtype}")
+        lambda: Transformer(cfg, tp, mechanism, nnx.Rngs(0), attention.fn, recipe), mesh)
+    params, state = nnx.split_state(params, nnx.Param, ...)
+    description = (f"mesh sp={sp} x tp={tp} on {mesh.devices.flat[0].device_kind}; "
+                   f"collectives={collectives} (mechanism={mechanism!r}, attention: "
+                   f"{attention.name}, {attention.note}); dtype={cfg.dtype}; fp8={fp8}")
+    if not jax.tree.leaves(state):  # no FP8, or a recipe without state
+        return adam_trainer(make_loss(graphdef, params, mesh), params, cfg.learning_rate,
+                            NamedSharding(mesh, TOKENS), description)
+    return adam_trainer(make_loss(graphdef, params, mesh, state), params, cfg.learning_rate,
+                        NamedSharding(mesh, TOKENS), description, state, update_fp8_state)
 
 
 def train(steps: int = 50, collectives: str = "pk", cfg: Config = Config(),
           mesh: Mesh | None = None, log: Callable[[str], None] = print,
-          attention: Attention | None = None) -> list[float]:
+          attention: Attention | None = None, fp8: str = "none") -> list[float]:
     """Train `steps` Adam steps; returns the loss of every step."""
-    return train_timed(steps, collectives, cfg, mesh, log, attention)[0]
+    return train_timed(steps, collectives, cfg, mesh, log, attention, fp8)[0]
 
 
 def train_timed(steps: int, collectives: str, cfg: Config, mesh: Mesh | None = None,
-                log: Callable[[str], None] = print,
-                attention: Attention | None = None) -> tuple[list[float], float]:
+                log: Callable[[str], None] = print, attention: Attention | None = None,
+                fp8: str = "none") -> tuple[list[float], float]:
     """Train `steps` Adam steps; (loss of every step, mean step time in ms
     over steps 2.. (step 1 compiles); nan with one step). `attention`: the
-    baseline's attention (collectives "xla"; default `baseline_attention`)."""
+    baseline's attention (collectives "xla"; default `baseline_attention`);
+    fp8: `build`'s."""
     mesh = mesh or make_mesh()
     with jax.set_mesh(mesh):  # explicit sharding: jit's outputs live on this mesh
-        trainer = build(collectives, cfg, mesh, attention)
+        trainer = build(collectives, cfg, mesh, attention, fp8)
         return train_loop(steps, trainer, batches(cfg), log, statistic="mean")
+
+
+def fp8_recipes_for(cfg: Config, mesh: Mesh) -> tuple[str, ...]:
+    """The FP8 recipes this model takes on this mesh: "current" and
+    "delayed" need 16-multiples, "block" 128-multiples, of d_model, the
+    per-device q|k|v and output widths, the per-device hidden size and the
+    token rows per device."""
+    sp, tp = mesh.shape["sp"], mesh.shape["tp"]
+    sizes = (cfg.d_model, (cfg.num_heads + 2 * cfg.num_kv_heads) // tp * cfg.head_dim,
+             cfg.num_heads // tp * cfg.head_dim, cfg.hidden // tp,
+             cfg.batch // tp * (cfg.seq_len // sp))
+    return tuple(r for r, m in (("current", 16), ("delayed", 16), ("block", 128))
+                 if all(size % m == 0 for size in sizes))
+
+
+def compare_fp8(steps: int, cfg: Config, mesh: Mesh, recipes=FP8[1:],
+                log: Callable[[str], None] = print) -> dict[str, float]:
+    """Train `steps` steps without FP8 and with each recipe (pk's
+    collectives, the same data and initial weights); print and return the
+    final losses and each recipe's relative difference from the run without
+    FP8 (the issue's accuracy target: within 2% after 200 steps)."""
+    final = {fp8: train(steps, "pk", cfg, mesh, log=lambda line: None, fp8=fp8)[-1]
+             for fp8 in ("none", *recipes)}
+    for fp8, loss in final.items():
+        diff = "" if fp8 == "none" else f"  ({(loss - final['none']) / final['none']:+.2%})"
+        log(f"fp8={fp8:8s} loss after {steps} steps {loss:.4f}{diff}")
+    return final
 
 
 def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str,
@@ -326,7 +396,8 @@ def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str,
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and mesh options (shared with tools/step_breakdown.py)."""
-    parser.add_argument("--preset", choices=tuple(PRESETS), default="small")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                        help="model sizes (default: small; fp8_block with --fp8 block)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="computation dtype (default: the preset's)")
     parser.add_argument("--sp", type=int, default=None, help="sequence-parallel size")
@@ -336,8 +407,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def model_from_arguments(args: argparse.Namespace,
                          parser: argparse.ArgumentParser) -> tuple[Config, Mesh]:
     """(config, mesh) of the options `add_model_arguments` added."""
-    cfg = PRESETS[args.preset]
-    if args.preset == "gpu" and jax.devices()[0].platform != "gpu":
+    preset = args.preset or ("fp8_block" if getattr(args, "fp8", "none") == "block" else "small")
+    cfg = PRESETS[preset]
+    if preset == "gpu" and jax.devices()[0].platform != "gpu":
         parser.error("--preset gpu is a model for GPUs (about 290M parameters, 32k tokens of "
                      "8192 per step: tens of GiB on the host); this machine has no GPU, use "
                      "the default preset")
@@ -354,15 +426,24 @@ def main() -> None:
                              "attention or the cuDNN ring where cuDNN takes the shapes); "
                              "both: time the two")
     add_model_arguments(parser)
+    parser.add_argument("--fp8", choices=FP8, default="none",
+                        help="FP8 recipe of the tensor-parallel projections (pk only)")
+    parser.add_argument("--compare-fp8", action="store_true",
+                        help="train without FP8 and with each recipe that the model's sizes "
+                             "take; print the final losses")
     parser.add_argument("--save", action="store_true",
                         help="with --collectives both: write benchmarks/RESULTS.md")
     args = parser.parse_args()
+    if args.fp8 != "none" and args.collectives != "pk":
+        parser.error("--fp8 runs pk_jax's FP8 ops: use it with --collectives pk")
     cfg, mesh = model_from_arguments(args, parser)
-    if args.collectives == "both":
+    if args.compare_fp8:
+        compare_fp8(args.steps, cfg, mesh, fp8_recipes_for(cfg, mesh))
+    elif args.collectives == "both":
         compare(args.steps, cfg, mesh, args.save,
                 "python examples/flax_transformer.py " + " ".join(sys.argv[1:]))
     else:
-        train(args.steps, args.collectives, cfg, mesh)
+        train(args.steps, args.collectives, cfg, mesh, fp8=args.fp8)
 
 
 if __name__ == "__main__":

@@ -163,6 +163,27 @@ def test_fp8_dot_inside_shard_map(rng, sharding_mode):
     np.testing.assert_array_equal(np.asarray(y, np.float32), want)  # per-shard scales
 
 
+def test_delayed_scaling_inside_shard_map(rng, sharding_mode):
+    """Replicated scales, rows sharded: the amaxes (and dy's, the scales'
+    cotangent) are the maxima over every device, replicated like the scales."""
+    x, w, t = _inputs(rng, 8 * 32, 128, 128)
+    t = t.astype(jnp.bfloat16).astype(jnp.float32)  # dy in bf16 (XLA may skip the rounding)
+    mesh = cpu_mesh((8,), ("x",))
+    scales = (jnp.float32(100.0), jnp.float32(800.0), jnp.float32(10000.0))
+
+    @jax.shard_map(mesh=mesh, in_specs=(P("x"), P(), P()), out_specs=(P("x"), P()))
+    def f(x, w, s):
+        return pk_jax.fp8_dot(x, w, "delayed", scales=s)
+
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    args = (put(x, P("x")), put(w, P()), scales)
+    _, (ax, aw) = jax.jit(f)(*args)
+    amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))
+    assert float(ax[0]) == amax(x) and float(aw[0]) == amax(w)
+    ds = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32) * t), 2))(*args)
+    assert float(ds[2]) == amax(t) and float(ds[0]) == 0.0
+
+
 def test_fp8_matmul_reference_block_layouts(rng):
     """Block factors in the layouts fp8.h / gemm.h document: dequantized
     operands multiply to what the GEMM returns."""

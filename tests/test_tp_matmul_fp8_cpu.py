@@ -110,3 +110,75 @@ def test_fp8_tp_bad_input(rng):
     with pytest.raises(ValueError, match="delayed"):
         run(lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", fp8="delayed"), x, w, ag,
             P(None, "tp"))
+
+
+# ---- delayed scaling: the caller's scales, axis-wide amaxes --------------------------
+_OPS = {  # op, x spec, w spec, out spec, x shape, w shape on a (sp=2, tp=2) mesh
+    "all_gather_matmul": (pk_jax.all_gather_matmul, P(("sp", "tp")), P(None, "tp"),
+                          P("sp", "tp"), (4 * 32, 64), (64, 2 * 32)),
+    "matmul_reduce_scatter": (pk_jax.matmul_reduce_scatter, P("sp", "tp"), P("tp", None),
+                              P(("sp", "tp")), (2 * 64, 2 * 32), (2 * 32, 64)),
+    "matmul_all_reduce": (pk_jax.matmul_all_reduce, P("sp", "tp"), P("tp", None),
+                          P("sp"), (2 * 32, 2 * 32), (2 * 32, 64)),
+}
+
+
+@pytest.mark.parametrize("op", list(_OPS))
+def test_fp8_delayed_scales_and_amaxes(rng, op, sharding_mode):
+    """fp8='delayed' with given scales on a 2-D mesh (the tokens also sharded
+    over "sp", the op over "tp"): values and gradients against float32, the
+    amaxes of x and w and, as the dy scale's cotangent, of dy: each the
+    maximum over every device (the scales are replicated), returned
+    replicated (out_specs P())."""
+    fn, xs, ws, outs, xshape, wshape = _OPS[op]
+    mesh = cpu_mesh((2, 2), ("sp", "tp"))
+    x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(wshape[0]), jnp.bfloat16)
+    # dy arrives in bf16 (values that bf16 holds: XLA may skip the rounding)
+    t = jnp.asarray(rng.standard_normal((xshape[0], wshape[1])), jnp.bfloat16).astype(jnp.float32)
+    amax = lambda a: float(jnp.max(jnp.abs(a.astype(jnp.float32))))
+    # scales a history would give: from amaxes a little off the true ones
+    scales = (jnp.float32(448 / (1.2 * amax(x))), jnp.float32(448 / (0.9 * amax(w))),
+              jnp.float32(57344 / amax(t)))
+
+    @jax.shard_map(mesh=mesh, in_specs=(xs, ws, P()), out_specs=(outs, P()))
+    def f(x, w, s):
+        return fn(x, w, "tp", fp8="delayed", fp8_scales=s)
+
+    args = (_put(mesh, x, xs), _put(mesh, w, ws), scales)
+    y, (ax, aw) = jax.jit(f)(*args)
+    f32 = lambda a: np.asarray(a, np.float32)
+    assert y.dtype == jnp.bfloat16 and rel_err(y, f32(x) @ f32(w)) < FWD_TOL
+    assert ax.shape == aw.shape == (1,)
+    assert float(ax[0]) == amax(x) and float(aw[0]) == amax(w)
+    loss = lambda *a: jnp.sum(f(*a)[0].astype(jnp.float32) * t)
+    dx, dw, ds = jax.jit(jax.grad(loss, (0, 1, 2)))(*args)
+    rx, rw = jax.grad(lambda x, w: jnp.sum((x.astype(jnp.float32) @ w.astype(jnp.float32)) * t),
+                      (0, 1))(x, w)
+    assert rel_err(dx, rx) < GRAD_TOL and rel_err(dw, rw) < GRAD_TOL
+    assert float(ds[0]) == float(ds[1]) == 0.0
+    assert float(ds[2]) == amax(t)
+
+
+def test_fp8_delayed_bad_scales(rng):
+    mesh = cpu_mesh((N,), ("tp",))
+    x, w = _data(rng, N * 32, 64, N * 32)
+    args = (_put(mesh, x, P("tp")), _put(mesh, w, P(None, "tp")))
+
+    def run(check_vma=True, **kw):
+        return jax.jit(jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", **kw),
+                                     mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                                     out_specs=P(None, "tp"), check_vma=check_vma))(*args)
+
+    with pytest.raises(ValueError, match="fp8_scales=.*required with recipe 'delayed'"):
+        run(fp8="delayed")
+    with pytest.raises(ValueError, match="fp8_scales=.*only there"):
+        run(fp8="current", fp8_scales=(1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="fp8_scales needs fp8='delayed'"):
+        run(fp8_scales=(1.0, 1.0, 1.0))
+    with pytest.raises(ValueError, match="fp8_scales must be"):
+        run(fp8="delayed", fp8_scales=(1.0, 1.0))
+    with pytest.raises(ValueError, match="fp8_scales's w_scale must be one float"):
+        run(fp8="delayed", fp8_scales=(1.0, jnp.ones(2), 1.0))
+    with pytest.raises(ValueError, match="check_vma"):
+        run(check_vma=False, fp8="delayed", fp8_scales=(1.0, 1.0, 1.0))

@@ -21,6 +21,14 @@ Token rows: the tensor-parallel linears take activations whose *first* dim
 is sharded over their axis (rows of tokens: Megatron's sequence
 parallelism, or the batch dim of [B, S, F]); `ColumnParallelLinear` gathers
 them inside its matmul and `RowParallelLinear` scatters them back.
+
+FP8: the linears, `ParallelMLP` and `RingSelfAttention` take
+`fp8=None | pk_jax.Fp8Recipe | "current" | "delayed" | "block"`: their
+matmuls run pk_jax's FP8 TP ops (`pk_jax.fp8_dot` without an axis), the
+parameters stay in `param_dtype`. With "delayed" each FP8 matmul keeps amax
+histories (`Fp8Scaling`, variables `Fp8AmaxHistory` / `Fp8GradAmaxHistory`)
+and a training step applies `update_fp8_state(model, grads)` with gradients
+taken with respect to `fp8_wrt()` (pk_jax/flax/fp8.py says why and how).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 from pk_jax.flax._common import Initializer, check_positive, new_param
 from pk_jax.flax._common import init_sharded, partition_specs, shard_size  # noqa: F401 (public)
+from pk_jax.flax.fp8 import (Fp8Scaling, check_fp8, fp8_project, fp8_recipe,
+                             split_columns)
 from pk_jax.ops.ring_attention import LAYOUTS, ring_attention
 from pk_jax.ops.tp_matmul import (ALL_REDUCE_MECHANISMS, MECHANISMS, all_gather_matmul,
                                   matmul_all_reduce, matmul_reduce_scatter)
@@ -51,6 +61,19 @@ def _check_mechanism(mechanism: str, mechanisms: tuple[str, ...] = MECHANISMS) -
                          f"got {mechanism!r}")
 
 
+def _fp8_setup(module: nnx.Module, fp8, mechanism: str, **sizes: int) -> None:
+    """The module's `fp8` (an Fp8Recipe or None), checked against its
+    mechanism and sizes (`check_fp8`)."""
+    where = f"pk_jax.flax.{type(module).__name__}"
+    module.fp8 = fp8_recipe(fp8, where)
+    check_fp8(where, module.fp8, mechanism, **sizes)
+
+
+def _fp8_state(recipe) -> Fp8Scaling | None:
+    """Delayed scaling's state of one FP8 matmul (None for other recipes)."""
+    return Fp8Scaling(recipe) if recipe is not None and recipe.scaling == "delayed" else None
+
+
 # ---- linear layers -------------------------------------------------------------
 class _ParallelLinear(nnx.Module):
     """Kernel [in, out] (+ bias [out]) of local shapes, their global specs,
@@ -60,9 +83,12 @@ class _ParallelLinear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, *, axis_name: AxisName,
                  kernel_spec: P, bias_spec: P, rngs: nnx.Rngs, dtype: Any, param_dtype: Any,
                  use_bias: bool, mechanism: str, kernel_init: Initializer,
-                 bias_init: Initializer, mechanisms: tuple[str, ...] = MECHANISMS) -> None:
+                 bias_init: Initializer, fp8, feature_names: tuple[str, str],
+                 mechanisms: tuple[str, ...] = MECHANISMS) -> None:
         check_positive(in_features=in_features, out_features=out_features)
         _check_mechanism(mechanism, mechanisms)
+        _fp8_setup(self, fp8, mechanism, **dict(zip(feature_names, (in_features, out_features))))
+        self.fp8_state = _fp8_state(self.fp8)
         self.in_features, self.out_features = in_features, out_features
         self.axis_name, self.mechanism = axis_name, mechanism
         self.dtype, self.param_dtype = dtype, param_dtype
@@ -84,6 +110,19 @@ class _ParallelLinear(nnx.Module):
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
+def _fused_columns(layers: Sequence["ColumnParallelLinear"], x: jax.Array, recipe,
+                   scaling: Fp8Scaling | None) -> list[jax.Array]:
+    """Column-parallel layers of one axis applied to one x as one FP8 matmul
+    (their kernels side by side: one all-gather of the quantized rows, one
+    scale for the joined kernel): each layer's output, with its bias."""
+    operands = [layer._operands(x) for layer in layers]
+    kernel = jnp.concatenate([k for _, k in operands], axis=1)
+    y = fp8_project(operands[0][0], kernel, layers[0].axis_name, recipe, scaling,
+                    all_gather_matmul)
+    return [layer._add_bias(part)
+            for layer, part in zip(layers, split_columns(y, [l.out_features for l in layers]))]
+
+
 class ColumnParallelLinear(_ParallelLinear):
     """y = all_gather(x) @ W (+ b), with the columns of W sharded.
 
@@ -97,21 +136,39 @@ class ColumnParallelLinear(_ParallelLinear):
     (`pk_jax.all_gather_matmul`); the backward pass reduce-scatters dx.
     With axis_name=None the layer is a plain replicated Linear (no
     communication).
+
+    fp8 (None, a pk_jax.Fp8Recipe or "current" / "delayed" / "block"): the
+    matmul and its gradients in FP8 (`all_gather_matmul(fp8=...)`, which
+    gathers the quantized rows; axis_name=None: `pk_jax.fp8_dot`).
+    in_features and out_features_local multiples of 16 (128 for "block"),
+    the input's rows per device too. With "delayed" the layer keeps its amax
+    histories in `fp8_state` (an `Fp8Scaling`): the forward records amax(x)
+    and amax(w); amax(dy) arrives as the gradient of `fp8_state.grad`, which
+    a training step writes in with `pk_jax.flax.update_fp8_state(model,
+    grads)` (gradients with respect to `pk_jax.flax.fp8_wrt()`).
     """
 
     def __init__(self, in_features: int, out_features_local: int, *, axis_name: AxisName,
                  rngs: nnx.Rngs, dtype: Any = None, param_dtype: Any = jnp.float32,
                  use_bias: bool = False, mechanism: str = "auto",
                  kernel_init: Initializer = default_kernel_init,
-                 bias_init: Initializer = default_bias_init) -> None:
+                 bias_init: Initializer = default_bias_init, fp8=None) -> None:
         super().__init__(in_features, out_features_local, axis_name=axis_name,
                          kernel_spec=P(None, axis_name), bias_spec=P(axis_name), rngs=rngs,
                          dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
-                         mechanism=mechanism, kernel_init=kernel_init, bias_init=bias_init)
+                         mechanism=mechanism, kernel_init=kernel_init, bias_init=bias_init,
+                         fp8=fp8, feature_names=("in_features", "out_features_local"))
 
     def __call__(self, x: jax.Array, *, return_gathered: bool = False):
         """y [n * rows_local, ..., out_local]; with return_gathered also the
-        gathered input, for further projections of it (`apply_gathered`)."""
+        gathered input, for further projections of it (`apply_gathered`;
+        not with fp8: the gathered rows are FP8)."""
+        if self.fp8 is not None:
+            if return_gathered:
+                raise ValueError(f"pk_jax.flax.ColumnParallelLinear(fp8="
+                                 f"{self.fp8.scaling!r}): return_gathered is not available "
+                                 "with fp8 (the gathered rows are FP8)")
+            return _fused_columns([self], x, self.fp8, self.fp8_state)[0]
         x, kernel = self._operands(x)
         if self.axis_name is None:
             y, gathered = x @ kernel, x
@@ -126,8 +183,11 @@ class ColumnParallelLinear(_ParallelLinear):
     def apply_gathered(self, x_gathered: jax.Array) -> jax.Array:
         """The layer on an input that is already gathered (all rows), e.g. the
         second output of another layer's call with return_gathered=True:
-        a local matmul, no communication."""
+        a local matmul, no communication (with fp8 `pk_jax.fp8_dot`, and
+        delayed scaling's state shared with __call__)."""
         x, kernel = self._operands(x_gathered)
+        if self.fp8 is not None:
+            return self._add_bias(fp8_project(x, kernel, None, self.fp8, self.fp8_state, None))
         return self._add_bias(x @ kernel)
 
 
@@ -154,6 +214,10 @@ class RowParallelLinear(_ParallelLinear):
     the backward pass all-gathers dy (reduce_scatter) or needs nothing
     (all_reduce: dy is replicated). With axis_name=None the layer is a plain
     replicated Linear.
+
+    fp8: as ColumnParallelLinear's (`matmul_reduce_scatter(fp8=...)`, whose
+    backward gathers dy in FP8, or `matmul_all_reduce(fp8=...)`);
+    in_features_local and out_features multiples of 16 (128 for "block").
     """
 
     def __init__(self, in_features_local: int, out_features: int, *, axis_name: AxisName,
@@ -161,7 +225,7 @@ class RowParallelLinear(_ParallelLinear):
                  use_bias: bool = False, mechanism: str = "auto",
                  reduce: str = "reduce_scatter",
                  kernel_init: Initializer = default_kernel_init,
-                 bias_init: Initializer = default_bias_init) -> None:
+                 bias_init: Initializer = default_bias_init, fp8=None) -> None:
         if reduce not in REDUCTIONS:
             raise ValueError(f"pk_jax.flax.RowParallelLinear: reduce must be one of "
                              f"{REDUCTIONS}, got {reduce!r}")
@@ -170,6 +234,7 @@ class RowParallelLinear(_ParallelLinear):
                          kernel_spec=P(axis_name, None), bias_spec=P(), rngs=rngs,
                          dtype=dtype, param_dtype=param_dtype, use_bias=use_bias,
                          mechanism=mechanism, kernel_init=kernel_init, bias_init=bias_init,
+                         fp8=fp8, feature_names=("in_features_local", "out_features"),
                          mechanisms=(ALL_REDUCE_MECHANISMS if reduce == "all_reduce"
                                      else MECHANISMS))
 
@@ -177,9 +242,12 @@ class RowParallelLinear(_ParallelLinear):
         """y [rows / n, ..., out_features] (reduce_scatter) or [rows, ...,
         out_features] (all_reduce)."""
         x, kernel = self._operands(x)
+        op = matmul_all_reduce if self.reduce == "all_reduce" else matmul_reduce_scatter
+        if self.fp8 is not None:
+            return self._add_bias(fp8_project(x, kernel, self.axis_name, self.fp8,
+                                              self.fp8_state, op))
         if self.axis_name is None:
             return self._add_bias(x @ kernel)
-        op = matmul_all_reduce if self.reduce == "all_reduce" else matmul_reduce_scatter
         return self._add_bias(op(x, kernel, self.axis_name, mechanism=self.mechanism))
 
 
@@ -194,23 +262,39 @@ class ParallelMLP(nnx.Module):
     Communication: one all-gather of x (fused into the gate matmul; the up
     projection reuses the gathered rows) and one reduce-scatter (fused into
     the down matmul); their transposes in the backward pass.
+
+    fp8 (as ColumnParallelLinear's): gate and up run as one FP8
+    all_gather_matmul (their kernels side by side, split after: the gathered
+    rows are FP8, so they cannot be reused), down as an FP8
+    matmul_reduce_scatter. features and hidden_features_local multiples of
+    16 (128 for "block"). The parameters are those of the bf16 MLP (gate,
+    up, down); with "delayed" the joined gate|up matmul keeps its histories
+    in `gate_up_fp8_state` (gate and up have none) and down in
+    `down.fp8_state`.
     """
 
     def __init__(self, features: int, hidden_features_local: int, *, axis_name: AxisName,
                  rngs: nnx.Rngs, dtype: Any = None, param_dtype: Any = jnp.float32,
                  use_bias: bool = False, mechanism: str = "auto",
                  activation: Callable[[jax.Array], jax.Array] = jax.nn.silu,
-                 kernel_init: Initializer = default_kernel_init) -> None:
+                 kernel_init: Initializer = default_kernel_init, fp8=None) -> None:
+        _fp8_setup(self, fp8, mechanism, features=features,
+                   hidden_features_local=hidden_features_local)
         common = dict(axis_name=axis_name, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                       use_bias=use_bias, mechanism=mechanism, kernel_init=kernel_init)
         self.gate = ColumnParallelLinear(features, hidden_features_local, **common)
         self.up = ColumnParallelLinear(features, hidden_features_local, **common)
-        self.down = RowParallelLinear(hidden_features_local, features, **common)
+        self.down = RowParallelLinear(hidden_features_local, features, fp8=self.fp8, **common)
+        self.gate_up_fp8_state = _fp8_state(self.fp8)
         self.activation = activation
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        gate, gathered = self.gate(x, return_gathered=True)
-        return self.down(self.activation(gate) * self.up.apply_gathered(gathered))
+        if self.fp8 is not None:
+            gate, up = _fused_columns([self.gate, self.up], x, self.fp8, self.gate_up_fp8_state)
+        else:
+            gate, gathered = self.gate(x, return_gathered=True)
+            up = self.up.apply_gathered(gathered)
+        return self.down(self.activation(gate) * up)
 
 
 class RingSelfAttention(nnx.Module):
@@ -236,6 +320,13 @@ class RingSelfAttention(nnx.Module):
     seq_local, heads, head_dim] per shard) replaces `pk_jax.ring_attention`
     when given, e.g. a baseline to compare pk_jax against (the projections
     keep `mechanism`).
+
+    fp8 (as ColumnParallelLinear's): the projections in FP8, q, k and v as
+    one matmul (their kernels side by side; delayed scaling's state in
+    `qkv_fp8_state`), the output projection as an FP8 RowParallelLinear;
+    attention itself stays in the computation dtype. in_features,
+    (num_heads + 2 * num_kv_heads) * head_dim and num_heads * head_dim
+    multiples of 16 (128 for "block").
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, in_features: int, *,
@@ -244,7 +335,7 @@ class RingSelfAttention(nnx.Module):
                  dtype: Any = None, param_dtype: Any = jnp.float32, use_bias: bool = False,
                  mechanism: str = "auto",
                  kernel_init: Initializer = default_kernel_init,
-                 attention_fn: Callable | None = None) -> None:
+                 attention_fn: Callable | None = None, fp8=None) -> None:
         check_positive(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
         if num_heads % num_kv_heads:
             raise ValueError(f"pk_jax.flax.RingSelfAttention: num_heads ({num_heads}) must be "
@@ -252,12 +343,17 @@ class RingSelfAttention(nnx.Module):
         if layout not in LAYOUTS:
             raise ValueError(f"pk_jax.flax.RingSelfAttention: layout must be one of "
                              f"{LAYOUTS}, got {layout!r}")
+        _fp8_setup(self, fp8, mechanism, in_features=in_features,
+                   **{"(num_heads + 2 * num_kv_heads) * head_dim":
+                      (num_heads + 2 * num_kv_heads) * head_dim,
+                      "num_heads * head_dim": num_heads * head_dim})
         common = dict(axis_name=tp_axis_name, rngs=rngs, dtype=dtype, param_dtype=param_dtype,
                       use_bias=use_bias, mechanism=mechanism, kernel_init=kernel_init)
         self.q = ColumnParallelLinear(in_features, num_heads * head_dim, **common)
         self.k = ColumnParallelLinear(in_features, num_kv_heads * head_dim, **common)
         self.v = ColumnParallelLinear(in_features, num_kv_heads * head_dim, **common)
-        self.out = RowParallelLinear(num_heads * head_dim, in_features, **common)
+        self.out = RowParallelLinear(num_heads * head_dim, in_features, fp8=self.fp8, **common)
+        self.qkv_fp8_state = _fp8_state(self.fp8)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.axis_name, self.causal, self.layout = axis_name, causal, layout
         self.mechanism = mechanism
@@ -267,8 +363,11 @@ class RingSelfAttention(nnx.Module):
         if jnp.ndim(x) != 3:
             raise ValueError(f"pk_jax.flax.RingSelfAttention: expected x [batch, seq_local, "
                              f"features], got shape {jnp.shape(x)}")
-        q, gathered = self.q(x, return_gathered=True)
-        k, v = self.k.apply_gathered(gathered), self.v.apply_gathered(gathered)
+        if self.fp8 is not None:
+            q, k, v = _fused_columns([self.q, self.k, self.v], x, self.fp8, self.qkv_fp8_state)
+        else:
+            q, gathered = self.q(x, return_gathered=True)
+            k, v = self.k.apply_gathered(gathered), self.v.apply_gathered(gathered)
         b, s = q.shape[:2]
         heads = lambda a, h: a.reshape(b, s, h, self.head_dim)
         q, k, v = heads(q, self.num_heads), heads(k, self.num_kv_heads), heads(v, self.num_kv_heads)

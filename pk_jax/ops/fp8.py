@@ -9,7 +9,7 @@ Recipes (`Fp8Recipe.scaling`):
   (fast accumulation), the gradient GEMMs promote to fp32 every 4 K-steps.
 * ``"delayed"``: one factor per tensor from a scale the caller keeps (from an
   amax history: `pk_jax.flax`'s FP8 layers keep it); the call returns the
-  amaxes to record.
+  amaxes to record (`max_to_type_of`: one value wherever the scale is one).
 * ``"block"``: DeepSeek-V3's fine-grained scaling: activations and gradients
   per 1x128 along the contraction, weights per 128x128; every operand e4m3;
   partial sums promoted to fp32 and scaled every 128 of K.
@@ -29,8 +29,11 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from pk_jax._compat import make_varying, sum_to_type_of, varying_axes
 from pk_jax.ops import fp8_primitive as prim
+from pk_jax.ops.all_reduce import all_reduce
 
 _RECIPES = ("current", "delayed", "block")
 
@@ -82,6 +85,31 @@ def _recipe(recipe) -> Fp8Recipe:
     if isinstance(recipe, str):
         return Fp8Recipe(scaling=recipe)
     raise TypeError(f"recipe: an Fp8Recipe or one of {_RECIPES}, got {recipe!r}")
+
+
+def scale_from_amax(amax, dtype, margin: float = 0.0):
+    """The per-tensor scale of current and delayed scaling: fp8_max(dtype) *
+    2^-margin / amax, 1 where amax is 0 (float32)."""
+    return prim._scale_of(jnp.asarray(amax), prim.FP8_MAX[jnp.dtype(dtype)] * 2.0 ** -margin)
+
+
+def max_to_type_of(amax, like, names=()):
+    """`amax` maxed over the mesh axes `names` and over every axis it varies
+    over but `like` (its scale) does not (shard_map's types), then typed
+    like `like`: the amax that a history of one scale records (a replicated
+    scale gets the amax over every device that uses it). The maximum travels
+    by pk's all_reduce of one slot per rank: bit exact (each slot sums one
+    value and zeros), pk's kernels where they run (no NCCL: also two
+    processes sharing a GPU), and psum's invariant result type, which an
+    all-gather lacks. Unchecked (check_vma=False) only `names` is known."""
+    extra = varying_axes(amax) - varying_axes(like) - set(names)
+    axes = tuple(names) + tuple(sorted(extra))
+    if axes:
+        slots = jnp.zeros((lax.axis_size(axes),) + amax.shape, jnp.float32)
+        slots = slots.at[lax.axis_index(axes)].set(amax.astype(jnp.float32))
+        amax = jnp.max(all_reduce(slots, axes), axis=0)
+    like_axes = tuple(sorted(varying_axes(like)))
+    return make_varying(amax, like_axes) if like_axes else amax
 
 
 def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
@@ -193,7 +221,7 @@ def _gemm_out(dtype):
     return jnp.bfloat16 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else jnp.float32
 
 
-def _check_dot(x, w, recipe: Fp8Recipe, scales) -> None:
+def _check_dot(x, w, recipe: Fp8Recipe) -> None:
     if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"fp8_dot: expected x [..., K] and w [K, N], got {x.shape}, {w.shape}")
     for name, t in (("x", x.dtype), ("w", w.dtype)):
@@ -210,9 +238,25 @@ def _check_dot(x, w, recipe: Fp8Recipe, scales) -> None:
     if m % 16:
         raise ValueError(f"fp8_dot: the rows of x (M={m}, the weight gradient's contraction) "
                          "must be a multiple of 16")
+
+
+def checked_scales(where: str, arg: str, recipe: Fp8Recipe, scales):
+    """Delayed scaling's (x_scale, w_scale, dy_scale) as three float32 [1]
+    (None with the other recipes); a ValueError naming `arg` where they are
+    missing with "delayed", given with another recipe, or not three floats."""
     if (recipe.scaling == "delayed") != (scales is not None):
-        raise ValueError("fp8_dot: scales=(x_scale, w_scale, dy_scale) is required with "
-                         "recipe 'delayed' and only there")
+        raise ValueError(f"{where}: {arg}=(x_scale, w_scale, dy_scale) is required with "
+                         f"recipe 'delayed' and only there (recipe {recipe.scaling!r})")
+    if scales is None:
+        return None
+    if not isinstance(scales, (tuple, list)) or len(scales) != 3:
+        raise ValueError(f"{where}: {arg} must be (x_scale, w_scale, dy_scale), got {scales!r}")
+    out = tuple(jnp.asarray(s, jnp.float32) for s in scales)
+    for name, s in zip(("x_scale", "w_scale", "dy_scale"), out):
+        if s.size != 1:
+            raise ValueError(f"{where}: {arg}'s {name} must be one float (shape () or (1,)), "
+                             f"got shape {s.shape}")
+    return tuple(s.reshape(1) for s in out)
 
 
 def fp8_dot(x, w, recipe=Fp8Recipe(), *, scales=None):
@@ -223,7 +267,10 @@ def fp8_dot(x, w, recipe=Fp8Recipe(), *, scales=None):
     caller's amax histories give (each a float32 scalar); the result is then
     (y, amaxes) with amaxes = (amax(x), amax(w)) of this call, and the
     cotangent of `scales` carries amax(dy) in its last entry (how pk_jax.flax
-    records it). Otherwise the result is y, in x's dtype.
+    records it). Inside shard_map each amax is the maximum over the devices
+    that share its scale (`max_to_type_of`: a replicated scale gets the
+    global amax, as its cotangent must be replicated too). Otherwise the
+    result is y, in x's dtype.
 
     Shapes: K and N multiples of 16 (128 with "block"), the rows of x a
     multiple of 16. Gradients come back in the operands' dtypes; the GEMMs
@@ -231,15 +278,13 @@ def fp8_dot(x, w, recipe=Fp8Recipe(), *, scales=None):
     """
     recipe = _recipe(recipe)
     x, w = jnp.asarray(x), jnp.asarray(w)
-    _check_dot(x, w, recipe, scales)
+    _check_dot(x, w, recipe)
+    scales = checked_scales("fp8_dot", "scales", recipe, scales)
     lead = x.shape[:-1]
     x, w = prim.unsharded(x), prim.unsharded(w)  # no partitioning rule: see unsharded
     x2 = x.reshape(-1, x.shape[-1])
-    if recipe.scaling == "delayed":
-        s = tuple(jnp.asarray(v, jnp.float32).reshape(1) for v in scales)
-        if len(s) != 3:
-            raise ValueError("fp8_dot: scales is (x_scale, w_scale, dy_scale)")
-        y, amaxes = _dot_delayed(x2, w, s, recipe)
+    if scales is not None:
+        y, amaxes = _dot_delayed(x2, w, scales, recipe)
         return y.reshape(*lead, w.shape[1]), amaxes
     return _dot(x2, w, recipe).reshape(*lead, w.shape[1])
 
@@ -301,12 +346,18 @@ def _dot_fwd(x, w, recipe):
     return y, (res, residual_marker(x), residual_marker(w))
 
 
+def _typed(dx, dw, xm, wm):
+    """The gradients summed to the operands' types (a weight replicated over
+    a shard_map axis gets the sum of every shard's gradient, as lax.dot's)."""
+    return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm)
+
+
 def _dot_bwd(recipe, carry, dy):
     res, xm, wm = carry
     if recipe.scaling == "block":
-        return _block_bwd(res, dy, xm.dtype, wm.dtype)
+        return _typed(*_block_bwd(res, dy, xm.dtype, wm.dtype), xm, wm)
     dx, dw, _ = _tensor_bwd(res, dy, recipe, xm.dtype, wm.dtype)
-    return dx, dw
+    return _typed(dx, dw, xm, wm)
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
@@ -318,17 +369,25 @@ def _dot_delayed(x, w, scales, recipe: Fp8Recipe):
 
 
 def _dot_delayed_fwd(x, w, scales, recipe):
-    sx, sw, sdy = scales
-    y, res, amaxes = _tensor_fwd(x, w, recipe, sx, sw)
-    return (y, amaxes), (res, sdy, residual_marker(x), residual_marker(w))
+    sx, sw, _ = scales
+    y, res, (ax, aw) = _tensor_fwd(x, w, recipe, sx, sw)
+    amaxes = (max_to_type_of(ax, sx), max_to_type_of(aw, sw))
+    return (y, amaxes), (res, scales, residual_marker(x), residual_marker(w))
 
 
 def _dot_delayed_bwd(recipe, carry, cts):
-    res, sdy, xm, wm = carry
+    res, scales, xm, wm = carry
     dy, _ = cts  # the amaxes are not differentiated
-    dx, dw, ady = _tensor_bwd(res, dy, recipe, xm.dtype, wm.dtype, sdy)
-    zero = jnp.zeros((1,), jnp.float32)
-    return dx, dw, (zero, zero, ady)
+    dx, dw, ady = _tensor_bwd(res, dy, recipe, xm.dtype, wm.dtype, scales[2])
+    return *_typed(dx, dw, xm, wm), scale_cotangents(scales, ady)
+
+
+def scale_cotangents(scales, ady, names=()):
+    """The cotangent of delayed scaling's (x_scale, w_scale, dy_scale):
+    zeros, zeros and amax(dy) (`max_to_type_of` over `names`, the axes dy
+    is sharded over), each typed like its scale."""
+    sx, sw, sdy = scales
+    return jnp.zeros_like(sx), jnp.zeros_like(sw), max_to_type_of(ady, sdy, names)
 
 
 _dot_delayed.defvjp(_dot_delayed_fwd, _dot_delayed_bwd)

@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from pk_jax import _args, groups, reference, runtime, tuning
-from pk_jax._compat import make_varying, sum_to_type_of, vary_alike
+from pk_jax._compat import make_varying, sum_to_type_of, vary_alike, varying_axes
 from pk_jax._warnings import warn_once
 from pk_jax.ops import fp8 as fp8_ops
 from pk_jax.ops import fp8_primitive as prim_fp8
@@ -221,10 +221,14 @@ _ar.defvjp(_ar_forward, _ar_backward)
 
 
 # ---- FP8 --------------------------------------------------------------------------
-def _fp8_call(op: str, impl, x, w, axis_name, fp8, preferred_element_type, mechanism,
-              rows_per_rank):
+def _fp8_call(op: str, impl, x, w, axis_name, fp8, fp8_scales, preferred_element_type,
+              mechanism, rows_per_rank):
     """The FP8 path of `op` (pk_jax/ops/tp_matmul_fp8.py) on x [rows, K] (leading
-    dims flattened by the caller's reshape) and w [K, N]."""
+    dims flattened by the caller's reshape) and w [K, N]: (out, amaxes or
+    None, cfg)."""
+    if fp8 is None:
+        raise ValueError(f"pk_jax.{op}: fp8_scales needs fp8='delayed' (or an Fp8Recipe "
+                         "with scaling='delayed')")
     recipe = fp8_ops._recipe(fp8)
     if mechanism != "auto":
         raise ValueError(f"pk_jax.{op}(fp8=...): the FP8 path picks its own mechanisms; "
@@ -238,15 +242,27 @@ def _fp8_call(op: str, impl, x, w, axis_name, fp8, preferred_element_type, mecha
         raise TypeError(f"pk_jax.{op}(fp8=...): preferred_element_type must be bfloat16, "
                         f"float16 or float32, got {cfg.out_dtype}")
     tp_matmul_fp8.check(op, x, w, recipe, cfg.n, rows_per_rank)
+    scales = fp8_ops.checked_scales(f"pk_jax.{op}", "fp8_scales", recipe, fp8_scales)
     x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
     w = make_varying(w, cfg.names)
-    return impl(x2, w, cfg.names, cfg.n, recipe, cfg.out_dtype), cfg
+    if scales is not None and not set(cfg.names) <= varying_axes(x2):
+        # unchecked, shard_map's transpose would sum the replicated scales' cotangents
+        raise ValueError(f"pk_jax.{op}(fp8='delayed'): needs shard_map's varying-axes types "
+                         "(check_vma=True, the default) to return amaxes of the scales' "
+                         "type")
+    out, amaxes = impl(x2, w, scales, cfg.names, cfg.n, recipe, cfg.out_dtype)
+    return out, amaxes, cfg
+
+
+def _fp8_result(out, amaxes, shape):
+    out = out.reshape(shape)
+    return out if amaxes is None else (out, amaxes)
 
 
 # ---- public API ----------------------------------------------------------------
 def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
                       return_gathered: bool = False, preferred_element_type=None,
-                      mechanism: str = "auto", fp8=None):
+                      mechanism: str = "auto", fp8=None, fp8_scales=None):
     """`lax.all_gather(x, axis_name, axis=0, tiled=True) @ w`, overlapped.
 
     Args:
@@ -260,25 +276,35 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
         Accumulation is fp32 either way.
       mechanism: "auto"/"chunked" (GEMMs on row chunks as the copy engines
         bring them in; bf16/fp16 operands, K and N multiples of 8) or "xla".
-      fp8: None, or an FP8 recipe (pk_jax.Fp8Recipe or "current" / "block"):
-        x and w are quantized inside the op (x with the axis-wide amax under
-        "current"), the quantized rows and their factors are gathered, and
-        the forward and both gradients run pk's FP8 GEMMs. K and N multiples
-        of 16 (128 for "block"), the rows per device of 16 (128).
+      fp8: None, or an FP8 recipe (pk_jax.Fp8Recipe or "current", "delayed",
+        "block"): x and w are quantized inside the op (x with the axis-wide
+        amax under "current"), the quantized rows and their factors are
+        gathered, and the forward and both gradients run pk's FP8 GEMMs. K
+        and N multiples of 16 (128 for "block"), the rows per device of 16
+        (128).
+      fp8_scales: with fp8="delayed" (and only there), the scales
+        (x_scale, w_scale, dy_scale), each one float32 (the caller's amax
+        histories give them; one value on every device of the axis). The
+        result is then (out, (amax_x, amax_w)), each [1] and axis-wide (the
+        maximum over every device that shares its scale, by pk's all_reduce),
+        and the cotangent of dy_scale carries the axis-wide amax(dy), as in
+        `pk_jax.fp8_dot`. Needs shard_map's check_vma (the default).
 
     Returns:
       out [n * x.shape[0], ..., N_local], and with return_gathered the
-      gathered x [n * x.shape[0], ..., K].
+      gathered x [n * x.shape[0], ..., K]; with fp8_scales (out, amaxes).
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
-    if fp8 is not None:
+    if fp8 is not None or fp8_scales is not None:
         if return_gathered:
             raise ValueError("pk_jax.all_gather_matmul: return_gathered is not available "
                              "with fp8 (the gathered rows are FP8)")
         rows = int(np.prod(x.shape[:-1])) if x.ndim >= 2 else 0
-        out, cfg = _fp8_call("all_gather_matmul", tp_matmul_fp8.all_gather_matmul, x, w,
-                             axis_name, fp8, preferred_element_type, mechanism, rows)
-        return out.reshape((cfg.n * x.shape[0],) + x.shape[1:-1] + (w.shape[1],))
+        out, amaxes, cfg = _fp8_call("all_gather_matmul", tp_matmul_fp8.all_gather_matmul, x,
+                                     w, axis_name, fp8, fp8_scales, preferred_element_type,
+                                     mechanism, rows)
+        return _fp8_result(out, amaxes,
+                           (cfg.n * x.shape[0],) + x.shape[1:-1] + (w.shape[1],))
     cfg = _validate("all_gather_matmul", x, w, axis_name, preferred_element_type, mechanism)
     x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
     w = make_varying(w, cfg.names)
@@ -291,7 +317,7 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
                           preferred_element_type=None, mechanism: str = "auto",
-                          fp8=None) -> jax.Array:
+                          fp8=None, fp8_scales=None):
     """`lax.psum_scatter(x @ w, axis_name, scatter_dimension=0, tiled=True)`, overlapped.
 
     Args:
@@ -307,21 +333,27 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
       fp8: None, or an FP8 recipe (as for all_gather_matmul): the partial
         products come from pk's FP8 GEMM and are reduce-scattered in the
         output dtype (fp32 sums); the backward gathers dy in FP8.
+      fp8_scales: delayed scaling's scales (as for all_gather_matmul): the
+        result is then (out, (amax_x, amax_w)).
 
     Returns:
-      This device's shard of the sum, [x.shape[0] / n, ..., N].
+      This device's shard of the sum, [x.shape[0] / n, ..., N]; with
+      fp8_scales (out, amaxes).
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
+    fp8_path = fp8 is not None or fp8_scales is not None
     cfg = _validate("matmul_reduce_scatter", x, w, axis_name, preferred_element_type,
-                    "xla" if fp8 is not None else mechanism)
+                    "xla" if fp8_path else mechanism)
     if x.shape[0] % cfg.n:
         raise ValueError(f"pk_jax.matmul_reduce_scatter: the first dim of x ({x.shape[0]}) "
                          f"must divide by the size of axis {cfg.names} ({cfg.n})")
-    if fp8 is not None:
+    if fp8_path:
         rows = int(np.prod(x.shape[:-1])) // cfg.n
-        out, _ = _fp8_call("matmul_reduce_scatter", tp_matmul_fp8.matmul_reduce_scatter, x, w,
-                           axis_name, fp8, preferred_element_type, mechanism, rows)
-        return out.reshape((x.shape[0] // cfg.n,) + x.shape[1:-1] + (w.shape[1],))
+        out, amaxes, _ = _fp8_call("matmul_reduce_scatter",
+                                   tp_matmul_fp8.matmul_reduce_scatter, x, w, axis_name, fp8,
+                                   fp8_scales, preferred_element_type, mechanism, rows)
+        return _fp8_result(out, amaxes,
+                           (x.shape[0] // cfg.n,) + x.shape[1:-1] + (w.shape[1],))
     x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
     w = make_varying(w, cfg.names)
     out = _rs(x2, w, cfg)
@@ -330,7 +362,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str], *,
                       preferred_element_type=None, mechanism: str = "auto",
-                      fp8=None) -> jax.Array:
+                      fp8=None, fp8_scales=None):
     """`lax.psum(x @ w, axis_name)`, fused; every rank gets the same bits.
 
     Call inside `jax.shard_map`, e.g. for the output of a row-parallel layer
@@ -357,16 +389,20 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
         "auto" on GPUs, a ValueError when a kernel mechanism is forced).
       fp8: None, or an FP8 recipe (as for all_gather_matmul): the partial
         product from pk's FP8 GEMM, summed by pk's all_reduce.
+      fp8_scales: delayed scaling's scales (as for all_gather_matmul): the
+        result is then (out, (amax_x, amax_w)).
 
     Returns:
-      The sum, [*x.shape[:-1], N], replicated over `axis_name`.
+      The sum, [*x.shape[:-1], N], replicated over `axis_name`; with
+      fp8_scales (out, amaxes).
     """
     x, w = jnp.asarray(x), jnp.asarray(w)
     rows = int(np.prod(x.shape[:-1])) if x.ndim >= 2 else 0
-    if fp8 is not None:
-        out, _ = _fp8_call("matmul_all_reduce", tp_matmul_fp8.matmul_all_reduce, x, w,
-                           axis_name, fp8, preferred_element_type, mechanism, rows)
-        return out.reshape(x.shape[:-1] + (w.shape[1],))
+    if fp8 is not None or fp8_scales is not None:
+        out, amaxes, _ = _fp8_call("matmul_all_reduce", tp_matmul_fp8.matmul_all_reduce, x, w,
+                                   axis_name, fp8, fp8_scales, preferred_element_type,
+                                   mechanism, rows)
+        return _fp8_result(out, amaxes, x.shape[:-1] + (w.shape[1],))
     cfg = _validate("matmul_all_reduce", x, w, axis_name, preferred_element_type, mechanism,
                     ALL_REDUCE_MECHANISMS,
                     lambda n: tuning.matmul_all_reduce_mechanism(rows, n))

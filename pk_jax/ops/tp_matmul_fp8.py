@@ -11,6 +11,13 @@ shared by the whole axis: the scale comes from the axis-wide amax (a pmax of
 one float), so the gathered rows form one FP8 operand with one factor.
 Block factors travel with their rows. The communication here is not yet
 overlapped with the GEMMs (the bf16 ops' host sequences do that).
+
+Delayed scaling: the caller's scales (x, w, dy) quantize the operands; each
+op returns (y, (amax(x), amax(w))) and carries amax(dy) as the cotangent of
+the dy scale, as `fp8_dot` does. Every operand here is sharded over the
+axis (or, the all-reduce's dy, replicated), so each amax is the axis-wide
+one (`fp8.max_to_type_of`, by pk's all_reduce), and also the maximum over
+any other mesh axis its scale is replicated over.
 """
 
 from __future__ import annotations
@@ -42,9 +49,6 @@ def check(op: str, x, w, recipe: Recipe, n: int, rows_per_rank: Optional[int]) -
     if rows is not None and rows % (128 if recipe.scaling == "block" else 16):
         raise ValueError(f"pk_jax.{op}(fp8={recipe.scaling!r}): the rows per device ({rows}) "
                          f"must be a multiple of {128 if recipe.scaling == 'block' else 16}")
-    if recipe.scaling == "delayed":
-        raise ValueError(f"pk_jax.{op}: fp8='delayed' needs the caller's scales; use "
-                         "pk_jax.flax's layers (which keep the amax histories) or 'current'")
 
 
 def _gather(a, names, n: int, axis: int = 0):
@@ -63,8 +67,7 @@ def _axis_scale(x, names, n: int, dtype, margin: float):
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
     if n > 1:
         amax = jnp.max(all_gather(amax.reshape(1), names, tiled=True))
-    fp8_max = prim.FP8_MAX[jnp.dtype(dtype)] * 2.0 ** -margin
-    return jnp.where(amax == 0, jnp.float32(1), jnp.float32(fp8_max) / amax)
+    return fp8_ops.scale_from_amax(amax, dtype, margin)
 
 
 def _out(dtype):
@@ -72,10 +75,13 @@ def _out(dtype):
 
 
 def _quantize_rows_sharded(x, names, n: int, recipe: Recipe, dtype, *, rowwise=True,
-                           transposed=False):
+                           transposed=False, scale=None):
     """Quantize this rank's rows of an operand gathered along its rows:
-    (q, qt, factors); tensor factors from the axis-wide amax, block factors
-    per 1x128 (q) and per 128x1 (qt, then factors [rows / 128, K])."""
+    (q, qt, factors of q, factors of qt, amax); tensor factors from the given
+    scale (delayed scaling) or the axis-wide amax, block factors per 1x128
+    (q) and per 128x1 (qt, then factors [rows / 128, K]). amax: this rank's
+    amax(x) with per-tensor factors (what delayed scaling records), else
+    None."""
     if recipe.scaling == "block":
         q = fq = qt = fqt = None
         if rowwise:
@@ -83,22 +89,23 @@ def _quantize_rows_sharded(x, names, n: int, recipe: Recipe, dtype, *, rowwise=T
         if transposed:
             _, qt, fqt, _ = fp8_ops.fp8_quantize(x, "cols", dtype, rowwise=False,
                                                  transposed=True)
-        return q, qt, fq, fqt
-    s = _axis_scale(x, names, n, dtype, recipe.margin)
-    q, qt, f, _ = fp8_ops.fp8_quantize(x, "tensor", dtype, rowwise=rowwise,
-                                       transposed=transposed, scale=s)
-    return q, qt, f, f
+        return q, qt, fq, fqt, None
+    s = _axis_scale(x, names, n, dtype, recipe.margin) if scale is None else scale
+    q, qt, f, amax = fp8_ops.fp8_quantize(x, "tensor", dtype, rowwise=rowwise,
+                                          transposed=transposed, scale=s)
+    return q, qt, f, f, amax
 
 
-def _quantize_w(w, recipe: Recipe):
+def _quantize_w(w, recipe: Recipe, scale=None):
     """w [K, N]: (w rowwise, w^T, factors as B of the forward ([N, K]),
-    factors as B of the input gradient ([K, N]))."""
+    factors as B of the input gradient ([K, N]), amax as
+    `_quantize_rows_sharded`'s)."""
     if recipe.scaling == "block":
         wq, wt, fw, _ = fp8_ops.fp8_quantize(w, "blocks", prim.E4M3, transposed=True)
-        return wq, wt, fw, fw.T
-    wq, wt, fw, _ = fp8_ops.fp8_quantize(w, "tensor", prim.E4M3, transposed=True,
-                                         margin=recipe.margin)
-    return wq, wt, fw, fw
+        return wq, wt, fw, fw.T, None
+    wq, wt, fw, amax = fp8_ops.fp8_quantize(w, "tensor", prim.E4M3, transposed=True,
+                                            scale=scale, margin=recipe.margin)
+    return wq, wt, fw, fw, amax
 
 
 def _gemm(a, b, fa, fb, recipe: Recipe, out_dtype, b_row_blocks=False):
@@ -107,111 +114,131 @@ def _gemm(a, b, fa, fb, recipe: Recipe, out_dtype, b_row_blocks=False):
                               out_dtype=_out(out_dtype)).astype(out_dtype)
 
 
-def _quantize_local(a, recipe: Recipe, dtype, *, rowwise=True, transposed=False):
-    """A rank-local operand (no axis-wide scale): (q, qt, factors of q,
-    factors of qt)."""
+def _quantize_local(a, recipe: Recipe, dtype, *, rowwise=True, transposed=False, scale=None):
+    """A rank-local operand (no axis-wide scale): as `_quantize_rows_sharded`."""
     return _quantize_rows_sharded(a, (), 1, recipe, dtype, rowwise=rowwise,
-                                  transposed=transposed)
+                                  transposed=transposed, scale=scale)
 
 
-def _gather_rows(q, qt, fq, fqt, names, n: int, recipe: Recipe):
+def _gather_rows(q, qt, fq, fqt, amax, names, n: int, recipe: Recipe):
     """An operand quantized by `_quantize_rows_sharded`, gathered along its
     rows: the row-wise copy (axis 0), the transposed copy (axis 1) and, with
     block factors, their factors ([K/128, rows] along axis 1, [rows/128, K]
-    along axis 0); a per-tensor factor is already the axis's."""
+    along axis 0); a per-tensor factor is already the axis's. amax stays
+    this rank's."""
     block = recipe.scaling == "block"
     return (_gather(q, names, n), _gather(qt, names, n, axis=1),
             _gather(fq, names, n, axis=1) if block else fq,
-            _gather(fqt, names, n, axis=0) if block else fqt)
+            _gather(fqt, names, n, axis=0) if block else fqt, amax)
 
 
-def _local_forward(x, w, recipe: Recipe, out_dtype):
-    """This rank's partial product x @ w [M, N] (x [M, K_local]) and the
-    backward's residuals: x^T and w quantized, with their factors."""
-    q, qt, fq, fqt = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=True)
-    wq, wt, fw_fwd, fw_bwd = _quantize_w(w, recipe)
+def _local_forward(x, w, sx, sw, recipe: Recipe, out_dtype):
+    """This rank's partial product x @ w [M, N] (x [M, K_local]), the
+    backward's residuals (x^T and w quantized, with their factors) and the
+    local amaxes of x and w."""
+    q, qt, fq, fqt, ax = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=True,
+                                         scale=sx)
+    wq, wt, fw_fwd, fw_bwd, aw = _quantize_w(w, recipe, sw)
     partial = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
     return partial, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
-                     fp8_ops.residual_marker(w))
+                     fp8_ops.residual_marker(w)), (ax, aw)
 
 
 def _grads(quantized_dy, res, recipe: Recipe, reduce_dx=lambda dx: dx):
-    """(dx, dw) typed like (x, w): dx = reduce_dx(dy w^T), dw = x^T dy, from
-    the quantized dy (q, qt, their factors) and the forward's residuals."""
-    dq, dt, fdq, fdt = quantized_dy
+    """(dx, dw, amax(dy)) with dx, dw typed like (x, w): dx = reduce_dx(dy
+    w^T), dw = x^T dy, from the quantized dy (q, qt, their factors, its
+    amax) and the forward's residuals."""
+    dq, dt, fdq, fdt, ady = quantized_dy
     qt, fqt, wq, fw_bwd, xm, wm = res
     dx = reduce_dx(_gemm(dq, wq, fdq, fw_bwd, recipe, xm.dtype))
     dw = _gemm(qt, dt, fqt, fdt, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block")
-    return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm)
+    return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm), ady
+
+
+def _op(forward, backward, doc: str):
+    """An FP8 op (x, w, scales, names, n, recipe, out_dtype) -> (y, amaxes)
+    with its custom_vjp, from forward(x, w, sx, sw, names, n, recipe,
+    out_dtype) -> (y, residuals, (amax(x), amax(w))) and backward(names, n,
+    recipe, out_dtype, residuals, dy, sdy) -> (dx, dw, amax(dy)). scales:
+    None (current and block scaling; amaxes None) or the delayed scales
+    (x, w, dy), each [1] float32: amaxes are then the axis-wide amax(x),
+    amax(w), and the scales' cotangent carries the axis-wide amax(dy)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+    def op(x, w, scales, names, n: int, recipe: Recipe, out_dtype):
+        return op_fwd(x, w, scales, names, n, recipe, out_dtype)[0]
+
+    def op_fwd(x, w, scales, names, n, recipe, out_dtype):
+        sx, sw, _ = (None,) * 3 if scales is None else scales
+        y, res, (ax, aw) = forward(x, w, sx, sw, names, n, recipe, out_dtype)
+        amaxes = None if scales is None else (fp8_ops.max_to_type_of(ax, sx, names),
+                                              fp8_ops.max_to_type_of(aw, sw, names))
+        return (y, amaxes), (res, scales)
+
+    def op_bwd(names, n, recipe, out_dtype, carry, cts):
+        res, scales = carry
+        dy, _ = cts  # the amaxes are not differentiated
+        dx, dw, ady = backward(names, n, recipe, out_dtype, res, dy,
+                               None if scales is None else scales[2])
+        return dx, dw, None if scales is None else fp8_ops.scale_cotangents(scales, ady, names)
+
+    op.defvjp(op_fwd, op_bwd)
+    op.__doc__ = doc
+    return op
 
 
 # ---- all_gather_matmul -------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def all_gather_matmul(x, w, names, n: int, recipe: Recipe, out_dtype):
-    """all_gather(x, tiled) @ w with FP8 GEMMs: x [m, K] this rank's rows."""
-    return _ag_fwd(x, w, names, n, recipe, out_dtype)[0]
-
-
-def _ag_fwd(x, w, names, n, recipe, out_dtype):
-    q, qt, fq, fqt = _gather_rows(*_quantize_rows_sharded(x, names, n, recipe,
-                                                          recipe.fwd_dtype, transposed=True),
-                                  names, n, recipe)
-    wq, wt, fw_fwd, fw_bwd = _quantize_w(w, recipe)
+def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
+    q, qt, fq, fqt, ax = _gather_rows(*_quantize_rows_sharded(
+        x, names, n, recipe, recipe.fwd_dtype, transposed=True, scale=sx), names, n, recipe)
+    wq, wt, fw_fwd, fw_bwd, aw = _quantize_w(w, recipe, sw)
     y = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
     # the weight gradient reads x^T gathered along the tokens
-    return y, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x), fp8_ops.residual_marker(w))
+    return y, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
+               fp8_ops.residual_marker(w)), (ax, aw)
 
 
-def _ag_bwd(names, n, recipe, out_dtype, res, dy):
+def _ag_bwd(names, n, recipe, out_dtype, res, dy, sdy):
     # dy [n m, N_local] is local to this rank's column shard; dy w^T [n m, K]
     # is reduce-scattered to this rank's rows
-    return _grads(_quantize_local(dy, recipe, recipe.bwd_dtype, transposed=True), res, recipe,
-                  lambda dx: _scatter(dx, names, n))
+    return _grads(_quantize_local(dy, recipe, recipe.bwd_dtype, transposed=True, scale=sdy),
+                  res, recipe, lambda dx: _scatter(dx, names, n))
 
 
-all_gather_matmul.defvjp(_ag_fwd, _ag_bwd)
+all_gather_matmul = _op(_ag_fwd, _ag_bwd, """all_gather(x, tiled) @ w with FP8 GEMMs: x
+    [m, K] this rank's rows.""")
 
 
 # ---- matmul_reduce_scatter ---------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def matmul_reduce_scatter(x, w, names, n: int, recipe: Recipe, out_dtype):
-    """psum_scatter(x @ w, tiled) with FP8 GEMMs: x [M, K_local]."""
-    return _rs_fwd(x, w, names, n, recipe, out_dtype)[0]
+def _rs_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
+    partial, res, amaxes = _local_forward(x, w, sx, sw, recipe, out_dtype)
+    return _scatter(partial, names, n), res, amaxes
 
 
-def _rs_fwd(x, w, names, n, recipe, out_dtype):
-    partial, res = _local_forward(x, w, recipe, out_dtype)
-    return _scatter(partial, names, n), res
-
-
-def _rs_bwd(names, n, recipe, out_dtype, res, dy):
+def _rs_bwd(names, n, recipe, out_dtype, res, dy, sdy):
     # dy [M / n, N] this rank's rows: gathered in FP8 (row-wise for dx, the
     # transposed copy along the tokens for dw)
     return _grads(_gather_rows(*_quantize_rows_sharded(dy, names, n, recipe, recipe.bwd_dtype,
-                                                        transposed=True), names, n, recipe),
-                  res, recipe)
+                                                        transposed=True, scale=sdy),
+                               names, n, recipe), res, recipe)
 
 
-matmul_reduce_scatter.defvjp(_rs_fwd, _rs_bwd)
+matmul_reduce_scatter = _op(_rs_fwd, _rs_bwd, """psum_scatter(x @ w, tiled) with FP8 GEMMs:
+    x [M, K_local].""")
 
 
 # ---- matmul_all_reduce -------------------------------------------------------------
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def matmul_all_reduce(x, w, names, n: int, recipe: Recipe, out_dtype):
-    """psum(x @ w) with an FP8 GEMM: x [M, K_local]; every rank gets the same bits."""
-    return _ar_fwd(x, w, names, n, recipe, out_dtype)[0]
+def _ar_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
+    partial, res, amaxes = _local_forward(x, w, sx, sw, recipe, out_dtype)
+    return all_reduce(partial, names), res, amaxes  # also at n = 1: psum's invariant type
 
 
-def _ar_fwd(x, w, names, n, recipe, out_dtype):
-    partial, res = _local_forward(x, w, recipe, out_dtype)
-    return all_reduce(partial, names), res  # also at n = 1: psum's invariant result type
-
-
-def _ar_bwd(names, n, recipe, out_dtype, res, dy):
+def _ar_bwd(names, n, recipe, out_dtype, res, dy, sdy):
     """psum's transpose: every rank gets the full (invariant) dy; both
     gradients are local FP8 GEMMs."""
     return _grads(_quantize_local(make_varying(dy, names), recipe, recipe.bwd_dtype,
-                                  transposed=True), res, recipe)
+                                  transposed=True, scale=sdy), res, recipe)
 
 
-matmul_all_reduce.defvjp(_ar_fwd, _ar_bwd)
+matmul_all_reduce = _op(_ar_fwd, _ar_bwd, """psum(x @ w) with an FP8 GEMM: x [M, K_local];
+    every rank gets the same bits.""")
