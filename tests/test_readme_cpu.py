@@ -73,6 +73,19 @@ def test_shell_commands(segment):
     proc = subprocess.run([sys.executable, *words[1:]], env=_env(), capture_output=True,
                           text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    for what in PRINTS.get(segment, ()):
+        assert what in proc.stdout, (what, proc.stdout[-4000:])
+
+
+# What a command must print besides exiting 0: the quickstart's checks (each
+# asserts inside the script; these lines show that every part ran).
+PRINTS = {"python examples/quickstart.py": ("all_gather matches", "gradient checked",
+                                            "tensor-parallel MLP",
+                                            "ring attention over 8 devices")}
+
+
+def test_printed_commands_are_in_the_readme():
+    assert set(PRINTS) <= set(s.strip() for c in _commands() for s in c.split("&&"))
 
 
 # A ratio quoted in prose: "248x", "1.04-1.14x", "1.5 x" (not a count or a shape such as
