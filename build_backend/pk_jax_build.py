@@ -96,7 +96,7 @@ def _config(config_settings, *, write_info: bool = False):
             settings.setdefault("cmake.define.CMAKE_CUDA_COMPILER", nvcc)
         if write_info:
             gencode = settings.get("cmake.define.PK_CUDA_GENCODE", DEFAULT_GENCODE)
-            arches = ", ".join(re.findall(r"code=(\w+)", gencode)) or gencode
+            arches = ", ".join(re.findall(r",code=(\w+)", gencode)) or gencode
             cutlass = settings["cmake.define.PK_JAX_REQUIRE_CUTLASS"].upper() in \
                 ("ON", "1", "TRUE", "YES")
             kernels = (f"{arches} kernels compiled by nvcc {nvcc_release(nvcc) or '(unknown)'}"
