@@ -98,7 +98,8 @@ def plan() -> Plan:
     if shutil.which("nvcc", path=env["PATH"]) is None and not os.environ.get("CUDACXX"):
         env["CUDACXX"] = nvcc
     nice = ("nice", "-n", "19") if shutil.which("nice") else ()
-    wheel = (*nice, sys.executable, "-m", "pip", "wheel", "-v", *WHEEL_FLAGS, "--no-index", "-C", f"build-dir={build}", "-w", str(build / "dist"), str(ROOT))
+    wheel = (*nice, sys.executable, "-m", "pip", "wheel", "-v", *WHEEL_FLAGS, "--no-index",
+             "-C", f"build-dir={build}", "-w", str(build / "dist"), str(ROOT))
     return Plan(None, build, (wheel,), env)
 
 
