@@ -20,9 +20,10 @@ def _no_gpu_here() -> bool:
 # On machines without a GPU (CI) the suite's time is XLA:CPU compiling
 # thousands of small programs, many of them the same program built by
 # another test or parameter: compile at LLVM -O0 (the tests time nothing;
-# IEEE results are the same) and share compiled programs through a
-# persistent compilation cache of this session (a fresh directory, also
-# read by the tests' subprocesses). PK_JAX_TEST_FAST_COMPILE=0 turns both off.
+# results may move by an ulp, within every tolerance) and share compiled
+# programs through a persistent compilation cache of this session (a fresh
+# directory, also read by the tests' subprocesses).
+# PK_JAX_TEST_FAST_COMPILE=0 turns both off.
 if os.environ.get("PK_JAX_TEST_FAST_COMPILE", "1" if _no_gpu_here() else "0") == "1":
     import atexit
     import shutil
