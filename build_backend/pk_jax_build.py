@@ -64,8 +64,11 @@ CUDA_BUILD_REQUIRES = ["nanobind>=2.0", "jax>=0.10.2", "nvidia-cutlass>=3.5",
 BUILD_INFO_TEMPLATE = pathlib.Path("build", "pk_jax_build_info.py.in")
 
 
-# The GPU code a CUDA build compiles (CMakeLists.txt's PK_CUDA_GENCODE default).
-DEFAULT_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
+def default_gencode() -> str:
+    """The nvcc target flags CMakeLists.txt compiles by default (PK_CUDA_GENCODE)."""
+    text = pathlib.Path("CMakeLists.txt").read_text(encoding="utf-8")
+    found = re.search(r'set\(PK_CUDA_GENCODE "([^"]+)"', text)
+    return found.group(1) if found else ""
 
 
 def nvcc_release(nvcc: str) -> str:
@@ -95,8 +98,8 @@ def _config(config_settings, *, write_info: bool = False):
             # Found outside PATH (toolkit home): tell CMake where.
             settings.setdefault("cmake.define.CMAKE_CUDA_COMPILER", nvcc)
         if write_info:
-            gencode = settings.get("cmake.define.PK_CUDA_GENCODE", DEFAULT_GENCODE)
-            arches = ", ".join(re.findall(r",code=(\w+)", gencode)) or gencode
+            gencode = settings.get("cmake.define.PK_CUDA_GENCODE") or default_gencode()
+            arches = ", ".join(re.findall(r",code=(\w+)", gencode)) or gencode or "(unknown)"
             cutlass = settings["cmake.define.PK_JAX_REQUIRE_CUTLASS"].upper() in \
                 ("ON", "1", "TRUE", "YES")
             kernels = (f"{arches} kernels compiled by nvcc {nvcc_release(nvcc) or '(unknown)'}"
