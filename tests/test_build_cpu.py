@@ -72,6 +72,39 @@ def test_build_decision(tmp_path, monkeypatch):
         decide(gpu, "maybe")
 
 
+def test_build_info_says_what_a_cuda_build_holds(tmp_path, monkeypatch):
+    """The build backend's record of a CUDA build (pk_jax._build_info's
+    template): the GPU code of CMakeLists.txt (or of -C overrides), nvcc's
+    release, CUTLASS required unless turned off. nvcc is a fake here."""
+    pytest.importorskip("scikit_build_core")
+    monkeypatch.syspath_prepend(str(ROOT / "build_backend"))
+    import pk_jax_build as backend
+    fake = _fake_tools(tmp_path / "tools", nvcc="Cuda compilation tools, release 13.0, V13.0.88")
+    monkeypatch.setenv("PATH", fake + os.pathsep + os.environ.get("PATH", ""))
+    monkeypatch.setenv("PK_JAX_BUILD_CUDA", "1")
+    monkeypatch.delenv("CUDACXX", raising=False)
+    (tmp_path / "CMakeLists.txt").write_text((ROOT / "CMakeLists.txt").read_text())
+    monkeypatch.chdir(tmp_path)
+    template = tmp_path / "build" / "pk_jax_build_info.py.in"
+
+    settings, cuda = backend._config({}, write_info=True)
+    assert cuda and settings["cmake.define.PK_JAX_REQUIRE_CUTLASS"] == "ON"
+    info = template.read_text()
+    assert "cuda = True" in info and "reason = 'PK_JAX_BUILD_CUDA=1'" in info
+    assert "sm_90a kernels compiled by nvcc 13.0, CUTLASS GEMMs included" in info, info
+
+    two = "-gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a,code=sm_100a"
+    backend._config({"cmake.define.PK_JAX_REQUIRE_CUTLASS": "OFF",
+                     "cmake.define.PK_CUDA_GENCODE": two}, write_info=True)
+    info = template.read_text()
+    assert "sm_90a, sm_100a kernels compiled by nvcc 13.0, CUTLASS GEMMs if found" in info, info
+
+    monkeypatch.setenv("PK_JAX_BUILD_CUDA", "0")
+    settings, cuda = backend._config({}, write_info=True)
+    assert not cuda and settings["wheel.cmake"] == "false"
+    assert "kernels = ''" in template.read_text()
+
+
 def test_installed_extension_follows_the_build_decision():
     """The installed package has the extension exactly when its build decided
     to compile it (pk_jax._build_info), and an automatic decision not to
