@@ -16,11 +16,13 @@ from pk_jax import launch
 CHILD = """
 import os, pathlib, signal, sys, time
 me = int(os.environ["PK_JAX_PROCESS_ID"])
-role, ready = sys.argv[1 + me], pathlib.Path(sys.argv[-1])
+roles, ready = sys.argv[1:-1], pathlib.Path(sys.argv[-1])
+role = roles[me]
 if role == "ok":
     sys.exit(0)
-if role.startswith("fail"):  # once the others are set up
-    while not ready.exists():
+if role.startswith("fail"):  # once every blocking process is set up (pid file written)
+    blocking = [i for i, r in enumerate(roles) if r in ("block", "stubborn")]
+    while not all((ready.parent / f"pid{i}").exists() for i in blocking):
         time.sleep(0.01)
     sys.exit(int(role[4:]))
 if role == "stubborn":
