@@ -152,9 +152,12 @@ class XlaRaggedMoE(MoE):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = jnp.dtype(self.dtype) if self.dtype is not None else x.dtype
-        tokens = x.reshape(-1, self.features).astype(dt)
+        tokens = x.reshape(-1, self.features)
+        # Routed on the input as given, as MoE does: routing on the cast tokens
+        # would pick other experts for near ties.
         weights, ids = self.route(tokens)
-        rows, group_sizes, state = self.dispatch(tokens, ids, self.axis_name, self.num_experts)
+        rows, group_sizes, state = self.dispatch(tokens.astype(dt), ids, self.axis_name,
+                                                 self.num_experts)
         out = self.combine(self.experts(rows, group_sizes), weights, state)
         return out.reshape(x.shape).astype(dt)
 
