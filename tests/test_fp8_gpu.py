@@ -129,3 +129,25 @@ def test_fp8_dot_values_and_gradients(rng, recipe, m, k, n):
     gx, gw = jax.jit(jax.grad(f32, (0, 1)))(x, w)
     assert rel_err(y, np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL
     assert rel_err(dx, gx) < GRAD_TOL and rel_err(dw, gw) < GRAD_TOL
+
+
+@pytest.mark.parametrize("scaling,recipe", [("tensor", "current"), ("block", "block")])
+def test_fp8_dot_stored_weight(rng, scaling, recipe):
+    """A stored weight (pk_jax.quantize_weight) through the kernels: the bits
+    of quantizing it inside the call, forward and dx; dx is one FP8 GEMM on
+    the kernel."""
+    mesh = gpu_mesh(1)
+    m, k, n = 2048, 1024, 1536
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    w8 = jax.jit(pk_jax.quantize_weight, static_argnums=1)(w, scaling)
+    loss = lambda x, w, r=None: jnp.sum(pk_jax.fp8_dot(x, w, r).astype(jnp.float32) * t)
+    grad = jax.jit(jax.grad(loss), static_argnums=2)
+    assert grad.lower(x, w8).as_text().count("pk_fp8_matmul") == 1
+    poison_allocator(mesh, 8 * m * (k + n))
+    y8, dx8 = jax.jit(pk_jax.fp8_dot)(x, w8), grad(x, w8)
+    y, dx = jax.jit(pk_jax.fp8_dot, static_argnums=2)(x, w, recipe), grad(x, w, recipe)
+    np.testing.assert_array_equal(np.asarray(y8, np.float32), np.asarray(y, np.float32))
+    np.testing.assert_array_equal(np.asarray(dx8, np.float32), np.asarray(dx, np.float32))
+    assert rel_err(y8, np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL

@@ -14,6 +14,10 @@ Recipes (`Fp8Recipe.scaling`):
   per 1x128 along the contraction, weights per 128x128; every operand e4m3;
   partial sums promoted to fp32 and scaled every 128 of K.
 
+A weight may also come stored in FP8 (`Fp8Weight`, `quantize_weight`): the
+ops then quantize only the activations and gradients, by the recipe its
+scaling implies ("current" for a per-tensor factor, "block" for 128x128).
+
 On CUDA GPUs with the extension built the quantization and the GEMMs are
 pk_jax kernels (csrc/kernels/fp8, csrc/kernels/gemm); elsewhere the same
 numerics in jax.numpy (`pk_jax/ops/fp8_primitive.py`), so results agree
@@ -34,6 +38,7 @@ from jax import lax
 from pk_jax._compat import make_varying, sum_to_type_of, varying_axes
 from pk_jax.ops import fp8_primitive as prim
 from pk_jax.ops.all_reduce import all_reduce
+from pk_jax.ops.fp8_weight import RECIPE_OF, Fp8Weight
 
 _RECIPES = ("current", "delayed", "block")
 
@@ -85,6 +90,59 @@ def _recipe(recipe) -> Fp8Recipe:
     if isinstance(recipe, str):
         return Fp8Recipe(scaling=recipe)
     raise TypeError(f"recipe: an Fp8Recipe or one of {_RECIPES}, got {recipe!r}")
+
+
+def recipe_for(where: str, arg: str, recipe, w) -> Fp8Recipe:
+    """The call's recipe: `recipe` (None: "current", or the one a stored
+    weight's scaling implies); with an `Fp8Weight` w, validated and checked
+    against its scaling (ValueError naming `arg`)."""
+    if not isinstance(w, Fp8Weight):
+        return _recipe("current" if recipe is None else recipe)
+    w.validate(where)
+    want = RECIPE_OF[w.scaling]
+    got = _recipe(want if recipe is None else recipe)
+    if got.scaling != want:
+        raise ValueError(f"{where}: an Fp8Weight with scaling={w.scaling!r} takes {arg}="
+                         f"{want!r} (its activations and gradients quantized to match), got "
+                         f"{got.scaling!r}; a weight quantized inside the call takes any "
+                         "recipe")
+    return got
+
+
+def quantize_weight(w, scaling: str = "tensor", *, margin: float = 0.0) -> Fp8Weight:
+    """w [K, N] (bfloat16, float16 or float32) stored as an `Fp8Weight`:
+    e4m3 data [N, K] with one factor ("tensor", from amax(w) and `margin` as
+    the "current" recipe) or a factor per 128x128 block ("block"). Run it
+    once (e.g. when loading a checkpoint), then pass the result as w."""
+    if scaling not in ("tensor", "block"):
+        raise ValueError(f"quantize_weight(scaling={scaling!r}): 'tensor' or 'block'")
+    granularity = "tensor" if scaling == "tensor" else "blocks"
+    _, wt, factors, _ = fp8_quantize(w, granularity, prim.E4M3, rowwise=False, transposed=True,
+                                     margin=margin)
+    return Fp8Weight(wt, factors.T if scaling == "block" else factors.reshape(()), scaling)
+
+
+def weight_operands(w, recipe: Fp8Recipe, scale=None):
+    """w's FP8 GEMM operands: (wq [K, N] (the input gradient's B), wt [N, K]
+    (the forward's B), the factors as the forward's B, as the input
+    gradient's B, amax(w) or None). w: [K, N], quantized here by the recipe
+    (from `scale` with delayed scaling), or an `Fp8Weight` (as stored)."""
+    if isinstance(w, Fp8Weight):
+        if w.scaling == "block":  # stored [N/128, K/128]; the forward's B wants [K/128, N/128]
+            return w.data.T, w.data, w.factors.T, w.factors, None
+        f = jnp.reshape(w.factors, (1,))
+        return w.data.T, w.data, f, f, None
+    if recipe.scaling == "block":
+        wq, wt, fw, _ = fp8_quantize(w, "blocks", prim.E4M3, transposed=True)
+        return wq, wt, fw, fw.T, None
+    wq, wt, fw, amax = fp8_quantize(w, "tensor", prim.E4M3, transposed=True, scale=scale,
+                                    margin=recipe.margin)
+    return wq, wt, fw, fw, amax
+
+
+def weight_marker(w):
+    """`residual_marker` of w, None for a stored weight (no gradient)."""
+    return None if isinstance(w, Fp8Weight) else residual_marker(w)
 
 
 def scale_from_amax(amax, dtype, margin: float = 0.0):
@@ -224,9 +282,11 @@ def _gemm_out(dtype):
 def _check_dot(x, w, recipe: Fp8Recipe) -> None:
     if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"fp8_dot: expected x [..., K] and w [K, N], got {x.shape}, {w.shape}")
-    for name, t in (("x", x.dtype), ("w", w.dtype)):
+    stored = isinstance(w, Fp8Weight)
+    for name, t in (("x", x.dtype),) + (() if stored else (("w", w.dtype),)):
         if jnp.dtype(t) not in prim.IN_TYPES:
-            raise TypeError(f"fp8_dot: {name} must be bfloat16, float16 or float32, got {t}")
+            raise TypeError(f"fp8_dot: {name} must be bfloat16, float16 or float32 (or w an "
+                            f"Fp8Weight), got {t}")
     m, k, n = math.prod(x.shape[:-1]), w.shape[0], w.shape[1]
     if 0 in (m, k, n):
         raise ValueError(f"fp8_dot: empty operands {x.shape}, {w.shape}")
@@ -259,11 +319,15 @@ def checked_scales(where: str, arg: str, recipe: Fp8Recipe, scales):
     return tuple(s.reshape(1) for s in out)
 
 
-def fp8_dot(x, w, recipe=Fp8Recipe(), *, scales=None):
+def fp8_dot(x, w, recipe=None, *, scales=None):
     """x [..., K] @ w [K, N] with the forward and both gradients in FP8.
 
+    w: [K, N] (quantized inside the call), or an `Fp8Weight` (stored FP8:
+    only x and dy are quantized; its own gradient is zero, a constant).
     recipe: an Fp8Recipe or its scaling name ("current", "delayed",
-    "block"). scales: with "delayed" scaling, the scales (x, w, dy) the
+    "block"); None: "current", or the one an Fp8Weight's scaling implies
+    ("current" for "tensor", "block" for "block"; another is a ValueError).
+    scales: with "delayed" scaling, the scales (x, w, dy) the
     caller's amax histories give (each a float32 scalar); the result is then
     (y, amaxes) with amaxes = (amax(x), amax(w)) of this call, and the
     cotangent of `scales` carries amax(dy) in its last entry (how pk_jax.flax
@@ -276,12 +340,14 @@ def fp8_dot(x, w, recipe=Fp8Recipe(), *, scales=None):
     multiple of 16. Gradients come back in the operands' dtypes; the GEMMs
     accumulate in fp32.
     """
-    recipe = _recipe(recipe)
-    x, w = jnp.asarray(x), jnp.asarray(w)
+    recipe = recipe_for("fp8_dot", "recipe", recipe, w)
+    x = jnp.asarray(x)
+    w = w if isinstance(w, Fp8Weight) else jnp.asarray(w)
     _check_dot(x, w, recipe)
     scales = checked_scales("fp8_dot", "scales", recipe, scales)
     lead = x.shape[:-1]
-    x, w = prim.unsharded(x), prim.unsharded(w)  # no partitioning rule: see unsharded
+    # no partitioning rule: see unsharded
+    x, w = prim.unsharded(x), jax.tree.map(prim.unsharded, w)
     x2 = x.reshape(-1, x.shape[-1])
     if scales is not None:
         y, amaxes = _dot_delayed(x2, w, scales, recipe)
@@ -292,36 +358,40 @@ def fp8_dot(x, w, recipe=Fp8Recipe(), *, scales=None):
 def _tensor_fwd(x, w, recipe, sx=None, sw=None):
     xq, xt, fx, ax = fp8_quantize(x, "tensor", recipe.fwd_dtype, transposed=True, scale=sx,
                                   margin=recipe.margin)
-    wq, wt, fw, aw = fp8_quantize(w, "tensor", recipe.fwd_dtype, transposed=True, scale=sw,
-                                  margin=recipe.margin)
+    wq, wt, fw, fw_bwd, aw = weight_operands(w, recipe, sw)
     y = fp8_matmul(xq, wt, fx, fw, out_dtype=_gemm_out(x.dtype)).astype(x.dtype)
-    return y, (xt, fx, wq, fw), (ax, aw)
+    return y, (xt, fx, wq, fw_bwd), (ax, aw)
 
 
 def _tensor_bwd(res, dy, recipe, x_dtype, w_dtype, sdy=None):
+    """(dx, dw or None where w_dtype is None (a stored weight), amax(dy))."""
     xt, fx, wq, fw = res
     dq, dt, fdy, ady = fp8_quantize(dy, "tensor", recipe.bwd_dtype, transposed=True, scale=sdy,
                                     margin=recipe.margin)
     dx = fp8_matmul(dq, wq, fdy, fw, out_dtype=_gemm_out(x_dtype)).astype(x_dtype)
+    if w_dtype is None:
+        return dx, None, ady
     dw = fp8_matmul(xt, dt, fx, fdy, out_dtype=_gemm_out(w_dtype)).astype(w_dtype)
     return dx, dw, ady
 
 
-def _block_fwd(x, w):
+def _block_fwd(x, w, recipe):
     xq, _, fx, _ = fp8_quantize(x, "rows", prim.E4M3)
     _, xt, fxt, _ = fp8_quantize(x, "cols", prim.E4M3, rowwise=False, transposed=True)
-    wq, wt, fw, _ = fp8_quantize(w, "blocks", prim.E4M3, transposed=True)
+    wq, wt, fw, fw_bwd, _ = weight_operands(w, recipe)
     y = fp8_matmul(xq, wt, fx, fw, scaling="block", out_dtype=_gemm_out(x.dtype))
-    return y.astype(x.dtype), (xt, fxt, wq, fw)
+    return y.astype(x.dtype), (xt, fxt, wq, fw_bwd)
 
 
 def _block_bwd(res, dy, x_dtype, w_dtype):
-    xt, fxt, wq, fw = res
+    xt, fxt, wq, fw_bwd = res
+    # dx = dy @ w^T: w [K, N] is b = [n = K, k = N], its 128x128 factors [N/128, K/128].
     dq, _, fdy, _ = fp8_quantize(dy, "rows", prim.E4M3)
-    _, dt, fdt, _ = fp8_quantize(dy, "cols", prim.E4M3, rowwise=False, transposed=True)
-    # dx = dy @ w^T: w [K, N] is b = [n = K, k = N]; its 128x128 factors transposed.
-    dx = fp8_matmul(dq, wq, fdy, fw.T, scaling="block", out_dtype=_gemm_out(x_dtype))
+    dx = fp8_matmul(dq, wq, fdy, fw_bwd, scaling="block", out_dtype=_gemm_out(x_dtype))
+    if w_dtype is None:
+        return dx.astype(x_dtype), None
     # dw = x^T @ dy: a = x^T [K, M], b = dy^T [N, M], both per 128x1 of the tokens.
+    _, dt, fdt, _ = fp8_quantize(dy, "cols", prim.E4M3, rowwise=False, transposed=True)
     dw = fp8_matmul(xt, dt, fxt, fdt, scaling="block", b_row_blocks=True,
                     out_dtype=_gemm_out(w_dtype))
     return dx.astype(x_dtype), dw.astype(w_dtype)
@@ -340,23 +410,28 @@ def _dot(x, w, recipe: Fp8Recipe):
 
 def _dot_fwd(x, w, recipe):
     if recipe.scaling == "block":
-        y, res = _block_fwd(x, w)
+        y, res = _block_fwd(x, w, recipe)
     else:
         y, res, _ = _tensor_fwd(x, w, recipe)
-    return y, (res, residual_marker(x), residual_marker(w))
+    return y, (res, residual_marker(x), weight_marker(w))
+
+
+def _dtype(marker):
+    return None if marker is None else marker.dtype
 
 
 def _typed(dx, dw, xm, wm):
     """The gradients summed to the operands' types (a weight replicated over
-    a shard_map axis gets the sum of every shard's gradient, as lax.dot's)."""
-    return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm)
+    a shard_map axis gets the sum of every shard's gradient, as lax.dot's);
+    a stored weight's (wm None): None, a zero cotangent."""
+    return sum_to_type_of(dx, xm), None if wm is None else sum_to_type_of(dw, wm)
 
 
 def _dot_bwd(recipe, carry, dy):
     res, xm, wm = carry
     if recipe.scaling == "block":
-        return _typed(*_block_bwd(res, dy, xm.dtype, wm.dtype), xm, wm)
-    dx, dw, _ = _tensor_bwd(res, dy, recipe, xm.dtype, wm.dtype)
+        return _typed(*_block_bwd(res, dy, xm.dtype, _dtype(wm)), xm, wm)
+    dx, dw, _ = _tensor_bwd(res, dy, recipe, xm.dtype, _dtype(wm))
     return _typed(dx, dw, xm, wm)
 
 

@@ -27,6 +27,7 @@ from pk_jax._warnings import warn_once
 from pk_jax.ops import fp8 as fp8_ops
 from pk_jax.ops import fp8_primitive as prim_fp8
 from pk_jax.ops import tp_matmul_fp8
+from pk_jax.ops.fp8_weight import Fp8Weight
 from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_bwd_p,
                                              all_gather_matmul_p, matmul_all_reduce_p,
                                              matmul_reduce_scatter_bwd_p,
@@ -224,27 +225,29 @@ _ar.defvjp(_ar_forward, _ar_backward)
 def _fp8_call(op: str, impl, x, w, axis_name, fp8, fp8_scales, preferred_element_type,
               mechanism, rows_per_rank):
     """The FP8 path of `op` (pk_jax/ops/tp_matmul_fp8.py) on x [rows, K] (leading
-    dims flattened by the caller's reshape) and w [K, N]: (out, amaxes or
-    None, cfg)."""
-    if fp8 is None:
+    dims flattened by the caller's reshape) and w [K, N] or an Fp8Weight:
+    (out, amaxes or None, cfg)."""
+    stored = isinstance(w, Fp8Weight)
+    if fp8 is None and not stored:
         raise ValueError(f"pk_jax.{op}: fp8_scales needs fp8='delayed' (or an Fp8Recipe "
                          "with scaling='delayed')")
-    recipe = fp8_ops._recipe(fp8)
+    recipe = fp8_ops.recipe_for(f"pk_jax.{op}", "fp8", fp8, w)
     if mechanism != "auto":
         raise ValueError(f"pk_jax.{op}(fp8=...): the FP8 path picks its own mechanisms; "
                          f"leave mechanism='auto' (got {mechanism!r})")
-    cfg = _validate(op, x, w, axis_name, preferred_element_type, "xla")
-    for name, a in (("x", x), ("w", w)):
+    cfg = _validate(op, x, _checked_as(x, w), axis_name, preferred_element_type, "xla")
+    for name, a in (("x", x),) + (() if stored else (("w", w),)):
         if jnp.dtype(a.dtype) not in prim_fp8.IN_TYPES:
             raise TypeError(f"pk_jax.{op}(fp8=...): {name} must be bfloat16, float16 or "
-                            f"float32 (quantized inside the op), got {a.dtype}")
+                            f"float32 (quantized inside the op; w may be an Fp8Weight), got "
+                            f"{a.dtype}")
     if cfg.out_dtype not in prim_fp8.IN_TYPES:
         raise TypeError(f"pk_jax.{op}(fp8=...): preferred_element_type must be bfloat16, "
                         f"float16 or float32, got {cfg.out_dtype}")
     tp_matmul_fp8.check(op, x, w, recipe, cfg.n, rows_per_rank)
     scales = fp8_ops.checked_scales(f"pk_jax.{op}", "fp8_scales", recipe, fp8_scales)
     x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
-    w = make_varying(w, cfg.names)
+    w = jax.tree.map(lambda a: make_varying(a, cfg.names), w)
     if scales is not None and not set(cfg.names) <= varying_axes(x2):
         # unchecked, shard_map's transpose would sum the replicated scales' cotangents
         raise ValueError(f"pk_jax.{op}(fp8='delayed'): needs shard_map's varying-axes types "
@@ -252,6 +255,19 @@ def _fp8_call(op: str, impl, x, w, axis_name, fp8, fp8_scales, preferred_element
                          "type")
     out, amaxes = impl(x2, w, scales, cfg.names, cfg.n, recipe, cfg.out_dtype)
     return out, amaxes, cfg
+
+
+def _checked_as(x, w):
+    """What _validate reads of w: a stored weight as one of x's dtype (the
+    output type is x's: an FP8 type does not promote)."""
+    return jax.ShapeDtypeStruct(w.shape, x.dtype) if isinstance(w, Fp8Weight) else w
+
+
+def _operands(x, w, fp8, fp8_scales):
+    """(x, w, whether the FP8 path runs); an Fp8Weight w as given."""
+    stored = isinstance(w, Fp8Weight)
+    return (jnp.asarray(x), w if stored else jnp.asarray(w),
+            stored or fp8 is not None or fp8_scales is not None)
 
 
 def _fp8_result(out, amaxes, shape):
@@ -268,7 +284,10 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
     Args:
       x: this device's rows, [m, K] or [batch..., K] (leading dims are rows;
         the gather is along the first one).
-      w: [K, N_local], e.g. the column shard of a column-parallel layer.
+      w: [K, N_local], e.g. the column shard of a column-parallel layer; or
+        this shard stored in FP8 (`pk_jax.Fp8Weight`, in_specs from its
+        `partition_spec`): the FP8 path runs with the recipe its scaling
+        implies (fp8 may name it), and w's cotangent is zero.
       axis_name: mesh axis (or tuple of axes) to gather over.
       return_gathered: also return the gathered x (what the backward pass of
         the weight needs); it costs one extra copy of x per peer.
@@ -294,8 +313,8 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
       out [n * x.shape[0], ..., N_local], and with return_gathered the
       gathered x [n * x.shape[0], ..., K]; with fp8_scales (out, amaxes).
     """
-    x, w = jnp.asarray(x), jnp.asarray(w)
-    if fp8 is not None or fp8_scales is not None:
+    x, w, fp8_path = _operands(x, w, fp8, fp8_scales)
+    if fp8_path:
         if return_gathered:
             raise ValueError("pk_jax.all_gather_matmul: return_gathered is not available "
                              "with fp8 (the gathered rows are FP8)")
@@ -323,7 +342,8 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
     Args:
       x: [M, K_local] or [batch..., K_local], e.g. the activations of a
         row-parallel layer; the first dim must divide by the axis size.
-      w: [K_local, N], the row shard of the weight.
+      w: [K_local, N], the row shard of the weight, or an `Fp8Weight` (as
+        for all_gather_matmul).
       axis_name: mesh axis (or tuple of axes) to reduce-scatter over.
       preferred_element_type: output dtype; None: the operands' dtype. The
         partial products travel in it and are summed in fp32.
@@ -340,10 +360,9 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
       This device's shard of the sum, [x.shape[0] / n, ..., N]; with
       fp8_scales (out, amaxes).
     """
-    x, w = jnp.asarray(x), jnp.asarray(w)
-    fp8_path = fp8 is not None or fp8_scales is not None
-    cfg = _validate("matmul_reduce_scatter", x, w, axis_name, preferred_element_type,
-                    "xla" if fp8_path else mechanism)
+    x, w, fp8_path = _operands(x, w, fp8, fp8_scales)
+    cfg = _validate("matmul_reduce_scatter", x, _checked_as(x, w), axis_name,
+                    preferred_element_type, "xla" if fp8_path else mechanism)
     if x.shape[0] % cfg.n:
         raise ValueError(f"pk_jax.matmul_reduce_scatter: the first dim of x ({x.shape[0]}) "
                          f"must divide by the size of axis {cfg.names} ({cfg.n})")
@@ -374,7 +393,8 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
     Args:
       x: [M, K_local] or [batch..., K_local], this device's share of the
         contraction (e.g. a column-parallel layer's output).
-      w: [K_local, N], the row shard of the weight.
+      w: [K_local, N], the row shard of the weight, or an `Fp8Weight` (as
+        for all_gather_matmul).
       axis_name: mesh axis (or tuple of axes) to sum over.
       preferred_element_type: output dtype; None: the operands' dtype. The
         partial products travel in it and are summed in fp32, each output
@@ -396,9 +416,9 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str | Sequence[str]
       The sum, [*x.shape[:-1], N], replicated over `axis_name`; with
       fp8_scales (out, amaxes).
     """
-    x, w = jnp.asarray(x), jnp.asarray(w)
+    x, w, fp8_path = _operands(x, w, fp8, fp8_scales)
     rows = int(np.prod(x.shape[:-1])) if x.ndim >= 2 else 0
-    if fp8 is not None or fp8_scales is not None:
+    if fp8_path:
         out, amaxes, _ = _fp8_call("matmul_all_reduce", tp_matmul_fp8.matmul_all_reduce, x, w,
                                    axis_name, fp8, fp8_scales, preferred_element_type,
                                    mechanism, rows)

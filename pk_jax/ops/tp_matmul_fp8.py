@@ -12,6 +12,9 @@ one float), so the gathered rows form one FP8 operand with one factor.
 Block factors travel with their rows. The communication here is not yet
 overlapped with the GEMMs (the bf16 ops' host sequences do that).
 
+A stored weight (`Fp8Weight`, each rank's shard as stored) enters the GEMMs
+as it is; its cotangent is zero.
+
 Delayed scaling: the caller's scales (x, w, dy) quantize the operands; each
 op returns (y, (amax(x), amax(w))) and carries amax(dy) as the cotangent of
 the dy scale, as `fp8_dot` does. Every operand here is sharded over the
@@ -30,7 +33,6 @@ import jax.numpy as jnp
 
 from pk_jax._compat import make_varying, sum_to_type_of
 from pk_jax.ops import fp8 as fp8_ops
-from pk_jax.ops import fp8_primitive as prim
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
 
@@ -96,18 +98,6 @@ def _quantize_rows_sharded(x, names, n: int, recipe: Recipe, dtype, *, rowwise=T
     return q, qt, f, f, amax
 
 
-def _quantize_w(w, recipe: Recipe, scale=None):
-    """w [K, N]: (w rowwise, w^T, factors as B of the forward ([N, K]),
-    factors as B of the input gradient ([K, N]), amax as
-    `_quantize_rows_sharded`'s)."""
-    if recipe.scaling == "block":
-        wq, wt, fw, _ = fp8_ops.fp8_quantize(w, "blocks", prim.E4M3, transposed=True)
-        return wq, wt, fw, fw.T, None
-    wq, wt, fw, amax = fp8_ops.fp8_quantize(w, "tensor", prim.E4M3, transposed=True,
-                                            scale=scale, margin=recipe.margin)
-    return wq, wt, fw, fw, amax
-
-
 def _gemm(a, b, fa, fb, recipe: Recipe, out_dtype, b_row_blocks=False):
     scaling = "block" if recipe.scaling == "block" else "tensor"
     return fp8_ops.fp8_matmul(a, b, fa, fb, scaling=scaling, b_row_blocks=b_row_blocks,
@@ -138,19 +128,22 @@ def _local_forward(x, w, sx, sw, recipe: Recipe, out_dtype):
     local amaxes of x and w."""
     q, qt, fq, fqt, ax = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=True,
                                          scale=sx)
-    wq, wt, fw_fwd, fw_bwd, aw = _quantize_w(w, recipe, sw)
+    wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw)
     partial = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
     return partial, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
-                     fp8_ops.residual_marker(w)), (ax, aw)
+                     fp8_ops.weight_marker(w)), (ax, aw)
 
 
 def _grads(quantized_dy, res, recipe: Recipe, reduce_dx=lambda dx: dx):
     """(dx, dw, amax(dy)) with dx, dw typed like (x, w): dx = reduce_dx(dy
-    w^T), dw = x^T dy, from the quantized dy (q, qt, their factors, its
-    amax) and the forward's residuals."""
+    w^T), dw = x^T dy (None for a stored weight: wm None), from the
+    quantized dy (q, qt, their factors, its amax) and the forward's
+    residuals."""
     dq, dt, fdq, fdt, ady = quantized_dy
     qt, fqt, wq, fw_bwd, xm, wm = res
     dx = reduce_dx(_gemm(dq, wq, fdq, fw_bwd, recipe, xm.dtype))
+    if wm is None:
+        return sum_to_type_of(dx, xm), None, ady
     dw = _gemm(qt, dt, fqt, fdt, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block")
     return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm), ady
 
@@ -191,11 +184,11 @@ def _op(forward, backward, doc: str):
 def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
     q, qt, fq, fqt, ax = _gather_rows(*_quantize_rows_sharded(
         x, names, n, recipe, recipe.fwd_dtype, transposed=True, scale=sx), names, n, recipe)
-    wq, wt, fw_fwd, fw_bwd, aw = _quantize_w(w, recipe, sw)
+    wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw)
     y = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
     # the weight gradient reads x^T gathered along the tokens
     return y, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
-               fp8_ops.residual_marker(w)), (ax, aw)
+               fp8_ops.weight_marker(w)), (ax, aw)
 
 
 def _ag_bwd(names, n, recipe, out_dtype, res, dy, sdy):
