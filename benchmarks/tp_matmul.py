@@ -12,8 +12,15 @@ in one run. XLA's rows:
     windowed loop is printed. Left out, with the reason printed, where the
     compiler refuses the flags.
 
-Every ratio is against the faster of the two (named in each row), and every
-output is checked against "xla"'s before timing.
+FP8 (fp8_all_gather_matmul, fp8_matmul_reduce_scatter: the forwards on bf16
+operands, quantized inside each call): pk's fp8="current" (per-tensor
+factors, the FP8 GEMMs inside the host sequences) and fp8="block" against
+"xla" (bf16) and XLA's FP8 as a JAX user writes it: x quantized with the
+axis-wide amax, the FP8 rows gathered (or the bf16 partials reduce-scattered),
+then each of kernels.py's ways of writing XLA's FP8 dot ("xla_fp8_*").
+
+Every ratio is against the fastest XLA row (named in each row), and every
+output is checked against "xla"'s before timing (FP8 rows to FP8's error).
 
 Usage: python benchmarks/tp_matmul.py [--quick] [--only OP[,OP...]] [--smoke]
 """
@@ -40,7 +47,9 @@ from common import (bench_setup, interleaved_ms, markdown_table, one_axis_mesh, 
 # size, its loop's dots on several streams (XLA debug options, per compile).
 WINDOWED_OPTIONS = {"xla_gpu_multi_streamed_windowed_einsum": True,
                     "xla_gpu_threshold_for_windowed_einsum_mib": 0}
-XLA_IMPLS = ("xla", "xla_windowed")
+# The XLA rows a pk row is compared with (the fastest of those present).
+XLA_FP8_DOTS = ("xla_fp8_dq_f32", "xla_fp8_dq_bf16", "xla_fp8_direct")
+XLA_IMPLS = ("xla", "xla_windowed") + XLA_FP8_DOTS
 
 # Global M x K x N: the shapes XLA's collective matmuls were first measured at on
 # 2 x H200 (a square pair, then an MLP layer's: hidden 8192, ffn 28672).
@@ -54,10 +63,13 @@ AR_SHAPES = [(8192, 8192, 8192)] + [(m, 8192, 8192) for m in (16, 32, 64, 128, 2
 # matmul_reduce_scatter's 8192 x 14336 @ 14336 x 8192), then a small one.
 WS1_SHAPES = [(8192, 8192, 8192), (8192, 8192, 14336), (8192, 14336, 8192), (4096, 4096, 4096)]
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "gemm_world_size_1",
-       "mlp_fwd_bwd")
-# --smoke (CPU too): one tiny shape per op (M, K and N multiples of 8 devices).
+       "mlp_fwd_bwd", "fp8_all_gather_matmul", "fp8_matmul_reduce_scatter")
+# --smoke (CPU too): one tiny shape per op (M, K and N multiples of 8 devices;
+# FP8 block factors: K, N and the rows per device multiples of 128).
 SMOKE = {"ag": (256, 128, 256), "rs": (256, 256, 128), "ar": (64, 256, 128),
-         "ws1": (128, 128, 128), "mlp": (256, 128, 512)}
+         "ws1": (128, 128, 128), "mlp": (256, 128, 512), "fp8_ag": (1024, 128, 1024),
+         "fp8_rs": (1024, 1024, 128)}
+FP8_TOL = 6e-2  # FP8 rows against the bf16 "xla" row (max error over max |y|)
 
 
 def _put(mesh, shape, spec, rng, scale=1.0):
@@ -126,6 +138,53 @@ def mlp_impls(mesh):
             for impl in ("pk", "xla", "gemm_only")}
 
 
+def _xla_fp8_dots():
+    """kernels.py's ways of writing XLA's FP8 dot, (a, b^T, factors) -> bf16."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from kernels import _xla_fp8_variants
+    return _xla_fp8_variants()
+
+
+def _xla_quantize(a, names=()):
+    """a -> (e4m3 a, its factor) per tensor in jax.numpy, the amax over the
+    axes `names` (pmax), as the current recipe does."""
+    amax = jnp.max(jnp.abs(a.astype(jnp.float32)))
+    amax = lax.pmax(amax, names) if names else amax
+    scale = jnp.where(amax > 0, 448.0 / amax, 1.0)
+    q = jnp.clip(a.astype(jnp.float32) * scale, -448.0, 448.0).astype(jnp.float8_e4m3fn)
+    return q, (1.0 / scale).reshape(1)
+
+
+def fp8_impls(mesh, op: str):
+    """pk's FP8 recipes and XLA's FP8 (kernels.py's dots) for `op`'s forward
+    on bf16 operands, with "xla" (bf16) as the reference row."""
+    if op == "fp8_all_gather_matmul":
+        specs = dict(mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))
+        pk_op, xla_bf16 = pk_jax.all_gather_matmul, ag_impls(mesh)["xla"]
+
+        def xla_fp8(dot):
+            def f(x, w):
+                xq, sx = _xla_quantize(x, "x")
+                wq, sw = _xla_quantize(w)
+                return dot(lax.all_gather(xq, "x", tiled=True), wq.T, sx, sw)
+            return f
+    else:
+        specs = dict(mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P("x"))
+        pk_op, xla_bf16 = pk_jax.matmul_reduce_scatter, rs_impls(mesh)["xla"]
+
+        def xla_fp8(dot):
+            def f(x, w):
+                (xq, sx), (wq, sw) = _xla_quantize(x), _xla_quantize(w)
+                return lax.psum_scatter(dot(xq, wq.T, sx, sw), "x", scatter_dimension=0,
+                                        tiled=True)
+            return f
+    sm = lambda f: jax.jit(jax.shard_map(f, **specs))
+    impls = {f"pk_fp8_{recipe}": sm(lambda x, w, r=recipe: pk_op(x, w, "x", fp8=r))
+             for recipe in ("current", "block")}
+    impls.update({name: sm(xla_fp8(dot)) for name, dot in _xla_fp8_dots().items()})
+    return {**impls, "xla": xla_bf16}
+
+
 def mlp_global(mesh):
     """The MLP pair's loss as a global-view program (XLA partitions it from
     the operands' shardings and these constraints): xla_windowed's."""
@@ -165,9 +224,10 @@ def windowed(mesh, f, out_spec, *args) -> dict:
     return {"xla_windowed": compiled}
 
 
-def checked(impls: dict, *args) -> dict:
-    """`impls` less those whose output differs from "xla"'s (printed); the
-    gemm-only floor computes something else and is not checked."""
+def checked(impls: dict, *args, tol: float = 2e-2) -> dict:
+    """`impls` less those whose output differs from "xla"'s by more than
+    `tol` of its largest value (printed); the gemm-only floor computes
+    something else and is not checked."""
     leaves = lambda f: [np.asarray(a, np.float32) for a in jax.tree.leaves(f(*args))]
     want = leaves(impls["xla"])
     out = {}
@@ -175,7 +235,7 @@ def checked(impls: dict, *args) -> dict:
         errs = [] if name == "gemm_only" else [
             float(np.abs(a - b).max()) / max(float(np.abs(b).max()), 1e-30)
             for a, b in zip(leaves(f), want)]
-        if errs and max(errs) > 2e-2:
+        if errs and max(errs) > tol:
             print(f"!!!! {name}: FAILED the check against xla (relative error "
                   f"{max(errs):.2e}): left out", flush=True)
             continue
@@ -207,12 +267,12 @@ def main() -> int:
             return []
         return [smoke] if args.smoke else full[:quick] if args.quick else full
 
-    def record(op, shape, times, flops, gpus=n):
+    def record(op, shape, times, flops, gpus=n, dtype="bfloat16"):
         xla = {name: times[name] for name in XLA_IMPLS if name in times}
         best = min(xla, key=xla.get)
         base, floor = xla[best], times.get("gemm_only")
         for name, ms in times.items():
-            rows.append({"op": op, "shape": list(shape), "dtype": "bfloat16",
+            rows.append({"op": op, "shape": list(shape), "dtype": dtype,
                          "implementation": name, "median_ms": ms, "baseline": best,
                          "baseline_median_ms": base, "xla_median_ms": xla,
                          "gemm_only_ms": floor,
@@ -222,10 +282,10 @@ def main() -> int:
                           f"{ms / floor:.3f}" if floor else "-", best, f"{base / ms:.2f}x"])
         print(markdown_table(HEADER, table[-len(times):]), flush=True)
 
-    def run(op, shape, impls, flops, *args, **kw):
-        impls = checked(impls, *args)
+    def run(op, shape, impls, flops, *args, tol=2e-2, dtype="bfloat16", **kw):
+        impls = checked(impls, *args, tol=tol)
         record(op, shape, {name: time_ms(lambda f=f: f(*args), **{**timing, **kw})
-                           for name, f in impls.items()}, flops)
+                           for name, f in impls.items()}, flops, dtype=dtype)
 
     for shape in shapes("all_gather_matmul", AG_SHAPES, 1, SMOKE["ag"]):
         m, k, nn = shape
@@ -269,6 +329,14 @@ def main() -> int:
         run("mlp_fwd_bwd", (tokens, d, ffn),
             {**impls, **windowed(mesh, mlp_global(mesh), None, x, w1, w2)},
             3 * 2 * 2.0 * tokens * d * ffn, x, w1, w2, calls=2 if args.smoke else 5)
+    for op, full, spec_x, spec_w, smoke in (
+            ("fp8_all_gather_matmul", AG_SHAPES, P("x"), P(None, "x"), SMOKE["fp8_ag"]),
+            ("fp8_matmul_reduce_scatter", RS_SHAPES, P(None, "x"), P("x"), SMOKE["fp8_rs"])):
+        for shape in shapes(op, full, 1, smoke):
+            m, k, nn = shape
+            x, w = _put(mesh, (m, k), spec_x, rng), _put(mesh, (k, nn), spec_w, rng, k ** -0.5)
+            run(op, shape, fp8_impls(mesh, op), 2.0 * m * k * nn, x, w, tol=FP8_TOL,
+                dtype="float8_e4m3fn (bf16 in, quantized in the call)")
     if args.smoke:
         print("SMOKE_OK (nothing written)")
     return _finish(rows, table, write=only == set(OPS) and not args.smoke)
@@ -276,10 +344,13 @@ def main() -> int:
 
 def _finish(rows, table, write: bool) -> int:
     md = ("Columns: time per call (ms), TFLOP/s per GPU, time over gemm-only (the same local "
-          "GEMM with no communication), the faster of XLA's two rows (xla: the collective and "
-          "the dot in shard_map; xla_windowed: XLA's collective matmul, the global-view "
-          f"program compiled with {WINDOWED_OPTIONS}) and the speedup over it. mlp_fwd_bwd: "
-          "column- then row-parallel layer, loss and gradients, 3x the forward FLOPs.\n\n"
+          "GEMM with no communication), the fastest XLA row (xla: the collective and the dot in "
+          "shard_map; xla_windowed: XLA's collective matmul, the global-view program compiled "
+          f"with {WINDOWED_OPTIONS}; fp8_* ops: xla_fp8_*, XLA's FP8 dot written three ways "
+          "after an FP8 gather or before a bf16 reduce-scatter) and the speedup over it. "
+          "mlp_fwd_bwd: column- then row-parallel layer, loss and gradients, 3x the forward "
+          "FLOPs. fp8_*: the forwards on bf16 operands quantized in the call (pk_fp8_current: "
+          "per-tensor factors, pk_fp8_block: DeepSeek-V3's blocks).\n\n"
           + markdown_table(HEADER, table))
     if write:
         write_results("tp_matmul", rows, md,

@@ -151,3 +151,35 @@ def test_fp8_dot_stored_weight(rng, scaling, recipe):
     np.testing.assert_array_equal(np.asarray(y8, np.float32), np.asarray(y, np.float32))
     np.testing.assert_array_equal(np.asarray(dx8, np.float32), np.asarray(dx, np.float32))
     assert rel_err(y8, np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce"])
+def test_tp_fp8_sequences_on_one_gpu(rng, op, monkeypatch):
+    """fp8="current" with bf16 results runs the TP host sequences on FP8
+    operands (one rank: the sequence's GEMM), forward and dx: the bits of
+    the composed path (quantize, then pk's FP8 GEMM), poisoned outputs."""
+    from jax.sharding import PartitionSpec as P
+    from pk_jax.ops import tp_matmul_fp8
+    mesh = gpu_mesh(1, "tp")
+    fn = getattr(pk_jax, op)
+    m, k, n = 1024, 768, 1536
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+
+    def run(sequence: bool):
+        # traced afresh (no jit cache across the monkeypatch)
+        f = jax.shard_map(lambda x, w: fn(x, w, "tp", fp8="current"), mesh=mesh,
+                          in_specs=(P("tp"), P(None, "tp")), out_specs=P("tp"))
+        loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * t)
+        assert (f"pk_{op}_fp8" in jax.jit(f).lower(x, w).as_text()) == sequence
+        poison_allocator(mesh, 16 * m * (k + n))
+        return (jax.jit(f)(x, w), *jax.jit(jax.grad(loss, (0, 1)))(x, w))
+
+    fused = run(True)
+    monkeypatch.setattr(tp_matmul_fp8, "_fused", lambda *a: False)
+    composed = run(False)
+    for got, want in zip(fused, composed):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert rel_err(fused[0], np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL

@@ -194,6 +194,37 @@ def test_mlp_pair_forward_and_backward_use_only_kernels(cuda_lowering):
     assert "stablehlo.dot_general" in lowered(grad, "xla")
 
 
+def test_fp8_tp_mlp_runs_the_host_sequences(cuda_lowering):
+    """fp8="current" (bf16 results): the TP MLP's forward is one FP8 host
+    sequence per op with FP8 operands and their factors, each backward's dx
+    the other op's sequence; no XLA all-gather or reduce-scatter is left
+    (the FP8 copies for the weight gradients travel by pk's all_gather)."""
+    mesh = cpu_mesh((2,), ("tp",))
+    specs = (P("tp"), P(None, "tp"), P("tp", None))
+
+    def loss(x, w1, w2):
+        def body(x, w1, w2):
+            h = pk_jax.all_gather_matmul(x, w1, "tp", fp8="current")
+            return pk_jax.matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", fp8="current")
+        f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("tp"))
+        return jnp.sum(f(x, w1, w2).astype(jnp.float32) ** 2)
+
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+            for s, p in zip([(256, 128), (128, 512), (512, 128)], specs)]
+    hlo = jax.jit(jax.grad(loss, (0, 1, 2))).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert _collectives(hlo) == []
+    calls = re.findall(r"custom_call @(pk_\w+_fp8)\(.*?\} : \((.*?)\) ->", hlo)
+    assert sorted(c for c, _ in calls) == ["pk_all_gather_matmul_fp8",
+                                           "pk_all_gather_matmul_fp8",
+                                           "pk_matmul_reduce_scatter_fp8",
+                                           "pk_matmul_reduce_scatter_fp8"], calls
+    for name, operands in calls:
+        types = re.findall(r"tensor<[^>]*>", operands)
+        assert len(types) == 4 and all("f8E" in t for t in types[:2]), (name, types)
+        assert all(t.endswith("xf32>") for t in types[2:]), (name, types)
+
+
 def _ring_calls(hlo):
     return re.findall(r"custom_call @pk_ring_attention\(.*?\{(.*?)\}, operand_layouts", hlo)
 

@@ -241,3 +241,35 @@ def test_fused_backward_through_gathered_output(rng):
                                                        w.astype(jnp.float32))
     for o, r in zip(ours, ref):
         assert rel_err(o, r) < 2e-2
+
+
+def test_benchmark_smoke_produces_every_row():
+    """benchmarks/tp_matmul.py --smoke on 8 fake CPU devices: every op's
+    rows, each checked against "xla" before timing (a row that fails the
+    check is left out and named), XLA's windowed-einsum flags accepted or
+    the row's absence explained, and the FP8 rows beside XLA's FP8 dots."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    proc = subprocess.run([sys.executable, "tp_matmul.py", "--smoke"], cwd=bench,
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    assert proc.returncode == 0 and "SMOKE_OK" in proc.stdout, proc.stdout + proc.stderr
+    assert "FAILED the check" not in proc.stdout
+    rows = {tuple(c.strip() for c in line.split("|")[1:4:2])
+            for line in proc.stdout.splitlines() if line.startswith("| ")}
+    want = {"all_gather_matmul": {"pk", "xla", "gemm_only"},
+            "matmul_reduce_scatter": {"pk", "xla", "gemm_only"},
+            "matmul_all_reduce": {"pk", "pk_chunked", "pk_one_shot", "xla", "gemm_only"},
+            "gemm_world_size_1": {"pk", "xla"},
+            "mlp_fwd_bwd": {"pk", "xla", "gemm_only"},
+            "fp8_all_gather_matmul": {"pk_fp8_current", "pk_fp8_block", "xla",
+                                      "xla_fp8_dq_f32", "xla_fp8_dq_bf16", "xla_fp8_direct"},
+            "fp8_matmul_reduce_scatter": {"pk_fp8_current", "pk_fp8_block", "xla",
+                                          "xla_fp8_dq_f32", "xla_fp8_dq_bf16",
+                                          "xla_fp8_direct"}}
+    for op, impls in want.items():
+        assert impls <= {impl for o, impl in rows if o == op}, (op, rows)
+    windowed = [line for line in proc.stdout.splitlines() if line.startswith("xla_windowed")]
+    assert len(windowed) == 4, proc.stdout  # AG, RS, AR, MLP: accepted, or why not

@@ -182,3 +182,48 @@ def test_fp8_delayed_bad_scales(rng):
         run(fp8="delayed", fp8_scales=(1.0, jnp.ones(2), 1.0))
     with pytest.raises(ValueError, match="check_vma"):
         run(check_vma=False, fp8="delayed", fp8_scales=(1.0, 1.0, 1.0))
+
+
+# ---- the FP8 host sequences (per-tensor factors, bfloat16 results) ---------------------
+_SEQUENCES = {"all_gather_matmul": ("pk_all_gather_matmul_fp8", "pk_matmul_reduce_scatter_fp8"),
+              "matmul_reduce_scatter": ("pk_matmul_reduce_scatter_fp8",
+                                        "pk_all_gather_matmul_fp8"),
+              "matmul_all_reduce": ("pk_matmul_all_reduce_fp8", None)}
+
+
+@pytest.mark.parametrize("op", list(_OPS))
+def test_fp8_sequences_are_the_composed_numerics(rng, op, monkeypatch, sharding_mode):
+    """Per-tensor FP8 with a bfloat16 result runs the host sequences'
+    primitives (forward, and the other op's as dx); their references give
+    the bits of the collectives and GEMMs composed one after the other (the
+    path block factors take), values and gradients; a float32 result (and
+    block factors) keep the composed path."""
+    from pk_jax.ops import tp_matmul_fp8
+    fn, xs, ws, outs, xshape, wshape = _OPS[op]
+    mesh = cpu_mesh((2, 2), ("sp", "tp"))
+    x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(wshape[0]), jnp.bfloat16)
+    t = jnp.asarray(rng.standard_normal((xshape[0], wshape[1])), jnp.float32)
+
+    def run(recipe="current", **kw):
+        f = jax.shard_map(lambda x, w: fn(x, w, "tp", fp8=recipe, **kw), mesh=mesh,
+                          in_specs=(xs, ws), out_specs=outs)
+        loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * t)
+        args = (_put(mesh, x, xs), _put(mesh, w, ws))
+        text = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(*args))
+        return (jax.jit(f)(*args), *jax.jit(jax.grad(loss, (0, 1)))(*args)), text
+
+    fwd, bwd = _SEQUENCES[op]
+    fused, text = run()
+    assert fwd in text and (bwd is None or bwd in text)
+    # a float32 y: the forward composed (dx, of x's bfloat16, still a sequence)
+    assert fwd not in run(preferred_element_type=jnp.float32)[1]
+    sequences = lambda text: [s for s in _SEQUENCES[op] if s and s in text]
+    assert not tp_matmul_fp8._fused(pk_jax.Fp8Recipe("block"), jnp.bfloat16)
+    monkeypatch.setattr(tp_matmul_fp8, "_fused", lambda *a: False)
+    composed, text = run()
+    assert not sequences(text)
+    for got, want in zip(fused, composed):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    f32 = lambda a: np.asarray(a, np.float32)
+    assert rel_err(fused[0], f32(x) @ f32(w)) < FWD_TOL

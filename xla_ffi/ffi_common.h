@@ -12,6 +12,7 @@
 #include <string>
 #include <type_traits>
 
+#include "kernels/common/dtype.h"
 #include "pk/channel.h"
 #include "pk/layout.h"
 #include "runtime/workspace.h"
@@ -35,6 +36,18 @@ inline ffi::Error invalid_argument(const char* op, const std::string& what) {
 inline ffi::Error built_without_cutlass(const char* op) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     std::string("pk_jax.") + op + ": built without CUTLASS");
+}
+
+// The kernels' element type of an XLA type (false for one no kernel takes).
+inline bool to_dtype(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::BF16: *out = DType::kBF16; return true;
+    case ffi::DataType::F16: *out = DType::kF16; return true;
+    case ffi::DataType::F32: *out = DType::kF32; return true;
+    case ffi::DataType::F8E4M3FN: *out = DType::kE4M3; return true;
+    case ffi::DataType::F8E5M2: *out = DType::kE5M2; return true;
+    default: return false;
+  }
 }
 
 // Whether a buffer's dimensions are exactly `want` (another buffer's, or a

@@ -32,17 +32,7 @@ namespace {
 namespace ffi = xla::ffi;
 
 using ffi_common::same_dims;
-
-bool to_dtype(ffi::DataType t, DType* out) {
-  switch (t) {
-    case ffi::DataType::BF16: *out = DType::kBF16; return true;
-    case ffi::DataType::F16: *out = DType::kF16; return true;
-    case ffi::DataType::F32: *out = DType::kF32; return true;
-    case ffi::DataType::F8E4M3FN: *out = DType::kE4M3; return true;
-    case ffi::DataType::F8E5M2: *out = DType::kE5M2; return true;
-    default: return false;
-  }
-}
+using ffi_common::to_dtype;
 
 int64_t blocks(int64_t extent) { return (extent + fp8::kBlock - 1) / fp8::kBlock; }
 

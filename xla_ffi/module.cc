@@ -61,6 +61,9 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_all_gather_matmul_bwd"] = as_capsule(pk::ffi_handlers::AllGatherMatmulBwd);
     d["pk_matmul_reduce_scatter_bwd"] = as_capsule(pk::ffi_handlers::MatmulReduceScatterBwd);
     d["pk_matmul_all_reduce"] = as_capsule(pk::ffi_handlers::MatmulAllReduce);
+    d["pk_all_gather_matmul_fp8"] = as_capsule(pk::ffi_handlers::AllGatherMatmulFp8);
+    d["pk_matmul_reduce_scatter_fp8"] = as_capsule(pk::ffi_handlers::MatmulReduceScatterFp8);
+    d["pk_matmul_all_reduce_fp8"] = as_capsule(pk::ffi_handlers::MatmulAllReduceFp8);
     d["pk_ring_attention"] = as_capsule(pk::ffi_handlers::RingAttention);
     d["pk_attention_block_bwd"] = as_capsule(pk::ffi_handlers::AttentionBlockBwd);
     d["pk_grouped_matmul"] = as_capsule(pk::ffi_handlers::GroupedMatmul);

@@ -1,7 +1,8 @@
 // FFI handlers for pk_jax.all_gather_matmul, pk_jax.matmul_reduce_scatter and
 // pk_jax.matmul_all_reduce, and the backward passes of the first two (dx and
 // dw in one call: the other op's sequence with the weight gradient's GEMM
-// placed where it would wait).
+// placed where it would wait); the three forward sequences on FP8 operands
+// with per-tensor factors (the *_fp8 targets: fp8= of the TP ops).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -16,28 +17,46 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-bool to_gemm_type(ffi::DataType t, gemm::DType* out) {
-  switch (t) {
-    case ffi::DataType::BF16: *out = gemm::DType::kBF16; return true;
-    case ffi::DataType::F16: *out = gemm::DType::kF16; return true;
-    case ffi::DataType::F32: *out = gemm::DType::kF32; return true;
-    default: return false;
+// The factors of FP8 operands (the *_fp8 targets): one float32 each.
+struct Fp8Factors {
+  ffi::AnyBuffer x, w;
+};
+
+// Operand types: x and w of one 16-bit type; or, with factors, both FP8
+// (not both e5m2), each with its factor.
+ffi::Error read_types(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out,
+                      const Fp8Factors* fp8, tp_matmul::Params* p) {
+  using ffi_common::to_dtype;
+  if (!to_dtype(x.element_type(), &p->in) || !to_dtype(w.element_type(), &p->in_w) ||
+      !to_dtype(out.element_type(), &p->out_type))
+    return ffi_common::invalid_argument(op, "unsupported dtypes");
+  if (fp8 == nullptr) {
+    if (gemm::is_fp8(p->in) || x.element_type() != w.element_type())
+      return ffi_common::invalid_argument(op, "x and w must have one 16-bit dtype");
+    return ffi::Error::Success();
   }
+  if (!gemm::is_fp8(p->in) || !gemm::is_fp8(p->in_w))
+    return ffi_common::invalid_argument(op, "the FP8 target takes FP8 x and w");
+  for (ffi::AnyBuffer f : {fp8->x, fp8->w})
+    if (f.element_type() != ffi::DataType::F32 || f.element_count() != 1)
+      return ffi_common::invalid_argument(op, "expected one float32 factor per operand");
+  p->scale_x = static_cast<const float*>(fp8->x.untyped_data());
+  p->scale_w = static_cast<const float*>(fp8->w.untyped_data());
+  return ffi::Error::Success();
 }
 
 // Everything both ops share: the group and its channel (`needed` bytes
-// staged in the region), dtypes, streams.
+// staged in the region), dtypes (with FP8 operands, their factors), streams.
 ffi::Error prepare(const char* op, int32_t op_id, cudaStream_t stream, int32_t ordinal,
                    ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out,
-                   const ffi_common::ChannelAttrs& channel, size_t needed, tp_matmul::Params* p) {
+                   const ffi_common::ChannelAttrs& channel, size_t needed, tp_matmul::Params* p,
+                   const Fp8Factors* fp8 = nullptr) {
   ffi_common::GroupContext ctx;
   if (ffi::Error e = ffi_common::make_group_context(op, op_id, ordinal, channel, needed, &ctx);
       e.failure())
     return e;
   if (!gemm::available()) return ffi_common::built_without_cutlass(op);
-  if (!to_gemm_type(x.element_type(), &p->in) || x.element_type() != w.element_type() ||
-      !to_gemm_type(out.element_type(), &p->out_type))
-    return ffi_common::invalid_argument(op, "unsupported dtypes");
+  if (ffi::Error e = read_types(op, x, w, out, fp8, p); e.failure()) return e;
   const ffi_common::Group& g = ctx.group;
   const runtime::DeviceState& d = *g.self;
   p->rank = g.rank;
@@ -106,23 +125,43 @@ size_t all_gather_matmul_region(const ffi_common::ChannelAttrs& channel, ffi::An
   return channel.group_size > 1 ? size_t(channel.group_size) * x.size_bytes() : 0;
 }
 
+// The forward (16-bit operands, or FP8 with their factors); gathered: null,
+// or the buffer of the gathered x.
+ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                             ffi::AnyBuffer w, const Fp8Factors* fp8, ffi::AnyBuffer out,
+                             ffi::AnyBuffer* gathered, const ffi_common::ChannelAttrs& channel,
+                             bool w_transposed) {
+  const char* op = fp8 ? "all_gather_matmul (fp8)" : "all_gather_matmul";
+  tp_matmul::Params p;
+  if (ffi::Error e = prepare(op, kOpAllGatherMatmul, stream, ordinal, x, w, out, channel,
+                             all_gather_matmul_region(channel, x), &p, fp8);
+      e.failure())
+    return e;
+  if (ffi::Error e = read_all_gather_matmul(op, x, w, out, w_transposed, &p); e.failure())
+    return e;
+  if (gathered != nullptr && gathered->size_bytes() != size_t(p.n) * x.size_bytes())
+    return ffi_common::invalid_argument(op, "expected gathered [n * m, K]");
+  p.gathered = gathered != nullptr ? gathered->untyped_data() : nullptr;
+  return launched(op, tp_matmul::all_gather_matmul(p));
+}
+
 ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                ffi::Result<ffi::AnyBuffer> gathered,
                                ffi_common::ChannelAttrs channel, bool return_gathered,
                                bool w_transposed) {
-  constexpr const char* kOp = "all_gather_matmul";
-  tp_matmul::Params p;
-  if (ffi::Error e = prepare(kOp, kOpAllGatherMatmul, stream, ordinal, x, w, *out, channel,
-                             all_gather_matmul_region(channel, x), &p);
-      e.failure())
-    return e;
-  if (ffi::Error e = read_all_gather_matmul(kOp, x, w, *out, w_transposed, &p); e.failure())
-    return e;
-  if (return_gathered && gathered->size_bytes() != size_t(p.n) * x.size_bytes())
-    return ffi_common::invalid_argument(kOp, "expected gathered [n * m, K]");
-  p.gathered = return_gathered ? gathered->untyped_data() : nullptr;
-  return launched(kOp, tp_matmul::all_gather_matmul(p));
+  ffi::AnyBuffer gathered_buffer = *gathered;
+  return all_gather_matmul(stream, ordinal, x, w, nullptr, *out,
+                           return_gathered ? &gathered_buffer : nullptr, channel, w_transposed);
+}
+
+ffi::Error AllGatherMatmulFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
+                                  ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi_common::ChannelAttrs channel) {
+  const Fp8Factors fp8{scale_x, scale_w};
+  return all_gather_matmul(stream, ordinal, x, w, &fp8, *out, nullptr, channel,
+                           /*w_transposed=*/true);
 }
 
 // The backward of matmul_reduce_scatter: dx = all_gather(dy) @ w^T and
@@ -169,18 +208,34 @@ size_t matmul_reduce_scatter_region(const ffi_common::ChannelAttrs& channel,
   return channel.group_size > 1 ? size_t(channel.group_size) * out.size_bytes() : 0;
 }
 
+// The forward (16-bit operands, or FP8 with their factors).
+ffi::Error matmul_reduce_scatter(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                 ffi::AnyBuffer w, const Fp8Factors* fp8, ffi::AnyBuffer out,
+                                 const ffi_common::ChannelAttrs& channel, bool w_transposed) {
+  const char* op = fp8 ? "matmul_reduce_scatter (fp8)" : "matmul_reduce_scatter";
+  tp_matmul::Params p;
+  if (ffi::Error e = prepare(op, kOpMatmulReduceScatter, stream, ordinal, x, w, out, channel,
+                             matmul_reduce_scatter_region(channel, out), &p, fp8);
+      e.failure())
+    return e;
+  if (ffi::Error e = read_matmul_reduce_scatter(op, x, w, out, w_transposed, &p); e.failure())
+    return e;
+  return launched(op, tp_matmul::matmul_reduce_scatter(p));
+}
+
 ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                    ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                    ffi_common::ChannelAttrs channel, bool w_transposed) {
-  constexpr const char* kOp = "matmul_reduce_scatter";
-  tp_matmul::Params p;
-  if (ffi::Error e = prepare(kOp, kOpMatmulReduceScatter, stream, ordinal, x, w, *out, channel,
-                             matmul_reduce_scatter_region(channel, *out), &p);
-      e.failure())
-    return e;
-  if (ffi::Error e = read_matmul_reduce_scatter(kOp, x, w, *out, w_transposed, &p); e.failure())
-    return e;
-  return launched(kOp, tp_matmul::matmul_reduce_scatter(p));
+  return matmul_reduce_scatter(stream, ordinal, x, w, nullptr, *out, channel, w_transposed);
+}
+
+ffi::Error MatmulReduceScatterFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                      ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
+                                      ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
+                                      ffi_common::ChannelAttrs channel) {
+  const Fp8Factors fp8{scale_x, scale_w};
+  return matmul_reduce_scatter(stream, ordinal, x, w, &fp8, *out, channel,
+                               /*w_transposed=*/true);
 }
 
 // The backward of all_gather_matmul: dx = psum_scatter(dy @ w^T) and
@@ -203,28 +258,30 @@ ffi::Error AllGatherMatmulBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
   return launched(kOp, tp_matmul::matmul_reduce_scatter(p));
 }
 
-ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
-                               ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
-                               ffi_common::ChannelAttrs channel,
-                               ffi_common::ChannelAttrs gather_channel, bool one_shot) {
-  constexpr const char* kOp = "matmul_all_reduce";
+// 16-bit operands (w [K, N]), or FP8 with their factors (w [N, K]).
+ffi::Error matmul_all_reduce(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                             ffi::AnyBuffer w, const Fp8Factors* fp8, ffi::AnyBuffer out,
+                             const ffi_common::ChannelAttrs& channel,
+                             const ffi_common::ChannelAttrs& gather_channel, bool one_shot) {
+  const char* kOp = fp8 ? "matmul_all_reduce (fp8)" : "matmul_all_reduce";
   // With peers: chunked, each region holds one reduced chunk per rank
   // ([M / n, N] each: out's bytes in all); one_shot, one partial [M, N] per
   // rank (tp_matmul.h).
   const size_t n = size_t(channel.group_size);
-  const size_t needed = n > 1 ? (one_shot ? n : 1) * out->size_bytes() : 0;
+  const size_t needed = n > 1 ? (one_shot ? n : 1) * out.size_bytes() : 0;
   tp_matmul::Params p;
-  if (ffi::Error e = prepare(kOp, kOpMatmulAllReduce, stream, ordinal, x, w, *out, channel,
-                             needed, &p);
+  if (ffi::Error e = prepare(kOp, kOpMatmulAllReduce, stream, ordinal, x, w, out, channel,
+                             needed, &p, fp8);
       e.failure())
     return e;
   const auto xd = x.dimensions();
   int64_t wk = 0;
-  if (xd.size() != 2 || !read_w(w, false, &wk, &p.n_cols, &p) || xd[1] != wk ||
+  if (xd.size() != 2 || !read_w(w, fp8 != nullptr, &wk, &p.n_cols, &p) || xd[1] != wk ||
       (!one_shot && xd[0] % p.n != 0))
     return ffi_common::invalid_argument(
-        kOp, "expected x [M, K], w [K, N], M divisible by the group unless one_shot");
-  if (out->size_bytes() != size_t(xd[0]) * p.n_cols * gemm::itemsize(p.out_type))
+        kOp, "expected x [M, K], w [K, N] ([N, K] FP8), M divisible by the group unless "
+             "one_shot");
+  if (out.size_bytes() != size_t(xd[0]) * p.n_cols * gemm::itemsize(p.out_type))
     return ffi_common::invalid_argument(kOp, "expected out [M, N]");
   p.one_shot = one_shot;
   p.m = one_shot ? xd[0] : xd[0] / p.n;
@@ -241,6 +298,24 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
     p.gather_ch = gather.channel;
   }
   return launched(kOp, tp_matmul::matmul_all_reduce(p));
+}
+
+ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                               ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
+                               ffi_common::ChannelAttrs channel,
+                               ffi_common::ChannelAttrs gather_channel, bool one_shot) {
+  return matmul_all_reduce(stream, ordinal, x, w, nullptr, *out, channel, gather_channel,
+                           one_shot);
+}
+
+ffi::Error MatmulAllReduceFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
+                                  ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
+                                  ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi_common::ChannelAttrs channel,
+                                  ffi_common::ChannelAttrs gather_channel, bool one_shot) {
+  const Fp8Factors fp8{scale_x, scale_w};
+  return matmul_all_reduce(stream, ordinal, x, w, &fp8, *out, channel, gather_channel,
+                           one_shot);
 }
 
 }  // namespace
@@ -309,5 +384,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<ffi_common::ChannelAttrs>("channel")  // group, slot, region, timeout
         .Attr<bool>("w_transposed"),                // w holds w^T
     {ffi::Traits::kCmdBufferCompatible});
+
+// The FP8 forwards: x and w FP8 (w [N, K], K-major), one float32 factor each;
+// then the output and the ops' attributes.
+namespace {
+auto fp8_forward_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()   // x: [rows, K] FP8 (all_gather_matmul: this rank's rows)
+      .Arg<ffi::AnyBuffer>()   // w^T: [N, K] FP8
+      .Arg<ffi::AnyBuffer>()   // x's factor [1]
+      .Arg<ffi::AnyBuffer>()   // w's factor [1]
+      .Ret<ffi::AnyBuffer>()   // out: as the 16-bit op's
+      .Attr<ffi_common::ChannelAttrs>("channel");
+}
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AllGatherMatmulFp8, AllGatherMatmulFp8Impl, fp8_forward_binding(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterFp8, MatmulReduceScatterFp8Impl,
+                              fp8_forward_binding(), {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulAllReduceFp8, MatmulAllReduceFp8Impl,
+                              fp8_forward_binding()
+                                  .Attr<ffi_common::ChannelAttrs>("gather_channel")
+                                  .Attr<bool>("one_shot"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

@@ -9,8 +9,17 @@ gradients; sums (reduce-scatter, all-reduce) travel and add in the output
 dtype with fp32 accumulation. Per-tensor factors of a gathered operand are
 shared by the whole axis: the scale comes from the axis-wide amax (a pmax of
 one float), so the gathered rows form one FP8 operand with one factor.
-Block factors travel with their rows. The communication here is not yet
-overlapped with the GEMMs (the bf16 ops' host sequences do that).
+Block factors travel with their rows.
+
+With per-tensor factors and a bfloat16 result the FP8 GEMMs run inside the
+bf16 ops' host sequences (tp_matmul_primitive's *_fp8 primitives): the
+quantized rows feed the chunk GEMMs as the copy engines land them
+(all_gather_matmul), the partial products go straight to their owners
+(matmul_reduce_scatter, matmul_all_reduce), and each backward's dx runs the
+other op's sequence; the weight gradients are local FP8 GEMMs on the FP8
+copies gathered along the tokens. Block factors (a row chunk's factors are
+not contiguous) and other output types compose the collectives and GEMMs
+one after the other.
 
 A stored weight (`Fp8Weight`, each rank's shard as stored) enters the GEMMs
 as it is; its cotangent is zero.
@@ -30,11 +39,16 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pk_jax import tuning
 from pk_jax._compat import make_varying, sum_to_type_of
 from pk_jax.ops import fp8 as fp8_ops
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
+from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_fp8_p,
+                                            matmul_all_reduce_fp8_p,
+                                            matmul_reduce_scatter_fp8_p)
 
 Recipe = fp8_ops.Fp8Recipe
 
@@ -122,26 +136,43 @@ def _gather_rows(q, qt, fq, fqt, amax, names, n: int, recipe: Recipe):
             _gather(fqt, names, n, axis=0) if block else fqt, amax)
 
 
-def _local_forward(x, w, sx, sw, recipe: Recipe, out_dtype):
-    """This rank's partial product x @ w [M, N] (x [M, K_local]), the
-    backward's residuals (x^T and w quantized, with their factors) and the
-    local amaxes of x and w."""
+def _fused(recipe: Recipe, out_dtype) -> bool:
+    """Whether the FP8 GEMMs run inside the TP host sequences (the bf16 ops'
+    overlap, on FP8 operands): per-tensor factors (block factors of a row
+    chunk are not contiguous) and a bfloat16 result (the sequences' GEMM
+    epilogues add the peers' partials in it)."""
+    return recipe.scaling != "block" and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16)
+
+
+def _sequence(prim, names, n: int, out_dtype, mechanism: str, a, b, fa, fb):
+    """One FP8 host sequence (tp_matmul_primitive's *_fp8 primitives) on a
+    [rows, K] and b [N, K] with their per-tensor factors; the operands vary
+    over the axis as the primitives require."""
+    operands = (make_varying(t, tuple(names)) for t in (a, b, fa, fb))
+    cfg = TpConfig(tuple(names), n, np.dtype(out_dtype), mechanism)
+    return prim.bind(*operands, cfg=cfg)
+
+
+def _local_operands(x, w, sx, sw, recipe: Recipe):
+    """This rank's FP8 operands of x @ w (x [M, K_local]): (q, w^T, their
+    factors), the backward's residuals (x^T and w quantized, with their
+    factors) and the local amaxes of x and w."""
     q, qt, fq, fqt, ax = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=True,
                                          scale=sx)
     wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw)
-    partial = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
-    return partial, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
-                     fp8_ops.weight_marker(w)), (ax, aw)
+    return (q, wt, fq, fw_fwd), (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
+                                 fp8_ops.weight_marker(w)), (ax, aw)
 
 
-def _grads(quantized_dy, res, recipe: Recipe, reduce_dx=lambda dx: dx):
-    """(dx, dw, amax(dy)) with dx, dw typed like (x, w): dx = reduce_dx(dy
-    w^T), dw = x^T dy (None for a stored weight: wm None), from the
-    quantized dy (q, qt, their factors, its amax) and the forward's
-    residuals."""
+def _grads(quantized_dy, res, recipe: Recipe, dx_of=None):
+    """(dx, dw, amax(dy)) with dx, dw typed like (x, w): dx = dx_of(dy, w,
+    their factors, dtype) (default: the local FP8 GEMM dy w^T), dw = x^T dy
+    (None for a stored weight: wm None), from the quantized dy (q, qt, their
+    factors, its amax) and the forward's residuals."""
     dq, dt, fdq, fdt, ady = quantized_dy
     qt, fqt, wq, fw_bwd, xm, wm = res
-    dx = reduce_dx(_gemm(dq, wq, fdq, fw_bwd, recipe, xm.dtype))
+    dx_of = dx_of or (lambda a, b, fa, fb, dtype: _gemm(a, b, fa, fb, recipe, dtype))
+    dx = dx_of(dq, wq, fdq, fw_bwd, xm.dtype)
     if wm is None:
         return sum_to_type_of(dx, xm), None, ady
     dw = _gemm(qt, dt, fqt, fdt, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block")
@@ -182,10 +213,16 @@ def _op(forward, backward, doc: str):
 
 # ---- all_gather_matmul -------------------------------------------------------------
 def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
-    q, qt, fq, fqt, ax = _gather_rows(*_quantize_rows_sharded(
-        x, names, n, recipe, recipe.fwd_dtype, transposed=True, scale=sx), names, n, recipe)
+    q, qt, fq, fqt, ax = _quantize_rows_sharded(x, names, n, recipe, recipe.fwd_dtype,
+                                                transposed=True, scale=sx)
     wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw)
-    y = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
+    if _fused(recipe, out_dtype):  # the rows gathered in FP8 inside the sequence
+        y = _sequence(all_gather_matmul_fp8_p, names, n, out_dtype, "chunked", q, wt, fq,
+                      fw_fwd)
+        qt = _gather(qt, names, n, axis=1)
+    else:
+        q, qt, fq, fqt, ax = _gather_rows(q, qt, fq, fqt, ax, names, n, recipe)
+        y = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
     # the weight gradient reads x^T gathered along the tokens
     return y, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
                fp8_ops.weight_marker(w)), (ax, aw)
@@ -194,8 +231,13 @@ def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
 def _ag_bwd(names, n, recipe, out_dtype, res, dy, sdy):
     # dy [n m, N_local] is local to this rank's column shard; dy w^T [n m, K]
     # is reduce-scattered to this rank's rows
+    def dx_of(a, b, fa, fb, dtype):
+        if _fused(recipe, dtype):
+            return _sequence(matmul_reduce_scatter_fp8_p, names, n, dtype, "chunked", a, b, fa,
+                             fb)
+        return _scatter(_gemm(a, b, fa, fb, recipe, dtype), names, n)
     return _grads(_quantize_local(dy, recipe, recipe.bwd_dtype, transposed=True, scale=sdy),
-                  res, recipe, lambda dx: _scatter(dx, names, n))
+                  res, recipe, dx_of)
 
 
 all_gather_matmul = _op(_ag_fwd, _ag_bwd, """all_gather(x, tiled) @ w with FP8 GEMMs: x
@@ -204,16 +246,24 @@ all_gather_matmul = _op(_ag_fwd, _ag_bwd, """all_gather(x, tiled) @ w with FP8 G
 
 # ---- matmul_reduce_scatter ---------------------------------------------------------
 def _rs_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
-    partial, res, amaxes = _local_forward(x, w, sx, sw, recipe, out_dtype)
-    return _scatter(partial, names, n), res, amaxes
+    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe)
+    if _fused(recipe, out_dtype):
+        return _sequence(matmul_reduce_scatter_fp8_p, names, n, out_dtype, "chunked",
+                         *operands), res, amaxes
+    return _scatter(_gemm(*operands, recipe, out_dtype), names, n), res, amaxes
 
 
 def _rs_bwd(names, n, recipe, out_dtype, res, dy, sdy):
-    # dy [M / n, N] this rank's rows: gathered in FP8 (row-wise for dx, the
-    # transposed copy along the tokens for dw)
-    return _grads(_gather_rows(*_quantize_rows_sharded(dy, names, n, recipe, recipe.bwd_dtype,
-                                                        transposed=True, scale=sdy),
-                               names, n, recipe), res, recipe)
+    # dy [M / n, N] this rank's rows, gathered in FP8: row-wise for dx (inside
+    # all_gather_matmul's sequence where it runs), the transposed copy along
+    # the tokens for dw
+    dq, dt, fdq, fdt, ady = _quantize_rows_sharded(dy, names, n, recipe, recipe.bwd_dtype,
+                                                   transposed=True, scale=sdy)
+    if _fused(recipe, res[4].dtype):
+        def dx_of(a, b, fa, fb, dtype):
+            return _sequence(all_gather_matmul_fp8_p, names, n, dtype, "chunked", a, b, fa, fb)
+        return _grads((dq, _gather(dt, names, n, axis=1), fdq, fdt, ady), res, recipe, dx_of)
+    return _grads(_gather_rows(dq, dt, fdq, fdt, ady, names, n, recipe), res, recipe)
 
 
 matmul_reduce_scatter = _op(_rs_fwd, _rs_bwd, """psum_scatter(x @ w, tiled) with FP8 GEMMs:
@@ -222,8 +272,13 @@ matmul_reduce_scatter = _op(_rs_fwd, _rs_bwd, """psum_scatter(x @ w, tiled) with
 
 # ---- matmul_all_reduce -------------------------------------------------------------
 def _ar_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
-    partial, res, amaxes = _local_forward(x, w, sx, sw, recipe, out_dtype)
-    return all_reduce(partial, names), res, amaxes  # also at n = 1: psum's invariant type
+    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe)
+    if _fused(recipe, out_dtype):
+        mechanism = tuning.matmul_all_reduce_mechanism(x.shape[0], n)
+        return _sequence(matmul_all_reduce_fp8_p, names, n, out_dtype, mechanism,
+                         *operands), res, amaxes
+    # also at n = 1: psum's invariant type
+    return all_reduce(_gemm(*operands, recipe, out_dtype), names), res, amaxes
 
 
 def _ar_bwd(names, n, recipe, out_dtype, res, dy, sdy):

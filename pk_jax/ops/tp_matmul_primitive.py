@@ -19,6 +19,12 @@ the forward's [K, N], read transposed in place):
 dx in cfg.out_dtype, dw in w's dtype, both accumulated in fp32. The operands
 must vary over the same mesh axes (the callers pvary them).
 
+The three forwards on FP8 operands with per-tensor factors (the fp8= paths of
+pk_jax/ops/tp_matmul_fp8.py; the same host sequences, x's rows travel as FP8):
+`pk_all_gather_matmul_fp8`, `pk_matmul_reduce_scatter_fp8`,
+`pk_matmul_all_reduce_fp8`: x [rows, K] FP8, w^T [N, K] FP8 (K-major),
+scale_x [1], scale_w [1] -> as the 16-bit ops, in cfg.out_dtype (bfloat16).
+
 Parameters: the op's frozen `TpConfig`, and `transpose_w` (w is given as
 [N, K] and the product is x @ w^T: the backward passes multiply by the
 forward's weight transposed, and the kernels read it in place as a K-major
@@ -45,6 +51,7 @@ from jax.interpreters import mlir
 
 from pk_jax import reference
 from pk_jax._compat import drop_varying
+from pk_jax.ops import fp8_primitive as prim_fp8
 from pk_jax.ops._lowering import channel_attr, kernel_group
 
 
@@ -166,15 +173,20 @@ def _ar_cuda(ctx, x, w, *, cfg: TpConfig):
     table = _group(ctx, "matmul_all_reduce", cfg)
     if table is None:
         return _ar_reference(ctx, x, w, cfg=cfg)
-    (rows, _), (_, cols) = ctx.avals_in[0].shape, ctx.avals_in[1].shape
+    attr = _ar_channels(table, cfg, ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[1])
+    return jax.ffi.ffi_lowering("pk_matmul_all_reduce")(ctx, x, w, **attr)
+
+
+def _ar_channels(table, cfg: TpConfig, rows: int, cols: int) -> dict:
+    """matmul_all_reduce's attributes for an output [rows, cols]: its channel
+    (and the gather channel: chunked) and one_shot."""
     one_shot = cfg.mechanism == "one_shot"
     slot_rows = rows if one_shot else rows // cfg.n
     nbytes = _region_bytes(cfg.n, slot_rows, cols, cfg.out_dtype)
     reduce = channel_attr(table, "matmul_all_reduce", cfg.mechanism, nbytes)["channel"]
     gather = reduce if one_shot else channel_attr(table, "matmul_all_reduce", "gather",
                                                   nbytes)["channel"]
-    return jax.ffi.ffi_lowering("pk_matmul_all_reduce")(
-        ctx, x, w, channel=reduce, gather_channel=gather, one_shot=one_shot)
+    return dict(channel=reduce, gather_channel=gather, one_shot=one_shot)
 
 
 # ---- the backward passes: dx and dw in one call ------------------------------------
@@ -243,6 +255,78 @@ def _rs_bwd_cuda(ctx, dy, w, x, *, cfg: TpConfig):
                      reference_lowering=_rs_bwd_reference)
 
 
+# ---- the FP8 forwards -----------------------------------------------------------------
+all_gather_matmul_fp8_p = Primitive("pk_all_gather_matmul_fp8")
+matmul_reduce_scatter_fp8_p = Primitive("pk_matmul_reduce_scatter_fp8")
+matmul_all_reduce_fp8_p = Primitive("pk_matmul_all_reduce_fp8")
+
+
+def _fp8_product(a, wt, sx, sw, cfg: TpConfig):
+    """a @ wt^T scaled by both factors (what pk_fp8_matmul computes)."""
+    return prim_fp8.matmul_reference(a, wt, sx, sw, scaling="tensor", b_row_blocks=False,
+                                     out_dtype=cfg.out_dtype)
+
+
+def _ag_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig):
+    return x.update(shape=(cfg.n * x.shape[0], wt.shape[0]), dtype=cfg.out_dtype)
+
+
+def _ag_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+    def fn(x, wt, sx, sw):
+        return _fp8_product(reference.all_gather(x, cfg.names, tiled=True), wt, sx, sw, cfg)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x, wt, sx, sw)
+
+
+def _ag_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+    table = _group(ctx, "all_gather_matmul", cfg)
+    if table is None:
+        return _ag_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg)
+    m, k = ctx.avals_in[0].shape
+    attr = channel_attr(table, "all_gather_matmul", None,
+                        _region_bytes(cfg.n, m, k, ctx.avals_in[0].dtype))
+    return jax.ffi.ffi_lowering("pk_all_gather_matmul_fp8")(ctx, x, wt, sx, sw, **attr)
+
+
+def _rs_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig):
+    return x.update(shape=(x.shape[0] // cfg.n, wt.shape[0]), dtype=cfg.out_dtype)
+
+
+def _rs_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+    def fn(x, wt, sx, sw):
+        return reference.reduce_scatter(_fp8_product(x, wt, sx, sw, cfg), cfg.names,
+                                        tiled=True)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x, wt, sx, sw)
+
+
+def _rs_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+    table = _group(ctx, "matmul_reduce_scatter", cfg)
+    if table is None:
+        return _rs_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg)
+    rows, cols = ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0]
+    attr = channel_attr(table, "matmul_reduce_scatter", None,
+                        _region_bytes(cfg.n, rows // cfg.n, cols, cfg.out_dtype))
+    return jax.ffi.ffi_lowering("pk_matmul_reduce_scatter_fp8")(ctx, x, wt, sx, sw, **attr)
+
+
+def _ar_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig):
+    return drop_varying(x.update(shape=(x.shape[0], wt.shape[0]), dtype=cfg.out_dtype),
+                        cfg.names)
+
+
+def _ar_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+    def fn(x, wt, sx, sw):
+        return reference.all_reduce(_fp8_product(x, wt, sx, sw, cfg), cfg.names)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x, wt, sx, sw)
+
+
+def _ar_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+    table = _group(ctx, "matmul_all_reduce", cfg)
+    if table is None:
+        return _ar_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg)
+    attr = _ar_channels(table, cfg, ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0])
+    return jax.ffi.ffi_lowering("pk_matmul_all_reduce_fp8")(ctx, x, wt, sx, sw, **attr)
+
+
 def _register(prim, abstract, reference_lowering, cuda_lowering):
     """The abstract evaluation, the reference lowering everywhere and the
     kernels' on CUDA."""
@@ -256,3 +340,6 @@ _register(matmul_reduce_scatter_p, _rs_abstract, _rs_reference, _rs_cuda)
 _register(matmul_all_reduce_p, _ar_abstract, _ar_reference, _ar_cuda)
 _register(all_gather_matmul_bwd_p, _ag_bwd_abstract, _ag_bwd_reference, _ag_bwd_cuda)
 _register(matmul_reduce_scatter_bwd_p, _rs_bwd_abstract, _rs_bwd_reference, _rs_bwd_cuda)
+_register(all_gather_matmul_fp8_p, _ag_fp8_abstract, _ag_fp8_reference, _ag_fp8_cuda)
+_register(matmul_reduce_scatter_fp8_p, _rs_fp8_abstract, _rs_fp8_reference, _rs_fp8_cuda)
+_register(matmul_all_reduce_fp8_p, _ar_fp8_abstract, _ar_fp8_reference, _ar_fp8_cuda)

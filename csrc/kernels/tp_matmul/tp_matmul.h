@@ -30,6 +30,11 @@
 //   GEMMs of the landed rows; our own rows are copied into our own slot by
 //   the side stream, so our region holds all the rows and the dW GEMM reads
 //   them there.
+// FP8 (Params::in e4m3 or e5m2): the same sequences on FP8 operands with one
+// dequantization factor each (per-tensor scaling, the GEMMs' epilogue scales;
+// kernels/gemm: gemm.h), w given transposed [N, K] (K-major, as the FP8
+// tensor cores read it); x's rows travel as FP8 (all_gather_matmul), the
+// partial products in the output type. No weight gradient in the same call.
 // All: every GEMM of the call is checked (gemm::check) before anything is
 // enqueued, and the call always ends in signals::finish (also with one rank,
 // and after a CUDA error from an enqueue, as aborted): the outputs of a call
@@ -58,6 +63,11 @@ struct Params {
   int64_t n_cols = 0;        // N
   gemm::DType in = gemm::DType::kBF16;
   gemm::DType out_type = gemm::DType::kBF16;
+  // FP8 (in e4m3 or e5m2): w's type and the factors of x and w (one float
+  // each, on the device).
+  gemm::DType in_w = gemm::DType::kE4M3;
+  const float* scale_x = nullptr;
+  const float* scale_w = nullptr;
   int rank = 0;
   int n = 1;
   Channel ch{};
@@ -100,6 +110,12 @@ inline gemm::Problem rows_gemm(const Params& p, const void* a, int64_t rows, voi
   g.d = dst;
   g.in = p.in;
   g.out = p.out_type;
+  if (gemm::is_fp8(p.in)) {
+    g.in_b = p.in_w;
+    g.scaling = gemm::Scaling::kTensor;
+    g.scale_a = p.scale_x;
+    g.scale_b = p.scale_w;
+  }
   return g;
 }
 
