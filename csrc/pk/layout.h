@@ -50,9 +50,10 @@ struct alignas(128) SlotFlags {
   // the buffer, and r revokes it (compare-and-swap) when it gives up, so a
   // late reader either claimed in time (r waits for it) or skips (pk/offer.h).
   uint64_t offer[kMaxRanks];
-  // The layout peer r published with its offer: a reader that finds another
-  // layout than its own records an error and never copies (two programs
-  // that share a channel ran in different orders).
+  // The layout peer r published with its offer (a reader that finds another
+  // layout than its own records an error and never copies) or with a staged
+  // post (signals::PostLayout: the consumer's wait records the error): two
+  // programs that share a channel ran in different orders.
   uint64_t rows[kMaxRanks];
   uint64_t row_bytes[kMaxRanks];
   // Staged mechanisms: the epoch of a call in which peer r pushed into its

@@ -2,6 +2,7 @@
 #include "pk/signals.h"
 
 #include "pk/cuda_check.h"
+#include "pk/post_layout.cuh"
 #include "pk/sync.cuh"
 
 namespace pk::signals {
@@ -16,7 +17,7 @@ constexpr int kFinishThreads = 256;
 
 // ---- arguments -------------------------------------------------------------
 // The channel by value (__grid_constant__) and, for post/wait_posted, the
-// peer addressed (kAllPeers: every peer).
+// peer addressed (kAllPeers: every peer) and the staged block's layout.
 
 // ---- roles -----------------------------------------------------------------
 // Thread q talks to rank q; true for the threads whose rank this call
@@ -39,14 +40,18 @@ __global__ void wait_credit_kernel(const __grid_constant__ Channel ch) {
   }
 }
 
-__global__ void post_kernel(const __grid_constant__ Channel ch, int peer) {
+__global__ void post_kernel(const __grid_constant__ Channel ch, int peer, PostLayout layout) {
   const int q = threadIdx.x;
   __threadfence_system();
-  if (addressed(ch, peer, q)) store_release_sys(&ch.flags[q]->posted[ch.rank], ch.next_epoch());
+  if (addressed(ch, peer, q)) {
+    publish_layout(ch, q, layout);
+    store_release_sys(&ch.flags[q]->posted[ch.rank], ch.next_epoch());
+  }
 }
 
 __global__ void __launch_bounds__(kFinishThreads) post_checked_kernel(
-    const __grid_constant__ Channel ch, int peer, const __grid_constant__ Outputs remote) {
+    const __grid_constant__ Channel ch, int peer, PostLayout layout,
+    const __grid_constant__ Outputs remote) {
   const int q = threadIdx.x;
   if (__syncthreads_or(q == 0 && device_failed(ch.wait)))
     for (int i = 0; i < Outputs::kMax; ++i)
@@ -54,13 +59,18 @@ __global__ void __launch_bounds__(kFinishThreads) post_checked_kernel(
         poison_bytes(remote.ptr[i], remote.bytes[i], remote.pattern, q, blockDim.x);
   __syncthreads();
   __threadfence_system();
-  if (addressed(ch, peer, q)) store_release_sys(&ch.flags[q]->posted[ch.rank], ch.next_epoch());
+  if (addressed(ch, peer, q)) {
+    publish_layout(ch, q, layout);
+    store_release_sys(&ch.flags[q]->posted[ch.rank], ch.next_epoch());
+  }
 }
 
-__global__ void wait_posted_kernel(const __grid_constant__ Channel ch, int peer) {
+__global__ void wait_posted_kernel(const __grid_constant__ Channel ch, int peer,
+                                   PostLayout layout) {
   const int q = threadIdx.x;
-  if (addressed(ch, peer, q))
-    wait_geq(&ch.mine()->posted[q], ch.next_epoch(), ch.wait, q, kWaitPosted);
+  if (addressed(ch, peer, q) &&
+      wait_geq(&ch.mine()->posted[q], ch.next_epoch(), ch.wait, q, kWaitPosted))
+    check_layout(ch, q, layout);
 }
 
 __global__ void __launch_bounds__(kFinishThreads) finish_kernel(
@@ -125,21 +135,23 @@ cudaError_t wait_credit(const Channel& ch, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t post(const Channel& ch, int peer, bool skip, cudaStream_t stream) {
+cudaError_t post(const Channel& ch, int peer, const PostLayout& layout, bool skip,
+                 cudaStream_t stream) {
   if (skip) return cudaSuccess;
-  post_kernel<<<1, kThreads, 0, stream>>>(ch, peer);
+  post_kernel<<<1, kThreads, 0, stream>>>(ch, peer, layout);
   return cudaGetLastError();
 }
 
-cudaError_t post_checked(const Channel& ch, int peer, const Outputs& remote, bool skip,
-                         cudaStream_t stream) {
+cudaError_t post_checked(const Channel& ch, int peer, const PostLayout& layout,
+                         const Outputs& remote, bool skip, cudaStream_t stream) {
   if (skip) return cudaSuccess;
-  post_checked_kernel<<<1, kFinishThreads, 0, stream>>>(ch, peer, remote);
+  post_checked_kernel<<<1, kFinishThreads, 0, stream>>>(ch, peer, layout, remote);
   return cudaGetLastError();
 }
 
-cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream) {
-  wait_posted_kernel<<<1, kThreads, 0, stream>>>(ch, peer);
+cudaError_t wait_posted(const Channel& ch, int peer, const PostLayout& layout,
+                        cudaStream_t stream) {
+  wait_posted_kernel<<<1, kThreads, 0, stream>>>(ch, peer, layout);
   return cudaGetLastError();
 }
 

@@ -28,6 +28,19 @@ namespace pk::signals {
 
 inline constexpr int kAllPeers = -1;
 
+// The layout of a staged block (what a rank puts in a peer's region in one
+// call: rows and bytes per row, in the op's terms). The post that makes the
+// block ready carries it (the peer's SlotFlags::rows / row_bytes, written
+// before the release) and the wait that consumes it compares it with its own:
+// a peer whose call staged another layout (two programs sharing the channel
+// ran their calls in different orders, or a call under control flow with
+// another trip count) records kErrLayout, and `finish` poisons the call's
+// outputs. Calls of one layout that pair wrongly are not told apart.
+struct PostLayout {
+  uint64_t rows = 0;
+  uint64_t row_bytes = 0;
+};
+
 // The outputs of a call: `finish` overwrites every byte of them with
 // `pattern` when the call failed (0xFF: a quiet NaN in every IEEE float
 // type, -1 in signed and the maximum in unsigned integers; callers pass 0x80
@@ -58,20 +71,23 @@ struct Outputs {
 cudaError_t wait_credit(const Channel& ch, cudaStream_t stream);
 
 // Release posted[rank] = e on `peer` (or every peer), after a system-scope
-// fence: what this stream wrote before is visible to a peer that acquires it.
-// `skip` (testing) launches nothing.
-cudaError_t post(const Channel& ch, int peer, bool skip, cudaStream_t stream);
+// fence: what this stream wrote before is visible to a peer that acquires it;
+// the staged block's `layout` goes with it. `skip` (testing) launches nothing.
+cudaError_t post(const Channel& ch, int peer, const PostLayout& layout, bool skip,
+                 cudaStream_t stream);
 
 // `post` to one peer of data this call computed after its own waits (e.g. a
 // reduced chunk pushed by the copy engine): when this device holds a claimed
 // error, first overwrite `remote` (what the call staged in that peer's
 // region) with poison, so the peer reads NaN, never numbers computed from a
 // wait that gave up. One block; the poison path is the slow one.
-cudaError_t post_checked(const Channel& ch, int peer, const Outputs& remote, bool skip,
-                         cudaStream_t stream);
+cudaError_t post_checked(const Channel& ch, int peer, const PostLayout& layout,
+                         const Outputs& remote, bool skip, cudaStream_t stream);
 
-// Wait until posted[q] >= e for `peer` (or every peer).
-cudaError_t wait_posted(const Channel& ch, int peer, cudaStream_t stream);
+// Wait until posted[q] >= e for `peer` (or every peer), then check that each
+// posted block has `layout` (kErrLayout if not: the call is failed).
+cudaError_t wait_posted(const Channel& ch, int peer, const PostLayout& layout,
+                        cudaStream_t stream);
 
 // End of a call: release done[rank] = e to every peer (we finished reading
 // what they staged with us), check that no peer overwrote our slots while

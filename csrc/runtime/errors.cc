@@ -74,7 +74,7 @@ std::string describe(const ErrorRecord& r, int ordinal) {
              std::to_string(r.observed_row_bytes) + ") differs from this rank's (" +
              std::to_string(r.expected) + "x" + std::to_string(r.expected_row_bytes) +
              ") on a shared channel: two programs ran their collectives in different orders; "
-             "nothing was copied";
+             "the call's outputs are poisoned";
       break;
     case kErrClobbered:
       text = where + peer + " overwrote this rank's staging slot (its epoch " +

@@ -25,6 +25,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
@@ -113,6 +114,7 @@ def main() -> None:
     _moe(mesh, put, cpu, rng)
     _timeout_and_reset(mesh, put, sm, rng)
     _moe_timeout(mesh, put, sm, rng)
+    _mispaired(put, sm, rng)
     print("GPU_MULTIPROCESS_DONE", flush=True)
 
 
@@ -356,6 +358,90 @@ def _moe_timeout(mesh, put, sm, rng):
     check(rel(got, (2 * x)[idx]) < 1e-6, "moe ld_st right again after the reset")
     pk_jax.check_errors()
 
+
+def _crossed(op):
+    """Rank 0 calls op on a, then on b; rank 1 on b, then a: two programs
+    sharing the op's channel in different orders, so each call pairs the
+    two layouts. Returns (op(a), op(b)) on each rank."""
+    def a_first(a, b, *extra):
+        oa = op(a, *extra)
+        oa, b = lax.optimization_barrier((oa, b))
+        return oa, op(b, *extra)
+
+    def b_first(a, b, *extra):
+        ob = op(b, *extra)
+        ob, a = lax.optimization_barrier((ob, a))
+        return op(a, *extra), ob
+    return lambda a, b, *extra: lax.cond(lax.axis_index("x") == 0, a_first, b_first, a, b,
+                                         *extra)
+
+
+def _is_poison(a) -> bool:
+    a = np.asarray(a)
+    if np.issubdtype(a.dtype, np.floating) or a.dtype == jnp.bfloat16:
+        return bool(np.isnan(np.asarray(a, np.float32)).all())
+    return bool((a.view(np.uint8) == 0xFF).all())
+
+
+def _moe_layer(x):
+    """Dispatch and combine (pk's exchange) with two identity experts per
+    token, weights 1: 2 x; the experts from x's first two columns."""
+    ids = (jnp.abs(x[:, :2]) * 1000).astype(jnp.int32) % 4
+    rows, lay = pk_jax.moe_dispatch(x, ids, "x", num_experts=4, mechanism="ld_st")
+    return pk_jax.moe_combine(rows, jnp.ones(ids.shape, x.dtype), lay)
+
+
+def _mispaired(put, sm, rng):
+    """Each staged path with mispaired calls (`_crossed`): every wait that
+    consumes a peer's block finds the peer's post carrying another layout
+    (kErrLayout), so both calls' outputs are poison on both ranks,
+    check_errors raises on both processes naming the layout, and the op is
+    right again afterwards (against a host reference)."""
+    bf = lambda *shape: np.asarray(jnp.asarray(rng.standard_normal(shape), jnp.bfloat16))
+    ints = lambda *shape: rng.integers(0, 2**32, size=shape, dtype=np.uint32)
+    f32 = lambda a: np.asarray(a, np.float32)
+    w_col, w_row = bf(256, 2 * 128), bf(2 * 256, 128)
+    cases = [  # name, op(x, *extra), a, b, extra, in_specs (x, *extra), out_spec, ref(a)
+        ("all_gather copy_engine",
+         lambda a: pk_jax.all_gather(a, "x", tiled=True, mechanism="copy_engine"),
+         ints(2, 4096), ints(2, 8192), (), (P("x"),), P("x"), lambda a: np.tile(a, (2, 1))),
+        ("all_reduce two_shot", lambda a: pk_jax.all_reduce(a, "x", mechanism="two_shot"),
+         bf(2, 8192), bf(2, 16384), (), (P("x"),), P("x"),
+         lambda a: np.tile(f32(a).sum(0, keepdims=True), (2, 1))),
+        ("reduce_scatter two_shot",
+         lambda a: pk_jax.reduce_scatter(a, "x", scatter_dimension=1, tiled=True,
+                                         mechanism="two_shot"),
+         bf(2, 8192), bf(2, 16384), (), (P("x"),), P("x"),
+         lambda a: f32(a).sum(0).reshape(2, -1)),
+        ("all_gather_matmul", lambda a, w: pk_jax.all_gather_matmul(a, w, "x"),
+         bf(2 * 128, 256), bf(2 * 256, 256), (w_col,), (P("x"), P(None, "x")), P(None, "x"),
+         lambda a: f32(a) @ f32(w_col)),
+        ("matmul_reduce_scatter", lambda a, w: pk_jax.matmul_reduce_scatter(a, w, "x"),
+         bf(2 * 128, 512), bf(2 * 256, 512), (w_row,), (P(None, "x"), P("x", None)), P("x"),
+         lambda a: f32(a) @ f32(w_row)),
+        ("matmul_all_reduce chunked",
+         lambda a, w: pk_jax.matmul_all_reduce(a, w, "x", mechanism="chunked"),
+         bf(512, 512), bf(1024, 512), (w_row,), (P(None, "x"), P("x", None)), P(),
+         lambda a: f32(a) @ f32(w_row)),
+        ("moe ld_st", _moe_layer, rng.standard_normal((2 * 64, 64)).astype(np.float32),
+         rng.standard_normal((2 * 128, 64)).astype(np.float32), (), (P("x"),), P("x"),
+         lambda a: 2 * a),
+    ]
+    for name, op, a, b, extra, in_specs, out_spec, ref in cases:
+        x_spec = in_specs[0]
+        specs = (x_spec, x_spec, *in_specs[1:])
+        args = [put(v, s) for v, s in zip((a, b, *extra), specs)]
+        outs = sm(_crossed(op), specs, (out_spec, out_spec))(*args)
+        check(all(_is_poison(local(o)[1]) for o in outs),
+              f"{name}: both mispaired calls' outputs are poison on this rank")
+        try:
+            pk_jax.check_errors()
+            check(False, f"{name}: check_errors raises after mispaired calls")
+        except pk_jax.PkJaxTimeoutError as e:
+            check("layout" in str(e), f"{name}: check_errors names the layout ({str(e)[:90]}...)")
+        idx, got = local(sm(op, in_specs, out_spec)(args[0], *args[2:]))
+        check(rel(f32(got), ref(a)[idx]) < 2e-2, f"{name}: right again after the reset")
+        pk_jax.check_errors()
 
 if __name__ == "__main__":
     main()

@@ -42,8 +42,9 @@ cudaError_t enqueue(const Params& p) {
     PK_CUDA_TRY(cudaMemcpyAsync(slot, p.src, block_bytes, cudaMemcpyDeviceToDevice, s));
   }
   PK_CUDA_TRY(copy_block(p, ch.rank, p.src, s));
-  PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, p.skip_post, s));
-  PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, s));
+  const signals::PostLayout layout{p.rows, p.row_bytes};
+  PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, layout, p.skip_post, s));
+  PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, layout, s));
   for (int q = 0; q < ch.n; ++q) {
     if (q == ch.rank) continue;
     const char* received = p.region[ch.rank] + size_t(q) * block_bytes;

@@ -54,6 +54,11 @@ cudaError_t copy(const CopyJobs& jobs, bool engine, const Params& p) {
   return cudaSuccess;
 }
 
+// What both phases' posts carry: x's rows and row bytes (signals::PostLayout).
+signals::PostLayout staged_layout(const Params& p) {
+  return {p.geo.rows, p.geo.stride * elem_bytes(p.elem)};
+}
+
 // Two-shot phase 1: chunk q of x to rank q, our chunk reduced into the result.
 cudaError_t enqueue_reduce_scatter(const Params& p, bool engine) {
   const Channel& ch = p.ch;
@@ -69,8 +74,8 @@ cudaError_t enqueue_reduce_scatter(const Params& p, bool engine) {
                 g.len(q) * es, g.rows, g.len(q) * es};
   }
   PK_CUDA_TRY(copy(push, engine, p));
-  PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, p.skip_post, p.stream));
-  PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, p.stream));
+  PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, staged_layout(p), p.skip_post, p.stream));
+  PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, staged_layout(p), p.stream));
   const int r = ch.rank;
   ReduceArgs a{};
   for (int q = 0; q < ch.n; ++q) {
@@ -101,8 +106,8 @@ cudaError_t enqueue_all_gather(const Params& p, bool engine) {
                                      0, 0, 1, g.len(r) * es};
   }
   PK_CUDA_TRY(copy(push, engine, p));
-  PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, p.skip_post, p.stream));
-  PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, p.stream));
+  PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, staged_layout(p), p.skip_post, p.stream));
+  PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, staged_layout(p), p.stream));
   CopyJobs drain;
   for (int q = 0; q < ch.n; ++q)
     if (q != r)

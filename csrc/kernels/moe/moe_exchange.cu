@@ -170,8 +170,10 @@ cudaError_t enqueue_typed(const Params& p) {
     stage<<<grid(stage_rows), kThreads, 0, s>>>(a);
     PK_CUDA_TRY(cudaGetLastError());
   }
-  PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, p.skip_post, s));
-  PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, s));
+  // the layout: the tokens, the row bytes and the direction (dispatch or combine)
+  const signals::PostLayout layout{p.rows | (uint64_t(to_rows) << 63), p.row_bytes};
+  PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, layout, p.skip_post, s));
+  PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, layout, s));
   if (collect_rows > 0) {
     collect<<<grid(collect_rows), kThreads, 0, s>>>(a);
     PK_CUDA_TRY(cudaGetLastError());

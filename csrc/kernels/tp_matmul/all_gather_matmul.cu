@@ -64,7 +64,7 @@ cudaError_t enqueue(const Params& p, bool* forked) {
       const int q = (p.rank + k) % p.n;
       PK_CUDA_TRY(cudaMemcpyAsync(p.region[q] + size_t(p.rank) * block, p.x, block,
                                   cudaMemcpyDeviceToDevice, side));
-      PK_CUDA_TRY(signals::post(p.ch, q, p.skip_post, side));
+      PK_CUDA_TRY(signals::post(p.ch, q, x_rows_layout(p), p.skip_post, side));
     }
     PK_CUDA_TRY(copy_gathered(p, p.x, p.rank, side));
     if (p.dw != nullptr)  // our rows into our own slot, for the dW GEMM
@@ -77,7 +77,7 @@ cudaError_t enqueue(const Params& p, bool* forked) {
   for (int k = 1; k < p.n; ++k) {
     const int q = (p.rank + p.n - k) % p.n;  // q pushes to us at its k-th step
     const void* slot = rows_of(p, q);
-    PK_CUDA_TRY(signals::wait_posted(p.ch, q, s));
+    PK_CUDA_TRY(signals::wait_posted(p.ch, q, x_rows_layout(p), s));
     PK_CUDA_TRY(gemm::run(rows_problem(p, slot, q), p.gemm_dev, s));
     PK_CUDA_TRY(copy_gathered(p, slot, q, s));
   }

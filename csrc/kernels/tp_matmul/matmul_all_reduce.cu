@@ -128,7 +128,7 @@ cudaError_t one_shot(const Params& p) {
   for (int k = 1; k < p.n; ++k) {
     const int q = (p.rank + k) % p.n;
     PK_CUDA_TRY(copy(slot(p.region[q], p, p.rank), g.d, slot_bytes(p), s));
-    PK_CUDA_TRY(signals::post(p.ch, q, p.skip_post, s));
+    PK_CUDA_TRY(signals::post(p.ch, q, out_rows_layout(p), p.skip_post, s));
   }
   return wait_and_sum(p, p.out, s);
 }
@@ -158,11 +158,11 @@ cudaError_t chunked(const Params& p, const signals::Outputs& out, bool* forked,
   for (int k = 1; k < p.n; ++k) {
     problem(p, k - 1, &g);
     PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
-    PK_CUDA_TRY(signals::post(p.ch, (p.rank + k) % p.n, p.skip_post, s));
+    PK_CUDA_TRY(signals::post(p.ch, (p.rank + k) % p.n, out_rows_layout(p), p.skip_post, s));
   }
   PK_CUDA_TRY(signals::wait_credit(p.gather_ch, s));
   if (p.n == 2) {
-    PK_CUDA_TRY(signals::wait_posted(p.ch, 1 - p.rank, s));
+    PK_CUDA_TRY(signals::wait_posted(p.ch, 1 - p.rank, out_rows_layout(p), s));
   } else {
     problem(p, p.n - 1, &g);
     PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
@@ -180,13 +180,14 @@ cudaError_t chunked(const Params& p, const signals::Outputs& out, bool* forked,
   for (int k = 1; k < p.n; ++k) {
     const int q = (p.rank + k) % p.n;
     const signals::Outputs staged(slot(p.gather_region[q], p, p.rank), slot_bytes(p));
-    PK_CUDA_TRY(signals::post_checked(p.gather_ch, q, staged, p.skip_post, p.side_stream));
+    PK_CUDA_TRY(signals::post_checked(p.gather_ch, q, out_rows_layout(p), staged, p.skip_post,
+                                      p.side_stream));
   }
   PK_CUDA_TRY(signals::finish(p.ch, out, s));
   *reduced = true;
   for (int k = 1; k < p.n; ++k) {
     const int q = (p.rank + p.n - k) % p.n;  // q pushes to us at its k-th step
-    PK_CUDA_TRY(signals::wait_posted(p.gather_ch, q, s));
+    PK_CUDA_TRY(signals::wait_posted(p.gather_ch, q, out_rows_layout(p), s));
     PK_CUDA_TRY(copy(out_rows(p, q), slot(p.gather_region[p.rank], p, q), slot_bytes(p), s));
   }
   return cudaSuccess;

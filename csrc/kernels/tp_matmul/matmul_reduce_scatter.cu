@@ -71,17 +71,17 @@ cudaError_t enqueue(const Params& p) {
     const int q = (p.rank + k) % p.n;
     problem(p, k - 1, &g);
     PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
-    PK_CUDA_TRY(signals::post(p.ch, q, p.skip_post, s));
+    PK_CUDA_TRY(signals::post(p.ch, q, out_rows_layout(p), p.skip_post, s));
   }
   problem(p, p.n - 1, &g);
   if (p.n == 2) {
     PK_CUDA_TRY(weight_grad_gemm(p, s));
-    PK_CUDA_TRY(signals::wait_posted(p.ch, 1 - p.rank, s));
+    PK_CUDA_TRY(signals::wait_posted(p.ch, 1 - p.rank, out_rows_layout(p), s));
     PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
   } else {
     PK_CUDA_TRY(gemm::run(g, p.gemm_dev, s));
     PK_CUDA_TRY(weight_grad_gemm(p, s));
-    PK_CUDA_TRY(signals::wait_posted(p.ch, signals::kAllPeers, s));
+    PK_CUDA_TRY(signals::wait_posted(p.ch, signals::kAllPeers, out_rows_layout(p), s));
     PK_CUDA_TRY(launch_sum_slots(p, p.region[p.rank], s));
   }
   return cudaSuccess;

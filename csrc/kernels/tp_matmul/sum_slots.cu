@@ -10,6 +10,7 @@
 
 #include "kernels/tp_matmul/tp_matmul.h"
 #include "pk/cuda_check.h"
+#include "pk/post_layout.cuh"
 #include "pk/sync.cuh"
 
 namespace pk::tp_matmul {
@@ -26,8 +27,9 @@ struct SumArgs {
   T* out;
   int64_t count;
   int n;
-  bool wait;  // wait for every peer's post on `ch` first
+  bool wait;  // wait for every peer's post on `ch` first, and check its layout
   Channel ch;
+  signals::PostLayout layout;
 };
 
 __device__ __forceinline__ float to_f32(float v) { return v; }
@@ -45,8 +47,9 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) sum_slots_kernel(const __grid_constant__ SumArgs<T> a) {
   if (a.wait) {  // thread q waits for rank q; the barrier orders the block's reads after
     const int q = threadIdx.x;
-    if (q < a.ch.n && q != a.ch.rank)
-      wait_geq(&a.ch.mine()->posted[q], a.ch.next_epoch(), a.ch.wait, q, kWaitPosted);
+    if (q < a.ch.n && q != a.ch.rank &&
+        wait_geq(&a.ch.mine()->posted[q], a.ch.next_epoch(), a.ch.wait, q, kWaitPosted))
+      signals::check_layout(a.ch, q, a.layout);
     __syncthreads();
   }
   const int64_t stride = int64_t(gridDim.x) * blockDim.x * kVec;
@@ -69,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) sum_slots_kernel(const __grid_consta
 template <typename T>
 cudaError_t launch_typed(const Params& p, const char* slots, cudaStream_t s, bool wait) {
   SumArgs<T> a{reinterpret_cast<const T*>(slots), static_cast<T*>(p.out), p.m * p.n_cols, p.n,
-               wait, p.ch};
+               wait, p.ch, out_rows_layout(p)};
   const int64_t per_block = int64_t(kThreads) * kVec;
   const int blocks = int(std::clamp<int64_t>((a.count + per_block - 1) / per_block, 1,
                                              int64_t(p.gemm_dev.sm_count) * 8));

@@ -49,6 +49,7 @@
 #include "kernels/gemm/gemm.h"
 #include "pk/channel.h"
 #include "pk/layout.h"
+#include "pk/signals.h"
 
 namespace pk::tp_matmul {
 
@@ -147,14 +148,25 @@ inline size_t weight_grad_bytes(const Params& p) {
   return p.dw ? size_t(p.n_cols) * size_t(p.k) * gemm::itemsize(p.in) : 0;
 }
 
+// What the sequences' posts carry (signals::PostLayout): x's rows
+// (all_gather_matmul) or rows of the output type (the others' partial
+// products and reduced chunks).
+inline signals::PostLayout x_rows_layout(const Params& p) {
+  return {uint64_t(p.m), uint64_t(p.k) * gemm::itemsize(p.in)};
+}
+inline signals::PostLayout out_rows_layout(const Params& p) {
+  return {uint64_t(p.m), uint64_t(p.n_cols) * gemm::itemsize(p.out_type)};
+}
+
 cudaError_t all_gather_matmul(const Params& p);
 cudaError_t matmul_reduce_scatter(const Params& p);
 cudaError_t matmul_all_reduce(const Params& p);
 
 // out = the sum over q < p.n of the slots (p.m x p.n_cols of the output type
 // each, back to back from `slots`), accumulated in fp32 in rank order; with
-// wait_posted, after a bounded wait for every peer's post on p.ch (as
-// signals::wait_posted, in the same launch).
+// wait_posted, after a bounded wait for every peer's post on p.ch and the
+// check of its layout (out_rows_layout), as signals::wait_posted, in the
+// same launch.
 cudaError_t launch_sum_slots(const Params& p, const char* slots, cudaStream_t s,
                              bool wait_posted = false);
 
