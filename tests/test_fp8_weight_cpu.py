@@ -117,7 +117,11 @@ def test_tp_ops_take_stored_weights(rng, op, scaling, sharding_mode):
             if stored:
                 return fn(x, pk_jax.quantize_weight(w, scaling), "tp")
             return fn(x, w, "tp", fp8=recipe)
-        return lambda x, w: (jnp.sum(f(x, w).astype(jnp.float32) * t), f(x, w))
+
+        def value(x, w):
+            y = f(x, w)
+            return jnp.sum(y.astype(jnp.float32) * t), y
+        return value
 
     args = (_put(mesh, x, xs), _put(mesh, w, ws))
     (_, y8), dx8 = jax.jit(jax.value_and_grad(loss(True), has_aux=True))(*args)

@@ -1,6 +1,6 @@
 // Device side of signals::PostLayout: the layout a staged post carries, in
 // the consumer's SlotFlags::rows / row_bytes (indexed by the posting rank,
-// single writer), and its check where the block is consumed.
+// single writer), and the wait that consumes the block and checks it.
 #pragma once
 
 #include "pk/channel.h"
@@ -24,6 +24,13 @@ __device__ __forceinline__ void check_layout(const Channel& ch, int q, const Pos
   const uint64_t row_bytes = load_relaxed_sys(&ch.mine()->row_bytes[q]);
   if (rows != layout.rows || row_bytes != layout.row_bytes)
     record_error(ch.wait, kErrLayout, q, 0, layout.rows, rows, layout.row_bytes, row_bytes);
+}
+
+// Wait (bounded) for rank q's post of this call, then check its layout.
+__device__ __forceinline__ void wait_posted_layout(const Channel& ch, int q,
+                                                   const PostLayout& layout) {
+  if (wait_geq(&ch.mine()->posted[q], ch.next_epoch(), ch.wait, q, kWaitPosted))
+    check_layout(ch, q, layout);
 }
 
 }  // namespace pk::signals

@@ -68,9 +68,7 @@ __global__ void __launch_bounds__(kFinishThreads) post_checked_kernel(
 __global__ void wait_posted_kernel(const __grid_constant__ Channel ch, int peer,
                                    PostLayout layout) {
   const int q = threadIdx.x;
-  if (addressed(ch, peer, q) &&
-      wait_geq(&ch.mine()->posted[q], ch.next_epoch(), ch.wait, q, kWaitPosted))
-    check_layout(ch, q, layout);
+  if (addressed(ch, peer, q)) wait_posted_layout(ch, q, layout);
 }
 
 __global__ void __launch_bounds__(kFinishThreads) finish_kernel(

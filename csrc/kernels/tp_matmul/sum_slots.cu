@@ -47,9 +47,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads) sum_slots_kernel(const __grid_constant__ SumArgs<T> a) {
   if (a.wait) {  // thread q waits for rank q; the barrier orders the block's reads after
     const int q = threadIdx.x;
-    if (q < a.ch.n && q != a.ch.rank &&
-        wait_geq(&a.ch.mine()->posted[q], a.ch.next_epoch(), a.ch.wait, q, kWaitPosted))
-      signals::check_layout(a.ch, q, a.layout);
+    if (q < a.ch.n && q != a.ch.rank) signals::wait_posted_layout(a.ch, q, a.layout);
     __syncthreads();
   }
   const int64_t stride = int64_t(gridDim.x) * blockDim.x * kVec;
