@@ -121,9 +121,16 @@ def mgpu_ragged_dot(tuned: dict) -> Callable:
 
 def tokamax_ragged_dot() -> Callable:
     """tokamax's Mosaic GPU ragged_dot (jax.lax.ragged_dot's signature);
-    ImportError where tokamax is not installed."""
+    ImportError where tokamax is not installed. Its kernel writes lhs's
+    dtype and its gradient kernels take operands of one dtype, so a wider
+    preferred_element_type is a cast of its result (as mgpu_ragged_dot's):
+    the cotangent reaches the kernels in lhs's dtype."""
     import tokamax
-    return functools.partial(tokamax.ragged_dot, implementation="mosaic")
+
+    def ragged_dot(lhs, rhs, group_sizes, preferred_element_type=None):
+        out = tokamax.ragged_dot(lhs, rhs, group_sizes, implementation="mosaic")
+        return out.astype(preferred_element_type or lhs.dtype)
+    return ragged_dot
 
 
 def mosaic_ragged_dots(operands, only=MOSAIC) -> dict[str, Callable]:

@@ -28,7 +28,9 @@ implementation: op, shape fields, implementation, median_ms, tflops,
 best_other, best_other_ms).
 
 Usage: python benchmarks/kernels.py [--only attention,gemm,fp8] [--quick]
-       [--rounds N] [--smoke]  (--smoke: tiny shapes, nothing written)
+       [--match TEXT] [--rounds N] [--smoke]
+(--smoke: tiny shapes; --quick: the first two cases; --match: the cases whose
+label holds TEXT, e.g. "d64" or "8192x8192x8192"; these three write nothing)
 """
 
 from __future__ import annotations
@@ -79,6 +81,26 @@ HEADER = ["op", "case", "impl", "ms", "TFLOP/s", "best other", "pk vs best other
 COLUMNS = ("Columns: median ms per call over interleaved rounds, TFLOP/s, the fastest "
            "non-pk implementation of the row's group and pk's speedup over it (above 1: pk "
            "faster).\n\n")
+# What each section's implementations are (RESULTS.md, before the columns).
+IMPLS = {
+    "attention": (
+        "`pk`: what `ring_attention(mechanism=\"auto\")` runs on one device (cuDNN's fused "
+        "attention, pk_jax/tuning.py's single_gpu_attention); `pk_kernel`: pk's own fused "
+        "kernel (mechanism=\"copy_engine\"; it does not take head dim 256); `cudnn`: "
+        "jax.nn.dot_product_attention(implementation=\"cudnn\"); `tokamax_*`: tokamax "
+        "0.0.17's Mosaic GPU and Triton kernels. TFLOP/s count 4 B S^2 H D (x0.5 causal, "
+        "x3.5 forward + backward). `pk` and `cudnn` run the same kernel: their spread is "
+        "the run's noise.\n\n"),
+    "gemm": ("`pk`: all_gather_matmul at world size 1 (pk's CUTLASS GEMM; forward + "
+             "backward: y, then dx and dw in one call); `xla`: XLA's dot (cuBLAS).\n\n"),
+    "fp8": (
+        "`pk_fp8_tensor`: pk_jax.fp8_matmul, e4m3 operands with per-tensor factors (fast "
+        "accumulation); `pk_fp8_block`: 1x128 / 128x128 factors, promoted every 128 of K; "
+        "`xla_fp8_*`: XLA's dot on the same FP8 operands and factors, written three ways "
+        "(dequantize to float32 or bfloat16 then dot, or the FP8 dot then the factors); "
+        "`xla_bf16`: XLA's bf16 dot (cuBLAS) of the unquantized operands. Each recipe's "
+        "rows share the baselines.\n\n"),
+}
 
 
 def _tokamax():
@@ -132,6 +154,15 @@ def _close(name: str, got, want, tol: float) -> None:
 
 # --- attention ----------------------------------------------------------------
 
+def attention_case(c) -> str:
+    b, s, h, hkv, d, causal, dtype = c
+    return f"b{b} s{s} h{h}/{hkv} d{d} {'causal' if causal else 'full'} {dtype}"
+
+
+def gemm_case(c) -> str:
+    return "x".join(map(str, c))
+
+
 def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
     mesh = one_axis_mesh(jax.devices()[:1], "sp")
     spec = P(None, "sp")
@@ -156,7 +187,7 @@ def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
                                             tokamax.dot_product_attention(
                                                 q, k, v, is_causal=causal,
                                                 implementation=impl))
-        case = f"b{b} s{s} h{h}/{hkv} d{d} {'causal' if causal else 'full'} {dtype}"
+        case = attention_case((b, s, h, hkv, d, causal, dtype))
         fields = {"batch": b, "seq": s, "heads": h, "kv_heads": hkv, "head_dim": d,
                   "causal": causal, "dtype": dtype}
         flops = 4.0 * b * s * s * h * d * (0.5 if causal else 1.0)
@@ -199,7 +230,7 @@ def gemm(table: Table, shapes, rounds: int, smoke: bool) -> None:
         x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal((k, n), np.float32) * k ** -0.5, jnp.bfloat16)
         dy = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
-        case = f"{m}x{n}x{k}"
+        case = gemm_case((m, n, k))
         fields = {"m": m, "n": n, "k": k, "dtype": "bfloat16"}
         for mode, impls, flops in (
                 ("fwd", {"pk": pk_fwd, "xla": xla_fwd}, 2.0 * m * n * k),
@@ -279,7 +310,7 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
             _close(f"fp8 tensor {m}x{n}x{k} vs {name}", outs["pk_fp8_tensor"], outs[name], 1e-2)
         _close(f"fp8 block {m}x{n}x{k}", outs["pk_fp8_block"], outs["xla_bf16"], 6e-2)
         times = _time(fns, rounds, smoke)
-        case = f"{m}x{n}x{k}"
+        case = gemm_case((m, n, k))
         fields = {"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"}
         for recipe in ("tensor", "block"):
             sub = {f"pk_fp8_{recipe}": times[f"pk_fp8_{recipe}"], "xla_bf16": times["xla_bf16"],
@@ -295,28 +326,36 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="the first two cases of each section")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, nothing written")
+    ap.add_argument("--match", default="", help="only the cases whose label holds this text")
     args = ap.parse_args()
     only = set(args.only.split(","))
     if only - set(SECTIONS):
         ap.error(f"--only: unknown {sorted(only - set(SECTIONS))}; choose from {SECTIONS}")
-    cut = (lambda c: c[:2]) if args.quick else (lambda c: c)
+
+    def cut(cases, label):
+        cases = [c for c in cases if args.match in label(c)]
+        return cases[:2] if args.quick else cases
+
     table = Table()
     if "attention" in only:
-        attention(table, SMOKE_ATTENTION if args.smoke else cut(ATTENTION_CASES), args.rounds,
-                  args.smoke, _tokamax())
+        cases = SMOKE_ATTENTION if args.smoke else cut(ATTENTION_CASES, attention_case)
+        attention(table, cases, args.rounds, args.smoke, _tokamax())
     if "gemm" in only:
-        gemm(table, SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES), args.rounds, args.smoke)
+        shapes = SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES, gemm_case)
+        gemm(table, shapes, args.rounds, args.smoke)
     if "fp8" in only:
-        fp8(table, SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES), args.rounds, args.smoke)
+        shapes = SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES, gemm_case)
+        fp8(table, shapes, args.rounds, args.smoke)
     md = COLUMNS + markdown_table(HEADER, table.md)
-    if args.smoke or args.quick:
+    if args.smoke or args.quick or args.match:
         print("SMOKE_OK (nothing written)" if args.smoke else
-              "--quick: results and RESULTS.md left as they are")
+              "--quick / --match: results and RESULTS.md left as they are")
     else:  # one file and RESULTS.md section per section run: each one run's rows
         for section in sorted(only):
             rows = [r for r in table.rows if r["op"].split("_")[0] in section.split("_")[0]]
             md_rows = [m for m in table.md if m[0].split("_")[0] == section.split("_")[0]]
-            write_results(f"kernels_{section}", rows, COLUMNS + markdown_table(HEADER, md_rows),
+            write_results(f"kernels_{section}", rows,
+                          IMPLS[section] + COLUMNS + markdown_table(HEADER, md_rows),
                           "python benchmarks/kernels.py " + " ".join(sys.argv[1:]))
     print(md)
     pk_jax.check_errors()

@@ -38,6 +38,21 @@ from jax.sharding import AxisType, Mesh, NamedSharding  # noqa: E402
 from pk_jax import runtime  # noqa: E402
 
 
+def child_env() -> dict:
+    """The environment of a child Python process that must import the pk_jax
+    this process imported: the source tree of an editable install, or an
+    installed wheel (the folder holding the package goes first on PYTHONPATH;
+    start the child outside the repository root, whose pk_jax/ would shadow a
+    wheel). XLA_FLAGS is left out: each child sets its own device count."""
+    import pk_jax
+
+    env = dict(os.environ)
+    home = os.path.dirname(os.path.dirname(os.path.abspath(pk_jax.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (home, env.get("PYTHONPATH")) if p)
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
 def gpus() -> list:
     try:
         return jax.devices("gpu")

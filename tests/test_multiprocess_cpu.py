@@ -16,23 +16,22 @@ group spanning hosts falls back to XLA (auto) or raises naming the axis
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
+
+from conftest import child_env
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _launch(scenario: str, out: pathlib.Path) -> str:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("XLA_FLAGS", None)  # the worker sets its own device count
     worker = ROOT / "tests" / "scripts" / "multiprocess_worker.py"
     proc = subprocess.run([sys.executable, "-m", "pk_jax.launch", "-n", "2",
                            "--gpus-per-process", "0", str(worker), scenario, str(out)],
-                          env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          env=child_env(), capture_output=True, text=True, timeout=600,
+                          cwd=worker.parent)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     assert log.count("WORKER_DONE") == 2, log[-6000:]

@@ -5,14 +5,13 @@ processes through CUDA IPC). Skipped with a reason without GPUs or kernels."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from conftest import gpus
+from conftest import child_env, gpus
 from pk_jax import runtime
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -26,12 +25,11 @@ def _launch(n: int, script: str, done: str) -> None:
         pytest.skip("needs a GPU")
     if not runtime.available() or not runtime.extension().has_gemm:
         pytest.skip("pk_jax extension without CUTLASS kernels")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("XLA_FLAGS", None)
+    scripts = ROOT / "tests" / "scripts"
     proc = subprocess.run([sys.executable, "-m", "pk_jax.launch", "-n", str(n),
-                           "--gpus-per-process", "0", str(ROOT / "tests" / "scripts" / script)],
-                          env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+                           "--gpus-per-process", "0", str(scripts / script)],
+                          env=child_env(), capture_output=True, text=True, timeout=900,
+                          cwd=scripts)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0 and log.count(done) == n, log[-8000:]
 

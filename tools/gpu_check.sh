@@ -33,10 +33,25 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
-echo "== build"
-t0=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 || exit 1
-echo "build: $(( $(date +%s) - t0 )) s"
+# PK_GPU_WHEEL=path installs a wheel built elsewhere (PK_JAX_BUILD_CUDA=1 pip wheel) in
+# place of the build, with nvcc and the CUDA toolkit's folders taken off PATH, and
+# runs Python with -P so that this checkout's pk_jax/ cannot shadow the installed one.
+PY=(python3)
+if [ -n "${PK_GPU_WHEEL:-}" ]; then
+  echo "== install $PK_GPU_WHEEL (no CUDA toolkit on PATH)"
+  PATH=$(tr : '\n' <<< "$PATH" | grep -v -i cuda | paste -sd: -); export PATH
+  if command -v nvcc > /dev/null; then echo "nvcc still on PATH: $(command -v nvcc)"; exit 1; fi
+  python3 -m pip install -q --no-deps --force-reinstall "$PK_GPU_WHEEL" 2>&1 | tail -3
+  PY=(python3 -P)
+  (cd /tmp && python3 -c "import pk_jax, pk_jax._build_info as b; from pk_jax import runtime; \
+print(pk_jax.__file__, {k: v for k, v in vars(b).items() if not k.startswith('_')}, \
+'kernels:', runtime.available() and runtime.extension().has_gemm)") || exit 1
+else
+  echo "== build"
+  t0=$(date +%s)
+  python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3 || exit 1
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
 
 STAGES=${PK_GPU_STAGES:-tests mp bwd bench ring flax}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -47,7 +62,7 @@ python3 -c "import pytest_timeout" 2>/dev/null && per_test=(--timeout 120)
 
 if stage tests; then
   echo "== tests"
-  python3 -m pytest -v -rs "${per_test[@]}" "${@:-tests}" > "$OUT/pytest.log" 2>&1
+  "${PY[@]}" -m pytest -v -rs "${per_test[@]}" "${@:-tests}" > "$OUT/pytest.log" 2>&1
   test_rc=$?
   grep -E "FAILED|ERROR" "$OUT/pytest.log" | head -20
   tail -3 "$OUT/pytest.log"
@@ -62,7 +77,7 @@ if stage mp; then
     -o /tmp/ipc_pair_check -lcuda > "$OUT/ipc_pair_check.log" 2>&1 \
     && timeout 120 /tmp/ipc_pair_check $pair >> "$OUT/ipc_pair_check.log" 2>&1
   echo "ipc_pair_check ($pair): rc=$?"; tail -3 "$OUT/ipc_pair_check.log"
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 python3 -m pk_jax.launch -n 2 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 300 "${PY[@]}" -m pk_jax.launch -n 2 \
     --gpus-per-process 0 tests/scripts/gpu_multiprocess_check.py > "$OUT/multiprocess.log" 2>&1
   mp_rc=$?
   [ $mp_rc -ne 0 ] && test_rc=$mp_rc
@@ -72,7 +87,7 @@ fi
 if stage bwd; then
   echo "== ring attention backward: end-to-end GPU tests, then fwd+bwd benchmark rows"
   # The block-level tests (~40, ~15 s each) do not fit here: run them with the tests stage.
-  timeout 240 python3 -m pytest -v -rs "${per_test[@]}" tests/test_attention_bwd_gpu.py \
+  timeout 240 "${PY[@]}" -m pytest -v -rs "${per_test[@]}" tests/test_attention_bwd_gpu.py \
     -k "ring_attention_grads or in_scan or training or deterministic" \
     > "$OUT/pytest_bwd.log" 2>&1
   bwd_rc=$?

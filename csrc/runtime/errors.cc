@@ -79,7 +79,9 @@ std::string describe(const ErrorRecord& r, int ordinal) {
     case kErrClobbered:
       text = where + peer + " overwrote this rank's staging slot (its epoch " +
              std::to_string(r.observed) + ") before this rank's call " +
-             std::to_string(r.expected) + " finished reading it (its credit wait timed out)";
+             std::to_string(r.expected) + " finished reading it (the peer's wait for its credit "
+             "gave up: it timed out, or an earlier failure on the peer's device ended it; "
+             "after mispaired calls, two programs ran their collectives in different orders)";
       break;
     case kErrAborted:
       text = where + "the call was aborted after part of it was enqueued";

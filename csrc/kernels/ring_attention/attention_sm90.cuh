@@ -134,7 +134,9 @@ struct WithCommCtas : Base {
   }
 };
 
-// Tiles as CUTLASS's example picks them for each head dim.
+// (query rows, keys, head dim) of one CTA's tile. Head dim 64 takes 128 keys
+// a tile, as head dim 128 does (64 keys halves every QK and PV GEMM and
+// doubles the softmax steps per key; NOTES.md, 2026-12-03).
 template <int kHeadDim>
 struct Tiles;
 template <>
@@ -143,7 +145,7 @@ struct Tiles<128> {
 };
 template <>
 struct Tiles<64> {
-  using Shape = cute::Shape<cute::_128, cute::_64, cute::_64>;
+  using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
 };
 
 // kCommCtas: mechanism ld_st (communicator CTAs in front); false is the
