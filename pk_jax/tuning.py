@@ -67,12 +67,24 @@ def all_reduce_mechanism(kind: str, per_rank_bytes: int) -> str:
     return "two_shot"
 
 
-# The MoE exchange's mechanism under `auto`: pk's "ld_st" exchange kernel (where
-# it cannot run, the dense reference exchange). On one H200 (world size 1,
-# 4096 tokens x 4096, top-2 of 8) dispatch + combine took 0.36 ms with it and
-# 50 ms with XLA's ragged_all_to_all ("ragged"). To confirm across GPUs:
-# `python benchmarks/moe.py` on 2 GPUs (pk against xla_ragged at world size 2).
-MOE_MECHANISM = "ld_st"
+def moe_mechanism(n: int) -> str:
+    """The moe_dispatch / moe_combine mechanism `auto` takes on an expert
+    axis of n devices.
+
+    n >= 2: "ld_st", pk's exchange kernel (where it cannot run, the dense
+    reference exchange). On one H200 it moved dispatch + combine in 0.36 ms
+    where XLA's ragged_all_to_all ("ragged") took 50 ms (4096 tokens x 4096,
+    top-2 of 8). To confirm across GPUs: `python benchmarks/moe.py --save`
+    on 2 GPUs (pk against a2a_capacity and ragged_all_to_all).
+
+    n == 1: "local". PROVISIONAL: nothing crosses devices, so dispatch is one
+    gather of the tokens into the layout's rows and combine one gather back
+    (the form of the sort + gather a user writes on one device, which ran
+    1.1-2.1x pk's exchange kernel there: `moe` and `moe_decode` in
+    benchmarks/RESULTS.md). Settled by `python benchmarks/moe.py --shape
+    train|decode|wide --save` on one GPU (the pk rows against sort_gather).
+    """
+    return "local" if n == 1 else "ld_st"
 
 
 def single_gpu_attention(head_dim: int, causal: bool, kernel_takes: bool) -> str:

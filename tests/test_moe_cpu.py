@@ -465,3 +465,32 @@ def test_rank_within_expert_both_paths(rng, s, monkeypatch):
         monkeypatch.setattr(moe_mod, "_PAIRWISE_RANK_SLOTS", limit)
         got = moe_mod._rank_within_expert(jnp.asarray(key), e)   # eager: traced per call
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_one_device_auto_is_the_local_gathers(rng, sharding_mode, capacity):
+    """On an expert axis of one device `auto` runs the local exchange (one
+    gather each way, pk_jax/tuning.py moe_mechanism): the same rows, layout,
+    output and gradients, bit for bit, as the "xla" exchange, with crowded
+    routing (drops under a capacity) and out-of-range ids; and no
+    collective or pk custom call in its program."""
+    mesh = cpu_mesh((1,), ("ep",))
+    t, k, e = 24, 2, 8
+    ids = np.stack([rng.choice(3, k, replace=False) for _ in range(t)])   # 3 of 8 experts
+    ids[5, 1], ids[9, 0] = e + 2, -1                                      # invalid: dropped
+    x, ids, w, wts = _inputs(rng, 1, t, k, 8, e, ids=ids)
+    args = _put(mesh, P("ep"), x, ids, w, wts)
+    local = _moe_fn(mesh, e, capacity=capacity, extra=True, mechanism="auto")
+    ref = _moe_fn(mesh, e, capacity=capacity, extra=True, mechanism="xla")
+    with jax.set_mesh(mesh):
+        for a, b in zip(local(*args), ref(*args)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        loss = lambda f: lambda a, b, c: jnp.sum(f(a, args[1], b, c)[0] ** 2)
+        grads = [jax.grad(loss(f), argnums=(0, 1, 2))(args[0], args[2], args[3])
+                 for f in (local, ref)]
+        text = local.lower(*args).as_text()
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    keep = _kept_mask(ids, 1, t, k, e, capacity or t * k)
+    assert rel_err(local(*args)[0], _dense(x, ids, jnp.where(keep, w, 0), wts, e)) < 1e-5
+    assert not re.search(r"all_to_all|all_gather|collective|custom_call", text)

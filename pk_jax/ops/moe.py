@@ -37,7 +37,8 @@ linear and each other's transposes (custom_vjp pairs them), so moe_dispatch's
 backward runs combine's exchange and moe_combine's backward runs dispatch's.
 combine's output is differentiable in the router weights.
 
-Mechanisms ("auto": pk_jax/tuning.py: "ld_st", falling back to "xla"'s dense
+Mechanisms ("auto": pk_jax/tuning.py: on one device "local", one gather each
+way since nothing crosses devices; else "ld_st", falling back to "xla"'s dense
 exchange, with a one-time warning, on an axis where the kernel cannot run):
   "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): dispatch
     stores each slot's token row into its destination rank's staging region
@@ -87,7 +88,7 @@ class MoeConfig:
     tokens: int             # T, tokens of each rank
     top_k: int              # k, choices per token
     capacity: int | None    # rows kept per local expert, None: drop-less
-    mechanism: str          # "ld_st", "ragged" or "xla"
+    mechanism: str          # "ld_st", "ragged", "xla" or "local" (auto on one device)
     forced: bool = True     # the user named the mechanism (an error where it cannot run)
 
     @property
@@ -207,7 +208,7 @@ def _config(x, expert_ids, names, num_experts, capacity, mechanism) -> MoeConfig
                          f"experts x {cap} = {(e // n) * cap} rows per rank: row indices are "
                          "int32 on the device, so at most 2^31 - 1; lower the capacity")
     return MoeConfig(names, n, e, t, k, cap,
-                     tuning.MOE_MECHANISM if mechanism == "auto" else mechanism,
+                     tuning.moe_mechanism(n) if mechanism == "auto" else mechanism,
                      forced=mechanism != "auto")
 
 
@@ -258,7 +259,8 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     # The n x n x E_local count matrix, on every rank: C[src, dst, local expert].
     # pk's gather with the pk kernel (no XLA collective: runs across processes sharing a GPU).
     gather = _pk_all_gather if cfg.mechanism == "ld_st" else lax.all_gather
-    table = gather(counts.reshape(n, el), names)                      # [n, n, el]
+    table = (counts.reshape(1, 1, el) if n == 1 else
+             gather(counts.reshape(n, el), names))                    # [n, n, el]
     if cfg.capacity is None:
         kept = table
     else:
@@ -333,6 +335,8 @@ def _exchange(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int = 1) -> j
     cfg = lay.cfg
     if cfg.mechanism == "ld_st":
         return _kernel_exchange(x, lay, to_rows, repeat)
+    if cfg.mechanism == "local":
+        return _local_move(x, lay, to_rows, repeat)
     if repeat > 1:
         x = jnp.repeat(x, repeat, axis=0)
     slots = _Side(lay.dest_rank.reshape(-1), lay.send_index, lay.send_counts)
@@ -356,6 +360,22 @@ def _kernel_exchange(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int) -
     return moe_exchange_p.bind(*args, cfg=ExchangeConfig(cfg.axis_names, cfg.axis_size,
                                                          to_slots=not to_rows, repeat=repeat,
                                                          forced=cfg.forced))
+
+
+def _local_move(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int) -> jax.Array:
+    """The exchange on an axis of one device: every kept slot's row is
+    `dest_row` on this device, so each direction is one gather (rows from
+    their slot's token, or slots from their row), zeros where nothing is."""
+    row = lay.dest_row.reshape(-1)                                    # [T * k], -1: none
+    if to_rows:
+        s, rows = row.shape[0], lay.cfg.num_rows
+        slot = jnp.full((rows,), -1, jnp.int32).at[jnp.where(row >= 0, row, rows)].set(
+            jnp.arange(s, dtype=jnp.int32), mode="drop")              # the slot of each row
+        got, src = slot >= 0, jnp.maximum(slot, 0) // repeat
+    else:
+        got, src = row >= 0, jnp.maximum(row, 0)
+    out = x[src]
+    return jnp.where(expand_mask(got, out), out, 0)
 
 
 def _ragged_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
@@ -443,9 +463,10 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str | Sequence[
         capacity above n * T * k drops nothing and is clamped to it. Row
         indices are int32: n * T * k and (E / n) * capacity (after the
         clamp) must stay below 2^31 (a ValueError otherwise).
-      mechanism: "auto" ("ld_st" where the kernel can run, else the dense
-        exchange), "ld_st" (pk's kernel; an error where it cannot run),
-        "ragged" or "xla" (see the module docstring).
+      mechanism: "auto" (on one device one gather each way; else "ld_st"
+        where the kernel can run, else the dense exchange), "ld_st" (pk's
+        kernel; an error where it cannot run), "ragged" or "xla" (see the
+        module docstring).
 
     Returns:
       (rows, layout): rows [layout.num_rows, H] in x's dtype, grouped by
