@@ -312,6 +312,50 @@ def test_ring_attention_mechanisms_get_their_own_channels(cuda_lowering):
     assert len(set(offsets[:3])) == 3 and offsets[3] == offsets[1]
 
 
+def test_ring_attention_block_layouts_get_their_own_channels(cuda_lowering):
+    """Ring calls (forward and fused backward) whose K/V blocks differ in
+    shape or element type never share a channel (their copy-engine stamps
+    carry no layout: mispaired calls of two layouts then wait on different
+    channels and time out instead of reading each other's blocks); calls of
+    one layout do, whatever q is."""
+    mesh = cpu_mesh((2,), ("sp",))
+    spec = P(None, "sp")
+
+    def body(q):                                          # q [1, 2048, 8, 128] per device
+        kv = q[:, :, :4]                                  # 4 kv heads: GQA
+        half = q[:, :1024, :4]                            # another block shape
+        a = pk_jax.ring_attention(q, kv, kv, "sp", mechanism="copy_engine")
+        b = pk_jax.ring_attention(a, q, q, "sp", mechanism="copy_engine")
+        c = pk_jax.ring_attention(q[:, :1024], half, half, "sp", mechanism="copy_engine")
+        d = pk_jax.ring_attention(b, kv.astype(jnp.float16).astype(jnp.bfloat16), kv, "sp",
+                                  mechanism="copy_engine")   # kv's layout again
+        e = pk_jax.ring_attention(q.astype(jnp.float16), kv.astype(jnp.float16),
+                                  kv.astype(jnp.float16), "sp", mechanism="copy_engine")
+        return (a + b + d + e.astype(q.dtype)).at[:, :1024].add(c)
+
+    hlo = cuda_lowering(body, mesh, spec, (1, 4096, 8, 128), jnp.bfloat16)
+    slots = [ffi_attr(c, "slot") for c in _ring_calls(hlo)]
+    assert len(slots) == 5
+    assert slots[0] == slots[3] and len({slots[0], slots[1], slots[2], slots[4]}) == 4
+
+    def loss(q, kv):
+        f = jax.shard_map(lambda q, kv: pk_jax.ring_attention(q, kv, kv, "sp"),
+                          mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return jnp.sum(f(q, kv).astype(jnp.float32))
+
+    def bwd_slot(q_shape, kv_shape):
+        args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+                for s in (q_shape, kv_shape)]
+        hlo = jax.jit(jax.grad(loss)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        call, = re.findall(r"custom_call @pk_ring_attention_bwd\(.*?\{(.*?)\}, operand_layouts",
+                           hlo)
+        return ffi_attr(call, "slot")
+
+    one = bwd_slot((1, 4096, 8, 128), (1, 4096, 4, 128))
+    assert bwd_slot((1, 4096, 4, 128), (1, 4096, 4, 128)) == one    # the same blocks
+    assert bwd_slot((1, 4096, 8, 128), (1, 4096, 8, 128)) != one    # other blocks
+
+
 def test_command_buffer_targets_reads_the_outlined_computations():
     """What the GPU tests use to assert that a custom call was captured in a
     command buffer: the targets inside XLA's `command_buffer` computations,

@@ -47,7 +47,7 @@ from pk_jax._warnings import warn_once
 from pk_jax.errors import PkJaxError
 from pk_jax.ops import attention_bwd_primitive as block_bwd
 from pk_jax.ops._lowering import channel_attr, kernel_group
-from pk_jax.ops.ring_attention_primitive import RingConfig
+from pk_jax.ops.ring_attention_primitive import RingConfig, block_layout
 
 STAMP_BYTES = 512  # kStampBytes (csrc/kernels/ring_attention_bwd/ring_attention_bwd.h)
 
@@ -183,7 +183,8 @@ def _cuda(ctx, q, dout, lse, delta, k, v, ranks, *, cfg: RingConfig):
         return _reference(ctx, q, dout, lse, delta, k, v, ranks, cfg=cfg)
     k_shape = ctx.avals_in[4].shape
     try:
-        attr = channel_attr(table, "ring_attention_bwd", (), region_bytes(cfg.n, k_shape))
+        attr = channel_attr(table, "ring_attention_bwd", block_layout(ctx.avals_in[4]),
+                            region_bytes(cfg.n, k_shape))
     except PkJaxError as e:  # the staging region does not fit the workspace
         warn_once(f"ring_attention_bwd-region-{k_shape}",
                   f"pk_jax.ring_attention: the fused backward's staging (8 bytes per element "

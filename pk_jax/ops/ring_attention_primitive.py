@@ -109,6 +109,12 @@ def pieces(k_shape) -> int:
     return p
 
 
+def block_layout(k_aval) -> tuple:
+    """What a ring channel's key holds of the K/V blocks its calls stage (the
+    forward's and the backward's): K's shape and element type."""
+    return tuple(int(d) for d in k_aval.shape), str(k_aval.dtype)
+
+
 def region_bytes(n: int, k_shape) -> int:
     """The channel's data region: n - 1 peer blocks of K and of V."""
     return 2 * (n - 1) * int(np.prod(k_shape)) * 2 if n > 1 else 0
@@ -138,8 +144,12 @@ def _cuda(ctx, q, k, v, *, cfg: RingConfig):
     k_shape = ctx.avals_in[1].shape
     n_pieces = pieces(k_shape)
     # The ld_st arrival counters count num_comm_ctas adds per call, and the
-    # posts count pieces: both are part of the key.
-    attr = channel_attr(table, "ring_attention", (cfg.mechanism, cfg.num_comm_ctas, n_pieces),
+    # posts count pieces: both are part of the key. So is the K/V block's
+    # layout (its stamps carry none): calls of two layouts that pair wrongly
+    # wait on different channels, time out and poison their outputs instead
+    # of reading each other's blocks.
+    attr = channel_attr(table, "ring_attention",
+                        (cfg.mechanism, cfg.num_comm_ctas, n_pieces) + block_layout(ctx.avals_in[1]),
                         region_bytes(cfg.n, k_shape))
     return jax.ffi.ffi_lowering("pk_ring_attention")(
         ctx, q, k, v, scale=np.float32(cfg.scale), causal=bool(cfg.causal),

@@ -14,6 +14,7 @@ line per check; exits non-zero on the first failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import sys
@@ -428,26 +429,52 @@ def _mispaired(put, sm, rng):
          rng.standard_normal((2 * 128, 64)).astype(np.float32), (), (P("x"),), P("x"),
          lambda a: 2 * a),
     ]
-    for name, op, a, b, extra, in_specs, out_spec, ref in cases:
-        x_spec = in_specs[0]
-        specs = (x_spec, x_spec, *in_specs[1:])
-        args = [put(v, s) for v, s in zip((a, b, *extra), specs)]
+    # The first failure a rank records: its wait found the peer's other layout,
+    # or (the peer ran ahead into its next call, whose credit wait gave up at
+    # once after the peer's own failure) its slot was overwritten while it
+    # read it.
+    staged = (("layout", "overwrote"), None)
+    for case in cases:
+        _check_mispaired(put, sm, *case, *staged)
+    # Ring attention's stamps carry no layout: calls of two K/V layouts use
+    # two channels (the layout is in the channel's key), so mispaired calls
+    # wait for posts that never come and time out.
+    ring = lambda a: pk_jax.ring_attention(a, a, a, "x")
+    _check_mispaired(put, sm, "ring_attention", ring, bf(1, 2 * 256, 2, 128),
+                     bf(1, 2 * 512, 2, 128), (), (P(None, "x"),), P(None, "x"), _attention,
+                     ("timed out",), 0.5)
+
+
+def _check_mispaired(put, sm, name, op, a, b, extra, in_specs, out_spec, ref, causes,
+                     timeout_s):
+    """`_crossed(op)` on a and b (lowered with `timeout_s` where given): both
+    outputs poison on this rank, check_errors raising with one of `causes`;
+    then op(a) against ref(a) after the reset."""
+    x_spec = in_specs[0]
+    specs = (x_spec, x_spec, *in_specs[1:])
+    args = [put(v, s) for v, s in zip((a, b, *extra), specs)]
+    with pk_jax.configured(timeout_s=timeout_s) if timeout_s else contextlib.nullcontext():
         outs = sm(_crossed(op), specs, (out_spec, out_spec))(*args)
-        check(all(_is_poison(local(o)[1]) for o in outs),
-              f"{name}: both mispaired calls' outputs are poison on this rank")
-        try:
-            pk_jax.check_errors()
-            check(False, f"{name}: check_errors raises after mispaired calls")
-        except pk_jax.PkJaxTimeoutError as e:
-            # The first failure a rank records: its wait found the peer's other
-            # layout, or (the peer ran ahead into its next call, whose credit
-            # wait gave up at once after the peer's own failure) its slot was
-            # overwritten while it read it.
-            check("layout" in str(e) or "overwrote" in str(e),
-                  f"{name}: check_errors names the mispairing ({str(e)[:90]}...)")
-        idx, got = local(sm(op, in_specs, out_spec)(args[0], *args[2:]))
-        check(rel(f32(got), ref(a)[idx]) < 2e-2, f"{name}: right again after the reset")
+    check(all(_is_poison(local(o)[1]) for o in outs),
+          f"{name}: both mispaired calls' outputs are poison on this rank")
+    try:
         pk_jax.check_errors()
+        check(False, f"{name}: check_errors raises after mispaired calls")
+    except pk_jax.PkJaxTimeoutError as e:
+        check(any(c in str(e) for c in causes),
+              f"{name}: check_errors names the mispairing ({str(e)[:90]}...)")
+    idx, got = local(sm(op, in_specs, out_spec)(args[0], *args[2:]))
+    check(rel(np.asarray(got, np.float32), ref(a)[idx]) < 2e-2,
+          f"{name}: right again after the reset")
+    pk_jax.check_errors()
+
+
+def _attention(a):
+    """Full attention with q = k = v = a [B, S, H, D], float32 (numpy)."""
+    a = np.asarray(a, np.float32)
+    s = np.einsum("bqhd,bkhd->bhqk", a, a) / np.sqrt(a.shape[-1])
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bkhd->bqhd", p / p.sum(-1, keepdims=True), a)
 
 if __name__ == "__main__":
     main()
