@@ -1,7 +1,8 @@
 """moe_dispatch / moe_combine, pk_jax.flax.MoE and examples/moe.py on a GPU.
 
 Every mechanism: "ld_st" (pk's exchange kernel, xla_ffi/moe.cc), "ragged"
-(the real jax.lax.ragged_all_to_all, which XLA:CPU lacks) and "xla", against
+(the real jax.lax.ragged_all_to_all, which XLA:CPU lacks), "xla" and "auto"
+(on one GPU the local gathers, on two the kernel), against
 the dense reference's values and gradients, outputs poisoned beforehand; the
 example and the benchmark run. One GPU is a world-size-1 expert axis; two
 GPUs (if present) a 2-rank one. Two processes sharing one GPU:
@@ -38,7 +39,7 @@ def _mesh():
     return Mesh(np.array(devices[:n]), ("ep",), axis_types=(AxisType.Explicit,))
 
 
-@pytest.mark.parametrize("mechanism", ["ld_st", "ragged", "xla"])
+@pytest.mark.parametrize("mechanism", ["ld_st", "ragged", "xla", "auto"])
 @pytest.mark.parametrize("k,capacity", [(1, None), (2, None), (8, None), (2, 3)])
 def test_values_and_gradients(rng, mechanism, k, capacity):
     mesh = _mesh()
