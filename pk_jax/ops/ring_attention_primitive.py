@@ -148,9 +148,8 @@ def _cuda(ctx, q, k, v, *, cfg: RingConfig):
     # layout (its stamps carry none): calls of two layouts that pair wrongly
     # wait on different channels, time out and poison their outputs instead
     # of reading each other's blocks.
-    attr = channel_attr(table, "ring_attention",
-                        (cfg.mechanism, cfg.num_comm_ctas, n_pieces) + block_layout(ctx.avals_in[1]),
-                        region_bytes(cfg.n, k_shape))
+    key = (cfg.mechanism, cfg.num_comm_ctas, n_pieces) + block_layout(ctx.avals_in[1])
+    attr = channel_attr(table, "ring_attention", key, region_bytes(cfg.n, k_shape))
     return jax.ffi.ffi_lowering("pk_ring_attention")(
         ctx, q, k, v, scale=np.float32(cfg.scale), causal=bool(cfg.causal),
         zigzag=cfg.layout == "zigzag", pieces=np.int64(n_pieces),
