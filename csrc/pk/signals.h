@@ -37,6 +37,9 @@ inline constexpr int kAllPeers = -1;
 // another trip count) records kErrLayout, and `finish` poisons the call's
 // outputs. Calls of one layout that pair wrongly are not told apart.
 struct PostLayout {
+  // Set in `rows` by a block that moves the other way through the same
+  // channel (the MoE exchange's combine, against its dispatch).
+  static constexpr uint64_t kReturn = uint64_t(1) << 63;
   uint64_t rows = 0;
   uint64_t row_bytes = 0;
 };

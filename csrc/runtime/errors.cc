@@ -1,5 +1,6 @@
 // Runtime: the error records kernels write (pending_errors, recorded_error)
 // and their text (describe).
+#include "pk/signals.h"
 #include "runtime/workspace.h"
 
 #include <iterator>
@@ -51,6 +52,14 @@ std::string waited_for(const ErrorRecord& r) {
   }
 }
 
+// A staged block's layout (signals::PostLayout): rows x row bytes, and the
+// direction when the block moves the return way (the MoE combine).
+std::string layout_text(uint64_t rows, uint64_t row_bytes) {
+  const bool back = rows & signals::PostLayout::kReturn;
+  return std::to_string(rows & ~signals::PostLayout::kReturn) + "x" + std::to_string(row_bytes) +
+         (back ? " returning" : "");
+}
+
 }  // namespace
 
 std::string describe(const ErrorRecord& r, int ordinal) {
@@ -70,9 +79,8 @@ std::string describe(const ErrorRecord& r, int ordinal) {
              " (it gave up waiting; this rank arrived after the timeout); nothing was copied";
       break;
     case kErrLayout:
-      text = where + peer + "'s block layout (" + std::to_string(r.observed) + "x" +
-             std::to_string(r.observed_row_bytes) + ") differs from this rank's (" +
-             std::to_string(r.expected) + "x" + std::to_string(r.expected_row_bytes) +
+      text = where + peer + "'s block layout (" + layout_text(r.observed, r.observed_row_bytes) +
+             ") differs from this rank's (" + layout_text(r.expected, r.expected_row_bytes) +
              ") on a shared channel: two programs ran their collectives in different orders; "
              "the call's outputs are poisoned";
       break;

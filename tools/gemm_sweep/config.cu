@@ -64,11 +64,8 @@ using Configs = std::tuple<
     Entry<Fp8Block<Sm90Tiles<Shape<_128, _128, _128>, Shape<_2, _1, _1>, Block, CoopEpi>>, 2>,
     Entry<Fp8Block<Sm90Tiles<Shape<_64, _128, _128>, Shape<_1, _2, _1>, BlockPingPong,
                              PingPongEpi>>, 2>,
-    Entry<Fp8Tensor<Sm90Tiles<Shape<_256, _128, _128>, Shape<_2, _1, _1>, Fast, CoopEpi>>, 1>,
-    // 192-wide tiles: 2,752 tiles at 8192^3 (20.8 waves on 132 SMs) against 2,048
-    // (15.5) for 128x256, a smaller last wave (benchmarks/NOTES.md, the backward layouts).
-    Entry<Bf16<Sm90Tiles<Shape<_128, _192, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>>, 0>,
-    Entry<Bf16<Sm90Tiles<Shape<_128, _192, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>>, 0>>;
+    // (128x192 bf16 tiles measured 0.85-0.95x pk's: benchmarks/NOTES.md, 2026-12-03.)
+    Entry<Fp8Tensor<Sm90Tiles<Shape<_256, _128, _128>, Shape<_2, _1, _1>, Fast, CoopEpi>>, 1>>;
 constexpr const char* kNames[] = {
     "bf16 128x256x64 c2x1 coop (ops)", "bf16 128x256x64 c1x2 coop",
     "bf16 256x128x64 c1x2 coop",       "bf16 256x128x64 c2x1 coop",
@@ -78,8 +75,7 @@ constexpr const char* kNames[] = {
     "fp8 tensor 256x128x128 c1x2 coop fast", "fp8 tensor 128x128x128 c1x2 pingpong fast",
     "fp8 tensor 128x256x128 c2x1 coop fast streamk",
     "fp8 block 128x128x128 c1x2 coop (ops)", "fp8 block 128x128x128 c2x1 coop",
-    "fp8 block 64x128x128 c1x2 pingpong", "fp8 tensor 256x128x128 c2x1 coop fast",
-    "bf16 128x192x64 c2x1 coop",          "bf16 128x192x64 c1x2 coop"};
+    "fp8 block 64x128x128 c1x2 pingpong", "fp8 tensor 256x128x128 c2x1 coop fast"};
 static_assert(std::tuple_size_v<Configs> == std::size(kNames));
 static_assert(PK_SWEEP_INDEX >= 0 && PK_SWEEP_INDEX < std::tuple_size_v<Configs>,
               "PK_SWEEP_INDEX out of range");

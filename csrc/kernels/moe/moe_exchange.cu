@@ -171,7 +171,8 @@ cudaError_t enqueue_typed(const Params& p) {
     PK_CUDA_TRY(cudaGetLastError());
   }
   // the layout: the tokens, the row bytes and the direction (dispatch or combine)
-  const signals::PostLayout layout{p.rows | (uint64_t(to_rows) << 63), p.row_bytes};
+  const signals::PostLayout layout{p.rows | (to_rows ? signals::PostLayout::kReturn : 0),
+                                   p.row_bytes};
   PK_CUDA_TRY(signals::post(ch, signals::kAllPeers, layout, p.skip_post, s));
   PK_CUDA_TRY(signals::wait_posted(ch, signals::kAllPeers, layout, s));
   if (collect_rows > 0) {
