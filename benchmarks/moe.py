@@ -4,9 +4,10 @@ interleaved rounds. Every row names its baseline: the fastest baseline of
 its op in this run.
 
 Implementations of the exchange (identity experts):
-  * pk: moe_dispatch / moe_combine, mechanism "auto" (pk's exchange kernel;
-    on CPU its primitive's reference); pk_xla: mechanism "xla" (pk's layout,
-    a dense lax.all_to_all);
+  * pk: moe_dispatch / moe_combine, mechanism "auto" (on one device one
+    gather each way, across devices pk's exchange kernel: pk_jax/tuning.py
+    moe_mechanism; on CPU the primitive's reference); pk_xla: mechanism "xla"
+    (pk's layout, a dense lax.all_to_all);
   * baselines at world size 1 (benchmarks/baselines/moe_exchange.py):
     sort_gather: `argsort` of the flattened top-k ids, `x[order // k]`;
     combined either with a weighted `.at[token].add` (+scatter_add) or by

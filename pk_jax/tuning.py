@@ -77,12 +77,12 @@ def moe_mechanism(n: int) -> str:
     top-2 of 8). To confirm across GPUs: `python benchmarks/moe.py --save`
     on 2 GPUs (pk against a2a_capacity and ragged_all_to_all).
 
-    n == 1: "local". PROVISIONAL: nothing crosses devices, so dispatch is one
-    gather of the tokens into the layout's rows and combine one gather back
-    (the form of the sort + gather a user writes on one device, which ran
-    1.1-2.1x pk's exchange kernel there: `moe` and `moe_decode` in
-    benchmarks/RESULTS.md). Settled by `python benchmarks/moe.py --shape
-    train|decode|wide --save` on one GPU (the pk rows against sort_gather).
+    n == 1: "local": nothing crosses devices, so dispatch is one gather of
+    the tokens into the layout's rows and combine one gather back. Measured
+    on one H200 (`moe`, `moe_decode`, `moe_wide` in benchmarks/RESULTS.md,
+    against the sort + gather a user writes there): dispatch 0.86-0.97x,
+    dispatch + combine 0.77-0.98x, where pk's exchange kernel ran 0.83-0.93x
+    and 0.47-0.79x (train and decode shapes): the faster of pk's two.
     """
     return "local" if n == 1 else "ld_st"
 
