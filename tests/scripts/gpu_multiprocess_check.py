@@ -462,18 +462,16 @@ def _check_mispaired(put, sm, name, op, a, b, extra, in_specs, out_spec, ref, ca
     args = [put(v, s) for v, s in zip((a, b, *extra), specs)]
     with pk_jax.configured(timeout_s=timeout_s) if timeout_s else contextlib.nullcontext():
         outs = sm(_crossed(op), specs, (out_spec, out_spec))(*args)
+    got = [local(o) for o in outs]
+    poison = [_is_poison(g) for _, g in got]
     if poison_or_right:
-        fine = []
-        for o, x in zip(outs, (a, b)):
-            idx, got = local(o)
-            fine.append(_is_poison(got) or
-                        rel(np.asarray(got, np.float32), ref(x)[idx]) < 2e-2)
-        check(all(fine), f"{name}: each mispaired call's output is poison or right "
-              f"on this rank, never mixed ({sum(_is_poison(local(o)[1]) for o in outs)} "
-              "poison)")
+        right = [rel(np.asarray(g, np.float32), ref(x)[idx]) < 2e-2
+                 for (idx, g), x in zip(got, (a, b))]
+        check(all(p or r for p, r in zip(poison, right)),
+              f"{name}: each mispaired call's output is poison or right on this rank, "
+              f"never mixed ({sum(poison)} poison)")
     else:
-        check(all(_is_poison(local(o)[1]) for o in outs),
-              f"{name}: both mispaired calls' outputs are poison on this rank")
+        check(all(poison), f"{name}: both mispaired calls' outputs are poison on this rank")
     try:
         pk_jax.check_errors()
         check(False, f"{name}: check_errors raises after mispaired calls")
