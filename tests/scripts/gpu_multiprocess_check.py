@@ -462,11 +462,11 @@ def _check_mispaired(put, sm, name, op, a, b, extra, in_specs, out_spec, ref, ca
     args = [put(v, s) for v, s in zip((a, b, *extra), specs)]
     with pk_jax.configured(timeout_s=timeout_s) if timeout_s else contextlib.nullcontext():
         outs = sm(_crossed(op), specs, (out_spec, out_spec))(*args)
-    got = [local(o) for o in outs]
-    poison = [_is_poison(g) for _, g in got]
+    shards = [local(o) for o in outs]
+    poison = [_is_poison(g) for _, g in shards]
     if poison_or_right:
         right = [rel(np.asarray(g, np.float32), ref(x)[idx]) < 2e-2
-                 for (idx, g), x in zip(got, (a, b))]
+                 for (idx, g), x in zip(shards, (a, b))]
         check(all(p or r for p, r in zip(poison, right)),
               f"{name}: each mispaired call's output is poison or right on this rank, "
               f"never mixed ({sum(poison)} poison)")
