@@ -20,9 +20,11 @@ Implementations of the exchange (identity experts):
     xla_ragged_dispatch / _combine: `lax.ragged_all_to_all`, each row's block
     found with pk's fused compare rather than searchsorted's while loop).
 
-Ops: "dispatch" (the rows grouped by local expert, from [T, H] tokens per
-rank with top-k routing, one jitted call, the layout included) and
-"dispatch_combine" (dispatch then combine); with --shape decode also both as
+Ops: "dispatch" (the rows grouped by local expert and their group sizes,
+from [T, H] tokens per rank with top-k routing, one jitted call, the layout
+included) and "dispatch_combine" (dispatch then combine, the rows written
+and read back between them: an optimization barrier stands for the experts);
+with --shape decode also both as
 CHAIN dependent calls in one program ("_chained", ms per call: the device
 cost a decode step sees, the host's dispatch of a jitted call paid once);
 "moe_layer_fwd_bwd": value_and_grad of the SwiGLU MoE layer (router,
@@ -126,9 +128,19 @@ def _chained(f, e):
     """CHAIN dependent calls of f(x, ids, w) in one program."""
     def g(x, ids, w):
         for i in range(CHAIN):
-            x = f(x, (ids + i) % e, w)[: x.shape[0]]
+            out = f(x, (ids + i) % e, w)
+            x = (out[0] if isinstance(out, tuple) else out)[: x.shape[0]]  # dispatch: its rows
         return x
     return g
+
+
+def _materialized(rows, group_sizes):
+    """The experts of the dispatch + combine rows: none, but the rows are
+    written and read back (an optimization barrier, as the experts' GEMMs
+    would make them); without it XLA composes dispatch's gather and
+    combine's into one and no row is ever written."""
+    del group_sizes
+    return lax.optimization_barrier(rows)
 
 
 def _times_expert(rows, group_sizes):
@@ -146,13 +158,14 @@ def exchange_fns(mesh, e, ex: dict, chained: bool) -> dict:
     sm = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
     fns = {"dispatch": {}, "dispatch_combine": {}, "check": {}}
     for name, (dispatch, combine, base) in ex.items():
-        def dc(x, ids, w, dispatch=dispatch, combine=combine, experts=None):
+        def dc(x, ids, w, dispatch=dispatch, combine=combine, experts=_materialized):
             rows, sizes, state = dispatch(x, ids, "ep", e)
-            return combine(rows if experts is None else experts(rows, sizes), w, state)
+            return combine(experts(rows, sizes), w, state)
         if all(d.keywords.get("dispatch") is not dispatch for d, _ in fns["dispatch"].values()):
-            # one dispatch row for the exchanges that share it (sort_gather+...)
+            # one dispatch row for the exchanges that share it (sort_gather+...): the
+            # rows and their group sizes, what the experts' grouped GEMM reads
             fns["dispatch"][name.split("+")[0]] = (functools.partial(
-                lambda x, ids, w, dispatch: dispatch(x, ids, "ep", e)[0], dispatch=dispatch),
+                lambda x, ids, w, dispatch: dispatch(x, ids, "ep", e)[:2], dispatch=dispatch),
                 base)
         fns["dispatch_combine"][name] = (dc, base)
         fns["check"][name] = (functools.partial(dc, experts=_times_expert), base)

@@ -448,6 +448,55 @@ def test_ld_st_lowers_to_the_kernel(cuda_lowering, mechanism):
     assert sorted(int(ffi_attr(c, "row_bytes")) for c in calls) == [4, 64, 64]
 
 
+def test_one_device_auto_lowers_to_the_row_kernels(cuda_lowering):
+    """On CUDA, `auto` on an axis of one device is pk_moe_gather_rows
+    (dispatch; combine's input gradient, scaled by the weights) and
+    pk_moe_weighted_sum (combine, weighted; dispatch's input gradient), with
+    no collective and no exchange kernel."""
+    mesh = cpu_mesh((1,), ("ep",))
+    ids = jnp.asarray(np.arange(16).reshape(8, 2) % 4, jnp.int32)
+
+    def loss(a):
+        rows, lay = pk_jax.moe_dispatch(a, ids, "ep", num_experts=4)
+        return pk_jax.moe_combine(rows * 2, jnp.full((8, 2), 0.5), lay)
+
+    def fn(a):
+        return jax.grad(lambda b: jnp.sum(loss(b) ** 2))(a)
+    hlo = cuda_lowering(fn, mesh, P("ep"), (8, 16))
+    gathers = re.findall(r"custom_call @pk_moe_gather_rows\((.*)", hlo)
+    sums = re.findall(r"custom_call @pk_moe_weighted_sum\((.*)", hlo)
+    assert sorted(int(ffi_attr(c, "scaled")) for c in gathers) == [0, 1], hlo
+    assert sorted(int(ffi_attr(c, "weighted")) for c in sums) == [0, 1], hlo
+    assert all(int(ffi_attr(c, "repeat")) == 2 for c in gathers)
+    assert "pk_moe_exchange" not in hlo
+    assert not re.search(r"stablehlo\.(all_to_all|all_gather|collective)", hlo)
+
+
+def test_row_primitives_reference(rng):
+    """The one-device primitives' semantics (their CPU lowering) against
+    numpy: indices out of range give zeros (gather) or nothing (sum), the
+    scale is each slot's, the sum is weighted in fp32."""
+    from pk_jax.ops.moe_primitive import gather_rows, weighted_sum
+    src = rng.standard_normal((5, 6)).astype(np.float32)
+    index = np.array([3, -1, 9, 0, 14, 15, 7], np.int32)   # slots of 5 tokens x 3; 15: out
+    scale = rng.random(15).astype(np.float32)
+    got = np.asarray(gather_rows(jnp.asarray(src), jnp.asarray(index), 3, jnp.asarray(scale)))
+    for r, i in enumerate(index):
+        want = src[i // 3] * scale[i] if 0 <= i < 15 else np.zeros(6, np.float32)
+        np.testing.assert_allclose(got[r], want, rtol=1e-6)
+    rows = rng.standard_normal((4, 6)).astype(np.float32)
+    idx = np.array([[0, 3], [-1, 2], [4, 1]], np.int32)     # 4 and -1: no row
+    w = rng.random((3, 2)).astype(np.float32)
+    out = np.asarray(weighted_sum(jnp.asarray(rows), jnp.asarray(idx.reshape(-1)),
+                                  jnp.asarray(w.reshape(-1)), 3))
+    want = np.stack([sum(w[t, j] * rows[i] for j, i in enumerate(idx[t]) if 0 <= i < 4)
+                     for t in range(3)])
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    unweighted = np.asarray(weighted_sum(jnp.asarray(rows), jnp.asarray(idx.reshape(-1)),
+                                         None, 3))
+    np.testing.assert_allclose(unweighted, [rows[0] + rows[3], rows[2], rows[1]], rtol=1e-6)
+
+
 @pytest.mark.parametrize("s", [7, 1000, 2049, 5000])
 def test_rank_within_expert_both_paths(rng, s, monkeypatch):
     """A slot's rank among its expert's slots: the pairwise compare (small

@@ -42,7 +42,8 @@ const std::vector<pk::runtime::KernelLoader>& kernel_loaders() {
       pk::ring_attention::load_kernels, pk::attention_bwd::load_kernels,
       pk::ring_attention_bwd::load_kernels,
       pk::all_reduce::load_kernels,
-      pk::moe::load_kernels,            pk::grouped_matmul::load_kernels,
+      pk::moe::load_kernels,            pk::moe::load_local_kernels,
+      pk::grouped_matmul::load_kernels,
       pk::fp8::load_kernels,
   };
   return loaders;
@@ -70,6 +71,8 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_ring_attention_bwd"] = as_capsule(pk::ffi_handlers::RingAttentionBwd);
     d["pk_all_reduce"] = as_capsule(pk::ffi_handlers::AllReduce);
     d["pk_moe_exchange"] = as_capsule(pk::ffi_handlers::MoeExchange);
+    d["pk_moe_gather_rows"] = as_capsule(pk::ffi_handlers::MoeGatherRows);
+    d["pk_moe_weighted_sum"] = as_capsule(pk::ffi_handlers::MoeWeightedSum);
     d["pk_fp8_quantize"] = as_capsule(pk::ffi_handlers::Fp8Quantize);
     d["pk_fp8_matmul"] = as_capsule(pk::ffi_handlers::Fp8Matmul);
     return d;

@@ -1,6 +1,7 @@
-// FFI handler for the MoE token exchange (pk_jax.moe_dispatch / moe_combine,
-// mechanism "ld_st"): slots to rows (dispatch) or rows to slots (combine),
-// the routing read on the device (kernels/moe/moe.h).
+// FFI handlers of the MoE token exchange (pk_jax.moe_dispatch / moe_combine):
+// mechanism "ld_st", slots to rows (dispatch) or rows to slots (combine); on an
+// expert axis of one device, the rows gathered (dispatch) and each token's
+// rows summed (combine). The routing is read on the device (kernels/moe/moe.h).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -67,7 +68,94 @@ ffi::Error MoeExchangeImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
+// The element type of the one-device kernels' rows (both buffers), or false.
+bool row_type(const ffi::AnyBuffer& src, const ffi::AnyBuffer& out, DType* t) {
+  return src.element_type() == out.element_type() && src.dimensions().size() == 2 &&
+         out.dimensions().size() == 2 && src.dimensions()[1] == out.dimensions()[1] &&
+         ffi_common::to_dtype(src.element_type(), t) && !is_fp8(*t);
+}
+
+// A float32 per-slot vector: `count` entries when `present`, else ignored.
+bool slot_floats(const ffi::AnyBuffer& b, uint64_t count, bool present) {
+  return !present || (b.element_type() == ffi::DataType::F32 && b.element_count() == count);
+}
+
+ffi::Error MoeGatherRowsImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyBuffer index,
+                             ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
+                             int64_t repeat, int32_t scaled) {
+  moe::GatherParams p;
+  if (!row_type(src, *out, &p.type) || !is_s32(index) || repeat <= 0 ||
+      index.element_count() != out->dimensions()[0])
+    return ffi_common::invalid_argument(
+        kOp, "gather_rows takes src [S, H] and out [R, H] of one type (bf16, f16 or f32) and "
+             "an int32 index [R]");
+  p.src_rows = uint64_t(src.dimensions()[0]);
+  p.repeat = uint64_t(repeat);
+  if (!slot_floats(scale, p.src_rows * p.repeat, scaled != 0))
+    return ffi_common::invalid_argument(kOp, "gather_rows' scale must be float32 [S * repeat]");
+  p.src = src.untyped_data();
+  p.out = out->untyped_data();
+  p.index = static_cast<const int32_t*>(index.untyped_data());
+  p.scale = scaled != 0 ? static_cast<const float*>(scale.untyped_data()) : nullptr;
+  p.rows = uint64_t(out->dimensions()[0]);
+  p.cols = uint64_t(out->dimensions()[1]);
+  p.stream = stream;
+  if (cudaError_t err = moe::launch_gather_rows(p); err != cudaSuccess)
+    return ffi_common::cuda_error(kOp, "gather_rows launch", err);
+  return ffi::Error::Success();
+}
+
+ffi::Error MoeWeightedSumImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyBuffer index,
+                              ffi::AnyBuffer weight, ffi::Result<ffi::AnyBuffer> out,
+                              int32_t weighted) {
+  moe::SumParams p;
+  const bool rows_ok = row_type(src, *out, &p.type);
+  const uint64_t tokens = rows_ok ? uint64_t(out->dimensions()[0]) : 0;
+  const uint64_t slots = index.element_count();
+  if (!rows_ok || !is_s32(index) || (tokens == 0 ? slots != 0 : slots % tokens != 0))
+    return ffi_common::invalid_argument(
+        kOp, "weighted_sum takes src [R, H] and out [T, H] of one type (bf16, f16 or f32) and "
+             "an int32 index [T * k]");
+  if (!slot_floats(weight, slots, weighted != 0))
+    return ffi_common::invalid_argument(kOp, "weighted_sum's weight must be float32 [T * k]");
+  p.src = src.untyped_data();
+  p.out = out->untyped_data();
+  p.index = static_cast<const int32_t*>(index.untyped_data());
+  p.weight = weighted != 0 ? static_cast<const float*>(weight.untyped_data()) : nullptr;
+  p.src_rows = uint64_t(src.dimensions()[0]);
+  p.tokens = tokens;
+  p.k = tokens == 0 ? 1 : slots / tokens;
+  p.cols = uint64_t(out->dimensions()[1]);
+  p.stream = stream;
+  if (cudaError_t err = moe::launch_weighted_sum(p); err != cudaSuccess)
+    return ffi_common::cuda_error(kOp, "weighted_sum launch", err);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeGatherRows, MoeGatherRowsImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()                       // src: [S, H] (tokens: S = slots / repeat)
+        .Arg<ffi::AnyBuffer>()                       // index: [R] int32 slot of each row, < 0
+        .Arg<ffi::AnyBuffer>()                       // scale: [slots] float32 (or [0])
+        .Ret<ffi::AnyBuffer>()                       // [R, H]
+        .Attr<int64_t>("repeat")                     // slots per src row
+        .Attr<int32_t>("scaled"),                    // 1: rows times their slot's scale
+    {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeWeightedSum, MoeWeightedSumImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()                       // src: [R, H]
+        .Arg<ffi::AnyBuffer>()                       // index: [T * k] int32 row of each slot
+        .Arg<ffi::AnyBuffer>()                       // weight: [T * k] float32 (or [0])
+        .Ret<ffi::AnyBuffer>()                       // [T, H]
+        .Attr<int32_t>("weighted"),                  // 1: each row times its slot's weight
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MoeExchange, MoeExchangeImpl,

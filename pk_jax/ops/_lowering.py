@@ -5,8 +5,10 @@ that every collective handler takes (xla_ffi/ffi_common.h: ChannelAttrs)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Hashable, Optional
 
+import jax
 import numpy as np
 
 from pk_jax import _cluster, groups, runtime
@@ -86,3 +88,12 @@ def channel_attr(table: np.ndarray, op: str, key: Hashable, data_bytes: int = 0,
         slot=np.int64(ch.slot), data_offset=np.int64(ch.data_offset),
         data_bytes=np.int64(ch.data_bytes), timeout_ns=np.int64(get_config().timeout_ns),
         skip_post_rank=np.int32(runtime.skip_post_rank())))
+
+
+def def_eager_impl(prim) -> None:
+    """Eager calls of `prim` run its lowering through jax.jit (one compiled
+    program per set of parameters)."""
+    @functools.cache
+    def jitted(**params):
+        return jax.jit(functools.partial(prim.bind, **params))
+    prim.def_impl(lambda *args, **params: jitted(**params)(*args))

@@ -26,8 +26,6 @@ out.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,7 +35,7 @@ from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
 from pk_jax._compat import vary_alike
-from pk_jax.ops._lowering import kernels_missing
+from pk_jax.ops._lowering import def_eager_impl, kernels_missing
 
 quantize_p = Primitive("pk_fp8_quantize")
 quantize_p.multiple_results = True
@@ -228,16 +226,11 @@ def _matmul_cuda(ctx, a, b, sa, sb, *, scaling, b_row_blocks, out_dtype):
         ctx, a, b, sa, sb, scaling=np.int32(SCALING[scaling]), b_row_blocks=b_row_blocks)
 
 
-@functools.cache
-def _jitted(prim, **params):
-    return jax.jit(functools.partial(prim.bind, **params))
-
-
-quantize_p.def_impl(lambda *args, **params: _jitted(quantize_p, **params)(*args))
+def_eager_impl(quantize_p)
 quantize_p.def_abstract_eval(_quantize_abstract)
 mlir.register_lowering(quantize_p, _quantize_reference_lowering)
 mlir.register_lowering(quantize_p, _quantize_cuda, platform="cuda")
-matmul_p.def_impl(lambda *args, **params: _jitted(matmul_p, **params)(*args))
+def_eager_impl(matmul_p)
 matmul_p.def_abstract_eval(_matmul_abstract)
 mlir.register_lowering(matmul_p, _matmul_reference_lowering)
 mlir.register_lowering(matmul_p, _matmul_cuda, platform="cuda")

@@ -37,9 +37,13 @@ linear and each other's transposes (custom_vjp pairs them), so moe_dispatch's
 backward runs combine's exchange and moe_combine's backward runs dispatch's.
 combine's output is differentiable in the router weights.
 
-Mechanisms ("auto": pk_jax/tuning.py: on one device "local", one gather each
-way since nothing crosses devices; else "ld_st", falling back to "xla"'s dense
-exchange, with a one-time warning, on an axis where the kernel cannot run):
+Mechanisms ("auto": pk_jax/tuning.py: on one device "local", where nothing
+crosses devices: dispatch's rows gathered from their tokens by one kernel
+(`pk_moe_gather_rows`) and combine's weighted sum of each token's rows read
+where they lie by another (`pk_moe_weighted_sum`, no [T * k, H]
+intermediate), the two each other's transposes; else "ld_st", falling back
+to "xla"'s dense exchange, with a one-time warning, on an axis where the
+kernel cannot run):
   "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): dispatch
     stores each slot's token row into its destination rank's staging region
     (straight into the output when it stays on this rank), posts a flag per
@@ -74,7 +78,8 @@ from pk_jax import groups, tuning
 from pk_jax._args import INT32_MAX
 from pk_jax._compat import make_varying
 from pk_jax.ops.all_gather import all_gather as _pk_all_gather
-from pk_jax.ops.moe_primitive import ExchangeConfig, expand_mask, moe_exchange_p
+from pk_jax.ops.moe_primitive import (ExchangeConfig, expand_mask, gather_rows, moe_exchange_p,
+                                      weighted_sum)
 
 MECHANISMS = ("auto", "ld_st", "ragged", "xla")
 
@@ -299,9 +304,13 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
                     dest_row.reshape(cfg.tokens, cfg.top_k), dropped, invalid,
                     pair[me], pair[:, me], _exclusive_cumsum(pair, 0)[me],
                     _exclusive_cumsum(pair, 1)[:, me], send_index, recv_index, cfg)
-    # Source slots travel with the rows (the receiver cannot derive them).
-    slot_ids = jnp.arange(1, s + 1, dtype=jnp.int32)[:, None]
-    src_slot = _exchange(slot_ids, lay, to_rows=True)[:, 0] - 1
+    if cfg.mechanism == "local":  # one device: every kept slot's row is here
+        src_slot = jnp.full((cfg.num_rows,), -1, jnp.int32).at[
+            jnp.where(dest_row >= 0, dest_row, cfg.num_rows)].set(
+                jnp.arange(s, dtype=jnp.int32), mode="drop")
+    else:  # source slots travel with the rows (the receiver cannot derive them)
+        slot_ids = jnp.arange(1, s + 1, dtype=jnp.int32)[:, None]
+        src_slot = _exchange(slot_ids, lay, to_rows=True)[:, 0] - 1
     return dataclasses.replace(lay, src_slot=src_slot)
 
 
@@ -335,8 +344,6 @@ def _exchange(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int = 1) -> j
     cfg = lay.cfg
     if cfg.mechanism == "ld_st":
         return _kernel_exchange(x, lay, to_rows, repeat)
-    if cfg.mechanism == "local":
-        return _local_move(x, lay, to_rows, repeat)
     if repeat > 1:
         x = jnp.repeat(x, repeat, axis=0)
     slots = _Side(lay.dest_rank.reshape(-1), lay.send_index, lay.send_counts)
@@ -360,22 +367,6 @@ def _kernel_exchange(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int) -
     return moe_exchange_p.bind(*args, cfg=ExchangeConfig(cfg.axis_names, cfg.axis_size,
                                                          to_slots=not to_rows, repeat=repeat,
                                                          forced=cfg.forced))
-
-
-def _local_move(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int) -> jax.Array:
-    """The exchange on an axis of one device: every kept slot's row is
-    `dest_row` on this device, so each direction is one gather (rows from
-    their slot's token, or slots from their row), zeros where nothing is."""
-    row = lay.dest_row.reshape(-1)                                    # [T * k], -1: none
-    if to_rows:
-        s, rows = row.shape[0], lay.cfg.num_rows
-        slot = jnp.full((rows,), -1, jnp.int32).at[jnp.where(row >= 0, row, rows)].set(
-            jnp.arange(s, dtype=jnp.int32), mode="drop")              # the slot of each row
-        got, src = slot >= 0, jnp.maximum(slot, 0) // repeat
-    else:
-        got, src = row >= 0, jnp.maximum(row, 0)
-    out = x[src]
-    return jnp.where(expand_mask(got, out), out, 0)
 
 
 def _ragged_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
@@ -413,12 +404,16 @@ def _dense_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
 
 
 def _tokens_to_rows(x: jax.Array, lay: MoeLayout) -> jax.Array:
+    if lay.cfg.mechanism == "local":  # one gather: each row from its slot's token
+        return gather_rows(x, lay.src_slot, repeat=lay.cfg.top_k)
     return _exchange(x, lay, to_rows=True, repeat=lay.cfg.top_k)
 
 
 def _rows_to_tokens_sum(dy: jax.Array, lay: MoeLayout) -> jax.Array:
     """The transpose of _tokens_to_rows: each token's k slots summed (fp32)."""
     cfg = lay.cfg
+    if cfg.mechanism == "local":  # each token's rows, summed where they lie
+        return weighted_sum(dy, lay.dest_row.reshape(-1), None, cfg.tokens)
     slots = _exchange(dy, lay, to_rows=False)
     return slots.reshape(cfg.tokens, cfg.top_k, -1).astype(jnp.float32).sum(1).astype(dy.dtype)
 
@@ -438,6 +433,41 @@ def _transposed_pair(forward: Callable, backward: Callable) -> Callable:
 _to_experts = _transposed_pair(_tokens_to_rows, _rows_to_tokens_sum)      # tokens -> rows
 _from_experts = _transposed_pair(functools.partial(_exchange, to_rows=False),
                                  functools.partial(_exchange, to_rows=True))  # rows -> slots
+
+
+def _weighted(weights: jax.Array, slots: jax.Array) -> jax.Array:
+    """[T, k] weights and [T, k, H] slot rows -> [T, H], fp32."""
+    return jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), slots.astype(jnp.float32))
+
+
+@jax.custom_vjp
+def _combine_local(y: jax.Array, weights: jax.Array, lay: MoeLayout) -> jax.Array:
+    """moe_combine on an axis of one device: each token's k rows read where
+    they lie and summed, weighted (one weighted_sum); the gradients are y's
+    rows gathered from their tokens times their slot's weight and, for the
+    weights, the transpose of the weighted sum on the slots' rows."""
+    return weighted_sum(y, lay.dest_row.reshape(-1), weights.reshape(-1), lay.cfg.tokens)
+
+
+def _combine_local_fwd(y, weights, lay):
+    return _combine_local(y, weights, lay), (y, weights, lay)
+
+
+def _combine_local_bwd(res, dout):
+    y, weights, lay = res
+    cfg = lay.cfg
+    dy = gather_rows(dout, lay.src_slot, repeat=cfg.top_k,
+                     scale=weights.astype(jnp.float32).reshape(-1))
+    row = lay.dest_row.reshape(-1)
+    slots = y[jnp.maximum(row, 0)]
+    slots = jnp.where(expand_mask(row >= 0, slots), slots, 0).reshape(
+        cfg.tokens, cfg.top_k, y.shape[1])
+    _, weights_vjp = jax.vjp(lambda w: _weighted(w, slots), weights.astype(jnp.float32))
+    dw, = weights_vjp(dout.astype(jnp.float32))
+    return dy, dw.astype(weights.dtype), None
+
+
+_combine_local.defvjp(_combine_local_fwd, _combine_local_bwd)
 
 
 # ---- public API ------------------------------------------------------------------
@@ -511,6 +541,7 @@ def moe_combine(y: jax.Array, weights: jax.Array, layout: MoeLayout) -> jax.Arra
     for what, a in (("y", y), ("weights", weights)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise ValueError(f"pk_jax.moe_combine: {what} must be floating point, got {a.dtype}")
+    if cfg.mechanism == "local":
+        return _combine_local(y, weights, layout)
     slots = _from_experts(y, layout).reshape(cfg.tokens, cfg.top_k, y.shape[1])
-    out = jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), slots.astype(jnp.float32))
-    return out.astype(y.dtype)
+    return _weighted(weights, slots).astype(y.dtype)

@@ -1,5 +1,6 @@
-"""The primitive of the MoE token exchange (pk_jax.moe_dispatch /
-moe_combine, mechanism "ld_st").
+"""The primitives of the MoE token exchange (pk_jax.moe_dispatch /
+moe_combine): pk's exchange kernel (mechanism "ld_st") and, on an expert
+axis of one device, the two row movements of the layout.
 
 `pk_moe_exchange`: (src, slot_peer [S] int32, slot_row [S] int32, row_src
 [R] int32) -> out. The routing, in slot terms: slot i has its row on rank
@@ -17,6 +18,19 @@ directions; pk_jax/ops/moe.py pairs them as each other's transposes
 extension built, the FFI kernel of xla_ffi/moe.cc; elsewhere (and where the
 kernel cannot run on the axis under "auto") a dense `lax.all_to_all` of
 [n, R] blocks.
+
+On one device (no collective; moe.py pairs them in its custom_vjps):
+  * `pk_moe_gather_rows`: (src [S, H], index [R] int32, scale [S * repeat]
+    float32 or [0]) -> [R, H]: row r = scale[i] * src[i // repeat] for i =
+    index[r], zeros where i is outside [0, S * repeat) (dispatch's rows;
+    combine's input gradient, scaled by each slot's weight);
+  * `pk_moe_weighted_sum`: (src [R, H], index [T * k] int32, weight [T * k]
+    float32 or [0]) -> [T, H]: row t = the sum over j of weight[t * k + j] *
+    src[index[t * k + j]] in fp32, rows outside [0, R) left out (combine;
+    dispatch's input gradient, unweighted).
+Both lower to their FFI kernels on CUDA with the extension built, elsewhere
+to the same arithmetic in XLA (bit for bit what the other exchanges give on
+CPU).
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pk_jax.ops._lowering import channel_attr, kernel_group
+from pk_jax.ops._lowering import channel_attr, def_eager_impl, kernel_group, kernels_missing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,3 +116,88 @@ def _cuda_lowering(ctx, src, slot_peer, slot_row, row_src, *, cfg: ExchangeConfi
 moe_exchange_p.def_abstract_eval(_abstract_eval)
 mlir.register_lowering(moe_exchange_p, _reference_lowering)
 mlir.register_lowering(moe_exchange_p, _cuda_lowering, platform="cuda")
+
+
+# ---- one device: the rows gathered and summed ---------------------------------------
+moe_gather_rows_p = Primitive("pk_moe_gather_rows")
+moe_weighted_sum_p = Primitive("pk_moe_weighted_sum")
+
+
+def _no_floats():
+    return jnp.zeros((0,), jnp.float32)
+
+
+def gather_rows(src: jax.Array, index: jax.Array, repeat: int = 1,
+                scale: jax.Array | None = None) -> jax.Array:
+    """[len(index), H]: row r = scale[i] * src[i // repeat], i = index[r]
+    (zeros where i is out of range); src [S, H], scale [S * repeat] or None."""
+    scaled = scale is not None
+    return moe_gather_rows_p.bind(src, index.astype(jnp.int32),
+                                  scale.astype(jnp.float32) if scaled else _no_floats(),
+                                  repeat=int(repeat), scaled=scaled)
+
+
+def weighted_sum(src: jax.Array, index: jax.Array, weight: jax.Array | None,
+                 tokens: int) -> jax.Array:
+    """[tokens, H]: row t = sum_j weight[t, j] * src[index[t, j]] (fp32,
+    rows out of range left out; weight None: 1), in src's dtype; index and
+    weight [tokens * k]."""
+    weighted = weight is not None
+    return moe_weighted_sum_p.bind(src, index.astype(jnp.int32),
+                                   weight.astype(jnp.float32) if weighted else _no_floats(),
+                                   tokens=int(tokens), weighted=weighted)
+
+
+def _gather_abstract(src, index, scale, *, repeat: int, scaled: bool):
+    return src.update(shape=(index.shape[0],) + src.shape[1:])
+
+
+def _sum_abstract(src, index, weight, *, tokens: int, weighted: bool):
+    return src.update(shape=(tokens,) + src.shape[1:])
+
+
+def reference_gather_rows(src, index, scale, *, repeat: int, scaled: bool):
+    got = (index >= 0) & (index < src.shape[0] * repeat)
+    i = jnp.where(got, index, 0)
+    out = src[i // repeat]
+    if scaled:
+        out = (out.astype(jnp.float32) * expand_mask(scale[i], out)).astype(src.dtype)
+    return jnp.where(expand_mask(got, out), out, 0)
+
+
+def reference_weighted_sum(src, index, weight, *, tokens: int, weighted: bool):
+    got = (index >= 0) & (index < src.shape[0])
+    rows = src[jnp.where(got, index, 0)]
+    slots = jnp.where(expand_mask(got, rows), rows, 0).astype(jnp.float32)
+    slots = slots.reshape((tokens, -1) + src.shape[1:])
+    if not weighted:
+        return slots.sum(1).astype(src.dtype)
+    return jnp.einsum("tk,tkh->th", weight.reshape(tokens, -1), slots).astype(src.dtype)
+
+
+def _local_lowering(reference, ffi):
+    """(reference lowering, CUDA lowering) of a one-device primitive: the FFI
+    kernel `ffi` (jax.ffi.ffi_lowering of its target) where the extension
+    runs, else the reference after a one-time warning."""
+    def ref(ctx, *args, **params):
+        return mlir.lower_fun(lambda *a: reference(*a, **params), multiple_results=False)(
+            ctx, *args)
+
+    def cuda(ctx, *args, **params):
+        if kernels_missing("moe"):
+            return ref(ctx, *args, **params)
+        attrs = {k: np.int64(v) if isinstance(v, int) and not isinstance(v, bool)
+                 else np.int32(v) for k, v in params.items() if k != "tokens"}
+        return ffi(ctx, *args, **attrs)
+    return ref, cuda
+
+
+for _p, _abstract, _lowerings in (
+        (moe_gather_rows_p, _gather_abstract,
+         _local_lowering(reference_gather_rows, jax.ffi.ffi_lowering("pk_moe_gather_rows"))),
+        (moe_weighted_sum_p, _sum_abstract,
+         _local_lowering(reference_weighted_sum, jax.ffi.ffi_lowering("pk_moe_weighted_sum")))):
+    def_eager_impl(_p)
+    _p.def_abstract_eval(_abstract)
+    mlir.register_lowering(_p, _lowerings[0])
+    mlir.register_lowering(_p, _lowerings[1], platform="cuda")

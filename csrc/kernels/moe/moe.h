@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/common/dtype.h"
 #include "pk/channel.h"
 #include "pk/layout.h"
 
@@ -59,7 +60,47 @@ inline size_t staging_bytes(uint64_t rows, uint64_t row_bytes) {
 // out of staging into dst, finish (done flags, poison on failure, epoch).
 cudaError_t launch_exchange(const Params& p);
 
-// Load the exchange kernels on the current device (no lazy load while a peer spins).
+// ---- one device (moe_local.cu): the layout's rows moved on this GPU alone ----
+// gather_rows: out [rows] row r = scale[index[r]] * src row index[r] / repeat
+// (scale null: 1), zeros where index[r] is outside [0, src_rows * repeat).
+// Dispatch (index: each row's slot, repeat k) and combine's input gradient
+// (the slot's router weight as scale, repeat k).
+struct GatherParams {
+  DType type = DType::kBF16;          // of src and out (bf16, f16 or f32)
+  const void* src = nullptr;          // [src_rows, cols]
+  void* out = nullptr;                // [rows, cols]
+  const int32_t* index = nullptr;     // [rows] the slot of each row, < 0: none
+  const float* scale = nullptr;       // [src_rows * repeat] per slot, or null
+  uint64_t src_rows = 0;
+  uint64_t rows = 0;
+  uint64_t cols = 0;
+  uint64_t repeat = 1;
+  cudaStream_t stream = nullptr;
+};
+
+// weighted_sum: out [tokens] row t = sum over j < k of weight[t * k + j] *
+// src row index[t * k + j] (weight null: 1), accumulated in fp32 in j order,
+// rows outside [0, src_rows) skipped. Combine (index: each slot's row) and
+// dispatch's input gradient (no weights).
+struct SumParams {
+  DType type = DType::kBF16;          // of src and out
+  const void* src = nullptr;          // [src_rows, cols]
+  void* out = nullptr;                // [tokens, cols]
+  const int32_t* index = nullptr;     // [tokens * k] the row of each slot, < 0: none
+  const float* weight = nullptr;      // [tokens * k], or null
+  uint64_t src_rows = 0;
+  uint64_t tokens = 0;
+  uint64_t k = 1;
+  uint64_t cols = 0;
+  cudaStream_t stream = nullptr;
+};
+
+cudaError_t launch_gather_rows(const GatherParams& p);
+cudaError_t launch_weighted_sum(const SumParams& p);
+
+// Load the exchange kernels on the current device (no lazy load while a peer
+// spins), and the one-device kernels.
 cudaError_t load_kernels();
+cudaError_t load_local_kernels();
 
 }  // namespace pk::moe

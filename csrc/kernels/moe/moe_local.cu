@@ -1,0 +1,215 @@
+// MoE rows on one device (pk_jax.moe_dispatch / moe_combine on an expert
+// axis of one GPU): the layout's two row movements as row kernels, a block
+// per row (grid-strided), 16-byte accesses where the rows allow them.
+//
+//   gather_rows:  out[r] = scale[i] * src[i / repeat], i = index[r] (zeros
+//                 where i is out of range): dispatch's rows from the tokens
+//                 (the k copies of a token are never materialized), and
+//                 combine's input gradient (scale: each slot's weight).
+//   weighted_sum: out[t] = sum_j weight[t, j] * src[index[t, j]] in fp32, j
+//                 in order: combine (each token's k rows, no [T * k, H]
+//                 intermediate), and dispatch's input gradient (no weights).
+// No collective, no channel: the routing arrays are read on the device.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <array>
+
+#include "kernels/moe/moe.h"
+#include "pk/cuda_check.h"
+#include "pk/type_tag.h"
+
+namespace pk::moe {
+namespace {
+
+// ---- launch config ---------------------------------------------------------
+constexpr int kThreads = 128;
+constexpr uint64_t kMaxBlocks = 4096;  // rows are grid-strided beyond this
+constexpr int kUnroll = 4;             // vectors in flight per thread
+
+// W elements of T: one 16-byte access when W * sizeof(T) == 16.
+template <typename T, int W>
+struct alignas(sizeof(T) * W) Pack {
+  T v[W];
+};
+
+// ---- arguments -------------------------------------------------------------
+template <typename T>
+struct GatherArgs {
+  const T* __restrict__ src;
+  T* __restrict__ out;
+  const int32_t* __restrict__ index;
+  const float* __restrict__ scale;
+  uint64_t slots;  // src_rows * repeat: the valid range of index
+  uint64_t rows;
+  uint64_t cols;
+  uint64_t repeat;
+};
+
+template <typename T>
+struct SumArgs {
+  const T* __restrict__ src;
+  T* __restrict__ out;
+  const int32_t* __restrict__ index;
+  const float* __restrict__ weight;
+  uint64_t src_rows;
+  uint64_t tokens;
+  uint64_t k;
+  uint64_t cols;
+};
+
+// ---- roles -----------------------------------------------------------------
+template <typename T, int W>
+__device__ __forceinline__ Pack<T, W> scaled(Pack<T, W> p, float s) {
+#pragma unroll
+  for (int e = 0; e < W; ++e) p.v[e] = T(s * float(p.v[e]));
+  return p;
+}
+
+// Row r of the output: kUnroll vectors loaded before any is stored.
+template <typename T, int W>
+__device__ __forceinline__ void gather_row(const GatherArgs<T>& a, uint64_t r) {
+  using P = Pack<T, W>;
+  const uint64_t vecs = a.cols / W;
+  P* out = reinterpret_cast<P*>(a.out) + r * vecs;
+  const int64_t i = a.index[r];
+  if (i < 0 || uint64_t(i) >= a.slots) {
+    for (uint64_t v = threadIdx.x; v < vecs; v += blockDim.x) out[v] = P{};
+    return;
+  }
+  const P* in = reinterpret_cast<const P*>(a.src) + (uint64_t(i) / a.repeat) * vecs;
+  const float s = a.scale == nullptr ? 1.f : a.scale[i];
+  const uint64_t step = uint64_t(blockDim.x) * kUnroll;
+  for (uint64_t v0 = threadIdx.x; v0 < vecs; v0 += step) {
+    P got[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + uint64_t(u) * blockDim.x;
+      if (v < vecs) got[u] = in[v];
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + uint64_t(u) * blockDim.x;
+      if (v < vecs) out[v] = a.scale == nullptr ? got[u] : scaled(got[u], s);
+    }
+  }
+}
+
+// Row t of the output: its k source rows summed in fp32 (j in order),
+// weighted; kUnroll rows loaded before any is added.
+template <typename T, int W>
+__device__ __forceinline__ void sum_row(const SumArgs<T>& a, uint64_t t) {
+  using P = Pack<T, W>;
+  const uint64_t vecs = a.cols / W;
+  const P* in = reinterpret_cast<const P*>(a.src);
+  P* out = reinterpret_cast<P*>(a.out) + t * vecs;
+  const int32_t* index = a.index + t * a.k;
+  const float* weight = a.weight == nullptr ? nullptr : a.weight + t * a.k;
+  for (uint64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+    float acc[W] = {};
+    for (uint64_t j0 = 0; j0 < a.k; j0 += kUnroll) {
+      P got[kUnroll];
+      bool has[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t row = j0 + u < a.k ? index[j0 + u] : -1;
+        has[u] = row >= 0 && uint64_t(row) < a.src_rows;
+        got[u] = has[u] ? in[uint64_t(row) * vecs + v] : P{};
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!has[u]) continue;
+        const float w = weight == nullptr ? 1.f : weight[j0 + u];
+#pragma unroll
+        for (int e = 0; e < W; ++e) acc[e] += w * float(got[u].v[e]);
+      }
+    }
+    P o;
+#pragma unroll
+    for (int e = 0; e < W; ++e) o.v[e] = T(acc[e]);
+    out[v] = o;
+  }
+}
+
+// ---- entry points ----------------------------------------------------------
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads)
+    gather_rows_kernel(const __grid_constant__ GatherArgs<T> a) {
+  for (uint64_t r = blockIdx.x; r < a.rows; r += gridDim.x) gather_row<T, W>(a, r);
+}
+
+template <typename T, int W>
+__global__ void __launch_bounds__(kThreads)
+    weighted_sum_kernel(const __grid_constant__ SumArgs<T> a) {
+  for (uint64_t t = blockIdx.x; t < a.tokens; t += gridDim.x) sum_row<T, W>(a, t);
+}
+
+int grid(uint64_t rows) { return int(std::clamp<uint64_t>(rows, 1, kMaxBlocks)); }
+
+// f(TypeTag<T>{}) for the element type.
+template <typename F>
+cudaError_t with_type(DType t, F&& f) {
+  switch (t) {
+    case DType::kBF16: return f(TypeTag<__nv_bfloat16>{});
+    case DType::kF16:  return f(TypeTag<__half>{});
+    case DType::kF32:  return f(TypeTag<float>{});
+    default:           return cudaErrorInvalidValue;
+  }
+}
+
+// 16 bytes of T a vector when every row (and base address) allows it, else one element.
+template <typename T>
+bool wide(uint64_t cols, const void* a, const void* b) {
+  constexpr uint64_t kWide = 16 / sizeof(T);
+  const uintptr_t bits = reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b);
+  return cols % kWide == 0 && bits % 16 == 0;
+}
+
+}  // namespace
+
+cudaError_t launch_gather_rows(const GatherParams& p) {
+  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+  return with_type(p.type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const GatherArgs<T> a{static_cast<const T*>(p.src), static_cast<T*>(p.out), p.index,
+                          p.scale, p.src_rows * p.repeat, p.rows, p.cols, p.repeat};
+    if (wide<T>(p.cols, p.src, p.out))
+      gather_rows_kernel<T, 16 / sizeof(T)><<<grid(p.rows), kThreads, 0, p.stream>>>(a);
+    else
+      gather_rows_kernel<T, 1><<<grid(p.rows), kThreads, 0, p.stream>>>(a);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t launch_weighted_sum(const SumParams& p) {
+  if (p.tokens == 0 || p.cols == 0) return cudaSuccess;
+  return with_type(p.type, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const SumArgs<T> a{static_cast<const T*>(p.src), static_cast<T*>(p.out), p.index, p.weight,
+                       p.src_rows, p.tokens, p.k, p.cols};
+    if (wide<T>(p.cols, p.src, p.out))
+      weighted_sum_kernel<T, 16 / sizeof(T)><<<grid(p.tokens), kThreads, 0, p.stream>>>(a);
+    else
+      weighted_sum_kernel<T, 1><<<grid(p.tokens), kThreads, 0, p.stream>>>(a);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t load_local_kernels() {
+  for (DType t : {DType::kBF16, DType::kF16, DType::kF32}) {
+    PK_CUDA_TRY(with_type(t, [](auto tag) {
+      using T = typename decltype(tag)::type;
+      constexpr int kWide = 16 / sizeof(T);
+      const std::array kernels{reinterpret_cast<const void*>(gather_rows_kernel<T, kWide>),
+                               reinterpret_cast<const void*>(gather_rows_kernel<T, 1>),
+                               reinterpret_cast<const void*>(weighted_sum_kernel<T, kWide>),
+                               reinterpret_cast<const void*>(weighted_sum_kernel<T, 1>)};
+      for (const void* k : kernels) PK_CUDA_TRY(preload_kernel(k));
+      return cudaSuccess;
+    }));
+  }
+  return cudaSuccess;
+}
+
+}  // namespace pk::moe
