@@ -449,7 +449,7 @@ def test_ld_st_lowers_to_the_kernel(cuda_lowering, mechanism):
 
 
 def test_one_device_auto_lowers_to_the_row_kernels(cuda_lowering):
-    """On CUDA, `auto` on an axis of one device is pk_moe_gather_rows
+    """On CUDA, `auto` on an axis of one device is pk_moe_scatter_rows
     (dispatch; combine's input gradient, scaled by the weights) and
     pk_moe_weighted_sum (combine, weighted; dispatch's input gradient), with
     no collective and no exchange kernel."""
@@ -463,7 +463,7 @@ def test_one_device_auto_lowers_to_the_row_kernels(cuda_lowering):
     def fn(a):
         return jax.grad(lambda b: jnp.sum(loss(b) ** 2))(a)
     hlo = cuda_lowering(fn, mesh, P("ep"), (8, 16))
-    gathers = re.findall(r"custom_call @pk_moe_gather_rows\((.*)", hlo)
+    gathers = re.findall(r"custom_call @pk_moe_scatter_rows\((.*)", hlo)
     sums = re.findall(r"custom_call @pk_moe_weighted_sum\((.*)", hlo)
     assert sorted(int(ffi_attr(c, "scaled")) for c in gathers) == [0, 1], hlo
     assert sorted(int(ffi_attr(c, "weighted")) for c in sums) == [0, 1], hlo
@@ -476,12 +476,16 @@ def test_row_primitives_reference(rng):
     """The one-device primitives' semantics (their CPU lowering) against
     numpy: indices out of range give zeros (gather) or nothing (sum), the
     scale is each slot's, the sum is weighted in fp32."""
-    from pk_jax.ops.moe_primitive import gather_rows, weighted_sum
+    from pk_jax.ops.moe_primitive import scatter_rows, weighted_sum
     src = rng.standard_normal((5, 6)).astype(np.float32)
-    index = np.array([3, -1, 9, 0, 14, 15, 7], np.int32)   # slots of 5 tokens x 3; 15: out
+    row_slot = np.array([3, -1, 9, 0, 14, 15, 7], np.int32)   # slots of 5 tokens x 3; 15: out
+    dest = np.full(15, -1, np.int32)
+    dest[row_slot[(row_slot >= 0) & (row_slot < 15)]] = np.flatnonzero(
+        (row_slot >= 0) & (row_slot < 15))
     scale = rng.random(15).astype(np.float32)
-    got = np.asarray(gather_rows(jnp.asarray(src), jnp.asarray(index), 3, jnp.asarray(scale)))
-    for r, i in enumerate(index):
+    got = np.asarray(scatter_rows(jnp.asarray(src), jnp.asarray(dest), jnp.asarray(row_slot), 3,
+                                  jnp.asarray(scale)))
+    for r, i in enumerate(row_slot):
         want = src[i // 3] * scale[i] if 0 <= i < 15 else np.zeros(6, np.float32)
         np.testing.assert_allclose(got[r], want, rtol=1e-6)
     rows = rng.standard_normal((4, 6)).astype(np.float32)
@@ -498,10 +502,11 @@ def test_row_primitives_reference(rng):
 
 
 @pytest.mark.parametrize("s", [7, 1000, 2049, 5000])
-def test_rank_within_expert_both_paths(rng, s, monkeypatch):
-    """A slot's rank among its expert's slots: the pairwise compare (small
-    calls) and the sort (large ones) against a numpy count, on both sides of
-    the size that picks between them."""
+def test_counts_and_ranks_every_path(rng, s, monkeypatch):
+    """Each key's count (a compare, or a scatter-add) and a slot's rank among
+    its key's slots (the pairwise compare of small calls, or the sort of
+    large ones), against a numpy count, on both sides of the sizes that pick
+    between them."""
     from pk_jax.ops import moe as moe_mod
     e = 9
     key = rng.integers(0, e + 1, size=s).astype(np.int32)
@@ -510,10 +515,12 @@ def test_rank_within_expert_both_paths(rng, s, monkeypatch):
     for i, kk in enumerate(key):
         want[i] = seen[kk]
         seen[kk] += 1
-    for limit in (0, 1 << 30):   # sort, pairwise
-        monkeypatch.setattr(moe_mod, "_PAIRWISE_RANK_SLOTS", limit)
-        got = moe_mod._rank_within_expert(jnp.asarray(key), e)   # eager: traced per call
-        np.testing.assert_array_equal(np.asarray(got), want)
+    for pairwise, compare in ((0, 1 << 30), (0, 0), (1 << 30, 0), (1 << 30, 1 << 30)):
+        monkeypatch.setattr(moe_mod, "_PAIRWISE_RANK_SLOTS", pairwise)
+        monkeypatch.setattr(moe_mod, "_COMPARE_COUNT_WORK", compare)
+        counts, q = moe_mod._counts_and_ranks(jnp.asarray(key), e)   # eager: traced per call
+        np.testing.assert_array_equal(np.asarray(q), want)
+        np.testing.assert_array_equal(np.asarray(counts), seen)
 
 
 @pytest.mark.parametrize("capacity", [None, 3])

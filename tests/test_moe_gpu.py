@@ -78,10 +78,11 @@ def test_values_and_gradients(rng, mechanism, k, capacity):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("cols", [7168, 36, 5])   # 16-byte vectors; narrower rows
 def test_one_device_row_kernels_match_reference(rng, dtype, cols):
-    """pk_moe_gather_rows and pk_moe_weighted_sum on the GPU against their
-    XLA references (moe_primitive.py) on fresh random rows, indices out of
-    range included, outputs poisoned beforehand: the gather bit for bit, the
-    fp32 sum to rounding."""
+    """pk_moe_scatter_rows and pk_moe_weighted_sum on the GPU against their
+    XLA references (moe_primitive.py) on fresh random rows and a random
+    partial layout (slots without a row, rows without a slot, indices out of
+    range), outputs poisoned beforehand: the scatter bit for bit, the fp32
+    sum to rounding."""
     mesh = _mesh()
     if not runtime.available():
         pytest.skip(f"pk_jax extension unavailable: {runtime.extension_error()}")
@@ -89,16 +90,24 @@ def test_one_device_row_kernels_match_reference(rng, dtype, cols):
     t, k, rows = 96, 3, 200
     src = jnp.asarray(rng.standard_normal((t, cols)), dtype)
     y = jnp.asarray(rng.standard_normal((rows, cols)), dtype)
-    slot_of_row = jnp.asarray(rng.integers(-2, t * k + 3, rows), jnp.int32)
+    kept = rng.permutation(t * k)[:150]                       # slots with a row
+    dest = np.full(t * k, -1, np.int32)
+    dest[kept] = rng.permutation(rows)[:150]
+    row_slot = np.full(rows, -1, np.int32)
+    row_slot[dest[kept]] = kept
+    dest[rng.choice(np.flatnonzero(dest < 0), 2)] = rows + 3  # out of range: no row
+    row_slot[np.flatnonzero(row_slot < 0)[:2]] = t * k + 5    # out of range: zeros
+    dest, row_slot = jnp.asarray(dest), jnp.asarray(row_slot)
     row_of_slot = jnp.asarray(rng.integers(-2, rows + 3, t * k), jnp.int32)
     scale = jnp.asarray(rng.random(t * k), jnp.float32)
-    gather = jax.jit(lambda s, i, c: mp.gather_rows(s, i, k, c))
+    scatter = jax.jit(lambda s, d, r, c: mp.scatter_rows(s, d, r, k, c))
     summed = jax.jit(lambda s, i, w: mp.weighted_sum(s, i, w, t))
     plain = jax.jit(lambda s, i: mp.weighted_sum(s, i, None, t))
-    assert "pk_moe_gather_rows" in gather.lower(src, slot_of_row, scale).compile().as_text()
+    assert "pk_moe_scatter_rows" in scatter.lower(src, dest, row_slot, scale).compile().as_text()
     poison_allocator(mesh, 64 << 20)
-    got = [gather(src, slot_of_row, scale), summed(y, row_of_slot, scale), plain(y, row_of_slot)]
-    want = [mp.reference_gather_rows(src, slot_of_row, scale, repeat=k, scaled=True),
+    got = [scatter(src, dest, row_slot, scale), summed(y, row_of_slot, scale),
+           plain(y, row_of_slot)]
+    want = [mp.reference_scatter_rows(src, dest, row_slot, scale, repeat=k, scaled=True),
             mp.reference_weighted_sum(y, row_of_slot, scale, tokens=t, weighted=True),
             mp.reference_weighted_sum(y, row_of_slot, None, tokens=t, weighted=False)]
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))

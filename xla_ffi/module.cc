@@ -71,7 +71,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_ring_attention_bwd"] = as_capsule(pk::ffi_handlers::RingAttentionBwd);
     d["pk_all_reduce"] = as_capsule(pk::ffi_handlers::AllReduce);
     d["pk_moe_exchange"] = as_capsule(pk::ffi_handlers::MoeExchange);
-    d["pk_moe_gather_rows"] = as_capsule(pk::ffi_handlers::MoeGatherRows);
+    d["pk_moe_scatter_rows"] = as_capsule(pk::ffi_handlers::MoeScatterRows);
     d["pk_moe_weighted_sum"] = as_capsule(pk::ffi_handlers::MoeWeightedSum);
     d["pk_fp8_quantize"] = as_capsule(pk::ffi_handlers::Fp8Quantize);
     d["pk_fp8_matmul"] = as_capsule(pk::ffi_handlers::Fp8Matmul);

@@ -1,7 +1,7 @@
 // FFI handlers of the MoE token exchange (pk_jax.moe_dispatch / moe_combine):
 // mechanism "ld_st", slots to rows (dispatch) or rows to slots (combine); on an
-// expert axis of one device, the rows gathered (dispatch) and each token's
-// rows summed (combine). The routing is read on the device (kernels/moe/moe.h).
+// expert axis of one device, each token's rows written (dispatch) and each
+// token's rows summed (combine). The routing is read on the device (kernels/moe/moe.h).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -80,28 +80,30 @@ bool slot_floats(const ffi::AnyBuffer& b, uint64_t count, bool present) {
   return !present || (b.element_type() == ffi::DataType::F32 && b.element_count() == count);
 }
 
-ffi::Error MoeGatherRowsImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyBuffer index,
-                             ffi::AnyBuffer scale, ffi::Result<ffi::AnyBuffer> out,
-                             int64_t repeat, int32_t scaled) {
-  moe::GatherParams p;
-  if (!row_type(src, *out, &p.type) || !is_s32(index) || repeat <= 0 ||
-      index.element_count() != out->dimensions()[0])
+ffi::Error MoeScatterRowsImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyBuffer dest,
+                              ffi::AnyBuffer row_slot, ffi::AnyBuffer scale,
+                              ffi::Result<ffi::AnyBuffer> out, int64_t repeat, int32_t scaled) {
+  moe::ScatterParams p;
+  if (!row_type(src, *out, &p.type) || !is_s32(dest) || !is_s32(row_slot) || repeat <= 0 ||
+      row_slot.element_count() != out->dimensions()[0] ||
+      dest.element_count() != uint64_t(src.dimensions()[0]) * uint64_t(repeat))
     return ffi_common::invalid_argument(
-        kOp, "gather_rows takes src [S, H] and out [R, H] of one type (bf16, f16 or f32) and "
-             "an int32 index [R]");
+        kOp, "scatter_rows takes src [S, H] and out [R, H] of one type (bf16, f16 or f32), "
+             "int32 dest [S * repeat] and int32 row_slot [R]");
   p.src_rows = uint64_t(src.dimensions()[0]);
   p.repeat = uint64_t(repeat);
   if (!slot_floats(scale, p.src_rows * p.repeat, scaled != 0))
-    return ffi_common::invalid_argument(kOp, "gather_rows' scale must be float32 [S * repeat]");
+    return ffi_common::invalid_argument(kOp, "scatter_rows' scale must be float32 [S * repeat]");
   p.src = src.untyped_data();
   p.out = out->untyped_data();
-  p.index = static_cast<const int32_t*>(index.untyped_data());
+  p.dest = static_cast<const int32_t*>(dest.untyped_data());
+  p.row_slot = static_cast<const int32_t*>(row_slot.untyped_data());
   p.scale = scaled != 0 ? static_cast<const float*>(scale.untyped_data()) : nullptr;
   p.rows = uint64_t(out->dimensions()[0]);
   p.cols = uint64_t(out->dimensions()[1]);
   p.stream = stream;
-  if (cudaError_t err = moe::launch_gather_rows(p); err != cudaSuccess)
-    return ffi_common::cuda_error(kOp, "gather_rows launch", err);
+  if (cudaError_t err = moe::launch_scatter_rows(p); err != cudaSuccess)
+    return ffi_common::cuda_error(kOp, "scatter_rows launch", err);
   return ffi::Error::Success();
 }
 
@@ -135,11 +137,12 @@ ffi::Error MoeWeightedSumImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyB
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    MoeGatherRows, MoeGatherRowsImpl,
+    MoeScatterRows, MoeScatterRowsImpl,
     ffi::Ffi::Bind()
         .Ctx<ffi::PlatformStream<cudaStream_t>>()
         .Arg<ffi::AnyBuffer>()                       // src: [S, H] (tokens: S = slots / repeat)
-        .Arg<ffi::AnyBuffer>()                       // index: [R] int32 slot of each row, < 0
+        .Arg<ffi::AnyBuffer>()                       // dest: [slots] int32 row of each slot, < 0
+        .Arg<ffi::AnyBuffer>()                       // row_slot: [R] int32 slot of each row, < 0
         .Arg<ffi::AnyBuffer>()                       // scale: [slots] float32 (or [0])
         .Ret<ffi::AnyBuffer>()                       // [R, H]
         .Attr<int64_t>("repeat")                     // slots per src row

@@ -38,8 +38,8 @@ backward runs combine's exchange and moe_combine's backward runs dispatch's.
 combine's output is differentiable in the router weights.
 
 Mechanisms ("auto": pk_jax/tuning.py: on one device "local", where nothing
-crosses devices: dispatch's rows gathered from their tokens by one kernel
-(`pk_moe_gather_rows`) and combine's weighted sum of each token's rows read
+crosses devices: dispatch's rows written from their tokens by one kernel
+(`pk_moe_scatter_rows`, each token read once for its k rows) and combine's weighted sum of each token's rows read
 where they lie by another (`pk_moe_weighted_sum`, no [T * k, H]
 intermediate), the two each other's transposes; else "ld_st", falling back
 to "xla"'s dense exchange, with a one-time warning, on an axis where the
@@ -78,7 +78,7 @@ from pk_jax import groups, tuning
 from pk_jax._args import INT32_MAX
 from pk_jax._compat import make_varying
 from pk_jax.ops.all_gather import all_gather as _pk_all_gather
-from pk_jax.ops.moe_primitive import (ExchangeConfig, expand_mask, gather_rows, moe_exchange_p,
+from pk_jax.ops.moe_primitive import (ExchangeConfig, expand_mask, moe_exchange_p, scatter_rows,
                                       weighted_sum)
 
 MECHANISMS = ("auto", "ld_st", "ragged", "xla")
@@ -225,19 +225,28 @@ def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
 # Slot counts up to which a slot's rank among its expert's slots is one fused
 # pairwise compare (s^2 work, no sort: decode-sized calls); above it a sort.
 _PAIRWISE_RANK_SLOTS = 2048
+# Each key's count is one fused compare ((E + 1) * s work) up to this size,
+# else a scatter-add (its atomics contend on E + 1 counters: 37 us for 131072
+# slots of 65 keys on an H200, where the compare takes a few).
+_COMPARE_COUNT_WORK = 1 << 26
 
 
-def _rank_within_expert(key: jax.Array, e: int) -> jax.Array:
-    """q[i]: how many slots before i (slot order) have key[i]'s key."""
+def _counts_and_ranks(key: jax.Array, e: int) -> tuple[jax.Array, jax.Array]:
+    """(counts [e + 1]: the slots of each key, q [s]: how many slots before
+    i (slot order) have key[i]'s key); keys in [0, e]."""
     s = key.shape[0]
+    i = jnp.arange(s, dtype=jnp.int32)
+    if s * (e + 1) <= _COMPARE_COUNT_WORK:
+        counts = jnp.sum(key[None, :] == jnp.arange(e + 1, dtype=jnp.int32)[:, None], axis=1,
+                         dtype=jnp.int32)
+    else:
+        counts = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)
     if s <= _PAIRWISE_RANK_SLOTS:
-        i = jnp.arange(s, dtype=jnp.int32)
         earlier_same = (key[None, :] == key[:, None]) & (i[None, :] < i[:, None])
-        return jnp.sum(earlier_same, axis=1, dtype=jnp.int32)
-    order = jnp.argsort(key, stable=True)
-    starts = _exclusive_cumsum(jnp.zeros((e + 1,), jnp.int32).at[key].add(1), 0)
-    return jnp.zeros((s,), jnp.int32).at[order].set(
-        jnp.arange(s, dtype=jnp.int32) - starts[key[order]])
+        return counts, jnp.sum(earlier_same, axis=1, dtype=jnp.int32)
+    sorted_key, order = lax.sort((key, i), num_keys=1, is_stable=True)
+    starts = _exclusive_cumsum(counts, 0)
+    return counts, jnp.zeros((s,), jnp.int32).at[order].set(i - starts[sorted_key])
 
 
 def segment_of(positions: jax.Array, ends: jax.Array) -> jax.Array:
@@ -260,7 +269,8 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
         valid = valid & (raw < e)
     ids = jnp.where(valid, raw, 0).astype(jnp.int32)                # valid ids are < 2^31
     key = jnp.where(valid, ids, e)                                  # invalid last
-    counts = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)[:e]     # [E]
+    counts, q = _counts_and_ranks(key, e)
+    counts = counts[:e]                                               # [E]
     # The n x n x E_local count matrix, on every rank: C[src, dst, local expert].
     # pk's gather with the pk kernel (no XLA collective: runs across processes sharing a GPU).
     gather = _pk_all_gather if cfg.mechanism == "ld_st" else lax.all_gather
@@ -271,7 +281,6 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     else:
         before = _exclusive_cumsum(table, 0)                          # earlier sources first
         kept = jnp.clip(cfg.capacity - before, 0, table)
-    q = _rank_within_expert(key, e)
     dest = jnp.where(valid, ids // el, 0)
     local = jnp.where(valid, ids % el, 0)
     kept_mine = kept[me]                                              # [dst, el]
@@ -404,8 +413,8 @@ def _dense_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
 
 
 def _tokens_to_rows(x: jax.Array, lay: MoeLayout) -> jax.Array:
-    if lay.cfg.mechanism == "local":  # one gather: each row from its slot's token
-        return gather_rows(x, lay.src_slot, repeat=lay.cfg.top_k)
+    if lay.cfg.mechanism == "local":  # each token read once, written to its slots' rows
+        return scatter_rows(x, lay.dest_row.reshape(-1), lay.src_slot, repeat=lay.cfg.top_k)
     return _exchange(x, lay, to_rows=True, repeat=lay.cfg.top_k)
 
 
@@ -444,7 +453,7 @@ def _weighted(weights: jax.Array, slots: jax.Array) -> jax.Array:
 def _combine_local(y: jax.Array, weights: jax.Array, lay: MoeLayout) -> jax.Array:
     """moe_combine on an axis of one device: each token's k rows read where
     they lie and summed, weighted (one weighted_sum); the gradients are y's
-    rows gathered from their tokens times their slot's weight and, for the
+    rows written from their tokens times their slot's weight and, for the
     weights, the transpose of the weighted sum on the slots' rows."""
     return weighted_sum(y, lay.dest_row.reshape(-1), weights.reshape(-1), lay.cfg.tokens)
 
@@ -456,9 +465,9 @@ def _combine_local_fwd(y, weights, lay):
 def _combine_local_bwd(res, dout):
     y, weights, lay = res
     cfg = lay.cfg
-    dy = gather_rows(dout, lay.src_slot, repeat=cfg.top_k,
-                     scale=weights.astype(jnp.float32).reshape(-1))
     row = lay.dest_row.reshape(-1)
+    dy = scatter_rows(dout, row, lay.src_slot, repeat=cfg.top_k,
+                      scale=weights.astype(jnp.float32).reshape(-1))
     slots = y[jnp.maximum(row, 0)]
     slots = jnp.where(expand_mask(row >= 0, slots), slots, 0).reshape(
         cfg.tokens, cfg.top_k, y.shape[1])

@@ -20,9 +20,11 @@ kernel cannot run on the axis under "auto") a dense `lax.all_to_all` of
 [n, R] blocks.
 
 On one device (no collective; moe.py pairs them in its custom_vjps):
-  * `pk_moe_gather_rows`: (src [S, H], index [R] int32, scale [S * repeat]
-    float32 or [0]) -> [R, H]: row r = scale[i] * src[i // repeat] for i =
-    index[r], zeros where i is outside [0, S * repeat) (dispatch's rows;
+  * `pk_moe_scatter_rows`: (src [S, H], dest [S * repeat] int32, row_slot
+    [R] int32, scale [S * repeat] float32 or [0]) -> [R, H]: row r = scale[i]
+    * src[i // repeat] for its slot i = row_slot[r], zeros where i is outside
+    [0, S * repeat); the kernel writes each src row to its slots' rows
+    (dest, the inverse of row_slot), reading it once (dispatch's rows;
     combine's input gradient, scaled by each slot's weight);
   * `pk_moe_weighted_sum`: (src [R, H], index [T * k] int32, weight [T * k]
     float32 or [0]) -> [T, H]: row t = the sum over j of weight[t * k + j] *
@@ -119,7 +121,7 @@ mlir.register_lowering(moe_exchange_p, _cuda_lowering, platform="cuda")
 
 
 # ---- one device: the rows gathered and summed ---------------------------------------
-moe_gather_rows_p = Primitive("pk_moe_gather_rows")
+moe_scatter_rows_p = Primitive("pk_moe_scatter_rows")
 moe_weighted_sum_p = Primitive("pk_moe_weighted_sum")
 
 
@@ -127,14 +129,16 @@ def _no_floats():
     return jnp.zeros((0,), jnp.float32)
 
 
-def gather_rows(src: jax.Array, index: jax.Array, repeat: int = 1,
-                scale: jax.Array | None = None) -> jax.Array:
-    """[len(index), H]: row r = scale[i] * src[i // repeat], i = index[r]
-    (zeros where i is out of range); src [S, H], scale [S * repeat] or None."""
+def scatter_rows(src: jax.Array, dest: jax.Array, row_slot: jax.Array, repeat: int = 1,
+                 scale: jax.Array | None = None) -> jax.Array:
+    """[len(row_slot), H]: row r = scale[i] * src[i // repeat] for its slot
+    i = row_slot[r] (zeros where i is out of range); src [S, H], dest [S *
+    repeat] the row of each slot (row_slot's inverse), scale [S * repeat] or
+    None."""
     scaled = scale is not None
-    return moe_gather_rows_p.bind(src, index.astype(jnp.int32),
-                                  scale.astype(jnp.float32) if scaled else _no_floats(),
-                                  repeat=int(repeat), scaled=scaled)
+    return moe_scatter_rows_p.bind(src, dest.astype(jnp.int32), row_slot.astype(jnp.int32),
+                                   scale.astype(jnp.float32) if scaled else _no_floats(),
+                                   repeat=int(repeat), scaled=scaled)
 
 
 def weighted_sum(src: jax.Array, index: jax.Array, weight: jax.Array | None,
@@ -148,17 +152,18 @@ def weighted_sum(src: jax.Array, index: jax.Array, weight: jax.Array | None,
                                    tokens=int(tokens), weighted=weighted)
 
 
-def _gather_abstract(src, index, scale, *, repeat: int, scaled: bool):
-    return src.update(shape=(index.shape[0],) + src.shape[1:])
+def _scatter_abstract(src, dest, row_slot, scale, *, repeat: int, scaled: bool):
+    return src.update(shape=(row_slot.shape[0],) + src.shape[1:])
 
 
 def _sum_abstract(src, index, weight, *, tokens: int, weighted: bool):
     return src.update(shape=(tokens,) + src.shape[1:])
 
 
-def reference_gather_rows(src, index, scale, *, repeat: int, scaled: bool):
-    got = (index >= 0) & (index < src.shape[0] * repeat)
-    i = jnp.where(got, index, 0)
+def reference_scatter_rows(src, dest, row_slot, scale, *, repeat: int, scaled: bool):
+    del dest  # the rows' slots say the same
+    got = (row_slot >= 0) & (row_slot < src.shape[0] * repeat)
+    i = jnp.where(got, row_slot, 0)
     out = src[i // repeat]
     if scaled:
         out = (out.astype(jnp.float32) * expand_mask(scale[i], out)).astype(src.dtype)
@@ -193,8 +198,8 @@ def _local_lowering(reference, ffi):
 
 
 for _p, _abstract, _lowerings in (
-        (moe_gather_rows_p, _gather_abstract,
-         _local_lowering(reference_gather_rows, jax.ffi.ffi_lowering("pk_moe_gather_rows"))),
+        (moe_scatter_rows_p, _scatter_abstract,
+         _local_lowering(reference_scatter_rows, jax.ffi.ffi_lowering("pk_moe_scatter_rows"))),
         (moe_weighted_sum_p, _sum_abstract,
          _local_lowering(reference_weighted_sum, jax.ffi.ffi_lowering("pk_moe_weighted_sum")))):
     def_eager_impl(_p)

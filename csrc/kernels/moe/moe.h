@@ -61,15 +61,18 @@ inline size_t staging_bytes(uint64_t rows, uint64_t row_bytes) {
 cudaError_t launch_exchange(const Params& p);
 
 // ---- one device (moe_local.cu): the layout's rows moved on this GPU alone ----
-// gather_rows: out [rows] row r = scale[index[r]] * src row index[r] / repeat
-// (scale null: 1), zeros where index[r] is outside [0, src_rows * repeat).
-// Dispatch (index: each row's slot, repeat k) and combine's input gradient
-// (the slot's router weight as scale, repeat k).
-struct GatherParams {
+// scatter_rows: out [rows] row dest[i] = scale[i] * src row i / repeat for
+// every slot i (scale null: 1; dest out of [0, rows): none), each src row
+// read once; zeros on the rows whose row_slot is out of [0, src_rows *
+// repeat). dest and row_slot are each other's inverse (the layout makes
+// them so). Dispatch (repeat k) and combine's input gradient (each slot's
+// router weight as scale).
+struct ScatterParams {
   DType type = DType::kBF16;          // of src and out (bf16, f16 or f32)
   const void* src = nullptr;          // [src_rows, cols]
   void* out = nullptr;                // [rows, cols]
-  const int32_t* index = nullptr;     // [rows] the slot of each row, < 0: none
+  const int32_t* dest = nullptr;      // [src_rows * repeat] the row of each slot, < 0: none
+  const int32_t* row_slot = nullptr;  // [rows] the slot of each row, < 0: none
   const float* scale = nullptr;       // [src_rows * repeat] per slot, or null
   uint64_t src_rows = 0;
   uint64_t rows = 0;
@@ -95,7 +98,7 @@ struct SumParams {
   cudaStream_t stream = nullptr;
 };
 
-cudaError_t launch_gather_rows(const GatherParams& p);
+cudaError_t launch_scatter_rows(const ScatterParams& p);
 cudaError_t launch_weighted_sum(const SumParams& p);
 
 // Load the exchange kernels on the current device (no lazy load while a peer

@@ -2,10 +2,12 @@
 // axis of one GPU): the layout's two row movements as row kernels, a block
 // per row (grid-strided), 16-byte accesses where the rows allow them.
 //
-//   gather_rows:  out[r] = scale[i] * src[i / repeat], i = index[r] (zeros
-//                 where i is out of range): dispatch's rows from the tokens
-//                 (the k copies of a token are never materialized), and
-//                 combine's input gradient (scale: each slot's weight).
+//   scatter_rows: out[dest[i]] = scale[i] * src[i / repeat] for every slot
+//                 i, each src row read once for its `repeat` slots; zeros
+//                 on the rows no slot lands on (row_slot < 0): dispatch's
+//                 rows from the tokens (the k copies of a token are never
+//                 materialized), and combine's input gradient (scale: each
+//                 slot's weight).
 //   weighted_sum: out[t] = sum_j weight[t, j] * src[index[t, j]] in fp32, j
 //                 in order: combine (each token's k rows, no [T * k, H]
 //                 intermediate), and dispatch's input gradient (no weights).
@@ -36,12 +38,13 @@ struct alignas(sizeof(T) * W) Pack {
 
 // ---- arguments -------------------------------------------------------------
 template <typename T>
-struct GatherArgs {
+struct ScatterArgs {
   const T* __restrict__ src;
   T* __restrict__ out;
-  const int32_t* __restrict__ index;
-  const float* __restrict__ scale;
-  uint64_t slots;  // src_rows * repeat: the valid range of index
+  const int32_t* __restrict__ dest;      // [src_rows * repeat] the row of each slot
+  const int32_t* __restrict__ row_slot;  // [rows] the slot of each row, < 0: none
+  const float* __restrict__ scale;       // [src_rows * repeat], or null
+  uint64_t src_rows;
   uint64_t rows;
   uint64_t cols;
   uint64_t repeat;
@@ -67,19 +70,13 @@ __device__ __forceinline__ Pack<T, W> scaled(Pack<T, W> p, float s) {
   return p;
 }
 
-// Row r of the output: kUnroll vectors loaded before any is stored.
+// Source row t to its slots' rows: kUnroll vectors loaded once, stored to
+// each of the `repeat` rows (scaled by the slot's factor).
 template <typename T, int W>
-__device__ __forceinline__ void gather_row(const GatherArgs<T>& a, uint64_t r) {
+__device__ __forceinline__ void scatter_row(const ScatterArgs<T>& a, uint64_t t) {
   using P = Pack<T, W>;
   const uint64_t vecs = a.cols / W;
-  P* out = reinterpret_cast<P*>(a.out) + r * vecs;
-  const int64_t i = a.index[r];
-  if (i < 0 || uint64_t(i) >= a.slots) {
-    for (uint64_t v = threadIdx.x; v < vecs; v += blockDim.x) out[v] = P{};
-    return;
-  }
-  const P* in = reinterpret_cast<const P*>(a.src) + (uint64_t(i) / a.repeat) * vecs;
-  const float s = a.scale == nullptr ? 1.f : a.scale[i];
+  const P* in = reinterpret_cast<const P*>(a.src) + t * vecs;
   const uint64_t step = uint64_t(blockDim.x) * kUnroll;
   for (uint64_t v0 = threadIdx.x; v0 < vecs; v0 += step) {
     P got[kUnroll];
@@ -88,12 +85,30 @@ __device__ __forceinline__ void gather_row(const GatherArgs<T>& a, uint64_t r) {
       const uint64_t v = v0 + uint64_t(u) * blockDim.x;
       if (v < vecs) got[u] = in[v];
     }
+    for (uint64_t j = 0; j < a.repeat; ++j) {
+      const uint64_t slot = t * a.repeat + j;
+      const int64_t row = a.dest[slot];
+      if (row < 0 || uint64_t(row) >= a.rows) continue;
+      P* out = reinterpret_cast<P*>(a.out) + uint64_t(row) * vecs;
+      const float s = a.scale == nullptr ? 1.f : a.scale[slot];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint64_t v = v0 + uint64_t(u) * blockDim.x;
-      if (v < vecs) out[v] = a.scale == nullptr ? got[u] : scaled(got[u], s);
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint64_t v = v0 + uint64_t(u) * blockDim.x;
+        if (v < vecs) out[v] = a.scale == nullptr ? got[u] : scaled(got[u], s);
+      }
     }
   }
+}
+
+// Row r of the output when no slot lands on it: zeros.
+template <typename T, int W>
+__device__ __forceinline__ void zero_unused_row(const ScatterArgs<T>& a, uint64_t r) {
+  using P = Pack<T, W>;
+  const int64_t slot = a.row_slot[r];
+  if (slot >= 0 && uint64_t(slot) < a.src_rows * a.repeat) return;
+  const uint64_t vecs = a.cols / W;
+  P* out = reinterpret_cast<P*>(a.out) + r * vecs;
+  for (uint64_t v = threadIdx.x; v < vecs; v += blockDim.x) out[v] = P{};
 }
 
 // Row t of the output: its k source rows summed in fp32 (j in order),
@@ -133,10 +148,16 @@ __device__ __forceinline__ void sum_row(const SumArgs<T>& a, uint64_t t) {
 }
 
 // ---- entry points ----------------------------------------------------------
+// Work items: the src rows (pushed), then the output rows (zeroed if unused).
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads)
-    gather_rows_kernel(const __grid_constant__ GatherArgs<T> a) {
-  for (uint64_t r = blockIdx.x; r < a.rows; r += gridDim.x) gather_row<T, W>(a, r);
+    scatter_rows_kernel(const __grid_constant__ ScatterArgs<T> a) {
+  for (uint64_t i = blockIdx.x; i < a.src_rows + a.rows; i += gridDim.x) {
+    if (i < a.src_rows)
+      scatter_row<T, W>(a, i);
+    else
+      zero_unused_row<T, W>(a, i - a.src_rows);
+  }
 }
 
 template <typename T, int W>
@@ -168,16 +189,17 @@ bool wide(uint64_t cols, const void* a, const void* b) {
 
 }  // namespace
 
-cudaError_t launch_gather_rows(const GatherParams& p) {
-  if (p.rows == 0 || p.cols == 0) return cudaSuccess;
+cudaError_t launch_scatter_rows(const ScatterParams& p) {
+  if (p.src_rows + p.rows == 0 || p.cols == 0) return cudaSuccess;
   return with_type(p.type, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    const GatherArgs<T> a{static_cast<const T*>(p.src), static_cast<T*>(p.out), p.index,
-                          p.scale, p.src_rows * p.repeat, p.rows, p.cols, p.repeat};
+    const ScatterArgs<T> a{static_cast<const T*>(p.src), static_cast<T*>(p.out), p.dest,
+                           p.row_slot, p.scale, p.src_rows, p.rows, p.cols, p.repeat};
+    const int blocks = grid(p.src_rows + p.rows);
     if (wide<T>(p.cols, p.src, p.out))
-      gather_rows_kernel<T, 16 / sizeof(T)><<<grid(p.rows), kThreads, 0, p.stream>>>(a);
+      scatter_rows_kernel<T, 16 / sizeof(T)><<<blocks, kThreads, 0, p.stream>>>(a);
     else
-      gather_rows_kernel<T, 1><<<grid(p.rows), kThreads, 0, p.stream>>>(a);
+      scatter_rows_kernel<T, 1><<<blocks, kThreads, 0, p.stream>>>(a);
     return cudaGetLastError();
   });
 }
@@ -201,8 +223,8 @@ cudaError_t load_local_kernels() {
     PK_CUDA_TRY(with_type(t, [](auto tag) {
       using T = typename decltype(tag)::type;
       constexpr int kWide = 16 / sizeof(T);
-      const std::array kernels{reinterpret_cast<const void*>(gather_rows_kernel<T, kWide>),
-                               reinterpret_cast<const void*>(gather_rows_kernel<T, 1>),
+      const std::array kernels{reinterpret_cast<const void*>(scatter_rows_kernel<T, kWide>),
+                               reinterpret_cast<const void*>(scatter_rows_kernel<T, 1>),
                                reinterpret_cast<const void*>(weighted_sum_kernel<T, kWide>),
                                reinterpret_cast<const void*>(weighted_sum_kernel<T, 1>)};
       for (const void* k : kernels) PK_CUDA_TRY(preload_kernel(k));
