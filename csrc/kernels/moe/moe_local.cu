@@ -29,6 +29,7 @@ namespace {
 constexpr int kThreads = 128;
 constexpr uint64_t kMaxBlocks = 4096;  // rows are grid-strided beyond this
 constexpr int kUnroll = 4;             // vectors in flight per thread
+constexpr uint64_t kMinItems = 2048;   // work items (row pieces) a call is split into at least
 
 // W elements of T: one 16-byte access when W * sizeof(T) == 16.
 template <typename T, int W>
@@ -48,6 +49,7 @@ struct ScatterArgs {
   uint64_t rows;
   uint64_t cols;
   uint64_t repeat;
+  uint64_t chunk;  // vectors of a row per work item
 };
 
 template <typename T>
@@ -60,6 +62,7 @@ struct SumArgs {
   uint64_t tokens;
   uint64_t k;
   uint64_t cols;
+  uint64_t chunk;  // vectors of a row per work item
 };
 
 // ---- roles -----------------------------------------------------------------
@@ -70,20 +73,22 @@ __device__ __forceinline__ Pack<T, W> scaled(Pack<T, W> p, float s) {
   return p;
 }
 
-// Source row t to its slots' rows: kUnroll vectors loaded once, stored to
-// each of the `repeat` rows (scaled by the slot's factor).
+// Vectors [begin, end) of source row t to its slots' rows: kUnroll vectors
+// loaded once, stored to each of the `repeat` rows (scaled by the slot's
+// factor).
 template <typename T, int W>
-__device__ __forceinline__ void scatter_row(const ScatterArgs<T>& a, uint64_t t) {
+__device__ __forceinline__ void scatter_row(const ScatterArgs<T>& a, uint64_t t, uint64_t begin,
+                                            uint64_t end) {
   using P = Pack<T, W>;
   const uint64_t vecs = a.cols / W;
   const P* in = reinterpret_cast<const P*>(a.src) + t * vecs;
   const uint64_t step = uint64_t(blockDim.x) * kUnroll;
-  for (uint64_t v0 = threadIdx.x; v0 < vecs; v0 += step) {
+  for (uint64_t v0 = begin + threadIdx.x; v0 < end; v0 += step) {
     P got[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const uint64_t v = v0 + uint64_t(u) * blockDim.x;
-      if (v < vecs) got[u] = in[v];
+      if (v < end) got[u] = in[v];
     }
     for (uint64_t j = 0; j < a.repeat; ++j) {
       const uint64_t slot = t * a.repeat + j;
@@ -94,34 +99,35 @@ __device__ __forceinline__ void scatter_row(const ScatterArgs<T>& a, uint64_t t)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const uint64_t v = v0 + uint64_t(u) * blockDim.x;
-        if (v < vecs) out[v] = a.scale == nullptr ? got[u] : scaled(got[u], s);
+        if (v < end) out[v] = a.scale == nullptr ? got[u] : scaled(got[u], s);
       }
     }
   }
 }
 
-// Row r of the output when no slot lands on it: zeros.
+// Vectors [begin, end) of output row r when no slot lands on it: zeros.
 template <typename T, int W>
-__device__ __forceinline__ void zero_unused_row(const ScatterArgs<T>& a, uint64_t r) {
+__device__ __forceinline__ void zero_unused_row(const ScatterArgs<T>& a, uint64_t r,
+                                                uint64_t begin, uint64_t end) {
   using P = Pack<T, W>;
   const int64_t slot = a.row_slot[r];
   if (slot >= 0 && uint64_t(slot) < a.src_rows * a.repeat) return;
-  const uint64_t vecs = a.cols / W;
-  P* out = reinterpret_cast<P*>(a.out) + r * vecs;
-  for (uint64_t v = threadIdx.x; v < vecs; v += blockDim.x) out[v] = P{};
+  P* out = reinterpret_cast<P*>(a.out) + r * (a.cols / W);
+  for (uint64_t v = begin + threadIdx.x; v < end; v += blockDim.x) out[v] = P{};
 }
 
-// Row t of the output: its k source rows summed in fp32 (j in order),
-// weighted; kUnroll rows loaded before any is added.
+// Vectors [begin, end) of output row t: its k source rows summed in fp32 (j
+// in order), weighted; kUnroll rows loaded before any is added.
 template <typename T, int W>
-__device__ __forceinline__ void sum_row(const SumArgs<T>& a, uint64_t t) {
+__device__ __forceinline__ void sum_row(const SumArgs<T>& a, uint64_t t, uint64_t begin,
+                                        uint64_t end) {
   using P = Pack<T, W>;
   const uint64_t vecs = a.cols / W;
   const P* in = reinterpret_cast<const P*>(a.src);
   P* out = reinterpret_cast<P*>(a.out) + t * vecs;
   const int32_t* index = a.index + t * a.k;
   const float* weight = a.weight == nullptr ? nullptr : a.weight + t * a.k;
-  for (uint64_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+  for (uint64_t v = begin + threadIdx.x; v < end; v += blockDim.x) {
     float acc[W] = {};
     for (uint64_t j0 = 0; j0 < a.k; j0 += kUnroll) {
       P got[kUnroll];
@@ -148,25 +154,46 @@ __device__ __forceinline__ void sum_row(const SumArgs<T>& a, uint64_t t) {
 }
 
 // ---- entry points ----------------------------------------------------------
-// Work items: the src rows (pushed), then the output rows (zeroed if unused).
+// Work items: a chunk of vectors of a row (the chunks of a row are
+// consecutive items): the src rows' (pushed), then the output rows' (zeroed
+// where unused).
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads)
     scatter_rows_kernel(const __grid_constant__ ScatterArgs<T> a) {
-  for (uint64_t i = blockIdx.x; i < a.src_rows + a.rows; i += gridDim.x) {
-    if (i < a.src_rows)
-      scatter_row<T, W>(a, i);
+  const uint64_t vecs = a.cols / W;
+  const uint64_t chunks = (vecs + a.chunk - 1) / a.chunk;
+  for (uint64_t i = blockIdx.x; i < (a.src_rows + a.rows) * chunks; i += gridDim.x) {
+    const uint64_t row = i / chunks, begin = (i % chunks) * a.chunk;
+    const uint64_t end = begin + a.chunk < vecs ? begin + a.chunk : vecs;
+    if (row < a.src_rows)
+      scatter_row<T, W>(a, row, begin, end);
     else
-      zero_unused_row<T, W>(a, i - a.src_rows);
+      zero_unused_row<T, W>(a, row - a.src_rows, begin, end);
   }
 }
 
 template <typename T, int W>
 __global__ void __launch_bounds__(kThreads)
     weighted_sum_kernel(const __grid_constant__ SumArgs<T> a) {
-  for (uint64_t t = blockIdx.x; t < a.tokens; t += gridDim.x) sum_row<T, W>(a, t);
+  const uint64_t vecs = a.cols / W;
+  const uint64_t chunks = (vecs + a.chunk - 1) / a.chunk;
+  for (uint64_t i = blockIdx.x; i < a.tokens * chunks; i += gridDim.x) {
+    const uint64_t begin = (i % chunks) * a.chunk;
+    sum_row<T, W>(a, i / chunks, begin, begin + a.chunk < vecs ? begin + a.chunk : vecs);
+  }
 }
 
-int grid(uint64_t rows) { return int(std::clamp<uint64_t>(rows, 1, kMaxBlocks)); }
+// Vectors per work item: whole rows when the rows alone give the grid
+// kMinItems items, else rows split (down to kThreads vectors a piece) until
+// they do: few-token calls (decode) spread each row over several blocks.
+uint64_t chunk_vectors(uint64_t rows, uint64_t vecs) {
+  const uint64_t max_chunks = std::max<uint64_t>((vecs + kThreads - 1) / kThreads, 1);
+  const uint64_t chunks =
+      std::clamp<uint64_t>((kMinItems + rows - 1) / std::max<uint64_t>(rows, 1), 1, max_chunks);
+  return std::max<uint64_t>((vecs + chunks - 1) / chunks, 1);
+}
+
+int grid(uint64_t items) { return int(std::clamp<uint64_t>(items, 1, kMaxBlocks)); }
 
 // f(TypeTag<T>{}) for the element type.
 template <typename F>
@@ -193,11 +220,15 @@ cudaError_t launch_scatter_rows(const ScatterParams& p) {
   if (p.src_rows + p.rows == 0 || p.cols == 0) return cudaSuccess;
   return with_type(p.type, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    constexpr int kWide = 16 / sizeof(T);
+    const bool w = wide<T>(p.cols, p.src, p.out);
+    const uint64_t vecs = w ? p.cols / kWide : p.cols;
+    const uint64_t chunk = chunk_vectors(p.src_rows, vecs);  // the pushes are the work
     const ScatterArgs<T> a{static_cast<const T*>(p.src), static_cast<T*>(p.out), p.dest,
-                           p.row_slot, p.scale, p.src_rows, p.rows, p.cols, p.repeat};
-    const int blocks = grid(p.src_rows + p.rows);
-    if (wide<T>(p.cols, p.src, p.out))
-      scatter_rows_kernel<T, 16 / sizeof(T)><<<blocks, kThreads, 0, p.stream>>>(a);
+                           p.row_slot, p.scale, p.src_rows, p.rows, p.cols, p.repeat, chunk};
+    const int blocks = grid((p.src_rows + p.rows) * ((vecs + chunk - 1) / chunk));
+    if (w)
+      scatter_rows_kernel<T, kWide><<<blocks, kThreads, 0, p.stream>>>(a);
     else
       scatter_rows_kernel<T, 1><<<blocks, kThreads, 0, p.stream>>>(a);
     return cudaGetLastError();
@@ -208,12 +239,17 @@ cudaError_t launch_weighted_sum(const SumParams& p) {
   if (p.tokens == 0 || p.cols == 0) return cudaSuccess;
   return with_type(p.type, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    constexpr int kWide = 16 / sizeof(T);
+    const bool w = wide<T>(p.cols, p.src, p.out);
+    const uint64_t vecs = w ? p.cols / kWide : p.cols;
+    const uint64_t chunk = chunk_vectors(p.tokens, vecs);
     const SumArgs<T> a{static_cast<const T*>(p.src), static_cast<T*>(p.out), p.index, p.weight,
-                       p.src_rows, p.tokens, p.k, p.cols};
-    if (wide<T>(p.cols, p.src, p.out))
-      weighted_sum_kernel<T, 16 / sizeof(T)><<<grid(p.tokens), kThreads, 0, p.stream>>>(a);
+                       p.src_rows, p.tokens, p.k, p.cols, chunk};
+    const int blocks = grid(p.tokens * ((vecs + chunk - 1) / chunk));
+    if (w)
+      weighted_sum_kernel<T, kWide><<<blocks, kThreads, 0, p.stream>>>(a);
     else
-      weighted_sum_kernel<T, 1><<<grid(p.tokens), kThreads, 0, p.stream>>>(a);
+      weighted_sum_kernel<T, 1><<<blocks, kThreads, 0, p.stream>>>(a);
     return cudaGetLastError();
   });
 }
