@@ -77,12 +77,13 @@ def moe_mechanism(n: int) -> str:
     top-2 of 8). To confirm across GPUs: `python benchmarks/moe.py --save`
     on 2 GPUs (pk against a2a_capacity and ragged_all_to_all).
 
-    n == 1: "local": nothing crosses devices, so dispatch is one gather of
-    the tokens into the layout's rows and combine one gather back. Measured
-    on one H200 (`moe`, `moe_decode`, `moe_wide` in benchmarks/RESULTS.md,
-    against the sort + gather a user writes there): dispatch 0.86-0.97x,
-    dispatch + combine 0.77-0.98x, where pk's exchange kernel ran 0.83-0.93x
-    and 0.47-0.79x (train and decode shapes): the faster of pk's two.
+    n == 1: "local": nothing crosses devices, so dispatch is one row kernel
+    writing each token's row to its k rows and combine one summing each
+    token's rows where they lie. Measured on one H200 (`moe`, `moe_decode`,
+    `moe_wide` in benchmarks/RESULTS.md, against the sort + gather a user
+    writes there): dispatch 0.92-1.91x, dispatch + combine 0.99-1.53x, where
+    pk's exchange kernel ran 0.83-0.93x and 0.47-0.79x (train and decode
+    shapes): the fastest of pk's ways.
     """
     return "local" if n == 1 else "ld_st"
 
