@@ -79,7 +79,7 @@ from pk_jax._args import INT32_MAX
 from pk_jax._compat import make_varying
 from pk_jax.ops.all_gather import all_gather as _pk_all_gather
 from pk_jax.ops.moe_primitive import (ExchangeConfig, expand_mask, moe_exchange_p, scatter_rows,
-                                      weighted_sum)
+                                      slot_rows, weighted_slots, weighted_sum)
 
 MECHANISMS = ("auto", "ld_st", "ragged", "xla")
 
@@ -444,11 +444,6 @@ _from_experts = _transposed_pair(functools.partial(_exchange, to_rows=False),
                                  functools.partial(_exchange, to_rows=True))  # rows -> slots
 
 
-def _weighted(weights: jax.Array, slots: jax.Array) -> jax.Array:
-    """[T, k] weights and [T, k, H] slot rows -> [T, H], fp32."""
-    return jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), slots.astype(jnp.float32))
-
-
 @jax.custom_vjp
 def _combine_local(y: jax.Array, weights: jax.Array, lay: MoeLayout) -> jax.Array:
     """moe_combine on an axis of one device: each token's k rows read where
@@ -468,10 +463,8 @@ def _combine_local_bwd(res, dout):
     row = lay.dest_row.reshape(-1)
     dy = scatter_rows(dout, row, lay.src_slot, repeat=cfg.top_k,
                       scale=weights.astype(jnp.float32).reshape(-1))
-    slots = y[jnp.maximum(row, 0)]
-    slots = jnp.where(expand_mask(row >= 0, slots), slots, 0).reshape(
-        cfg.tokens, cfg.top_k, y.shape[1])
-    _, weights_vjp = jax.vjp(lambda w: _weighted(w, slots), weights.astype(jnp.float32))
+    slots = slot_rows(y, row, cfg.tokens)
+    _, weights_vjp = jax.vjp(lambda w: weighted_slots(w, slots), weights.astype(jnp.float32))
     dw, = weights_vjp(dout.astype(jnp.float32))
     return dy, dw.astype(weights.dtype), None
 
@@ -553,4 +546,4 @@ def moe_combine(y: jax.Array, weights: jax.Array, layout: MoeLayout) -> jax.Arra
     if cfg.mechanism == "local":
         return _combine_local(y, weights, layout)
     slots = _from_experts(y, layout).reshape(cfg.tokens, cfg.top_k, y.shape[1])
-    return _weighted(weights, slots).astype(y.dtype)
+    return weighted_slots(weights, slots).astype(y.dtype)

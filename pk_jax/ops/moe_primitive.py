@@ -170,14 +170,25 @@ def reference_scatter_rows(src, dest, row_slot, scale, *, repeat: int, scaled: b
     return jnp.where(expand_mask(got, out), out, 0)
 
 
-def reference_weighted_sum(src, index, weight, *, tokens: int, weighted: bool):
+def slot_rows(src, index, tokens: int):
+    """[tokens, k, ...] float32: src's row index[t * k + j] of every slot,
+    zeros where the index is out of range."""
     got = (index >= 0) & (index < src.shape[0])
     rows = src[jnp.where(got, index, 0)]
     slots = jnp.where(expand_mask(got, rows), rows, 0).astype(jnp.float32)
-    slots = slots.reshape((tokens, -1) + src.shape[1:])
+    return slots.reshape((tokens, -1) + src.shape[1:])
+
+
+def weighted_slots(weights, slots):
+    """[T, k] weights and [T, k, H] slot rows -> [T, H], fp32."""
+    return jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), slots.astype(jnp.float32))
+
+
+def reference_weighted_sum(src, index, weight, *, tokens: int, weighted: bool):
+    slots = slot_rows(src, index, tokens)
     if not weighted:
         return slots.sum(1).astype(src.dtype)
-    return jnp.einsum("tk,tkh->th", weight.reshape(tokens, -1), slots).astype(src.dtype)
+    return weighted_slots(weight.reshape(tokens, -1), slots).astype(src.dtype)
 
 
 def _local_lowering(reference, ffi):
