@@ -63,12 +63,13 @@ AR_SHAPES = [(8192, 8192, 8192)] + [(m, 8192, 8192) for m in (16, 32, 64, 128, 2
 # matmul_reduce_scatter's 8192 x 14336 @ 14336 x 8192), then a small one.
 WS1_SHAPES = [(8192, 8192, 8192), (8192, 8192, 14336), (8192, 14336, 8192), (4096, 4096, 4096)]
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "gemm_world_size_1",
-       "mlp_fwd_bwd", "fp8_all_gather_matmul", "fp8_matmul_reduce_scatter")
+       "mlp_fwd_bwd", "fp8_all_gather_matmul", "fp8_matmul_reduce_scatter",
+       "fp8_gemm_world_size_1")
 # --smoke (CPU too): one tiny shape per op (M, K and N multiples of 8 devices;
 # FP8 block factors: K, N and the rows per device multiples of 128).
 SMOKE = {"ag": (256, 128, 256), "rs": (256, 256, 128), "ar": (64, 256, 128),
          "ws1": (128, 128, 128), "mlp": (256, 128, 512), "fp8_ag": (1024, 128, 1024),
-         "fp8_rs": (1024, 1024, 128)}
+         "fp8_rs": (1024, 1024, 128), "fp8_ws1": (256, 256, 256)}
 FP8_TOL = 6e-2  # FP8 rows against the bf16 "xla" row (max error over max |y|)
 
 
@@ -183,6 +184,22 @@ def fp8_impls(mesh, op: str):
              for recipe in ("current", "block")}
     impls.update({name: sm(xla_fp8(dot)) for name, dot in _xla_fp8_dots().items()})
     return {**impls, "xla": xla_bf16}
+
+
+def fp8_ws1_impls(mesh):
+    """World size 1: all_gather_matmul and matmul_reduce_scatter with each
+    FP8 recipe, that recipe's fp8_dot (the same quantization and GEMM, no
+    collective op around them) and XLA's FP8 dots, on bf16 x [M, K], w [K, N]."""
+    specs = dict(mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P("x"))
+    sm = lambda f: jax.jit(jax.shard_map(f, **specs))
+    impls = {}
+    for r in ("current", "block"):
+        impls[f"pk_ag_{r}"] = sm(lambda x, w, r=r: pk_jax.all_gather_matmul(x, w, "x", fp8=r))
+        impls[f"pk_rs_{r}"] = sm(
+            lambda x, w, r=r: pk_jax.matmul_reduce_scatter(x, w, "x", fp8=r))
+        impls[f"fp8_dot_{r}"] = sm(lambda x, w, r=r: pk_jax.fp8_dot(x, w, r))
+    ag = fp8_impls(mesh, "fp8_all_gather_matmul")
+    return {**impls, **{name: ag[name] for name in XLA_FP8_DOTS}}
 
 
 def mlp_global(mesh):
@@ -337,6 +354,26 @@ def main() -> int:
             x, w = _put(mesh, (m, k), spec_x, rng), _put(mesh, (k, nn), spec_w, rng, k ** -0.5)
             run(op, shape, fp8_impls(mesh, op), 2.0 * m * k * nn, x, w, tol=FP8_TOL,
                 dtype="float8_e4m3fn (bf16 in, quantized in the call)")
+    for shape in shapes("fp8_gemm_world_size_1", WS1_SHAPES, 1, SMOKE["fp8_ws1"]):
+        # World size 1, FP8: pk's TP ops with fp8=recipe (their sequences on
+        # one rank) against the same recipe's pk_jax.fp8_dot (quantization and
+        # the FP8 GEMM alone: the "gemm_only" floor) and XLA's FP8 dots, in
+        # interleaved rounds; one record per recipe.
+        m, k, nn = shape
+        one = one_axis_mesh(devices[:1])
+        x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
+        impls = fp8_ws1_impls(one)
+        impls = checked({**impls, "xla": ag_impls(one)["xla"]}, x, w, tol=FP8_TOL)
+        runs = interleaved_ms({name: (lambda f=f: f(x, w)) for name, f in impls.items()
+                               if name != "xla"},  # the bf16 reference of the check only
+                              **(dict(rounds=1, calls=2, batches=1) if args.smoke else {}))
+        times = {name: float(np.median(t)) for name, t in runs.items()}
+        for recipe in ("current", "block"):
+            picked = {name: ms for name, ms in times.items()
+                      if name.endswith(recipe) or name in XLA_FP8_DOTS}
+            picked["gemm_only"] = picked.pop(f"fp8_dot_{recipe}")
+            record("fp8_gemm_world_size_1", shape, picked, 2.0 * m * k * nn, gpus=1,
+                   dtype=f"float8_e4m3fn ({recipe}, bf16 in)")
     if args.smoke:
         print("SMOKE_OK (nothing written)")
     return _finish(rows, table, write=only == set(OPS) and not args.smoke)
@@ -350,7 +387,10 @@ def _finish(rows, table, write: bool) -> int:
           "after an FP8 gather or before a bf16 reduce-scatter) and the speedup over it. "
           "mlp_fwd_bwd: column- then row-parallel layer, loss and gradients, 3x the forward "
           "FLOPs. fp8_*: the forwards on bf16 operands quantized in the call (pk_fp8_current: "
-          "per-tensor factors, pk_fp8_block: DeepSeek-V3's blocks).\n\n"
+          "per-tensor factors, pk_fp8_block: DeepSeek-V3's blocks). fp8_gemm_world_size_1: "
+          "one GPU, pk_ag_* / pk_rs_* are all_gather_matmul / matmul_reduce_scatter with "
+          "fp8=recipe, and gemm_only is that recipe's pk_jax.fp8_dot (the same quantization "
+          "and FP8 GEMM without the op around them).\n\n"
           + markdown_table(HEADER, table))
     if write:
         write_results("tp_matmul", rows, md,

@@ -27,8 +27,9 @@ from pk_jax.errors import PkJaxError, PkJaxTimeoutError
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
 from pk_jax.ops.all_to_all import all_to_all
-from pk_jax.ops.fp8 import Fp8Recipe, fp8_dot, fp8_matmul, fp8_quantize, quantize_weight
-from pk_jax.ops.fp8_weight import Fp8Weight
+from pk_jax.ops.fp8 import (Fp8Recipe, fp8_dot, fp8_matmul, fp8_quantize, quantize_activation,
+                            quantize_weight)
+from pk_jax.ops.fp8_stored import Fp8Activation, Fp8Weight
 from pk_jax.ops.grouped_matmul import grouped_matmul
 from pk_jax.ops.moe import MoeLayout, moe_combine, moe_dispatch
 from pk_jax.ops.ring_attention import ring_attention
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Config",
+    "Fp8Activation",
     "Fp8Recipe",
     "Fp8Weight",
     "PkJaxError",
@@ -68,6 +70,7 @@ __all__ = [
     "matmul",
     "matmul_all_reduce",
     "matmul_reduce_scatter",
+    "quantize_activation",
     "quantize_weight",
     "reduce_scatter",
     "ring_attention",

@@ -183,3 +183,43 @@ def test_tp_fp8_sequences_on_one_gpu(rng, op, monkeypatch):
     for got, want in zip(fused, composed):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert rel_err(fused[0], np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL
+
+
+@pytest.mark.parametrize("scaling,recipe", [("tensor", "current"), ("block", "block")])
+@pytest.mark.parametrize("op", ["fp8_dot", "all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce"])
+def test_stored_activation(rng, op, scaling, recipe):
+    """A stored activation (pk_jax.quantize_activation) through the kernels
+    (fp8_dot, and each TP op on one rank, the FP8 host sequences included):
+    the forward's bits of quantizing x inside the call; w's gradient the same
+    bits with a tensor factor, within the recipe's bound of float32 with block
+    factors; x's cotangent zero; outputs poisoned beforehand."""
+    from jax.sharding import PartitionSpec as P
+    mesh = gpu_mesh(1, "tp")
+    m, k, n = 1024, 768, 1536
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
+    t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    axis = "tp" if op == "all_gather_matmul" and scaling == "tensor" else None
+
+    def call(stored: bool):
+        def body(x, w):
+            if op == "fp8_dot":
+                return (pk_jax.fp8_dot(pk_jax.quantize_activation(x, scaling), w) if stored
+                        else pk_jax.fp8_dot(x, w, recipe))
+            fn = getattr(pk_jax, op)
+            return (fn(pk_jax.quantize_activation(x, scaling, axis_name=axis), w, "tp")
+                    if stored else fn(x, w, "tp", fp8=recipe))
+        f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")),
+                          out_specs=P("tp"))
+        loss = lambda w, x: jnp.sum(f(x, w).astype(jnp.float32) * t)
+        poison_allocator(mesh, 16 * m * (k + n))
+        return jax.jit(f)(x, w), jax.jit(jax.grad(loss))(w, x)
+
+    (y8, dw8), (y, dw) = call(True), call(False)
+    np.testing.assert_array_equal(np.asarray(y8, np.float32), np.asarray(y, np.float32))
+    if scaling == "tensor":
+        np.testing.assert_array_equal(np.asarray(dw8, np.float32), np.asarray(dw, np.float32))
+    xf = np.asarray(x, np.float32)
+    assert rel_err(y8, xf @ np.asarray(w, np.float32)) < FWD_TOL
+    assert rel_err(dw8, xf.T @ np.asarray(t)) < GRAD_TOL

@@ -268,7 +268,10 @@ def test_benchmark_smoke_produces_every_row():
                                       "xla_fp8_dq_f32", "xla_fp8_dq_bf16", "xla_fp8_direct"},
             "fp8_matmul_reduce_scatter": {"pk_fp8_current", "pk_fp8_block", "xla",
                                           "xla_fp8_dq_f32", "xla_fp8_dq_bf16",
-                                          "xla_fp8_direct"}}
+                                          "xla_fp8_direct"},
+            "fp8_gemm_world_size_1": {"pk_ag_current", "pk_rs_current", "pk_ag_block",
+                                      "pk_rs_block", "gemm_only", "xla_fp8_dq_f32",
+                                      "xla_fp8_dq_bf16", "xla_fp8_direct"}}
     for op, impls in want.items():
         assert impls <= {impl for o, impl in rows if o == op}, (op, rows)
     windowed = [line for line in proc.stdout.splitlines() if line.startswith("xla_windowed")]

@@ -14,9 +14,12 @@ Recipes (`Fp8Recipe.scaling`):
   per 1x128 along the contraction, weights per 128x128; every operand e4m3;
   partial sums promoted to fp32 and scaled every 128 of K.
 
-A weight may also come stored in FP8 (`Fp8Weight`, `quantize_weight`): the
-ops then quantize only the activations and gradients, by the recipe its
-scaling implies ("current" for a per-tensor factor, "block" for 128x128).
+A weight may also come stored in FP8 (`Fp8Weight`, `quantize_weight`), and
+activations too (`Fp8Activation`, `quantize_activation`): the ops then
+quantize only the other operands and the gradients, by the recipe the stored
+scaling implies ("current" for a per-tensor factor, "block" for 128x128
+weight blocks and 1x128 activation tiles). A stored operand is a constant:
+its cotangent is zero.
 
 On CUDA GPUs with the extension built the quantization and the GEMMs are
 pk_jax kernels (csrc/kernels/fp8, csrc/kernels/gemm); elsewhere the same
@@ -38,7 +41,7 @@ from jax import lax
 from pk_jax._compat import make_varying, sum_to_type_of, varying_axes
 from pk_jax.ops import fp8_primitive as prim
 from pk_jax.ops.all_reduce import all_reduce
-from pk_jax.ops.fp8_weight import RECIPE_OF, Fp8Weight
+from pk_jax.ops.fp8_stored import RECIPE_OF, Fp8Activation, Fp8Weight, is_stored
 
 _RECIPES = ("current", "delayed", "block")
 
@@ -92,20 +95,28 @@ def _recipe(recipe) -> Fp8Recipe:
     raise TypeError(f"recipe: an Fp8Recipe or one of {_RECIPES}, got {recipe!r}")
 
 
-def recipe_for(where: str, arg: str, recipe, w) -> Fp8Recipe:
+def recipe_for(where: str, arg: str, recipe, w, x=None) -> Fp8Recipe:
     """The call's recipe: `recipe` (None: "current", or the one a stored
-    weight's scaling implies); with an `Fp8Weight` w, validated and checked
-    against its scaling (ValueError naming `arg`)."""
-    if not isinstance(w, Fp8Weight):
+    operand's scaling implies); each stored operand (`Fp8Weight` w,
+    `Fp8Activation` x) validated and checked against it (ValueError naming
+    `arg`)."""
+    stored = [(name, a) for name, a in (("x", x), ("w", w)) if is_stored(a)]
+    if not stored:
         return _recipe("current" if recipe is None else recipe)
-    w.validate(where)
-    want = RECIPE_OF[w.scaling]
+    for _, a in stored:
+        a.validate(where)
+    want = {RECIPE_OF[a.scaling] for _, a in stored}
+    if len(want) > 1:
+        raise ValueError(f"{where}: the stored x and w must share a scaling, got "
+                         f"{x.scaling!r} and {w.scaling!r}")
+    want = want.pop()
     got = _recipe(want if recipe is None else recipe)
     if got.scaling != want:
-        raise ValueError(f"{where}: an Fp8Weight with scaling={w.scaling!r} takes {arg}="
-                         f"{want!r} (its activations and gradients quantized to match), got "
-                         f"{got.scaling!r}; a weight quantized inside the call takes any "
-                         "recipe")
+        name, a = stored[0]
+        raise ValueError(f"{where}: an {type(a).__name__} {name} with scaling={a.scaling!r} "
+                         f"takes {arg}={want!r} (the other operands and the gradients "
+                         f"quantized to match), got {got.scaling!r}; operands quantized "
+                         "inside the call take any recipe")
     return got
 
 
@@ -140,9 +151,78 @@ def weight_operands(w, recipe: Fp8Recipe, scale=None):
     return wq, wt, fw, fw, amax
 
 
-def weight_marker(w):
-    """`residual_marker` of w, None for a stored weight (no gradient)."""
-    return None if isinstance(w, Fp8Weight) else residual_marker(w)
+def quantize_activation(x, scaling: str = "tensor", *, margin: float = 0.0,
+                        axis_name=None) -> Fp8Activation:
+    """x [..., K] (bfloat16, float16 or float32) stored as an
+    `Fp8Activation`: e4m3 data [..., K] with one factor ("tensor", from
+    amax(x) and `margin` as the "current" recipe) or a factor per 1x128 tile
+    along K ("block", factors [..., ceil(K/128)]).
+
+    axis_name: inside `jax.shard_map`, "tensor" only: the factor from the
+    amax over these mesh axes (one value on every device of the axis, what
+    `all_gather_matmul` needs of an activation it gathers)."""
+    if scaling not in ("tensor", "block"):
+        raise ValueError(f"quantize_activation(scaling={scaling!r}): 'tensor' or 'block'")
+    x = jnp.asarray(x)
+    if x.ndim < 1:
+        raise ValueError(f"quantize_activation: x must be [..., K], got shape {x.shape}")
+    x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 2 else x
+    if scaling == "block":
+        if axis_name is not None:
+            raise ValueError("quantize_activation: axis_name is for scaling='tensor' (block "
+                             "factors travel with their rows)")
+        q, _, factors, _ = fp8_quantize(x2, "rows", prim.E4M3)
+        return Fp8Activation(q.reshape(x.shape), factors.T.reshape(x.shape[:-1] + (-1,)),
+                             "block")
+    if axis_name is None:
+        q, _, factor, _ = fp8_quantize(x2, "tensor", prim.E4M3, margin=margin)
+        return Fp8Activation(q.reshape(x.shape), factor.reshape(()), "tensor")
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    amax = jnp.max(jnp.abs(x2.astype(jnp.float32))).reshape(1)
+    # typed like an unsharded value: one factor over the axes (the kernel's
+    # own factor output is typed like x)
+    scale = scale_from_amax(max_to_type_of(amax, jnp.zeros((1,), jnp.float32), names),
+                            prim.E4M3, margin)
+    q, _, _, _ = fp8_quantize(x2, "tensor", prim.E4M3, scale=scale)
+    return Fp8Activation(q.reshape(x.shape), (jnp.float32(1) / scale).reshape(()), "tensor")
+
+
+def activation_operands(x, recipe: Fp8Recipe, dtype=None, *, rowwise: bool = True,
+                        transposed: bool = False, scale=None):
+    """The FP8 GEMM operands of x [M, K] (an activation, or an output
+    gradient with dtype=recipe.bwd_dtype): (q [M, K], qt [K, M], the factors
+    of q, of qt, amax), each None where not asked for. x quantized by the
+    recipe (tensor factors from `scale` when given; amax(x) returned), or an
+    `Fp8Activation` as stored: a tensor factor serves both copies; block
+    factors per 1x128 serve q, and qt's per 128x1 come from requantizing the
+    stored values (one more rounding, the weight gradient's operand)."""
+    if isinstance(x, Fp8Activation):
+        data, f = jnp.asarray(x.data), jnp.asarray(x.factors, jnp.float32)
+        if x.scaling == "tensor":
+            f = f.reshape(1)
+            return (data if rowwise else None, data.T if transposed else None, f, f, None)
+        qt = fqt = None
+        if transposed:
+            _, qt, fqt, _ = fp8_quantize(x.dequantize(), "cols", prim.E4M3, rowwise=False,
+                                         transposed=True)
+        return (data if rowwise else None, qt, f.T if rowwise else None, fqt, None)
+    dtype = recipe.fwd_dtype if dtype is None else dtype
+    if recipe.scaling == "block":
+        q = fq = qt = fqt = None
+        if rowwise:
+            q, _, fq, _ = fp8_quantize(x, "rows", dtype)
+        if transposed:
+            _, qt, fqt, _ = fp8_quantize(x, "cols", dtype, rowwise=False, transposed=True)
+        return q, qt, fq, fqt, None
+    q, qt, f, amax = fp8_quantize(x, "tensor", dtype, rowwise=rowwise, transposed=transposed,
+                                  scale=scale, margin=recipe.margin)
+    return q, qt, f, f, amax
+
+
+def marker(a):
+    """`residual_marker` of an operand, None for a stored one (no
+    gradient)."""
+    return None if is_stored(a) else residual_marker(a)
 
 
 def scale_from_amax(amax, dtype, margin: float = 0.0):
@@ -282,11 +362,10 @@ def _gemm_out(dtype):
 def _check_dot(x, w, recipe: Fp8Recipe) -> None:
     if x.ndim < 2 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"fp8_dot: expected x [..., K] and w [K, N], got {x.shape}, {w.shape}")
-    stored = isinstance(w, Fp8Weight)
-    for name, t in (("x", x.dtype),) + (() if stored else (("w", w.dtype),)):
-        if jnp.dtype(t) not in prim.IN_TYPES:
-            raise TypeError(f"fp8_dot: {name} must be bfloat16, float16 or float32 (or w an "
-                            f"Fp8Weight), got {t}")
+    for name, a in (("x", x), ("w", w)):
+        if not is_stored(a) and jnp.dtype(a.dtype) not in prim.IN_TYPES:
+            raise TypeError(f"fp8_dot: {name} must be bfloat16, float16 or float32 (or x an "
+                            f"Fp8Activation, w an Fp8Weight), got {a.dtype}")
     m, k, n = math.prod(x.shape[:-1]), w.shape[0], w.shape[1]
     if 0 in (m, k, n):
         raise ValueError(f"fp8_dot: empty operands {x.shape}, {w.shape}")
@@ -298,6 +377,17 @@ def _check_dot(x, w, recipe: Fp8Recipe) -> None:
     if m % 16:
         raise ValueError(f"fp8_dot: the rows of x (M={m}, the weight gradient's contraction) "
                          "must be a multiple of 16")
+
+
+def out_dtype_of(where: str, x, out_dtype):
+    """The result type: `out_dtype`, or x's (bfloat16 for an Fp8Activation);
+    bfloat16, float16 or float32 (TypeError naming the argument)."""
+    if out_dtype is None:
+        return jnp.dtype(jnp.bfloat16) if is_stored(x) else jnp.dtype(x.dtype)
+    dtype = jnp.dtype(out_dtype)
+    if dtype not in prim.IN_TYPES:
+        raise TypeError(f"{where}: out_dtype must be bfloat16, float16 or float32, got {dtype}")
+    return dtype
 
 
 def checked_scales(where: str, arg: str, recipe: Fp8Recipe, scales):
@@ -319,13 +409,15 @@ def checked_scales(where: str, arg: str, recipe: Fp8Recipe, scales):
     return tuple(s.reshape(1) for s in out)
 
 
-def fp8_dot(x, w, recipe=None, *, scales=None):
+def fp8_dot(x, w, recipe=None, *, scales=None, out_dtype=None):
     """x [..., K] @ w [K, N] with the forward and both gradients in FP8.
 
+    x: [..., K] (quantized inside the call), or an `Fp8Activation` (stored
+    FP8: a constant, its cotangent zero).
     w: [K, N] (quantized inside the call), or an `Fp8Weight` (stored FP8:
     only x and dy are quantized; its own gradient is zero, a constant).
     recipe: an Fp8Recipe or its scaling name ("current", "delayed",
-    "block"); None: "current", or the one an Fp8Weight's scaling implies
+    "block"); None: "current", or the one a stored operand's scaling implies
     ("current" for "tensor", "block" for "block"; another is a ValueError).
     scales: with "delayed" scaling, the scales (x, w, dy) the
     caller's amax histories give (each a float32 scalar); the result is then
@@ -334,67 +426,58 @@ def fp8_dot(x, w, recipe=None, *, scales=None):
     records it). Inside shard_map each amax is the maximum over the devices
     that share its scale (`max_to_type_of`: a replicated scale gets the
     global amax, as its cotangent must be replicated too). Otherwise the
-    result is y, in x's dtype.
+    result is y.
+    out_dtype: y's type (bfloat16, float16 or float32); None: x's dtype,
+    bfloat16 for an Fp8Activation.
 
     Shapes: K and N multiples of 16 (128 with "block"), the rows of x a
     multiple of 16. Gradients come back in the operands' dtypes; the GEMMs
     accumulate in fp32.
     """
-    recipe = recipe_for("fp8_dot", "recipe", recipe, w)
-    x = jnp.asarray(x)
+    recipe = recipe_for("fp8_dot", "recipe", recipe, w, x)
+    x = x if isinstance(x, Fp8Activation) else jnp.asarray(x)
     w = w if isinstance(w, Fp8Weight) else jnp.asarray(w)
     _check_dot(x, w, recipe)
     scales = checked_scales("fp8_dot", "scales", recipe, scales)
+    out_dtype = out_dtype_of("fp8_dot", x, out_dtype)
     lead = x.shape[:-1]
     # no partitioning rule: see unsharded
-    x, w = prim.unsharded(x), jax.tree.map(prim.unsharded, w)
+    x, w = jax.tree.map(prim.unsharded, x), jax.tree.map(prim.unsharded, w)
     x2 = x.reshape(-1, x.shape[-1])
     if scales is not None:
-        y, amaxes = _dot_delayed(x2, w, scales, recipe)
+        y, amaxes = _dot_delayed(x2, w, scales, recipe, out_dtype)
         return y.reshape(*lead, w.shape[1]), amaxes
-    return _dot(x2, w, recipe).reshape(*lead, w.shape[1])
+    return _dot(x2, w, recipe, out_dtype).reshape(*lead, w.shape[1])
 
 
-def _tensor_fwd(x, w, recipe, sx=None, sw=None):
-    xq, xt, fx, ax = fp8_quantize(x, "tensor", recipe.fwd_dtype, transposed=True, scale=sx,
-                                  margin=recipe.margin)
+def _forward(x, w, recipe, out_dtype, sx=None, sw=None):
+    """(y, residuals, (amax(x), amax(w))) of x @ w; the residuals hold only
+    what the gradients of the operands that have one read."""
+    xq, xt, fx, fxt, ax = activation_operands(x, recipe, transposed=not is_stored(w),
+                                              scale=sx)
     wq, wt, fw, fw_bwd, aw = weight_operands(w, recipe, sw)
-    y = fp8_matmul(xq, wt, fx, fw, out_dtype=_gemm_out(x.dtype)).astype(x.dtype)
-    return y, (xt, fx, wq, fw_bwd), (ax, aw)
+    scaling = "block" if recipe.scaling == "block" else "tensor"
+    y = fp8_matmul(xq, wt, fx, fw, scaling=scaling, out_dtype=_gemm_out(out_dtype))
+    res = (xt, fxt, None if is_stored(x) else wq, fw_bwd)
+    return y.astype(out_dtype), res, (ax, aw)
 
 
-def _tensor_bwd(res, dy, recipe, x_dtype, w_dtype, sdy=None):
-    """(dx, dw or None where w_dtype is None (a stored weight), amax(dy))."""
-    xt, fx, wq, fw = res
-    dq, dt, fdy, ady = fp8_quantize(dy, "tensor", recipe.bwd_dtype, transposed=True, scale=sdy,
-                                    margin=recipe.margin)
-    dx = fp8_matmul(dq, wq, fdy, fw, out_dtype=_gemm_out(x_dtype)).astype(x_dtype)
-    if w_dtype is None:
-        return dx, None, ady
-    dw = fp8_matmul(xt, dt, fx, fdy, out_dtype=_gemm_out(w_dtype)).astype(w_dtype)
-    return dx, dw, ady
-
-
-def _block_fwd(x, w, recipe):
-    xq, _, fx, _ = fp8_quantize(x, "rows", prim.E4M3)
-    _, xt, fxt, _ = fp8_quantize(x, "cols", prim.E4M3, rowwise=False, transposed=True)
-    wq, wt, fw, fw_bwd, _ = weight_operands(w, recipe)
-    y = fp8_matmul(xq, wt, fx, fw, scaling="block", out_dtype=_gemm_out(x.dtype))
-    return y.astype(x.dtype), (xt, fxt, wq, fw_bwd)
-
-
-def _block_bwd(res, dy, x_dtype, w_dtype):
+def _backward(res, dy, recipe, xm, wm, sdy=None):
+    """(dx, dw, amax(dy)); dx (dw) None where x (w) is stored (xm, wm None)."""
     xt, fxt, wq, fw_bwd = res
-    # dx = dy @ w^T: w [K, N] is b = [n = K, k = N], its 128x128 factors [N/128, K/128].
-    dq, _, fdy, _ = fp8_quantize(dy, "rows", prim.E4M3)
-    dx = fp8_matmul(dq, wq, fdy, fw_bwd, scaling="block", out_dtype=_gemm_out(x_dtype))
-    if w_dtype is None:
-        return dx.astype(x_dtype), None
-    # dw = x^T @ dy: a = x^T [K, M], b = dy^T [N, M], both per 128x1 of the tokens.
-    _, dt, fdt, _ = fp8_quantize(dy, "cols", prim.E4M3, rowwise=False, transposed=True)
-    dw = fp8_matmul(xt, dt, fxt, fdt, scaling="block", b_row_blocks=True,
-                    out_dtype=_gemm_out(w_dtype))
-    return dx.astype(x_dtype), dw.astype(w_dtype)
+    dq, dt, fdq, fdt, ady = activation_operands(dy, recipe, recipe.bwd_dtype,
+                                                rowwise=xm is not None,
+                                                transposed=wm is not None, scale=sdy)
+    block = recipe.scaling == "block"
+    scaling = "block" if block else "tensor"
+    dx = dw = None
+    if xm is not None:  # dx = dy @ w^T: w [K, N] is b = [n = K, k = N]
+        dx = fp8_matmul(dq, wq, fdq, fw_bwd, scaling=scaling,
+                        out_dtype=_gemm_out(xm.dtype)).astype(xm.dtype)
+    if wm is not None:  # dw = x^T @ dy: a = x^T [K, M], b = dy^T [N, M]
+        dw = fp8_matmul(xt, dt, fxt, fdt, scaling=scaling, b_row_blocks=block,
+                        out_dtype=_gemm_out(wm.dtype)).astype(wm.dtype)
+    return dx, dw, ady
 
 
 def residual_marker(a):
@@ -403,57 +486,51 @@ def residual_marker(a):
     return a.reshape(-1)[:0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _dot(x, w, recipe: Fp8Recipe):
-    return _dot_fwd(x, w, recipe)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _dot(x, w, recipe: Fp8Recipe, out_dtype):
+    return _dot_fwd(x, w, recipe, out_dtype)[0]
 
 
-def _dot_fwd(x, w, recipe):
-    if recipe.scaling == "block":
-        y, res = _block_fwd(x, w, recipe)
-    else:
-        y, res, _ = _tensor_fwd(x, w, recipe)
-    return y, (res, residual_marker(x), weight_marker(w))
-
-
-def _dtype(marker):
-    return None if marker is None else marker.dtype
+def _dot_fwd(x, w, recipe, out_dtype):
+    y, res, _ = _forward(x, w, recipe, out_dtype)
+    return y, (res, marker(x), marker(w))
 
 
 def _typed(dx, dw, xm, wm):
     """The gradients summed to the operands' types (a weight replicated over
     a shard_map axis gets the sum of every shard's gradient, as lax.dot's);
-    a stored weight's (wm None): None, a zero cotangent."""
-    return sum_to_type_of(dx, xm), None if wm is None else sum_to_type_of(dw, wm)
+    a stored operand's (marker None): None, a zero cotangent."""
+    return tuple(None if m is None else sum_to_type_of(d, m)
+                 for d, m in ((dx, xm), (dw, wm)))
 
 
-def _dot_bwd(recipe, carry, dy):
+def _dot_bwd(recipe, out_dtype, carry, dy):
     res, xm, wm = carry
-    if recipe.scaling == "block":
-        return _typed(*_block_bwd(res, dy, xm.dtype, _dtype(wm)), xm, wm)
-    dx, dw, _ = _tensor_bwd(res, dy, recipe, xm.dtype, _dtype(wm))
+    if xm is None and wm is None:  # both operands stored: constants
+        return None, None
+    dx, dw, _ = _backward(res, dy, recipe, xm, wm)
     return _typed(dx, dw, xm, wm)
 
 
 _dot.defvjp(_dot_fwd, _dot_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _dot_delayed(x, w, scales, recipe: Fp8Recipe):
-    return _dot_delayed_fwd(x, w, scales, recipe)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _dot_delayed(x, w, scales, recipe: Fp8Recipe, out_dtype):
+    return _dot_delayed_fwd(x, w, scales, recipe, out_dtype)[0]
 
 
-def _dot_delayed_fwd(x, w, scales, recipe):
+def _dot_delayed_fwd(x, w, scales, recipe, out_dtype):
     sx, sw, _ = scales
-    y, res, (ax, aw) = _tensor_fwd(x, w, recipe, sx, sw)
+    y, res, (ax, aw) = _forward(x, w, recipe, out_dtype, sx, sw)
     amaxes = (max_to_type_of(ax, sx), max_to_type_of(aw, sw))
     return (y, amaxes), (res, scales, residual_marker(x), residual_marker(w))
 
 
-def _dot_delayed_bwd(recipe, carry, cts):
+def _dot_delayed_bwd(recipe, out_dtype, carry, cts):
     res, scales, xm, wm = carry
     dy, _ = cts  # the amaxes are not differentiated
-    dx, dw, ady = _tensor_bwd(res, dy, recipe, xm.dtype, wm.dtype, scales[2])
+    dx, dw, ady = _backward(res, dy, recipe, xm, wm, scales[2])
     return *_typed(dx, dw, xm, wm), scale_cotangents(scales, ady)
 
 

@@ -27,7 +27,7 @@ from pk_jax._warnings import warn_once
 from pk_jax.ops import fp8 as fp8_ops
 from pk_jax.ops import fp8_primitive as prim_fp8
 from pk_jax.ops import tp_matmul_fp8
-from pk_jax.ops.fp8_weight import Fp8Weight
+from pk_jax.ops.fp8_stored import Fp8Activation, is_stored
 from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_bwd_p,
                                              all_gather_matmul_p, matmul_all_reduce_p,
                                              matmul_reduce_scatter_bwd_p,
@@ -225,29 +225,30 @@ _ar.defvjp(_ar_forward, _ar_backward)
 def _fp8_call(op: str, impl, x, w, axis_name, fp8, fp8_scales, preferred_element_type,
               mechanism, rows_per_rank):
     """The FP8 path of `op` (pk_jax/ops/tp_matmul_fp8.py) on x [rows, K] (leading
-    dims flattened by the caller's reshape) and w [K, N] or an Fp8Weight:
-    (out, amaxes or None, cfg)."""
-    stored = isinstance(w, Fp8Weight)
-    if fp8 is None and not stored:
+    dims flattened by the caller's reshape) or an Fp8Activation, and w [K, N]
+    or an Fp8Weight: (out, amaxes or None, cfg)."""
+    if fp8 is None and not (is_stored(x) or is_stored(w)):
         raise ValueError(f"pk_jax.{op}: fp8_scales needs fp8='delayed' (or an Fp8Recipe "
                          "with scaling='delayed')")
-    recipe = fp8_ops.recipe_for(f"pk_jax.{op}", "fp8", fp8, w)
+    recipe = fp8_ops.recipe_for(f"pk_jax.{op}", "fp8", fp8, w, x)
     if mechanism != "auto":
         raise ValueError(f"pk_jax.{op}(fp8=...): the FP8 path picks its own mechanisms; "
                          f"leave mechanism='auto' (got {mechanism!r})")
-    cfg = _validate(op, x, _checked_as(x, w), axis_name, preferred_element_type, "xla")
-    for name, a in (("x", x),) + (() if stored else (("w", w),)):
-        if jnp.dtype(a.dtype) not in prim_fp8.IN_TYPES:
+    cfg = _validate(op, *_checked_as(x, w), axis_name, preferred_element_type, "xla")
+    for name, a in (("x", x), ("w", w)):
+        if not is_stored(a) and jnp.dtype(a.dtype) not in prim_fp8.IN_TYPES:
             raise TypeError(f"pk_jax.{op}(fp8=...): {name} must be bfloat16, float16 or "
-                            f"float32 (quantized inside the op; w may be an Fp8Weight), got "
-                            f"{a.dtype}")
+                            f"float32 (quantized inside the op; x may be an Fp8Activation, "
+                            f"w an Fp8Weight), got {a.dtype}")
     if cfg.out_dtype not in prim_fp8.IN_TYPES:
         raise TypeError(f"pk_jax.{op}(fp8=...): preferred_element_type must be bfloat16, "
                         f"float16 or float32, got {cfg.out_dtype}")
     tp_matmul_fp8.check(op, x, w, recipe, cfg.n, rows_per_rank)
     scales = fp8_ops.checked_scales(f"pk_jax.{op}", "fp8_scales", recipe, fp8_scales)
-    x2 = make_varying(x.reshape(-1, x.shape[-1]), cfg.names)
-    w = jax.tree.map(lambda a: make_varying(a, cfg.names), w)
+    x2 = x.reshape(-1, x.shape[-1])
+    if op == "all_gather_matmul" and isinstance(x, Fp8Activation) and x.scaling == "tensor":
+        _check_gathered_factor(x2, cfg.names)
+    x2, w = (jax.tree.map(lambda a: make_varying(a, cfg.names), t) for t in (x2, w))
     if scales is not None and not set(cfg.names) <= varying_axes(x2):
         # unchecked, shard_map's transpose would sum the replicated scales' cotangents
         raise ValueError(f"pk_jax.{op}(fp8='delayed'): needs shard_map's varying-axes types "
@@ -257,17 +258,35 @@ def _fp8_call(op: str, impl, x, w, axis_name, fp8, fp8_scales, preferred_element
     return out, amaxes, cfg
 
 
+def _check_gathered_factor(x: Fp8Activation, names) -> None:
+    """The gathered rows of a tensor-scaled Fp8Activation form one FP8 operand:
+    its factor must be one value over the axis, which shard_map's types show
+    (ValueError where they say otherwise or are not checked)."""
+    if not set(names) <= varying_axes(x.data):
+        raise ValueError("pk_jax.all_gather_matmul: gathering an Fp8Activation with one "
+                         "tensor factor needs shard_map's varying-axes types (check_vma=True, "
+                         "the default) to check the factor is one value over the axis")
+    if set(names) & varying_axes(x.factors):
+        raise ValueError(f"pk_jax.all_gather_matmul: the Fp8Activation's tensor factor varies "
+                         f"over axis {tuple(names)}: the gathered rows need one factor; "
+                         f"quantize with pk_jax.quantize_activation(x, 'tensor', "
+                         f"axis_name={tuple(names)!r}) (the axis-wide amax), or use "
+                         "scaling='block'")
+
+
 def _checked_as(x, w):
-    """What _validate reads of w: a stored weight as one of x's dtype (the
-    output type is x's: an FP8 type does not promote)."""
-    return jax.ShapeDtypeStruct(w.shape, x.dtype) if isinstance(w, Fp8Weight) else w
+    """What _validate reads of x and w: a stored operand as one of the other's
+    dtype, bfloat16 where both are stored (the output type is the
+    unquantized operand's: an FP8 type does not promote)."""
+    like = (jnp.dtype(jnp.bfloat16) if is_stored(x) and is_stored(w) else
+            w.dtype if is_stored(x) else x.dtype)
+    return tuple(jax.ShapeDtypeStruct(a.shape, like) if is_stored(a) else a for a in (x, w))
 
 
 def _operands(x, w, fp8, fp8_scales):
-    """(x, w, whether the FP8 path runs); an Fp8Weight w as given."""
-    stored = isinstance(w, Fp8Weight)
-    return (jnp.asarray(x), w if stored else jnp.asarray(w),
-            stored or fp8 is not None or fp8_scales is not None)
+    """(x, w, whether the FP8 path runs); stored operands as given."""
+    return (x if is_stored(x) else jnp.asarray(x), w if is_stored(w) else jnp.asarray(w),
+            is_stored(x) or is_stored(w) or fp8 is not None or fp8_scales is not None)
 
 
 def _fp8_result(out, amaxes, shape):
@@ -361,7 +380,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str | Sequence[
       fp8_scales (out, amaxes).
     """
     x, w, fp8_path = _operands(x, w, fp8, fp8_scales)
-    cfg = _validate("matmul_reduce_scatter", x, _checked_as(x, w), axis_name,
+    cfg = _validate("matmul_reduce_scatter", *_checked_as(x, w), axis_name,
                     preferred_element_type, "xla" if fp8_path else mechanism)
     if x.shape[0] % cfg.n:
         raise ValueError(f"pk_jax.matmul_reduce_scatter: the first dim of x ({x.shape[0]}) "

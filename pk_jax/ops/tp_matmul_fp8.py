@@ -21,8 +21,10 @@ copies gathered along the tokens. Block factors (a row chunk's factors are
 not contiguous) and other output types compose the collectives and GEMMs
 one after the other.
 
-A stored weight (`Fp8Weight`, each rank's shard as stored) enters the GEMMs
-as it is; its cotangent is zero.
+A stored operand (`Fp8Weight`, `Fp8Activation`: each rank's shard as
+stored) enters the GEMMs as it is; its cotangent is zero. An activation that
+all_gather_matmul gathers with one tensor factor needs that factor to be the
+same on every rank (tp_matmul.py checks its type).
 
 Delayed scaling: the caller's scales (x, w, dy) quantize the operands; each
 op returns (y, (amax(x), amax(w))) and carries amax(dy) as the cotangent of
@@ -68,7 +70,7 @@ def check(op: str, x, w, recipe: Recipe, n: int, rows_per_rank: Optional[int]) -
 
 
 def _gather(a, names, n: int, axis: int = 0):
-    return a if n == 1 else all_gather(a, names, axis=axis, tiled=True)
+    return a if n == 1 or a is None else all_gather(a, names, axis=axis, tiled=True)
 
 
 def _scatter(a, names, n: int):
@@ -93,23 +95,14 @@ def _out(dtype):
 def _quantize_rows_sharded(x, names, n: int, recipe: Recipe, dtype, *, rowwise=True,
                            transposed=False, scale=None):
     """Quantize this rank's rows of an operand gathered along its rows:
-    (q, qt, factors of q, factors of qt, amax); tensor factors from the given
-    scale (delayed scaling) or the axis-wide amax, block factors per 1x128
-    (q) and per 128x1 (qt, then factors [rows / 128, K]). amax: this rank's
-    amax(x) with per-tensor factors (what delayed scaling records), else
-    None."""
-    if recipe.scaling == "block":
-        q = fq = qt = fqt = None
-        if rowwise:
-            q, _, fq, _ = fp8_ops.fp8_quantize(x, "rows", dtype)
-        if transposed:
-            _, qt, fqt, _ = fp8_ops.fp8_quantize(x, "cols", dtype, rowwise=False,
-                                                 transposed=True)
-        return q, qt, fq, fqt, None
-    s = _axis_scale(x, names, n, dtype, recipe.margin) if scale is None else scale
-    q, qt, f, amax = fp8_ops.fp8_quantize(x, "tensor", dtype, rowwise=rowwise,
-                                          transposed=transposed, scale=s)
-    return q, qt, f, f, amax
+    (q, qt, factors of q, factors of qt, amax) as `fp8.activation_operands`
+    gives them, tensor factors from the given scale (delayed scaling) or the
+    axis-wide amax (an `Fp8Activation` as stored). amax: this rank's amax(x)
+    with per-tensor factors (what delayed scaling records), else None."""
+    if recipe.scaling != "block" and scale is None and not fp8_ops.is_stored(x):
+        scale = _axis_scale(x, names, n, dtype, recipe.margin)
+    return fp8_ops.activation_operands(x, recipe, dtype, rowwise=rowwise,
+                                       transposed=transposed, scale=scale)
 
 
 def _gemm(a, b, fa, fb, recipe: Recipe, out_dtype, b_row_blocks=False):
@@ -157,26 +150,31 @@ def _local_operands(x, w, sx, sw, recipe: Recipe):
     """This rank's FP8 operands of x @ w (x [M, K_local]): (q, w^T, their
     factors), the backward's residuals (x^T and w quantized, with their
     factors) and the local amaxes of x and w."""
-    q, qt, fq, fqt, ax = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=True,
-                                         scale=sx)
+    q, qt, fq, fqt, ax = _quantize_local(x, recipe, recipe.fwd_dtype,
+                                         transposed=not fp8_ops.is_stored(w), scale=sx)
     wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw)
-    return (q, wt, fq, fw_fwd), (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
-                                 fp8_ops.weight_marker(w)), (ax, aw)
+    return (q, wt, fq, fw_fwd), (qt, fqt, wq, fw_bwd, fp8_ops.marker(x),
+                                 fp8_ops.marker(w)), (ax, aw)
 
 
 def _grads(quantized_dy, res, recipe: Recipe, dx_of=None):
     """(dx, dw, amax(dy)) with dx, dw typed like (x, w): dx = dx_of(dy, w,
-    their factors, dtype) (default: the local FP8 GEMM dy w^T), dw = x^T dy
-    (None for a stored weight: wm None), from the quantized dy (q, qt, their
-    factors, its amax) and the forward's residuals."""
+    their factors, dtype) (default: the local FP8 GEMM dy w^T), dw = x^T dy,
+    each None for a stored operand (marker None), from the quantized dy (q,
+    qt, their factors, its amax) and the forward's residuals."""
     dq, dt, fdq, fdt, ady = quantized_dy
     qt, fqt, wq, fw_bwd, xm, wm = res
     dx_of = dx_of or (lambda a, b, fa, fb, dtype: _gemm(a, b, fa, fb, recipe, dtype))
-    dx = dx_of(dq, wq, fdq, fw_bwd, xm.dtype)
-    if wm is None:
-        return sum_to_type_of(dx, xm), None, ady
-    dw = _gemm(qt, dt, fqt, fdt, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block")
-    return sum_to_type_of(dx, xm), sum_to_type_of(dw, wm), ady
+    dx = None if xm is None else sum_to_type_of(dx_of(dq, wq, fdq, fw_bwd, xm.dtype), xm)
+    dw = None if wm is None else sum_to_type_of(
+        _gemm(qt, dt, fqt, fdt, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block"), wm)
+    return dx, dw, ady
+
+
+def _needs(res) -> dict:
+    """Which copies of dy the gradients read: the row-wise one for dx (x not
+    stored), the transposed one for dw (w not stored)."""
+    return dict(rowwise=res[4] is not None, transposed=res[5] is not None)
 
 
 def _op(forward, backward, doc: str):
@@ -201,6 +199,8 @@ def _op(forward, backward, doc: str):
 
     def op_bwd(names, n, recipe, out_dtype, carry, cts):
         res, scales = carry
+        if res[4] is None and res[5] is None:  # both operands stored: constants
+            return None, None, None
         dy, _ = cts  # the amaxes are not differentiated
         dx, dw, ady = backward(names, n, recipe, out_dtype, res, dy,
                                None if scales is None else scales[2])
@@ -214,7 +214,7 @@ def _op(forward, backward, doc: str):
 # ---- all_gather_matmul -------------------------------------------------------------
 def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
     q, qt, fq, fqt, ax = _quantize_rows_sharded(x, names, n, recipe, recipe.fwd_dtype,
-                                                transposed=True, scale=sx)
+                                                transposed=not fp8_ops.is_stored(w), scale=sx)
     wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw)
     if _fused(recipe, out_dtype):  # the rows gathered in FP8 inside the sequence
         y = _sequence(all_gather_matmul_fp8_p, names, n, out_dtype, "chunked", q, wt, fq,
@@ -224,8 +224,7 @@ def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
         q, qt, fq, fqt, ax = _gather_rows(q, qt, fq, fqt, ax, names, n, recipe)
         y = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
     # the weight gradient reads x^T gathered along the tokens
-    return y, (qt, fqt, wq, fw_bwd, fp8_ops.residual_marker(x),
-               fp8_ops.weight_marker(w)), (ax, aw)
+    return y, (qt, fqt, wq, fw_bwd, fp8_ops.marker(x), fp8_ops.marker(w)), (ax, aw)
 
 
 def _ag_bwd(names, n, recipe, out_dtype, res, dy, sdy):
@@ -236,7 +235,7 @@ def _ag_bwd(names, n, recipe, out_dtype, res, dy, sdy):
             return _sequence(matmul_reduce_scatter_fp8_p, names, n, dtype, "chunked", a, b, fa,
                              fb)
         return _scatter(_gemm(a, b, fa, fb, recipe, dtype), names, n)
-    return _grads(_quantize_local(dy, recipe, recipe.bwd_dtype, transposed=True, scale=sdy),
+    return _grads(_quantize_local(dy, recipe, recipe.bwd_dtype, scale=sdy, **_needs(res)),
                   res, recipe, dx_of)
 
 
@@ -258,8 +257,8 @@ def _rs_bwd(names, n, recipe, out_dtype, res, dy, sdy):
     # all_gather_matmul's sequence where it runs), the transposed copy along
     # the tokens for dw
     dq, dt, fdq, fdt, ady = _quantize_rows_sharded(dy, names, n, recipe, recipe.bwd_dtype,
-                                                   transposed=True, scale=sdy)
-    if _fused(recipe, res[4].dtype):
+                                                   scale=sdy, **_needs(res))
+    if res[4] is not None and _fused(recipe, res[4].dtype):
         def dx_of(a, b, fa, fb, dtype):
             return _sequence(all_gather_matmul_fp8_p, names, n, dtype, "chunked", a, b, fa, fb)
         return _grads((dq, _gather(dt, names, n, axis=1), fdq, fdt, ady), res, recipe, dx_of)
@@ -285,7 +284,7 @@ def _ar_bwd(names, n, recipe, out_dtype, res, dy, sdy):
     """psum's transpose: every rank gets the full (invariant) dy; both
     gradients are local FP8 GEMMs."""
     return _grads(_quantize_local(make_varying(dy, names), recipe, recipe.bwd_dtype,
-                                  transposed=True, scale=sdy), res, recipe)
+                                  scale=sdy, **_needs(res)), res, recipe)
 
 
 matmul_all_reduce = _op(_ar_fwd, _ar_bwd, """psum(x @ w) with an FP8 GEMM: x [M, K_local];

@@ -1,9 +1,10 @@
-"""Weights stored in FP8 (`pk_jax.Fp8Weight`, `pk_jax.quantize_weight`) through
-fp8_dot and the tensor-parallel matmuls on fake CPU devices, Auto and
-Explicit meshes: the same bits as quantizing the weight inside the call
-(forward and input gradient), a zero cotangent for the stored weight, a
-checkpoint's own arrays, and the errors for weights and recipes that do not
-fit together."""
+"""Operands stored in FP8 (`pk_jax.Fp8Weight`, `pk_jax.quantize_weight`;
+`pk_jax.Fp8Activation`, `pk_jax.quantize_activation`) through fp8_dot and the
+tensor-parallel matmuls on fake CPU devices, Auto and Explicit meshes: the
+same bits as quantizing the operand inside the call (forward and the other
+operand's gradient), a zero cotangent for the stored operand, a checkpoint's
+own arrays, and the errors for operands and recipes that do not fit
+together."""
 
 import jax
 import jax.numpy as jnp
@@ -204,3 +205,163 @@ def test_stored_weight_bad_input(rng):
             lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", fp8="current"), mesh=mesh,
             in_specs=(P("tp"), b8.partition_spec(P(None, "tp"))), out_specs=P(None, "tp")))(
                 x, b8)
+
+
+# ---- stored activations ------------------------------------------------------------
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+def test_quantize_activation_layout(rng, scaling):
+    """data [..., K] e4m3 with one factor or a factor per 1x128 tile of a row
+    ([..., K/128]); dequantize() reconstructs x within e4m3's rounding."""
+    x = jnp.asarray(rng.standard_normal((2, 64, 384)) * 3, jnp.bfloat16)
+    x8 = pk_jax.quantize_activation(x, scaling)
+    assert x8.shape == (2, 64, 384) and x8.dtype == jnp.float8_e4m3fn
+    assert x8.factors.shape == ((2, 64, 3) if scaling == "block" else ())
+    back = np.asarray(x8.dequantize())
+    assert np.all(np.abs(back - _f32(x)) <= 2.0 ** -4 * np.abs(_f32(x)) +
+                  2.0 ** -9 * np.max(np.abs(back)))
+    if scaling == "block":  # each tile's largest element lands on e4m3's largest finite
+        tiles = np.abs(_f32(x8.data)).reshape(2, 64, 3, 128).max(-1)
+        np.testing.assert_array_equal(tiles, 448.0)
+
+
+def _loss(t):
+    return lambda x, w, r=None: jnp.sum(pk_jax.fp8_dot(x, w, r).astype(jnp.float32) * t)
+
+
+@pytest.mark.parametrize("stored_w", [False, True])
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+def test_fp8_dot_stored_activation_is_quantizing_inside(rng, scaling, stored_w):
+    """fp8_dot(quantize_activation(x), w) gives the bits of fp8_dot(x, w,
+    recipe) (bfloat16 out); w's gradient: the same bits with one tensor
+    factor (x^T is the stored data transposed), within the recipe's bound of
+    float32 with block factors (x^T requantized per 128x1); x's cotangent
+    zero."""
+    recipe = SCALINGS[scaling]
+    x, w = _data(rng, 256, 256, 384)
+    t = jnp.asarray(rng.standard_normal((256, 384)), jnp.float32)
+    x8 = pk_jax.quantize_activation(x, scaling)
+    w_in = pk_jax.quantize_weight(w, scaling) if stored_w else w
+    y8 = jax.jit(pk_jax.fp8_dot)(x8, w_in)
+    y = jax.jit(pk_jax.fp8_dot, static_argnums=2)(x, w_in, recipe)
+    assert y8.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_f32(y8), _f32(y))
+    assert rel_err(y8, _f32(x) @ _f32(w)) < FWD_TOL
+    dx8, dw8 = jax.jit(jax.grad(_loss(t), (0, 1)))(x8, w_in)
+    for leaf in jax.tree.leaves(dx8) + ([] if not stored_w else jax.tree.leaves(dw8)):
+        assert not np.any(_f32(leaf))
+    if stored_w:
+        return
+    _, dw = jax.jit(jax.grad(_loss(t), (0, 1)), static_argnums=2)(x, w, recipe)
+    if scaling == "tensor":
+        np.testing.assert_array_equal(_f32(dw8), _f32(dw))
+    assert dw8.dtype == w.dtype and rel_err(dw8, _f32(x).T @ _f32(t)) < GRAD_TOL
+
+
+def test_fp8_dot_stored_activation_out_dtype(rng):
+    x, w = _data(rng, 128, 256, 256)
+    x8 = pk_jax.quantize_activation(x)
+    y = pk_jax.fp8_dot(x8, w, out_dtype=jnp.float32)
+    assert y.dtype == jnp.float32 and rel_err(y, _f32(x) @ _f32(w)) < FWD_TOL
+
+
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+@pytest.mark.parametrize("op", list(_OPS))
+def test_tp_ops_take_stored_activations(rng, op, scaling, sharding_mode):
+    """Each rank's x quantized inside shard_map and passed stored (a tensor
+    factor gathered by all_gather_matmul from the axis-wide amax): the bits
+    of fp8=recipe on the bf16 x, forward; w's gradient the same bits with a
+    tensor factor, within the bound of float32 with block factors."""
+    fn, xs, ws, outs, xshape, wshape = _OPS[op]
+    recipe = SCALINGS[scaling]
+    mesh = cpu_mesh((N,), ("tp",))
+    x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(wshape[0]), jnp.bfloat16)
+    t = jnp.asarray(rng.standard_normal((xshape[0], wshape[1])), jnp.float32)  # y's shape
+    axis = "tp" if op == "all_gather_matmul" and scaling == "tensor" else None
+
+    def loss(stored):
+        @jax.shard_map(mesh=mesh, in_specs=(xs, ws), out_specs=outs)
+        def f(x, w):
+            if stored:
+                return fn(pk_jax.quantize_activation(x, scaling, axis_name=axis), w, "tp")
+            return fn(x, w, "tp", fp8=recipe)
+
+        def value(w, x):
+            y = f(x, w)
+            return jnp.sum(y.astype(jnp.float32) * t), y
+        return value
+
+    args = (_put(mesh, w, ws), _put(mesh, x, xs))
+    (_, y8), dw8 = jax.jit(jax.value_and_grad(loss(True), has_aux=True))(*args)
+    (_, y), dw = jax.jit(jax.value_and_grad(loss(False), has_aux=True))(*args)
+    np.testing.assert_array_equal(_f32(y8), _f32(y))
+    assert rel_err(y8, _f32(x) @ _f32(w)) < FWD_TOL
+    if scaling == "tensor":
+        np.testing.assert_array_equal(_f32(dw8), _f32(dw))
+    assert rel_err(dw8, _f32(x).T @ _f32(t)) < GRAD_TOL
+
+
+def test_tp_mlp_on_stored_operands(rng, sharding_mode):
+    """Both operands stored (an FP8 inference step): the TP MLP against
+    float32; nothing is differentiated, no gradient program is needed."""
+    mesh = cpu_mesh((N,), ("tp",))
+    m, d, f = N * 128, 256, N * 128
+    x, w1 = _data(rng, m, d, f)
+    _, w2 = _data(rng, f, f, d)
+    w8 = (pk_jax.quantize_weight(w1), pk_jax.quantize_weight(w2))
+    specs = (w8[0].partition_spec(P(None, "tp")), w8[1].partition_spec(P("tp", None)))
+
+    @jax.shard_map(mesh=mesh, in_specs=(P("tp"), specs), out_specs=P("tp"))
+    def mlp(x, ws):
+        h = pk_jax.all_gather_matmul(pk_jax.quantize_activation(x, axis_name="tp"), ws[0],
+                                     "tp")
+        return pk_jax.matmul_reduce_scatter(pk_jax.quantize_activation(h), ws[1], "tp")
+
+    y = jax.jit(mlp)(_put(mesh, x, P("tp")), _put(mesh, w8, specs))
+    assert y.dtype == jnp.bfloat16
+    assert rel_err(y, (_f32(x) @ _f32(w1)) @ _f32(w2)) < 2 * FWD_TOL
+
+
+def test_activation_partition_spec():
+    x8 = pk_jax.quantize_activation(jnp.ones((4, 128, 256), jnp.bfloat16), "block")
+    spec = x8.partition_spec(P("tp"))
+    assert (spec.data, spec.factors) == (P("tp", None, None), P("tp", None, None))
+    spec = pk_jax.quantize_activation(jnp.ones((128, 256), jnp.bfloat16)).partition_spec(P("tp"))
+    assert (spec.data, spec.factors) == (P("tp", None), P())
+
+
+def test_stored_activation_bad_input(rng):
+    x, w = _data(rng, 128, 256, 256)
+    x8, xb = pk_jax.quantize_activation(x), pk_jax.quantize_activation(x, "block")
+    mesh = cpu_mesh((N,), ("tp",))
+
+    def gathered(x, w):  # a per-rank tensor factor, gathered
+        return pk_jax.all_gather_matmul(pk_jax.quantize_activation(x), w, "tp")
+
+    sm = jax.shard_map(gathered, mesh=mesh, in_specs=(P("tp"), P()), out_specs=P(None))
+    unchecked = jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(
+        pk_jax.quantize_activation(x, axis_name="tp"), w, "tp"), mesh=mesh,
+        in_specs=(P("tp"), P()), out_specs=P(None), check_vma=False)
+    cases = [
+        (lambda: pk_jax.fp8_dot(x8, w, "block"), ValueError, "scaling='tensor' takes recipe"),
+        (lambda: pk_jax.fp8_dot(xb, w, "current"), ValueError, "scaling='block' takes recipe"),
+        (lambda: pk_jax.fp8_dot(x8, w, "delayed", scales=(1.0, 1.0, 1.0)), ValueError,
+         "takes recipe='current'"),
+        (lambda: pk_jax.fp8_dot(x8, pk_jax.quantize_weight(w, "block")), ValueError,
+         "must share a scaling"),
+        (lambda: pk_jax.fp8_dot(pk_jax.Fp8Activation(x, x8.factors), w), TypeError,
+         "data must be float8_e4m3fn"),
+        (lambda: pk_jax.fp8_dot(pk_jax.Fp8Activation(x8.data, jnp.ones((128, 1)), "block"), w),
+         ValueError, r"\(128, 2\), got \(128, 1\)"),
+        (lambda: pk_jax.fp8_dot(pk_jax.Fp8Activation(x8.data, jnp.ones(2)), w), ValueError,
+         "takes one factor"),
+        (lambda: pk_jax.fp8_dot(x8, w, out_dtype=jnp.int8), TypeError, "out_dtype"),
+        (lambda: pk_jax.quantize_activation(x, "rows"), ValueError, "'tensor' or 'block'"),
+        (lambda: pk_jax.quantize_activation(x, "block", axis_name="tp"), ValueError,
+         "axis_name is for scaling='tensor'"),
+        (lambda: jax.jit(sm)(x, w), ValueError, "tensor factor varies over axis"),
+        (lambda: jax.jit(unchecked)(x, w), ValueError, "needs shard_map's varying-axes"),
+    ]
+    for call, err, match in cases:
+        with pytest.raises(err, match=match):
+            call()
