@@ -28,14 +28,19 @@ implementation: op, shape fields, implementation, median_ms, tflops,
 best_other, best_other_ms).
 
 Usage: python benchmarks/kernels.py [--only attention,gemm,fp8] [--quick]
-       [--match TEXT] [--rounds N] [--smoke]
+       [--match TEXT] [--rounds N] [--smoke] [--part I/N [--part-out F]]
+       python benchmarks/kernels.py --merge F1 F2 ...
 (--smoke: tiny shapes; --quick: the first two cases; --match: the cases whose
-label holds TEXT, e.g. "d64" or "8192x8192x8192"; these three write nothing)
+label holds TEXT, e.g. "d64" or "8192x8192x8192"; these three write nothing;
+--part: the I-th of N slices of a section too long for one sitting, its rows
+to a file; --merge writes the slices' rows as one run's results)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import re
 import statistics
 import sys
@@ -133,6 +138,15 @@ class Table:
             self.md.append([op, case, name, f"{ms:.3f}", f"{row['tflops']:.0f}",
                             best_name or "-", ratio])
         print(markdown_table(HEADER, self.md[-len(times):]), flush=True)
+
+    def dump(self, path: str) -> None:
+        """This (partial) run's rows and table lines, for --merge."""
+        pathlib.Path(path).write_text(json.dumps({"rows": self.rows, "md": self.md}))
+
+    def load(self, path: str) -> None:
+        part = json.loads(pathlib.Path(path).read_text())
+        self.rows += part["rows"]
+        self.md += part["md"]
 
 
 def _time(fns: dict[str, Callable[[], Any]], rounds: int, smoke: bool) -> dict[str, float]:
@@ -327,6 +341,13 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, nothing written")
     ap.add_argument("--match", default="", help="only the cases whose label holds this text")
+    ap.add_argument("--part", default="",
+                    help="I/N: the I-th of N consecutive slices of each section's cases "
+                         "(1-based), its rows written to --part-out for --merge")
+    ap.add_argument("--part-out", default="kernels_part.json")
+    ap.add_argument("--merge", nargs="*", default=None,
+                    help="write the results of the --part runs of these files (in order) "
+                         "as one run's, timing nothing")
     args = ap.parse_args()
     only = set(args.only.split(","))
     if only - set(SECTIONS):
@@ -334,9 +355,19 @@ def main() -> int:
 
     def cut(cases, label):
         cases = [c for c in cases if args.match in label(c)]
+        if args.part:
+            i, n = map(int, args.part.split("/"))
+            cases = cases[(i - 1) * len(cases) // n: i * len(cases) // n]
         return cases[:2] if args.quick else cases
 
     table = Table()
+    if args.merge is not None:  # the --part runs' rows, written as one run's
+        for path in args.merge:
+            table.load(path)
+        only = {section for section in SECTIONS
+                if any(r["op"].split("_")[0] == section.split("_")[0] for r in table.rows)}
+        command = f"python benchmarks/kernels.py --only {','.join(sorted(only))} --part I/N"
+        return _write(table, only, f"{command} (I = 1..{len(args.merge)}), then --merge")
     if "attention" in only:
         cases = SMOKE_ATTENTION if args.smoke else cut(ATTENTION_CASES, attention_case)
         attention(table, cases, args.rounds, args.smoke, _tokamax())
@@ -346,19 +377,27 @@ def main() -> int:
     if "fp8" in only:
         shapes = SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES, gemm_case)
         fp8(table, shapes, args.rounds, args.smoke)
-    md = COLUMNS + markdown_table(HEADER, table.md)
-    if args.smoke or args.quick or args.match:
+    pk_jax.check_errors()
+    if args.part:
+        table.dump(args.part_out)
+        print(f"--part {args.part}: rows in {args.part_out} (--merge writes the results)")
+    elif args.smoke or args.quick or args.match:
         print("SMOKE_OK (nothing written)" if args.smoke else
               "--quick / --match: results and RESULTS.md left as they are")
-    else:  # one file and RESULTS.md section per section run: each one run's rows
-        for section in sorted(only):
-            rows = [r for r in table.rows if r["op"].split("_")[0] in section.split("_")[0]]
-            md_rows = [m for m in table.md if m[0].split("_")[0] == section.split("_")[0]]
-            write_results(f"kernels_{section}", rows,
-                          IMPLS[section] + COLUMNS + markdown_table(HEADER, md_rows),
-                          "python benchmarks/kernels.py " + " ".join(sys.argv[1:]))
-    print(md)
-    pk_jax.check_errors()
+    else:
+        return _write(table, only, "python benchmarks/kernels.py " + " ".join(sys.argv[1:]))
+    print(COLUMNS + markdown_table(HEADER, table.md))
+    return 0
+
+
+def _write(table: Table, only, command: str) -> int:
+    """One file and RESULTS.md section per section run: each one run's rows."""
+    for section in sorted(only):
+        rows = [r for r in table.rows if r["op"].split("_")[0] in section.split("_")[0]]
+        md_rows = [m for m in table.md if m[0].split("_")[0] == section.split("_")[0]]
+        write_results(f"kernels_{section}", rows,
+                      IMPLS[section] + COLUMNS + markdown_table(HEADER, md_rows), command)
+    print(COLUMNS + markdown_table(HEADER, table.md))
     return 0
 
 
