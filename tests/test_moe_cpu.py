@@ -507,7 +507,7 @@ def test_counts_and_ranks_every_path(rng, s, monkeypatch):
     its key's slots (the pairwise compare of small calls, or the sort of
     large ones), against a numpy count, on both sides of the sizes that pick
     between them."""
-    from pk_jax.ops import moe as moe_mod
+    from pk_jax.ops import moe_primitive as mp
     e = 9
     key = rng.integers(0, e + 1, size=s).astype(np.int32)
     seen = np.zeros(e + 1, np.int64)
@@ -516,9 +516,9 @@ def test_counts_and_ranks_every_path(rng, s, monkeypatch):
         want[i] = seen[kk]
         seen[kk] += 1
     for pairwise, compare in ((0, 1 << 30), (0, 0), (1 << 30, 0), (1 << 30, 1 << 30)):
-        monkeypatch.setattr(moe_mod, "_PAIRWISE_RANK_SLOTS", pairwise)
-        monkeypatch.setattr(moe_mod, "_COMPARE_COUNT_WORK", compare)
-        counts, q = moe_mod._counts_and_ranks(jnp.asarray(key), e)   # eager: traced per call
+        monkeypatch.setattr(mp, "_PAIRWISE_RANK_SLOTS", pairwise)
+        monkeypatch.setattr(mp, "_COMPARE_COUNT_WORK", compare)
+        counts, q = mp.counts_and_ranks(jnp.asarray(key), e)   # eager: traced per call
         np.testing.assert_array_equal(np.asarray(q), want)
         np.testing.assert_array_equal(np.asarray(counts), seen)
 
