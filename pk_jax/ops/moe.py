@@ -241,7 +241,7 @@ def _local_layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     valid = slot_keys(expert_ids.reshape(cfg.slots), cfg.num_experts)[0]
     used = src_slot >= 0
     rank = lambda mask: jnp.where(mask, jnp.int32(0), jnp.int32(-1))  # rank 0, or none
-    rows = group_sizes.sum()[None]                                    # [1]: this rank to itself
+    rows = group_sizes.sum(dtype=jnp.int32)[None]                     # [1]: this rank to itself
     start = jnp.zeros((1,), jnp.int32)
     return MoeLayout(group_sizes, rank(used), src_slot,
                      rank(valid).reshape(cfg.tokens, cfg.top_k),
@@ -270,7 +270,7 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     kept_mine = kept[me]                                              # [dst, el]
     keep = valid & (q < kept_mine[dest, local])
     # Row at the receiver: its earlier experts, this expert's earlier sources, q.
-    expert_base = exclusive_cumsum(kept.sum(0), 1)                    # [dst, el]
+    expert_base = exclusive_cumsum(kept.sum(0, dtype=jnp.int32), 1)  # [dst, el]
     source_base = exclusive_cumsum(kept, 0)[me]                       # [dst, el]
     dest_row = jnp.where(keep, expert_base[dest, local] + source_base[dest, local] + q, -1)
     # Position in the per-pair block of the xla exchange: (local expert, q).
@@ -278,7 +278,7 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
 
     # Receiver side: rows in (local expert, source, q) order.
     mine = kept[:, me, :]                                             # [src, el]
-    group_sizes = mine.sum(0)
+    group_sizes = mine.sum(0, dtype=jnp.int32)                        # int32 with x64 too
     block = mine.T.reshape(el * n)                                    # (l, s) blocks
     block_end = jnp.cumsum(block)
     p = jnp.arange(cfg.num_rows, dtype=jnp.int32)
@@ -290,7 +290,7 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     recv_index = jnp.where(used, exclusive_cumsum(kept[:, me, :], 1)[s_of, l_of] + q_of, -1)
     src_rank = jnp.where(used, s_of, -1)
     dropped, invalid = slot_tallies(valid, keep)
-    pair = kept.sum(2)                                                # [src, dst] rows
+    pair = kept.sum(2, dtype=jnp.int32)                               # [src, dst] rows
     lay = MoeLayout(group_sizes, src_rank, jnp.zeros_like(src_rank),
                     jnp.where(valid, dest, -1).reshape(cfg.tokens, cfg.top_k),
                     dest_row.reshape(cfg.tokens, cfg.top_k), dropped, invalid,

@@ -185,7 +185,8 @@ __device__ __forceinline__ void place_segment(const LayoutArgs<Id>& a, const Sha
 
 // ---- entry point -----------------------------------------------------------
 template <typename Id>
-__global__ void __launch_bounds__(kThreads) layout_kernel(const __grid_constant__ LayoutArgs<Id> a) {
+__global__ void __launch_bounds__(kThreads)
+    layout_kernel(const __grid_constant__ LayoutArgs<Id> a) {
   __shared__ Shared sh;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
   const uint64_t first = uint64_t(warp) * a.segment;
