@@ -38,12 +38,15 @@ backward runs combine's exchange and moe_combine's backward runs dispatch's.
 combine's output is differentiable in the router weights.
 
 Mechanisms ("auto": pk_jax/tuning.py: on one device "local", where nothing
-crosses devices: dispatch's rows written from their tokens by one kernel
-(`pk_moe_scatter_rows`, each token read once for its k rows) and combine's
-weighted sum of each token's rows read where they lie by another
-(`pk_moe_weighted_sum`, no [T * k, H] intermediate), the two each other's
-transposes; else "ld_st", falling back to "xla"'s dense exchange, with a
-one-time warning, on an axis where the kernel cannot run):
+crosses devices: the layout computed by one kernel (`pk_moe_layout`, one
+thread block, up to moe_primitive.LAYOUT_MAX_SLOTS slots and
+LAYOUT_MAX_EXPERTS experts; beyond, XLA's ops), dispatch's rows written
+from their tokens by one kernel (`pk_moe_scatter_rows`, each token read
+once for its k rows) and combine's weighted sum of each token's rows read
+where they lie by another (`pk_moe_weighted_sum`, no [T * k, H]
+intermediate), the two each other's transposes; else "ld_st", falling back
+to "xla"'s dense exchange, with a one-time warning, on an axis where the
+kernel cannot run):
   "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): dispatch
     stores each slot's token row into its destination rank's staging region
     (straight into the output when it stays on this rank), posts a flag per
