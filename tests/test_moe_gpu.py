@@ -173,7 +173,7 @@ def test_layout_above_the_bound_is_xla(rng, capped):
 
 
 @pytest.mark.parametrize("t,k,e", [(4096, 2, 8), (128, 8, 8)])
-def test_local_dispatch_is_two_kernels(t, k, e):
+def test_local_dispatch_is_the_layout_and_scatter_kernels(t, k, e):
     """On one GPU moe_dispatch compiles to the layout kernel and the row
     scatter: no sort, scatter or reduction of XLA's is left on its path."""
     mesh = Mesh(np.array(_mesh().devices.reshape(-1)[:1]), ("ep",),
