@@ -78,8 +78,9 @@ def moe_mechanism(n: int) -> str:
     on 2 GPUs (pk against a2a_capacity and ragged_all_to_all).
 
     n == 1: "local": nothing crosses devices, so dispatch is one row kernel
-    writing each token's row to its k rows and combine one summing each
-    token's rows where they lie. Measured on one H200 (`moe`, `moe_decode`,
+    writing each token's row to its k rows (after the layout's kernel, one
+    block, within its bounds) and combine one summing each token's rows
+    where they lie. Measured on one H200 (`moe`, `moe_decode`,
     `moe_wide` in benchmarks/RESULTS.md, against the sort + gather a user
     writes there): dispatch 0.92-1.91x, dispatch + combine 0.99-1.53x, where
     pk's exchange kernel ran 0.83-0.93x and 0.47-0.79x (train and decode

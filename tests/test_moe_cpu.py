@@ -507,7 +507,7 @@ def test_counts_and_ranks_every_path(rng, s, monkeypatch):
     its key's slots (the pairwise compare of small calls, or the sort of
     large ones), against a numpy count, on both sides of the sizes that pick
     between them."""
-    from pk_jax.ops import moe as moe_mod
+    from pk_jax.ops import moe_primitive as mp
     e = 9
     key = rng.integers(0, e + 1, size=s).astype(np.int32)
     seen = np.zeros(e + 1, np.int64)
@@ -516,9 +516,9 @@ def test_counts_and_ranks_every_path(rng, s, monkeypatch):
         want[i] = seen[kk]
         seen[kk] += 1
     for pairwise, compare in ((0, 1 << 30), (0, 0), (1 << 30, 0), (1 << 30, 1 << 30)):
-        monkeypatch.setattr(moe_mod, "_PAIRWISE_RANK_SLOTS", pairwise)
-        monkeypatch.setattr(moe_mod, "_COMPARE_COUNT_WORK", compare)
-        counts, q = moe_mod._counts_and_ranks(jnp.asarray(key), e)   # eager: traced per call
+        monkeypatch.setattr(mp, "_PAIRWISE_RANK_SLOTS", pairwise)
+        monkeypatch.setattr(mp, "_COMPARE_COUNT_WORK", compare)
+        counts, q = mp.counts_and_ranks(jnp.asarray(key), e)   # eager: traced per call
         np.testing.assert_array_equal(np.asarray(q), want)
         np.testing.assert_array_equal(np.asarray(counts), seen)
 
@@ -550,3 +550,138 @@ def test_one_device_auto_is_the_local_gathers(rng, sharding_mode, capacity):
     keep = _kept_mask(ids, 1, t, k, e, capacity or t * k)
     assert rel_err(local(*args)[0], _dense(x, ids, jnp.where(keep, w, 0), wts, e)) < 1e-5
     assert not re.search(r"all_to_all|all_gather|collective|custom_call", text)
+
+
+# ---- the one-device layout primitive (pk_moe_layout) --------------------------------
+def np_local_layout(ids, e, capacity, num_rows):
+    """moe_primitive.local_layout in numpy, slot by slot: (dest_row, src_slot,
+    group_sizes, num_dropped, num_invalid)."""
+    ids = np.asarray(ids).reshape(-1)
+    valid = (ids >= 0) & (ids < e)
+    key = np.where(valid, ids, e).astype(np.int64)
+    counts = np.zeros(e + 1, np.int64)
+    q = np.empty(len(key), np.int64)
+    for i, kk in enumerate(key):
+        q[i], counts[kk] = counts[kk], counts[kk] + 1
+    kept = counts[:e] if capacity is None else np.minimum(counts[:e], capacity)
+    base = np.cumsum(kept) - kept
+    dest_row = np.full(len(key), -1, np.int64)
+    src_slot = np.full(num_rows, -1, np.int64)
+    for i, kk in enumerate(key):
+        if kk < e and q[i] < kept[kk]:
+            dest_row[i] = base[kk] + q[i]
+            src_slot[dest_row[i]] = i
+    return dest_row, src_slot, kept, int(valid.sum() - kept.sum()), int((~valid).sum())
+
+
+def random_ids(rng, s, e, dtype=np.int32):
+    """s expert ids, half of them on 3 hot experts (capacity drops), with
+    invalid ones below 0 and at or above e (beyond 2^32 for 64-bit ids)."""
+    ids = rng.integers(-3, e + 3, s).astype(np.int64)
+    hot = rng.random(s) < 0.5
+    ids[hot] = rng.integers(0, min(e, 3), int(hot.sum()))
+    if np.dtype(dtype).itemsize == 8 and s > 2:
+        ids[rng.integers(0, s, 2)] = [2**32 + 1, -2**40]
+    if np.dtype(dtype).kind == "u":
+        ids = np.where(ids < 0, np.iinfo(dtype).max, ids)
+    return ids.astype(dtype)
+
+
+@pytest.mark.parametrize("s,e,capacity,dtype", [
+    (1, 1, None, np.int32), (31, 8, 2, np.int32), (1000, 5, None, np.int32),
+    (1025, 255, 3, np.int32), (2049, 8, 300, np.int32), (5000, 7, None, np.int32),
+    (3000, 64, 20, np.int64), (600, 6, 50, np.uint32), (500, 3, None, np.int8),
+    (400, 200, 1, np.uint8), (64, 4, 10**6, np.int64)])
+def test_layout_primitive_reference(rng, s, e, capacity, dtype):
+    """The layout primitive's XLA reference (its CPU lowering; the layout on
+    CUDA beyond the kernel's bounds) against numpy on fresh random ids:
+    invalid ids (negative, >= E, beyond 2^32), capacity drops, E not a power
+    of two, the pairwise and the sorted ranks, narrow and 64-bit ids."""
+    from pk_jax.ops.moe_primitive import local_layout
+    with jax.enable_x64(np.dtype(dtype).itemsize == 8):
+        ids = random_ids(rng, s, e, dtype)
+        cap = None if capacity is None else min(capacity, s)
+        rows = s if cap is None else e * cap
+        got = local_layout(jnp.asarray(ids), e, cap, rows)
+        for a, b in zip(got, np_local_layout(ids, e, cap, rows)):
+            assert a.dtype == jnp.int32
+            np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("x64", [False, True])
+@pytest.mark.parametrize("capacity", [None, 3])
+def test_local_layout_is_the_exchange_layout(rng, capacity, x64):
+    """Every field of the local layout (the primitive's five outputs, the
+    exchange fields derived from them) equals, bit for bit and dtype for
+    dtype, what the exchanges' layout gives on one device."""
+    mesh = cpu_mesh((1,), ("ep",))
+    t, k, e = 40, 2, 6
+
+    def fn(mechanism):
+        def body(x, ids):
+            _, lay = pk_jax.moe_dispatch(x, ids, "ep", num_experts=e, capacity=capacity,
+                                         mechanism=mechanism)
+            return [a.reshape(-1) for a in jax.tree.leaves(lay)]
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    with jax.enable_x64(x64):
+        ids = random_ids(rng, t * k, e, np.int64 if x64 else np.int32).reshape(t, k)
+        args = _put(mesh, P("ep"), jnp.ones((t, 4)), jnp.asarray(ids))
+        with jax.set_mesh(mesh):
+            local, ref = fn("auto")(*args), fn("xla")(*args)
+    assert len(local) == len(ref) == 13
+    for a, b in zip(local, ref):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_local_layout_lowers_to_the_kernel(cuda_lowering):
+    """On CUDA, the one-device layout is one pk_moe_layout custom call (the
+    flat ids in, dest_row, src_slot, group_sizes and the two tallies out,
+    the capacity an attribute, -1 drop-less), computed once for dispatch,
+    combine and the gradients; no sort or scatter of XLA's is left."""
+    mesh = cpu_mesh((1,), ("ep",))
+    ids = jnp.asarray(np.arange(24).reshape(12, 2) % 7, jnp.int32)
+
+    def loss(a, capacity):
+        rows, lay = pk_jax.moe_dispatch(a, ids, "ep", num_experts=6, capacity=capacity)
+        return pk_jax.moe_combine(rows * 2, jnp.full((12, 2), 0.5), lay)
+
+    for capacity, rows in ((None, 24), (3, 18)):
+        fn = lambda a: jax.grad(lambda b: jnp.sum(loss(b, capacity) ** 2))(a)
+        hlo = cuda_lowering(fn, mesh, P("ep"), (12, 16))
+        calls = re.findall(r"custom_call @pk_moe_layout\((.*)", hlo)
+        assert len(calls) == 1, hlo
+        assert int(ffi_attr(calls[0], "capacity")) == (-1 if capacity is None else capacity)
+        assert ("(tensor<24xi32>) -> (tensor<24xi32>, tensor<%dxi32>, tensor<6xi32>, "
+                "tensor<i32>, tensor<i32>)" % rows) in calls[0]
+        assert not re.search(r"stablehlo\.(sort|scatter)", hlo), hlo
+
+
+@pytest.mark.parametrize("what", ["slots", "experts", "rows", "uint32", "int64"])
+def test_local_layout_kernel_bounds(cuda_lowering, what):
+    """On CUDA the layout kernel takes int32 and int64 ids; calls beyond its
+    bounds (slots, experts, rows: moe_primitive.LAYOUT_MAX_*) or with ids it
+    does not read lower to the XLA layout."""
+    from pk_jax.ops import moe_primitive as mp
+    mesh = cpu_mesh((1,), ("ep",))
+    t, e, capacity, dtype = 64, 8, None, jnp.int32
+    if what == "slots":
+        t = mp.LAYOUT_MAX_SLOTS + 1
+    elif what == "experts":
+        e = mp.LAYOUT_MAX_EXPERTS + 1
+    elif what == "rows":
+        t, capacity = mp.LAYOUT_MAX_ROWS // e + 1, mp.LAYOUT_MAX_ROWS // e + 1
+    else:
+        dtype = jnp.uint32 if what == "uint32" else jnp.int64
+
+    def fn(a):
+        ids = jnp.zeros((t, 1), dtype)
+        rows, lay = pk_jax.moe_dispatch(a, ids, "ep", num_experts=e, capacity=capacity)
+        return pk_jax.moe_combine(rows, jnp.ones((t, 1)), lay)
+    with jax.enable_x64(what == "int64"):
+        hlo = cuda_lowering(fn, mesh, P("ep"), (t, 8))
+    kernel = re.findall(r"custom_call @pk_moe_layout\((.*)", hlo)
+    if what == "int64":
+        assert len(kernel) == 1 and "(tensor<64xi64>) ->" in kernel[0]
+    else:
+        assert not kernel and "pk_moe_scatter_rows" in hlo

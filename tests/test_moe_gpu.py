@@ -4,12 +4,14 @@ Every mechanism: "ld_st" (pk's exchange kernel, xla_ffi/moe.cc), "ragged"
 (the real jax.lax.ragged_all_to_all, which XLA:CPU lacks), "xla" and "auto"
 (on one GPU the one-device row kernels, on two the exchange kernel), against
 the dense reference's values and gradients, outputs poisoned beforehand; the
-example and the benchmark run. One GPU is a world-size-1 expert axis; two
+one-device layout kernel against its XLA reference bit for bit; the example
+and the benchmark run. One GPU is a world-size-1 expert axis; two
 GPUs (if present) a 2-rank one. Two processes sharing one GPU:
 tests/scripts/gpu_multiprocess_check.py. Skipped without GPUs.
 """
 
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -25,7 +27,7 @@ import pk_jax
 from pk_jax import runtime
 from conftest import gpus, rel_err
 from helpers.gpu_util import poison_allocator
-from test_moe_cpu import _dense, _inputs, _kept_mask
+from test_moe_cpu import _dense, _inputs, _kept_mask, np_local_layout, random_ids
 
 pytestmark = pytest.mark.gpu
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -114,6 +116,80 @@ def test_one_device_row_kernels_match_reference(rng, dtype, cols):
     for a, b in zip(got[1:], want[1:]):
         assert np.isfinite(np.asarray(a, np.float32)).all()
         assert rel_err(a, b) < (1e-6 if dtype == jnp.float32 else 4e-3)
+
+
+def _layout_fns(e, capacity, rows):
+    """(the layout primitive, its XLA reference), each jitted for the GPU."""
+    from pk_jax.ops import moe_primitive as mp
+    return (jax.jit(lambda ids: mp.local_layout(ids, e, capacity, rows)),
+            jax.jit(lambda ids: mp.reference_layout(ids, num_experts=e, capacity=(
+                -1 if capacity is None else capacity), num_rows=rows)))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("capped", [False, True])
+@pytest.mark.parametrize("e", [1, 8, 64, 255])
+@pytest.mark.parametrize("s", [1, 31, 1024, 1025, 8192, 65536])
+def test_layout_kernel_matches_reference(rng, s, e, capped, dtype):
+    """pk_moe_layout (one block) against its XLA reference on the GPU, bit
+    for bit, outputs poisoned beforehand: fresh random ids with invalid ones
+    (negative, >= E, beyond 2^32 for int64), half on 3 hot experts (capacity
+    drops), slot counts from one to the kernel's bound across its 1024-slot
+    steps, E up to its bound; and the numpy layout."""
+    mesh = _mesh()
+    if not runtime.available():
+        pytest.skip(f"pk_jax extension unavailable: {runtime.extension_error()}")
+    capacity = max(1, s // (2 * e)) if capped else None
+    rows = s if capacity is None else e * capacity
+    with jax.enable_x64(dtype == np.int64):
+        ids = jnp.asarray(random_ids(rng, s, e, dtype))
+        kernel, reference = _layout_fns(e, capacity, rows)
+        assert "pk_moe_layout" in kernel.lower(ids).compile().as_text()
+        assert "pk_moe_layout" not in reference.lower(ids).compile().as_text()
+        poison_allocator(mesh, 64 << 20)
+        got, want = kernel(ids), reference(ids)
+        for a, b, c in zip(got, want, np_local_layout(np.asarray(ids), e, capacity, rows)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            np.testing.assert_array_equal(np.asarray(a), c)
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_layout_above_the_bound_is_xla(rng, capped):
+    """One slot past the kernel's bound the layout is XLA's, and agrees with
+    numpy."""
+    _mesh()
+    if not runtime.available():
+        pytest.skip(f"pk_jax extension unavailable: {runtime.extension_error()}")
+    from pk_jax.ops import moe_primitive as mp
+    s, e = mp.LAYOUT_MAX_SLOTS + 1, 8
+    capacity = s // 16 if capped else None
+    rows = s if capacity is None else e * capacity
+    ids = jnp.asarray(random_ids(rng, s, e))
+    fn = _layout_fns(e, capacity, rows)[0]
+    assert "pk_moe_layout" not in fn.lower(ids).compile().as_text()
+    for a, b in zip(fn(ids), np_local_layout(np.asarray(ids), e, capacity, rows)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.parametrize("t,k,e", [(4096, 2, 8), (128, 8, 8)])
+def test_local_dispatch_is_the_layout_and_scatter_kernels(t, k, e):
+    """On one GPU moe_dispatch compiles to the layout kernel and the row
+    scatter: no sort, scatter or reduction of XLA's is left on its path."""
+    mesh = Mesh(np.array(_mesh().devices.reshape(-1)[:1]), ("ep",),
+                axis_types=(AxisType.Explicit,))
+    if not runtime.available():
+        pytest.skip(f"pk_jax extension unavailable: {runtime.extension_error()}")
+
+    def body(x, ids):
+        return pk_jax.moe_dispatch(x, ids, "ep", num_experts=e)[0]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("ep")))
+            for shape, dtype in (((t, 256), jnp.bfloat16), ((t, k), jnp.int32))]
+    with jax.set_mesh(mesh):
+        text = f.trace(*args).lower().compile().as_text()
+    assert "pk_moe_layout" in text and "pk_moe_scatter_rows" in text
+    assert not re.search(r"\b(sort|scatter|reduce)\(", text), text
 
 
 def test_ld_st_takes_the_kernel():

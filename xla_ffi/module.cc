@@ -43,6 +43,7 @@ const std::vector<pk::runtime::KernelLoader>& kernel_loaders() {
       pk::ring_attention_bwd::load_kernels,
       pk::all_reduce::load_kernels,
       pk::moe::load_kernels,            pk::moe::load_local_kernels,
+      pk::moe::load_layout_kernels,
       pk::grouped_matmul::load_kernels,
       pk::fp8::load_kernels,
   };
@@ -73,6 +74,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_moe_exchange"] = as_capsule(pk::ffi_handlers::MoeExchange);
     d["pk_moe_scatter_rows"] = as_capsule(pk::ffi_handlers::MoeScatterRows);
     d["pk_moe_weighted_sum"] = as_capsule(pk::ffi_handlers::MoeWeightedSum);
+    d["pk_moe_layout"] = as_capsule(pk::ffi_handlers::MoeLayout);
     d["pk_fp8_quantize"] = as_capsule(pk::ffi_handlers::Fp8Quantize);
     d["pk_fp8_matmul"] = as_capsule(pk::ffi_handlers::Fp8Matmul);
     return d;

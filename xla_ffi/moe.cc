@@ -1,7 +1,8 @@
 // FFI handlers of the MoE token exchange (pk_jax.moe_dispatch / moe_combine):
 // mechanism "ld_st", slots to rows (dispatch) or rows to slots (combine); on an
 // expert axis of one device, each token's rows written (dispatch) and each
-// token's rows summed (combine). The routing is read on the device (kernels/moe/moe.h).
+// token's rows summed (combine), and the layout of those rows computed from
+// the expert ids. The routing is read on the device (kernels/moe/moe.h).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -134,7 +135,59 @@ ffi::Error MoeWeightedSumImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyB
   return ffi::Error::Success();
 }
 
+bool is_scalar_s32(const ffi::AnyBuffer& b) { return is_s32(b) && b.element_count() == 1; }
+
+ffi::Error MoeLayoutImpl(cudaStream_t stream, ffi::AnyBuffer expert_ids,
+                         ffi::Result<ffi::AnyBuffer> dest_row, ffi::Result<ffi::AnyBuffer> src_slot,
+                         ffi::Result<ffi::AnyBuffer> group_sizes,
+                         ffi::Result<ffi::AnyBuffer> num_dropped,
+                         ffi::Result<ffi::AnyBuffer> num_invalid, int64_t capacity) {
+  const bool ids64 = expert_ids.element_type() == ffi::DataType::S64;
+  if ((!ids64 && !is_s32(expert_ids)) || !is_s32(*dest_row) || !is_s32(*src_slot) ||
+      !is_s32(*group_sizes) || !is_scalar_s32(*num_dropped) || !is_scalar_s32(*num_invalid) ||
+      dest_row->element_count() != expert_ids.element_count())
+    return ffi_common::invalid_argument(
+        kOp, "layout takes int32 or int64 expert_ids [S] and returns int32 dest_row [S], "
+             "src_slot [R], group_sizes [E] and two int32 scalars");
+  moe::LayoutParams p;
+  p.slots = expert_ids.element_count();
+  p.rows = src_slot->element_count();
+  const uint64_t experts = group_sizes->element_count();
+  if (p.slots > moe::kLayoutMaxSlots || p.rows > moe::kLayoutMaxRows || experts < 1 ||
+      experts > uint64_t(moe::kLayoutMaxExperts))
+    return ffi_common::invalid_argument(
+        kOp, "layout's kernel takes at most " + std::to_string(moe::kLayoutMaxSlots) +
+                 " slots, " + std::to_string(moe::kLayoutMaxRows) + " rows and 1 to " +
+                 std::to_string(moe::kLayoutMaxExperts) + " experts (beyond: the XLA layout)");
+  p.expert_ids = expert_ids.untyped_data();
+  p.ids64 = ids64;
+  p.dest_row = static_cast<int32_t*>(dest_row->untyped_data());
+  p.src_slot = static_cast<int32_t*>(src_slot->untyped_data());
+  p.group_sizes = static_cast<int32_t*>(group_sizes->untyped_data());
+  p.num_dropped = static_cast<int32_t*>(num_dropped->untyped_data());
+  p.num_invalid = static_cast<int32_t*>(num_invalid->untyped_data());
+  p.experts = int32_t(experts);
+  p.capacity = capacity;
+  p.stream = stream;
+  if (cudaError_t err = moe::launch_layout(p); err != cudaSuccess)
+    return ffi_common::cuda_error(kOp, "layout launch", err);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    MoeLayout, MoeLayoutImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()
+        .Arg<ffi::AnyBuffer>()                       // expert_ids: [S] int32 or int64
+        .Ret<ffi::AnyBuffer>()                       // dest_row: [S] int32 row of each slot, -1
+        .Ret<ffi::AnyBuffer>()                       // src_slot: [R] int32 slot of each row, -1
+        .Ret<ffi::AnyBuffer>()                       // group_sizes: [E] int32 rows of each expert
+        .Ret<ffi::AnyBuffer>()                       // num_dropped: [] int32
+        .Ret<ffi::AnyBuffer>()                       // num_invalid: [] int32
+        .Attr<int64_t>("capacity"),                  // rows each expert keeps, -1: all
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     MoeScatterRows, MoeScatterRowsImpl,

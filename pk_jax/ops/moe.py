@@ -38,12 +38,15 @@ backward runs combine's exchange and moe_combine's backward runs dispatch's.
 combine's output is differentiable in the router weights.
 
 Mechanisms ("auto": pk_jax/tuning.py: on one device "local", where nothing
-crosses devices: dispatch's rows written from their tokens by one kernel
-(`pk_moe_scatter_rows`, each token read once for its k rows) and combine's
-weighted sum of each token's rows read where they lie by another
-(`pk_moe_weighted_sum`, no [T * k, H] intermediate), the two each other's
-transposes; else "ld_st", falling back to "xla"'s dense exchange, with a
-one-time warning, on an axis where the kernel cannot run):
+crosses devices: the layout computed by one kernel (`pk_moe_layout`, one
+thread block, up to moe_primitive.LAYOUT_MAX_SLOTS slots and
+LAYOUT_MAX_EXPERTS experts; beyond, XLA's ops), dispatch's rows written
+from their tokens by one kernel (`pk_moe_scatter_rows`, each token read
+once for its k rows) and combine's weighted sum of each token's rows read
+where they lie by another (`pk_moe_weighted_sum`, no [T * k, H]
+intermediate), the two each other's transposes; else "ld_st", falling back
+to "xla"'s dense exchange, with a one-time warning, on an axis where the
+kernel cannot run):
   "ld_st": pk's kernel (xla_ffi/moe.cc, csrc/kernels/moe/): dispatch
     stores each slot's token row into its destination rank's staging region
     (straight into the output when it stays on this rank), posts a flag per
@@ -78,8 +81,10 @@ from pk_jax import groups, tuning
 from pk_jax._args import INT32_MAX
 from pk_jax._compat import make_varying
 from pk_jax.ops.all_gather import all_gather as _pk_all_gather
-from pk_jax.ops.moe_primitive import (ExchangeConfig, expand_mask, moe_exchange_p, scatter_rows,
-                                      slot_rows, weighted_slots, weighted_sum)
+from pk_jax.ops.moe_primitive import (ExchangeConfig, counts_and_ranks, expand_mask,
+                                      exclusive_cumsum, kept_rows, local_layout, moe_exchange_p,
+                                      scatter_rows, slot_keys, slot_rows, slot_tallies,
+                                      weighted_slots, weighted_sum)
 
 MECHANISMS = ("auto", "ld_st", "ragged", "xla")
 
@@ -218,37 +223,6 @@ def _config(x, expert_ids, names, num_experts, capacity, mechanism) -> MoeConfig
 
 
 # ---- routing metadata (on the device; no host sync) --------------------------------
-def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
-    return jnp.cumsum(a, axis=axis) - a
-
-
-# Slot counts up to which a slot's rank among its expert's slots is one fused
-# pairwise compare (s^2 work, no sort: decode-sized calls); above it a sort.
-_PAIRWISE_RANK_SLOTS = 2048
-# Each key's count is one fused compare ((E + 1) * s work) up to this size,
-# else a scatter-add (its atomics contend on E + 1 counters: 37 us for 131072
-# slots of 65 keys on an H200, where the compare takes a few).
-_COMPARE_COUNT_WORK = 1 << 26
-
-
-def _counts_and_ranks(key: jax.Array, e: int) -> tuple[jax.Array, jax.Array]:
-    """(counts [e + 1]: the slots of each key, q [s]: how many slots before
-    i (slot order) have key[i]'s key); keys in [0, e]."""
-    s = key.shape[0]
-    i = jnp.arange(s, dtype=jnp.int32)
-    if s * (e + 1) <= _COMPARE_COUNT_WORK:
-        counts = jnp.sum(key[None, :] == jnp.arange(e + 1, dtype=jnp.int32)[:, None], axis=1,
-                         dtype=jnp.int32)
-    else:
-        counts = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)
-    if s <= _PAIRWISE_RANK_SLOTS:
-        earlier_same = (key[None, :] == key[:, None]) & (i[None, :] < i[:, None])
-        return counts, jnp.sum(earlier_same, axis=1, dtype=jnp.int32)
-    sorted_key, order = lax.sort((key, i), num_keys=1, is_stable=True)
-    starts = _exclusive_cumsum(counts, 0)
-    return counts, jnp.zeros((s,), jnp.int32).at[order].set(i - starts[sorted_key])
-
-
 def segment_of(positions: jax.Array, ends: jax.Array) -> jax.Array:
     """The segment each of `positions` falls in, given the segments' ends
     (their inclusive cumulative sizes, `jnp.cumsum(sizes)`): how many
@@ -258,43 +232,56 @@ def segment_of(positions: jax.Array, ends: jax.Array) -> jax.Array:
     return jnp.sum(positions[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
 
 
+def _local_layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
+    """The layout on an axis of one device (mechanism "local"): the slots'
+    rows, the rows' slots, the group sizes and the tallies from the layout
+    primitive (one kernel on CUDA within its bounds, moe_primitive.py); the
+    exchanges' fields follow from them, as _layout's formulas give them for
+    n = 1 (one source and destination; the kept rows are [0, sum(group_sizes))
+    exactly, so a row is used where it has a slot)."""
+    dest_row, src_slot, group_sizes, dropped, invalid = local_layout(
+        expert_ids, cfg.num_experts, cfg.capacity, cfg.num_rows)
+    valid = slot_keys(expert_ids.reshape(cfg.slots), cfg.num_experts)[0]
+    used = src_slot >= 0
+    rank = lambda mask: jnp.where(mask, jnp.int32(0), jnp.int32(-1))  # rank 0, or none
+    rows = group_sizes.sum(dtype=jnp.int32)[None]                     # [1]: this rank to itself
+    start = jnp.zeros((1,), jnp.int32)
+    return MoeLayout(group_sizes, rank(used), src_slot,
+                     rank(valid).reshape(cfg.tokens, cfg.top_k),
+                     dest_row.reshape(cfg.tokens, cfg.top_k), dropped, invalid, rows, rows,
+                     start, start, dest_row,
+                     jnp.where(used, jnp.arange(cfg.num_rows, dtype=jnp.int32), -1), cfg)
+
+
 def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
+    if cfg.mechanism == "local":  # one device: every kept slot's row is here
+        return _local_layout(expert_ids, cfg)
     n, e, el, s = cfg.axis_size, cfg.num_experts, cfg.experts_per_rank, cfg.slots
     names = cfg.axis_names
     me = lax.axis_index(names)
-    raw = expert_ids.reshape(s)  # compared in its own dtype: an int64 id never wraps
-    info = jnp.iinfo(raw.dtype)
-    valid = raw >= 0 if info.min < 0 else jnp.ones((s,), bool)
-    if e <= info.max:
-        valid = valid & (raw < e)
-    ids = jnp.where(valid, raw, 0).astype(jnp.int32)                # valid ids are < 2^31
-    key = jnp.where(valid, ids, e)                                  # invalid last
-    counts, q = _counts_and_ranks(key, e)
+    valid, ids, key = slot_keys(expert_ids.reshape(s), e)
+    counts, q = counts_and_ranks(key, e)
     counts = counts[:e]                                               # [E]
     # The n x n x E_local count matrix, on every rank: C[src, dst, local expert].
     # pk's gather with the pk kernel (no XLA collective: runs across processes sharing a GPU).
     gather = _pk_all_gather if cfg.mechanism == "ld_st" else lax.all_gather
     table = (counts.reshape(1, 1, el) if n == 1 else
              gather(counts.reshape(n, el), names))                    # [n, n, el]
-    if cfg.capacity is None:
-        kept = table
-    else:
-        before = _exclusive_cumsum(table, 0)                          # earlier sources first
-        kept = jnp.clip(cfg.capacity - before, 0, table)
+    kept = kept_rows(table, cfg.capacity)                             # earlier sources first
     dest = jnp.where(valid, ids // el, 0)
     local = jnp.where(valid, ids % el, 0)
     kept_mine = kept[me]                                              # [dst, el]
     keep = valid & (q < kept_mine[dest, local])
     # Row at the receiver: its earlier experts, this expert's earlier sources, q.
-    expert_base = _exclusive_cumsum(kept.sum(0), 1)                   # [dst, el]
-    source_base = _exclusive_cumsum(kept, 0)[me]                      # [dst, el]
+    expert_base = exclusive_cumsum(kept.sum(0, dtype=jnp.int32), 1)  # [dst, el]
+    source_base = exclusive_cumsum(kept, 0)[me]                       # [dst, el]
     dest_row = jnp.where(keep, expert_base[dest, local] + source_base[dest, local] + q, -1)
     # Position in the per-pair block of the xla exchange: (local expert, q).
-    send_index = jnp.where(keep, _exclusive_cumsum(kept_mine, 1)[dest, local] + q, -1)
+    send_index = jnp.where(keep, exclusive_cumsum(kept_mine, 1)[dest, local] + q, -1)
 
     # Receiver side: rows in (local expert, source, q) order.
     mine = kept[:, me, :]                                             # [src, el]
-    group_sizes = mine.sum(0)
+    group_sizes = mine.sum(0, dtype=jnp.int32)                        # int32 with x64 too
     block = mine.T.reshape(el * n)                                    # (l, s) blocks
     block_end = jnp.cumsum(block)
     p = jnp.arange(cfg.num_rows, dtype=jnp.int32)
@@ -303,23 +290,18 @@ def _layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     b = jnp.minimum(b, el * n - 1)
     l_of, s_of = b // n, b % n
     q_of = p - (block_end[b] - block[b])
-    recv_index = jnp.where(used, _exclusive_cumsum(kept[:, me, :], 1)[s_of, l_of] + q_of, -1)
+    recv_index = jnp.where(used, exclusive_cumsum(kept[:, me, :], 1)[s_of, l_of] + q_of, -1)
     src_rank = jnp.where(used, s_of, -1)
-    dropped = (valid & ~keep).sum().astype(jnp.int32)
-    invalid = (~valid).sum().astype(jnp.int32)
-    pair = kept.sum(2)                                                # [src, dst] rows
+    dropped, invalid = slot_tallies(valid, keep)
+    pair = kept.sum(2, dtype=jnp.int32)                               # [src, dst] rows
     lay = MoeLayout(group_sizes, src_rank, jnp.zeros_like(src_rank),
                     jnp.where(valid, dest, -1).reshape(cfg.tokens, cfg.top_k),
                     dest_row.reshape(cfg.tokens, cfg.top_k), dropped, invalid,
-                    pair[me], pair[:, me], _exclusive_cumsum(pair, 0)[me],
-                    _exclusive_cumsum(pair, 1)[:, me], send_index, recv_index, cfg)
-    if cfg.mechanism == "local":  # one device: every kept slot's row is here
-        src_slot = jnp.full((cfg.num_rows,), -1, jnp.int32).at[
-            jnp.where(dest_row >= 0, dest_row, cfg.num_rows)].set(
-                jnp.arange(s, dtype=jnp.int32), mode="drop")
-    else:  # source slots travel with the rows (the receiver cannot derive them)
-        slot_ids = jnp.arange(1, s + 1, dtype=jnp.int32)[:, None]
-        src_slot = _exchange(slot_ids, lay, to_rows=True)[:, 0] - 1
+                    pair[me], pair[:, me], exclusive_cumsum(pair, 0)[me],
+                    exclusive_cumsum(pair, 1)[:, me], send_index, recv_index, cfg)
+    # Source slots travel with the rows (the receiver cannot derive them).
+    slot_ids = jnp.arange(1, s + 1, dtype=jnp.int32)[:, None]
+    src_slot = _exchange(slot_ids, lay, to_rows=True)[:, 0] - 1
     return dataclasses.replace(lay, src_slot=src_slot)
 
 
@@ -384,7 +366,7 @@ def _ragged_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
     ragged exchange (`offsets`: where this rank's block lands on each peer),
     then dst's rows picked out of the received blocks."""
     sent = src.index >= 0
-    send_start = _exclusive_cumsum(src.counts, 0)
+    send_start = exclusive_cumsum(src.counts, 0)
     pos = jnp.where(sent, send_start[jnp.where(sent, src.peer, 0)] + src.index,
                     x.shape[0])                                      # out of bounds: dropped
     send = jnp.zeros_like(x).at[pos].set(x, mode="drop")
@@ -392,7 +374,7 @@ def _ragged_move(x: jax.Array, src: _Side, dst: _Side, offsets: jax.Array, *,
     staging = lax.ragged_all_to_all(make_varying(send, cfg.axis_names), staging, send_start,
                                     src.counts, offsets, dst.counts, axis_name=_axis(cfg))
     got = dst.index >= 0
-    recv_start = _exclusive_cumsum(dst.counts, 0)
+    recv_start = exclusive_cumsum(dst.counts, 0)
     out = staging[jnp.where(got, recv_start[jnp.where(got, dst.peer, 0)] + dst.index, 0)]
     return jnp.where(expand_mask(got, out), out, 0)
 

@@ -30,9 +30,17 @@ On one device (no collective; moe.py pairs them in its custom_vjps):
     float32 or [0]) -> [T, H]: row t = the sum over j of weight[t * k + j] *
     src[index[t * k + j]] in fp32, rows outside [0, R) left out (combine;
     dispatch's input gradient, unweighted).
-Both lower to their FFI kernels on CUDA with the extension built, elsewhere
-to the same arithmetic in XLA (bit for bit what the other exchanges give on
-CPU).
+  * `pk_moe_layout`: (expert_ids [S] int32 or int64) -> (dest_row [S],
+    src_slot [R], group_sizes [E], num_dropped [], num_invalid []), all
+    int32: the layout of those rows (`local_layout`; slot i = token * k +
+    choice; a valid id is in [0, E); an expert's rows are its first
+    `capacity` slots in slot order, grouped by expert).
+All three lower to their FFI kernels on CUDA with the extension built,
+elsewhere to the same arithmetic in XLA (bit for bit what the other
+exchanges give on CPU). The layout's kernel is one thread block; calls
+beyond its bounds (more than LAYOUT_MAX_SLOTS slots, LAYOUT_MAX_EXPERTS
+experts or LAYOUT_MAX_ROWS rows, ids other than int32 / int64 after a
+lossless widening) lower to the XLA layout on CUDA too.
 """
 
 from __future__ import annotations
@@ -191,19 +199,133 @@ def reference_weighted_sum(src, index, weight, *, tokens: int, weighted: bool):
     return weighted_slots(weight.reshape(tokens, -1), slots).astype(src.dtype)
 
 
-def _local_lowering(reference, ffi):
+# ---- one device: the layout ----------------------------------------------------------
+moe_layout_p = Primitive("pk_moe_layout")
+moe_layout_p.multiple_results = True
+
+# The layout kernel's bounds (csrc/kernels/moe/moe.h kLayoutMax*: one block
+# of 32 warps, each key's per-warp counts in shared memory, a slot's rank in
+# its warp's segment in 16 bits); beyond them the XLA layout runs on CUDA too.
+LAYOUT_MAX_SLOTS = 1 << 16
+LAYOUT_MAX_EXPERTS = 255
+LAYOUT_MAX_ROWS = 1 << 18
+_LAYOUT_ID_TYPES = (np.dtype(np.int32), np.dtype(np.int64))   # the kernel's
+
+
+def exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def slot_keys(raw: jax.Array, e: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(valid: 0 <= id < e, ids: int32 with 0 for invalid, key: the id, e when
+    invalid) of the slots' ids [s] in any integer dtype, compared in their
+    own dtype (an int64 id never wraps)."""
+    info = jnp.iinfo(raw.dtype)
+    valid = raw >= 0 if info.min < 0 else jnp.ones(raw.shape, bool)
+    if e <= info.max:
+        valid = valid & (raw < e)
+    ids = jnp.where(valid, raw, 0).astype(jnp.int32)                # valid ids are < 2^31
+    return valid, ids, jnp.where(valid, ids, e)                     # invalid last
+
+
+# Slot counts up to which a slot's rank among its expert's slots is one fused
+# pairwise compare (s^2 work, no sort: decode-sized calls); above it a sort.
+_PAIRWISE_RANK_SLOTS = 2048
+# Each key's count is one fused compare ((E + 1) * s work) up to this size,
+# else a scatter-add (its atomics contend on E + 1 counters: 37 us for 131072
+# slots of 65 keys on an H200, where the compare takes a few).
+_COMPARE_COUNT_WORK = 1 << 26
+
+
+def counts_and_ranks(key: jax.Array, e: int) -> tuple[jax.Array, jax.Array]:
+    """(counts [e + 1]: the slots of each key, q [s]: how many slots before
+    i (slot order) have key[i]'s key); keys in [0, e]."""
+    s = key.shape[0]
+    i = jnp.arange(s, dtype=jnp.int32)
+    if s * (e + 1) <= _COMPARE_COUNT_WORK:
+        counts = jnp.sum(key[None, :] == jnp.arange(e + 1, dtype=jnp.int32)[:, None], axis=1,
+                         dtype=jnp.int32)
+    else:
+        counts = jnp.zeros((e + 1,), jnp.int32).at[key].add(1)
+    if s <= _PAIRWISE_RANK_SLOTS:
+        earlier_same = (key[None, :] == key[:, None]) & (i[None, :] < i[:, None])
+        return counts, jnp.sum(earlier_same, axis=1, dtype=jnp.int32)
+    sorted_key, order = lax.sort((key, i), num_keys=1, is_stable=True)
+    starts = exclusive_cumsum(counts, 0)
+    return counts, jnp.zeros((s,), jnp.int32).at[order].set(i - starts[sorted_key])
+
+
+def kept_rows(table: jax.Array, capacity: int | None) -> jax.Array:
+    """The rows kept of a count table [source, ...]: each expert's first
+    `capacity`, earlier sources first (None: all)."""
+    if capacity is None:
+        return table
+    return jnp.clip(capacity - exclusive_cumsum(table, 0), 0, table)
+
+
+def slot_tallies(valid: jax.Array, keep: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(num_dropped, num_invalid) of the slots: valid without a row, invalid."""
+    return (valid & ~keep).sum().astype(jnp.int32), (~valid).sum().astype(jnp.int32)
+
+
+def local_layout(expert_ids: jax.Array, num_experts: int, capacity: int | None,
+                 num_rows: int) -> tuple[jax.Array, ...]:
+    """(dest_row [S], src_slot [num_rows], group_sizes [E], num_dropped [],
+    num_invalid []) of expert_ids [S] (any integer dtype; slot i = token * k
+    + choice) on one device: valid ids are in [0, E); expert e keeps its
+    first `capacity` slots (None: all) as rows exclusive_cumsum(kept)[e] +
+    [0, kept[e]); dest_row -1 for dropped and invalid slots, src_slot -1 on
+    the rows past sum(kept)."""
+    ids = expert_ids.reshape(-1)
+    if np.dtype(ids.dtype).itemsize < 4:
+        ids = ids.astype(jnp.int32)                                  # lossless widening
+    return moe_layout_p.bind(ids, num_experts=int(num_experts),
+                             capacity=-1 if capacity is None else int(capacity),
+                             num_rows=int(num_rows))
+
+
+def _layout_abstract(ids, *, num_experts: int, capacity: int, num_rows: int):
+    out = lambda *shape: ids.update(shape=shape, dtype=jnp.int32, weak_type=False)
+    return out(ids.shape[0]), out(num_rows), out(num_experts), out(), out()
+
+
+def reference_layout(ids, *, num_experts: int, capacity: int, num_rows: int):
+    e = num_experts
+    valid, ids, key = slot_keys(ids, e)
+    counts, q = counts_and_ranks(key, e)
+    kept = kept_rows(counts[None, :e], None if capacity < 0 else capacity)[0]
+    keep = valid & (q < kept[ids])
+    dest_row = jnp.where(keep, exclusive_cumsum(kept, 0)[ids] + q, -1)
+    src_slot = jnp.full((num_rows,), -1, jnp.int32).at[
+        jnp.where(keep, dest_row, num_rows)].set(jnp.arange(ids.shape[0], dtype=jnp.int32),
+                                                 mode="drop")
+    return (dest_row, src_slot, kept) + slot_tallies(valid, keep)
+
+
+def _layout_fits(ids, *, num_experts: int, capacity: int, num_rows: int) -> bool:
+    """Whether the layout kernel takes the call (else the XLA layout)."""
+    return (np.dtype(ids.dtype) in _LAYOUT_ID_TYPES and ids.shape[0] <= LAYOUT_MAX_SLOTS and
+            num_experts <= LAYOUT_MAX_EXPERTS and num_rows <= LAYOUT_MAX_ROWS)
+
+
+# Parameters that only give the outputs' shapes (no FFI attribute).
+_SHAPE_PARAMS = ("tokens", "num_experts", "num_rows")
+
+
+def _local_lowering(reference, ffi, multiple_results=False, fits=None):
     """(reference lowering, CUDA lowering) of a one-device primitive: the FFI
     kernel `ffi` (jax.ffi.ffi_lowering of its target) where the extension
-    runs, else the reference after a one-time warning."""
+    runs and `fits(*avals_in, **params)` (None: always), else the reference
+    (after a one-time warning when the extension is missing)."""
     def ref(ctx, *args, **params):
-        return mlir.lower_fun(lambda *a: reference(*a, **params), multiple_results=False)(
-            ctx, *args)
+        return mlir.lower_fun(lambda *a: reference(*a, **params),
+                              multiple_results=multiple_results)(ctx, *args)
 
     def cuda(ctx, *args, **params):
-        if kernels_missing("moe"):
+        if (fits is not None and not fits(*ctx.avals_in, **params)) or kernels_missing("moe"):
             return ref(ctx, *args, **params)
         attrs = {k: np.int64(v) if isinstance(v, int) and not isinstance(v, bool)
-                 else np.int32(v) for k, v in params.items() if k != "tokens"}
+                 else np.int32(v) for k, v in params.items() if k not in _SHAPE_PARAMS}
         return ffi(ctx, *args, **attrs)
     return ref, cuda
 
@@ -212,7 +334,10 @@ for _p, _abstract, _lowerings in (
         (moe_scatter_rows_p, _scatter_abstract,
          _local_lowering(reference_scatter_rows, jax.ffi.ffi_lowering("pk_moe_scatter_rows"))),
         (moe_weighted_sum_p, _sum_abstract,
-         _local_lowering(reference_weighted_sum, jax.ffi.ffi_lowering("pk_moe_weighted_sum")))):
+         _local_lowering(reference_weighted_sum, jax.ffi.ffi_lowering("pk_moe_weighted_sum"))),
+        (moe_layout_p, _layout_abstract,
+         _local_lowering(reference_layout, jax.ffi.ffi_lowering("pk_moe_layout"),
+                         multiple_results=True, fits=_layout_fits))):
     def_eager_impl(_p)
     _p.def_abstract_eval(_abstract)
     mlir.register_lowering(_p, _lowerings[0])

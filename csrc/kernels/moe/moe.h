@@ -98,12 +98,44 @@ struct SumParams {
   cudaStream_t stream = nullptr;
 };
 
+// layout (moe_layout.cu): the one-device layout of expert_ids [slots] (slot
+// i = token * k + choice), one thread block. A slot is valid when 0 <= id <
+// experts; its key is its id, or `experts` when invalid (invalid last); q[i]
+// = the earlier slots (slot order) of its key. kept[e] = counts[e], capped
+// at capacity (>= 0; < 0: none); group_sizes = kept; dest_row[i] =
+// exclusive_cumsum(kept)[key] + q[i] for a valid slot with q[i] < kept[key],
+// else -1; src_slot[p] = the slot whose dest_row is p, -1 on the rows past
+// sum(kept); num_dropped = valid slots without a row, num_invalid = invalid
+// slots. The kernel's bounds (pk_jax/ops/moe_primitive.py: beyond them the
+// layout runs as XLA ops): slots <= kLayoutMaxSlots, experts in [1,
+// kLayoutMaxExperts], rows <= kLayoutMaxRows.
+constexpr uint64_t kLayoutMaxSlots = uint64_t(1) << 16;
+constexpr int32_t kLayoutMaxExperts = 255;
+constexpr uint64_t kLayoutMaxRows = uint64_t(1) << 18;
+
+struct LayoutParams {
+  const void* expert_ids = nullptr;   // [slots] int32, or int64 when ids64
+  bool ids64 = false;
+  int32_t* dest_row = nullptr;        // [slots]
+  int32_t* src_slot = nullptr;        // [rows]
+  int32_t* group_sizes = nullptr;     // [experts]
+  int32_t* num_dropped = nullptr;     // []
+  int32_t* num_invalid = nullptr;     // []
+  uint64_t slots = 0;
+  uint64_t rows = 0;
+  int32_t experts = 1;
+  int64_t capacity = -1;              // rows each expert keeps, < 0: all
+  cudaStream_t stream = nullptr;
+};
+
 cudaError_t launch_scatter_rows(const ScatterParams& p);
 cudaError_t launch_weighted_sum(const SumParams& p);
+cudaError_t launch_layout(const LayoutParams& p);  // cudaErrorInvalidValue beyond the bounds
 
 // Load the exchange kernels on the current device (no lazy load while a peer
 // spins), and the one-device kernels.
 cudaError_t load_kernels();
 cudaError_t load_local_kernels();
+cudaError_t load_layout_kernels();
 
 }  // namespace pk::moe
