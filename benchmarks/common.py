@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -25,6 +26,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from pk_jax import PkJaxFallbackWarning
+
+# A pk row must time pk's kernels: a fallback to the XLA reference path (a
+# kernel missing, the runtime's workspace not allocated) stops the run
+# instead of timing XLA under pk's name.
+warnings.filterwarnings("error", category=PkJaxFallbackWarning)
 
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS_DIR = HERE / "results"
