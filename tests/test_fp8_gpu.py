@@ -28,7 +28,10 @@ def _bits(a):
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "rows", "cols", "blocks"])
-@pytest.mark.parametrize("shape", [(1024, 4096), (300, 200), (4096, 128)])
+# vector accesses with whole tiles, with partial tiles (rows and columns multiples of 8),
+# scalar accesses (300 rows; 130 columns: the rows kernel's too)
+@pytest.mark.parametrize("shape", [(1024, 4096), (4096, 128), (136, 264), (300, 200),
+                                   (64, 130)])
 @pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_quantize_bitwise(rng, granularity, shape, in_dtype, dtype):
