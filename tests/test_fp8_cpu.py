@@ -247,3 +247,31 @@ def test_recipe_validation():
     r = pk_jax.Fp8Recipe("block")
     assert r.fwd_dtype == jnp.float8_e4m3fn and r.bwd_dtype == jnp.float8_e4m3fn
     assert pk_jax.Fp8Recipe().bwd_dtype == jnp.float8_e5m2
+
+
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_forward_alone_quantizes_no_backward_copies(rng, recipe):
+    """fp8_dot not differentiated (inference) quantizes only what its GEMM
+    reads: x row-wise and w transposed; differentiated, the forward also
+    keeps x^T (weight gradient) and w row-wise (input gradient)."""
+    x, w = _inputs(rng, 128, 256, 256)[:2]
+
+    def copies(f, *args):  # (rowwise, transposed) of each quantization, x's first
+        eqns = jax.make_jaxpr(f)(*args).jaxpr.eqns
+        found = []
+        def walk(eqns):
+            for e in eqns:
+                if e.primitive.name == "pk_fp8_quantize":
+                    found.append((e.params["rowwise"], e.params["transposed"]))
+                for sub in jax.extend.core.jaxprs_in_params(e.params):
+                    walk(sub.eqns)
+        walk(eqns)
+        return found
+
+    fwd = copies(lambda x, w: pk_jax.fp8_dot(x, w, recipe), x, w)
+    assert not any(r and t for r, t in fwd) and (True, False) in fwd and (False, True) in fwd
+    grad = copies(jax.grad(lambda x, w: jnp.sum(pk_jax.fp8_dot(x, w, recipe)
+                                               .astype(jnp.float32)), (0, 1)), x, w)
+    assert len(grad) > len(fwd)
+    if recipe == "current":  # one call per operand, both copies
+        assert grad[:2] == [(True, True), (True, True)]

@@ -133,22 +133,31 @@ def quantize_weight(w, scaling: str = "tensor", *, margin: float = 0.0) -> Fp8We
     return Fp8Weight(wt, factors.T if scaling == "block" else factors.reshape(()), scaling)
 
 
-def weight_operands(w, recipe: Fp8Recipe, scale=None):
-    """w's FP8 GEMM operands: (wq [K, N] (the input gradient's B), wt [N, K]
-    (the forward's B), the factors as the forward's B, as the input
-    gradient's B, amax(w) or None). w: [K, N], quantized here by the recipe
-    (from `scale` with delayed scaling), or an `Fp8Weight` (as stored)."""
+def weight_operands(w, recipe: Fp8Recipe, scale=None, *, dgrad: bool = True):
+    """w's FP8 GEMM operands: (wq [K, N] (the input gradient's B; None
+    without `dgrad`), wt [N, K] (the forward's B), the factors as the
+    forward's B, as the input gradient's B, amax(w) or None). w: [K, N],
+    quantized here by the recipe (from `scale` with delayed scaling), or an
+    `Fp8Weight` (as stored)."""
     if isinstance(w, Fp8Weight):
         if w.scaling == "block":  # stored [N/128, K/128]; the forward's B wants [K/128, N/128]
             return w.data.T, w.data, w.factors.T, w.factors, None
         f = jnp.reshape(w.factors, (1,))
         return w.data.T, w.data, f, f, None
     if recipe.scaling == "block":
-        wq, wt, fw, _ = fp8_quantize(w, "blocks", prim.E4M3, transposed=True)
+        wq, wt, fw, _ = fp8_quantize(w, "blocks", prim.E4M3, rowwise=dgrad, transposed=True)
         return wq, wt, fw, fw.T, None
-    wq, wt, fw, amax = fp8_quantize(w, "tensor", prim.E4M3, transposed=True, scale=scale,
-                                    margin=recipe.margin)
+    wq, wt, fw, amax = fp8_quantize(w, "tensor", prim.E4M3, rowwise=dgrad, transposed=True,
+                                    scale=scale, margin=recipe.margin)
     return wq, wt, fw, fw, amax
+
+
+def residual_copies(x, w, residuals: bool) -> tuple[bool, bool]:
+    """Which extra FP8 copies a forward keeps for the backward: (x^T, for
+    the weight gradient: w not stored; w row-wise, for the input gradient:
+    x not stored); none without `residuals` (a call not differentiated: the
+    custom_vjp's primal)."""
+    return residuals and not is_stored(w), residuals and not is_stored(x)
 
 
 def quantize_activation(x, scaling: str = "tensor", *, margin: float = 0.0,
@@ -450,12 +459,13 @@ def fp8_dot(x, w, recipe=None, *, scales=None, out_dtype=None):
     return _dot(x2, w, recipe, out_dtype).reshape(*lead, w.shape[1])
 
 
-def _forward(x, w, recipe, out_dtype, sx=None, sw=None):
+def _forward(x, w, recipe, out_dtype, sx=None, sw=None, residuals=True):
     """(y, residuals, (amax(x), amax(w))) of x @ w; the residuals hold only
-    what the gradients of the operands that have one read."""
-    xq, xt, fx, fxt, ax = activation_operands(x, recipe, transposed=not is_stored(w),
-                                              scale=sx)
-    wq, wt, fw, fw_bwd, aw = weight_operands(w, recipe, sw)
+    what the gradients of the operands that have one read (nothing without
+    `residuals`)."""
+    xt_copy, w_copy = residual_copies(x, w, residuals)
+    xq, xt, fx, fxt, ax = activation_operands(x, recipe, transposed=xt_copy, scale=sx)
+    wq, wt, fw, fw_bwd, aw = weight_operands(w, recipe, sw, dgrad=w_copy)
     scaling = "block" if recipe.scaling == "block" else "tensor"
     y = fp8_matmul(xq, wt, fx, fw, scaling=scaling, out_dtype=_gemm_out(out_dtype))
     res = (xt, fxt, None if is_stored(x) else wq, fw_bwd)
@@ -488,7 +498,7 @@ def residual_marker(a):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _dot(x, w, recipe: Fp8Recipe, out_dtype):
-    return _dot_fwd(x, w, recipe, out_dtype)[0]
+    return _forward(x, w, recipe, out_dtype, residuals=False)[0]
 
 
 def _dot_fwd(x, w, recipe, out_dtype):
@@ -517,12 +527,12 @@ _dot.defvjp(_dot_fwd, _dot_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _dot_delayed(x, w, scales, recipe: Fp8Recipe, out_dtype):
-    return _dot_delayed_fwd(x, w, scales, recipe, out_dtype)[0]
+    return _dot_delayed_fwd(x, w, scales, recipe, out_dtype, residuals=False)[0]
 
 
-def _dot_delayed_fwd(x, w, scales, recipe, out_dtype):
+def _dot_delayed_fwd(x, w, scales, recipe, out_dtype, residuals=True):
     sx, sw, _ = scales
-    y, res, (ax, aw) = _forward(x, w, recipe, out_dtype, sx, sw)
+    y, res, (ax, aw) = _forward(x, w, recipe, out_dtype, sx, sw, residuals)
     amaxes = (max_to_type_of(ax, sx), max_to_type_of(aw, sw))
     return (y, amaxes), (res, scales, residual_marker(x), residual_marker(w))
 

@@ -146,13 +146,15 @@ def _sequence(prim, names, n: int, out_dtype, mechanism: str, a, b, fa, fb):
     return prim.bind(*operands, cfg=cfg)
 
 
-def _local_operands(x, w, sx, sw, recipe: Recipe):
+def _local_operands(x, w, sx, sw, recipe: Recipe, residuals: bool):
     """This rank's FP8 operands of x @ w (x [M, K_local]): (q, w^T, their
     factors), the backward's residuals (x^T and w quantized, with their
-    factors) and the local amaxes of x and w."""
-    q, qt, fq, fqt, ax = _quantize_local(x, recipe, recipe.fwd_dtype,
-                                         transposed=not fp8_ops.is_stored(w), scale=sx)
-    wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw)
+    factors, where `residuals` asks and a gradient reads them) and the local
+    amaxes of x and w."""
+    xt_copy, w_copy = fp8_ops.residual_copies(x, w, residuals)
+    q, qt, fq, fqt, ax = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=xt_copy,
+                                         scale=sx)
+    wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw, dgrad=w_copy)
     return (q, wt, fq, fw_fwd), (qt, fqt, wq, fw_bwd, fp8_ops.marker(x),
                                  fp8_ops.marker(w)), (ax, aw)
 
@@ -180,7 +182,8 @@ def _needs(res) -> dict:
 def _op(forward, backward, doc: str):
     """An FP8 op (x, w, scales, names, n, recipe, out_dtype) -> (y, amaxes)
     with its custom_vjp, from forward(x, w, sx, sw, names, n, recipe,
-    out_dtype) -> (y, residuals, (amax(x), amax(w))) and backward(names, n,
+    out_dtype, residuals) -> (y, residuals (the backward's copies only
+    where `residuals`: not in the primal), (amax(x), amax(w))) and backward(names, n,
     recipe, out_dtype, residuals, dy, sdy) -> (dx, dw, amax(dy)). scales:
     None (current and block scaling; amaxes None) or the delayed scales
     (x, w, dy), each [1] float32: amaxes are then the axis-wide amax(x),
@@ -188,11 +191,11 @@ def _op(forward, backward, doc: str):
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
     def op(x, w, scales, names, n: int, recipe: Recipe, out_dtype):
-        return op_fwd(x, w, scales, names, n, recipe, out_dtype)[0]
+        return op_fwd(x, w, scales, names, n, recipe, out_dtype, residuals=False)[0]
 
-    def op_fwd(x, w, scales, names, n, recipe, out_dtype):
+    def op_fwd(x, w, scales, names, n, recipe, out_dtype, residuals=True):
         sx, sw, _ = (None,) * 3 if scales is None else scales
-        y, res, (ax, aw) = forward(x, w, sx, sw, names, n, recipe, out_dtype)
+        y, res, (ax, aw) = forward(x, w, sx, sw, names, n, recipe, out_dtype, residuals)
         amaxes = None if scales is None else (fp8_ops.max_to_type_of(ax, sx, names),
                                               fp8_ops.max_to_type_of(aw, sw, names))
         return (y, amaxes), (res, scales)
@@ -212,10 +215,11 @@ def _op(forward, backward, doc: str):
 
 
 # ---- all_gather_matmul -------------------------------------------------------------
-def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
+def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype, residuals):
+    xt_copy, w_copy = fp8_ops.residual_copies(x, w, residuals)
     q, qt, fq, fqt, ax = _quantize_rows_sharded(x, names, n, recipe, recipe.fwd_dtype,
-                                                transposed=not fp8_ops.is_stored(w), scale=sx)
-    wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw)
+                                                transposed=xt_copy, scale=sx)
+    wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw, dgrad=w_copy)
     if _fused(recipe, out_dtype):  # the rows gathered in FP8 inside the sequence
         y = _sequence(all_gather_matmul_fp8_p, names, n, out_dtype, "chunked", q, wt, fq,
                       fw_fwd)
@@ -244,8 +248,8 @@ all_gather_matmul = _op(_ag_fwd, _ag_bwd, """all_gather(x, tiled) @ w with FP8 G
 
 
 # ---- matmul_reduce_scatter ---------------------------------------------------------
-def _rs_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
-    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe)
+def _rs_fwd(x, w, sx, sw, names, n, recipe, out_dtype, residuals):
+    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe, residuals)
     if _fused(recipe, out_dtype):
         return _sequence(matmul_reduce_scatter_fp8_p, names, n, out_dtype, "chunked",
                          *operands), res, amaxes
@@ -270,8 +274,8 @@ matmul_reduce_scatter = _op(_rs_fwd, _rs_bwd, """psum_scatter(x @ w, tiled) with
 
 
 # ---- matmul_all_reduce -------------------------------------------------------------
-def _ar_fwd(x, w, sx, sw, names, n, recipe, out_dtype):
-    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe)
+def _ar_fwd(x, w, sx, sw, names, n, recipe, out_dtype, residuals):
+    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe, residuals)
     if _fused(recipe, out_dtype):
         mechanism = tuning.matmul_all_reduce_mechanism(x.shape[0], n)
         return _sequence(matmul_all_reduce_fp8_p, names, n, out_dtype, mechanism,
