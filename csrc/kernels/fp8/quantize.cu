@@ -9,7 +9,8 @@
 // (a half-warp's 16 pieces stacked down the tile: 128 contiguous bytes of a
 // transposed row). kTensor without a given scale first runs an amax reduction
 // (grid-stride over 8-element vectors, one atomic per warp). Matrices whose
-// rows or columns are not multiples of 8 take scalar accesses with bounds.
+// rows or columns are not multiples of 8, or whose buffers are not aligned to
+// the vectors, take scalar accesses with bounds.
 // Arguments: fp8.h's Quantize. Roles: every thread loads, reduces and
 // converts. Entry point: pk::fp8::launch.
 #include "kernels/fp8/fp8.h"
@@ -94,20 +95,25 @@ __device__ __forceinline__ float scale_of(float amax, float fp8_max) {
   return amax == 0.0f ? 1.0f : fp8_max / amax;
 }
 
+__device__ __forceinline__ bool aligned(const void* at, int bytes) {
+  return reinterpret_cast<uintptr_t>(at) % bytes == 0;
+}
+
 // ---- roles -----------------------------------------------------------------
-// amax(|x|): 8-element vectors grid-strided, the tail (count % 8) scalar.
+// amax(|x|): 8-element vectors grid-strided (x 16-byte aligned), the rest scalar.
 template <typename T>
 __global__ void amax_kernel(const T* x, int64_t count, float* amax) {
   float m = 0.0f;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  for (int64_t i = first; i < count / 8; i += stride) {
+  const int64_t vectors = aligned(x, 8 * sizeof(T)) ? count / 8 : 0;
+  for (int64_t i = first; i < vectors; i += stride) {
     float v[8];
     load_vec<T, 8>(x + 8 * i, v);
 #pragma unroll
     for (int j = 0; j < 8; ++j) m = max_nan(m, fabsf(v[j]));
   }
-  for (int64_t i = count / 8 * 8 + first; i < count; i += stride)
+  for (int64_t i = vectors * 8 + first; i < count; i += stride)
     m = max_nan(m, fabsf(to_float(x[i])));
   m = warp_max(m);
   if ((threadIdx.x & 31) == 0) atomic_max_abs(amax, m);
@@ -121,9 +127,9 @@ __global__ void rows_kernel(Quantize p, float fp8_max) {
   const int64_t total = p.rows * segs;
   const int lane = threadIdx.x & 31;
   const int64_t warps = int64_t(gridDim.x) * (blockDim.x / 32);
-  const bool vec = p.cols % kLane == 0;
   const T* x = static_cast<const T*>(p.x);
   uint8_t* q = static_cast<uint8_t*>(p.q);
+  const bool vec = p.cols % kLane == 0 && aligned(x, kLane * sizeof(T)) && aligned(q, kLane);
   for (int64_t w = blockIdx.x * int64_t(blockDim.x / 32) + threadIdx.x / 32; w < total;
        w += warps) {
     const int64_t row = w / segs, seg = w % segs;
@@ -163,8 +169,9 @@ __global__ void __launch_bounds__(kThreads) tile_kernel(Quantize p, float fp8_ma
   uint8_t* qt = static_cast<uint8_t*>(p.qt);
   const int t = threadIdx.x;
   const int pr = t % kPieces, pc = t / kPieces;
-  // whole pieces, 8-byte aligned rows of q and qt: vector accesses
-  const bool vec = p.rows % kPiece == 0 && p.cols % kPiece == 0;
+  // whole pieces, aligned rows of x, q and qt: vector accesses
+  const bool vec = p.rows % kPiece == 0 && p.cols % kPiece == 0 &&
+                   aligned(x, kPiece * sizeof(T)) && aligned(q, kPiece) && aligned(qt, kPiece);
   const bool cols = p.granularity == Granularity::kCols;
   float tensor_scale = 0.0f;
   if (p.granularity == Granularity::kTensor)
