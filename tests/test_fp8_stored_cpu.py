@@ -99,34 +99,40 @@ _OPS = {  # op, x spec, w spec, out spec, x shape, w shape on one "tp" axis
 }
 
 
+def _tp_case(rng, op):
+    """(fn, mesh, specs (x, w, out), x, w, t) of one TP op on N ranks of "tp"."""
+    fn, xs, ws, outs, xshape, wshape = _OPS[op]
+    x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(wshape[0]), jnp.bfloat16)
+    t = jnp.asarray(rng.standard_normal((xshape[0], wshape[1])), jnp.float32)  # y's shape
+    return fn, cpu_mesh((N,), ("tp",)), (xs, ws, outs), x, w, t
+
+
+def _value_and_grad_of(body, mesh, specs, t, argnum: int):
+    """jit(value_and_grad) of sum(body(x, w) * t) in shard_map, in the operand
+    `argnum` (0: x, 1: w); returns f(x, w) -> ((loss, y), gradient)."""
+    xs, ws, outs = specs
+    f = jax.shard_map(body, mesh=mesh, in_specs=(xs, ws), out_specs=outs)
+
+    def value(x, w):
+        y = f(x, w)
+        return jnp.sum(y.astype(jnp.float32) * t), y
+    return jax.jit(jax.value_and_grad(value, argnum, has_aux=True))
+
+
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("op", list(_OPS))
 def test_tp_ops_take_stored_weights(rng, op, scaling, sharding_mode):
     """Each rank's shard quantized inside shard_map and passed stored: the
     bits of fp8=recipe (which quantizes that shard the same way), forward
     and dx; the weight's cotangent zero."""
-    fn, xs, ws, outs, xshape, wshape = _OPS[op]
+    fn, mesh, specs, x, w, t = _tp_case(rng, op)
     recipe = SCALINGS[scaling]
-    mesh = cpu_mesh((N,), ("tp",))
-    x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(wshape[0]), jnp.bfloat16)
-    t = jnp.asarray(rng.standard_normal((xshape[0], wshape[1])), jnp.float32)  # y's shape
-
-    def loss(stored):
-        @jax.shard_map(mesh=mesh, in_specs=(xs, ws), out_specs=outs)
-        def f(x, w):
-            if stored:
-                return fn(x, pk_jax.quantize_weight(w, scaling), "tp")
-            return fn(x, w, "tp", fp8=recipe)
-
-        def value(x, w):
-            y = f(x, w)
-            return jnp.sum(y.astype(jnp.float32) * t), y
-        return value
-
-    args = (_put(mesh, x, xs), _put(mesh, w, ws))
-    (_, y8), dx8 = jax.jit(jax.value_and_grad(loss(True), has_aux=True))(*args)
-    (_, y), dx = jax.jit(jax.value_and_grad(loss(False), has_aux=True))(*args)
+    stored = lambda x, w: fn(x, pk_jax.quantize_weight(w, scaling), "tp")
+    inside = lambda x, w: fn(x, w, "tp", fp8=recipe)
+    args = (_put(mesh, x, specs[0]), _put(mesh, w, specs[1]))
+    (_, y8), dx8 = _value_and_grad_of(stored, mesh, specs, t, 0)(*args)
+    (_, y), dx = _value_and_grad_of(inside, mesh, specs, t, 0)(*args)
     np.testing.assert_array_equal(_f32(y8), _f32(y))
     np.testing.assert_array_equal(_f32(dx8), _f32(dx))
     assert rel_err(y8, _f32(x) @ _f32(w)) < FWD_TOL
@@ -271,29 +277,14 @@ def test_tp_ops_take_stored_activations(rng, op, scaling, sharding_mode):
     factor gathered by all_gather_matmul from the axis-wide amax): the bits
     of fp8=recipe on the bf16 x, forward; w's gradient the same bits with a
     tensor factor, within the bound of float32 with block factors."""
-    fn, xs, ws, outs, xshape, wshape = _OPS[op]
+    fn, mesh, specs, x, w, t = _tp_case(rng, op)
     recipe = SCALINGS[scaling]
-    mesh = cpu_mesh((N,), ("tp",))
-    x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(wshape[0]), jnp.bfloat16)
-    t = jnp.asarray(rng.standard_normal((xshape[0], wshape[1])), jnp.float32)  # y's shape
     axis = "tp" if op == "all_gather_matmul" and scaling == "tensor" else None
-
-    def loss(stored):
-        @jax.shard_map(mesh=mesh, in_specs=(xs, ws), out_specs=outs)
-        def f(x, w):
-            if stored:
-                return fn(pk_jax.quantize_activation(x, scaling, axis_name=axis), w, "tp")
-            return fn(x, w, "tp", fp8=recipe)
-
-        def value(w, x):
-            y = f(x, w)
-            return jnp.sum(y.astype(jnp.float32) * t), y
-        return value
-
-    args = (_put(mesh, w, ws), _put(mesh, x, xs))
-    (_, y8), dw8 = jax.jit(jax.value_and_grad(loss(True), has_aux=True))(*args)
-    (_, y), dw = jax.jit(jax.value_and_grad(loss(False), has_aux=True))(*args)
+    stored = lambda x, w: fn(pk_jax.quantize_activation(x, scaling, axis_name=axis), w, "tp")
+    inside = lambda x, w: fn(x, w, "tp", fp8=recipe)
+    args = (_put(mesh, x, specs[0]), _put(mesh, w, specs[1]))
+    (_, y8), dw8 = _value_and_grad_of(stored, mesh, specs, t, 1)(*args)
+    (_, y), dw = _value_and_grad_of(inside, mesh, specs, t, 1)(*args)
     np.testing.assert_array_equal(_f32(y8), _f32(y))
     assert rel_err(y8, _f32(x) @ _f32(w)) < FWD_TOL
     if scaling == "tensor":

@@ -36,8 +36,37 @@ SCALINGS = ("tensor", "block")
 RECIPE_OF = {"tensor": "current", "block": "block"}
 
 
+class _Stored:
+    """What both stored kinds share: the pytree of (data, factors) with the
+    scaling as static data, the element type (FP8), size and repr."""
+
+    def __init__(self, data, factors, scaling: str = "tensor"):
+        self.data = data
+        self.factors = factors
+        self.scaling = scaling
+
+    def tree_flatten(self):
+        return (self.data, self.factors), self.scaling
+
+    @classmethod
+    def tree_unflatten(cls, scaling, children):
+        return cls(*children, scaling=scaling)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(shape={self.shape}, scaling={self.scaling!r}, "
+                f"data={getattr(self.data, 'dtype', self.data)})")
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.data.dtype)
+
+
 @jax.tree_util.register_pytree_node_class
-class Fp8Weight:
+class Fp8Weight(_Stored):
     """w [K, N] stored as FP8 `data` [N, K] (float8_e4m3fn) with its factors.
 
     Args:
@@ -53,22 +82,6 @@ class Fp8Weight:
     in_specs of a weight sharded like w.
     """
 
-    def __init__(self, data, factors, scaling: str = "tensor"):
-        self.data = data
-        self.factors = factors
-        self.scaling = scaling
-
-    def tree_flatten(self):
-        return (self.data, self.factors), self.scaling
-
-    @classmethod
-    def tree_unflatten(cls, scaling, children):
-        return cls(*children, scaling=scaling)
-
-    def __repr__(self) -> str:
-        return (f"Fp8Weight(shape={self.shape}, scaling={self.scaling!r}, "
-                f"data={getattr(self.data, 'dtype', self.data)})")
-
     @property
     def shape(self) -> tuple[int, int]:
         """(K, N): the shape of the weight w it stands for."""
@@ -76,14 +89,6 @@ class Fp8Weight:
         return (k, n)
 
     ndim = 2
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def dtype(self):
-        return jnp.dtype(self.data.dtype)
 
     def partition_spec(self, spec) -> "Fp8Weight":
         """The in_specs (a pytree of PartitionSpecs) of this weight sharded as
@@ -129,7 +134,7 @@ def _checked_types(where: str, stored):
 
 
 @jax.tree_util.register_pytree_node_class
-class Fp8Activation:
+class Fp8Activation(_Stored):
     """x [..., K] stored as FP8 `data` (float8_e4m3fn) with its factors.
 
     Args:
@@ -147,22 +152,6 @@ class Fp8Activation:
     `axis_name`): the gathered rows form one FP8 operand.
     """
 
-    def __init__(self, data, factors, scaling: str = "tensor"):
-        self.data = data
-        self.factors = factors
-        self.scaling = scaling
-
-    def tree_flatten(self):
-        return (self.data, self.factors), self.scaling
-
-    @classmethod
-    def tree_unflatten(cls, scaling, children):
-        return cls(*children, scaling=scaling)
-
-    def __repr__(self) -> str:
-        return (f"Fp8Activation(shape={self.shape}, scaling={self.scaling!r}, "
-                f"data={getattr(self.data, 'dtype', self.data)})")
-
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(self.data.shape)
@@ -170,14 +159,6 @@ class Fp8Activation:
     @property
     def ndim(self) -> int:
         return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def dtype(self):
-        return jnp.dtype(self.data.dtype)
 
     def reshape(self, *shape) -> "Fp8Activation":
         """The same activation with its rows reshaped (the last dim, K,
