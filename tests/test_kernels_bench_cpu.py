@@ -1,0 +1,33 @@
+"""benchmarks/kernels.py on CPU: the FP8 section's smoke run in slices
+(--part) written as one run's results by --merge, in a copy of benchmarks/
+(the repository's results stay as they are)."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+
+def test_part_and_merge_write_one_section(tmp_path):
+    bench = tmp_path / "benchmarks"
+    shutil.copytree(pathlib.Path(__file__).resolve().parents[1] / "benchmarks", bench)
+    run = lambda *a: subprocess.run([sys.executable, "kernels.py", *a], cwd=bench,
+                                    capture_output=True, text=True, timeout=600,
+                                    env=dict(os.environ))
+    part = tmp_path / "part.json"
+    proc = run("--only", "fp8", "--smoke", "--part", "1/1", "--part-out", str(part))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(part.read_text())["rows"]
+    assert {r["implementation"] for r in rows} >= {"pk_fp8_tensor", "pk_fp8_block",
+                                                  "xla_fp8_direct"}
+    proc = run("--merge", str(part), str(part))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = json.loads((bench / "results" / "kernels_fp8.json").read_text())
+    assert len(written) == 2 * len(rows)
+    text = (bench / "RESULTS.md").read_text()
+    section = text[text.index("<!-- kernels_fp8:begin -->"):text.index("<!-- kernels_fp8:end -->")]
+    assert "--part I/N (I = 1..2), then --merge" in section
+    assert section.count("| fp8_gemm_tensor |") == 2 * sum(
+        r["op"] == "fp8_gemm_tensor" for r in rows)
