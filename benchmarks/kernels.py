@@ -96,8 +96,10 @@ IMPLS = {
         "0.0.17's Mosaic GPU and Triton kernels. TFLOP/s count 4 B S^2 H D (x0.5 causal, "
         "x3.5 forward + backward). `pk` and `cudnn` run the same kernel: their spread is "
         "the run's noise.\n\n"),
-    "gemm": ("`pk`: all_gather_matmul at world size 1 (pk's CUTLASS GEMM; forward + "
-             "backward: y, then dx and dw in one call); `xla`: XLA's dot (cuBLAS).\n\n"),
+    "gemm": ("`pk`: all_gather_matmul(mechanism=\"chunked\") at world size 1 (pk's CUTLASS "
+             "GEMM; forward + backward: y, then dx and dw in one call; under `auto` one "
+             "device runs XLA's dot, pk_jax/tuning.py's single_gpu_gemm); `xla`: XLA's dot "
+             "(cuBLAS).\n\n"),
     "fp8": (
         "`pk_fp8_tensor`: pk_jax.fp8_matmul, e4m3 operands with per-tensor factors (fast "
         "accumulation); `pk_fp8_block`: 1x128 / 128x128 factors, promoted every 128 of K; "
@@ -121,9 +123,10 @@ def _tokamax():
 class Table:
     """Rows for results/kernels.json and the markdown table."""
 
-    def __init__(self):
+    def __init__(self, autosave: str = ""):
         self.rows: list[dict[str, Any]] = []
         self.md: list[list[Any]] = []
+        self.autosave = autosave  # a --part file, rewritten after every case
 
     def add(self, op: str, case: str, fields: dict, times: dict[str, float], flops: float):
         for name, ms in times.items():
@@ -138,6 +141,8 @@ class Table:
             self.md.append([op, case, name, f"{ms:.3f}", f"{row['tflops']:.0f}",
                             best_name or "-", ratio])
         print(markdown_table(HEADER, self.md[-len(times):]), flush=True)
+        if self.autosave:  # a run cut short keeps the cases it finished
+            self.dump(self.autosave)
 
     def dump(self, path: str) -> None:
         """This (partial) run's rows and table lines, for --merge."""
@@ -157,11 +162,16 @@ def _time(fns: dict[str, Callable[[], Any]], rounds: int, smoke: bool) -> dict[s
     return {name: float(np.median(t)) for name, t in runs.items()}
 
 
+def _fresh_keys(n: int) -> jax.Array:
+    """`n` keys from a seed drawn anew each run: fresh inputs, made on the device."""
+    return jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), n)
+
+
 def _close(name: str, got, want, tol: float) -> None:
-    """Relative Frobenius error of `got` against `want`, or an error."""
-    got = np.asarray(jnp.asarray(got, jnp.float32))
-    want = np.asarray(jnp.asarray(want, jnp.float32))
-    err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    """Relative Frobenius error of `got` against `want` (computed where they
+    live, in float32), or an error."""
+    got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+    err = float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
     if not np.isfinite(err) or err > tol:
         raise AssertionError(f"{name}: relative error {err:.2e} > {tol:.0e}")
 
@@ -181,7 +191,7 @@ def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
     mesh = one_axis_mesh(jax.devices()[:1], "sp")
     spec = P(None, "sp")
     for b, s, h, hkv, d, causal, dtype in cases:
-        keys = jax.random.split(jax.random.key(np.random.default_rng().integers(1 << 30)), 4)
+        keys = _fresh_keys(4)
         q = jax.random.normal(keys[0], (b, s, h, d), dtype)
         k = jax.random.normal(keys[1], (b, s, hkv, d), dtype)
         v = jax.random.normal(keys[2], (b, s, hkv, d), dtype)
@@ -236,14 +246,14 @@ def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
 
 def gemm(table: Table, shapes, rounds: int, smoke: bool) -> None:
     mesh = one_axis_mesh(jax.devices()[:1], "x")
-    pk_fwd = jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(x, w, "x"), mesh=mesh,
-                           in_specs=(P("x"), P()), out_specs=P("x"))
+    pk_fwd = jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(x, w, "x", mechanism="chunked"),
+                           mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
     xla_fwd = lambda x, w: x @ w
     for m, n, k in shapes:
-        rng = np.random.default_rng()
-        x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal((k, n), np.float32) * k ** -0.5, jnp.bfloat16)
-        dy = jnp.asarray(rng.standard_normal((m, n), np.float32), jnp.bfloat16)
+        keys = _fresh_keys(3)
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * k ** -0.5
+        dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
         case = gemm_case((m, n, k))
         fields = {"m": m, "n": n, "k": k, "dtype": "bfloat16"}
         for mode, impls, flops in (
@@ -302,9 +312,9 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
     for m, n, k in shapes:
         if k % 128 or n % 128:
             continue
-        rng = np.random.default_rng()
-        x = jnp.asarray(rng.standard_normal((m, k), np.float32), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal((n, k), np.float32) * k ** -0.5, jnp.bfloat16)
+        kx, kw = _fresh_keys(2)
+        x = jax.random.normal(kx, (m, k), jnp.bfloat16)
+        w = jax.random.normal(kw, (n, k), jnp.bfloat16) * k ** -0.5
         xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor")
         wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor")
         xb, _, fxb, _ = pk_jax.fp8_quantize(x, "rows")
@@ -360,7 +370,7 @@ def main() -> int:
             cases = cases[(i - 1) * len(cases) // n: i * len(cases) // n]
         return cases[:2] if args.quick else cases
 
-    table = Table()
+    table = Table(autosave=args.part_out if args.part else "")
     if args.merge is not None:  # the --part runs' rows, written as one run's
         for path in args.merge:
             table.load(path)

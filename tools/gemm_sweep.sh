@@ -9,13 +9,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pk_out}; mkdir -p "$OUT"
-C=$(python3 -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \
-print(os.path.join(s.submodule_search_locations[0], 'source'))")
-B=$(mktemp -d)
-flags=(-std=c++17 -O3 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr
-       -DPK_HAVE_CUTLASS -Icsrc -I. -isystem "$C/include" -isystem "$C/tools/util/include")
 BIN=${PK_SWEEP_BIN:-}
-if [ -z "$BIN" ]; then
+if [ -z "$BIN" ]; then  # the CUTLASS headers are needed only to build
+  C=$(python3 -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \
+print(os.path.join(s.submodule_search_locations[0], 'source'))")
+  B=$(mktemp -d)
+  flags=(-std=c++17 -O3 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr
+         -DPK_HAVE_CUTLASS -Icsrc -I. -isystem "$C/include" -isystem "$C/tools/util/include")
   t0=$(date +%s)
   configs=$(grep -c '^    Entry<' tools/gemm_sweep/config.cu)
   # one translation unit per configuration, $(nproc) at a time

@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=0)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--mechanism", default="copy_engine",
+                    help="ring_attention's mechanism: copy_engine (pk's kernels) or auto "
+                         "(cuDNN on one device)")
     ap.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds")
     ap.add_argument("--calls", type=int, default=10, help="back-to-back calls per batch")
     a = ap.parse_args()
@@ -51,7 +54,8 @@ def main() -> None:
     spec = P(None, "sp")
 
     def pk_loss(q, k, v):
-        f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=a.causal),
+        f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(
+            q, k, v, "sp", causal=a.causal, mechanism=a.mechanism),
                           mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
         return jnp.sum(f(q, k, v).astype(jnp.float32) * w)
 

@@ -5,7 +5,19 @@ one of XLA's dot, between cudaProfilerStart/Stop, for Nsight Compute:
     ncu --profile-from-start off --clock-control none \
         --metrics gpu__time_duration.sum python tools/profile_gemm.py   # each kernel's time
 
-Without ncu it prints the two timings (benchmarks/common.py's interleaved_ms).
+`--fp8 tensor|block` profiles the FP8 GEMM forward instead: pk_jax.fp8_matmul on
+operands quantized beforehand (per-tensor or 1x128 / 128x128 factors) and XLA's
+dot of the same e4m3 operands written the two fastest ways (kernels.py's
+xla_fp8_direct and xla_fp8_dq_f32). Whether a kernel is bound by the tensor
+cores at the clock it ran at:
+
+    ncu --profile-from-start off --clock-control none --metrics \
+        gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,\
+        sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,\
+        dram__throughput.avg.pct_of_peak_sustained_elapsed \
+        python tools/profile_gemm.py --fp8 tensor
+
+Without ncu it prints the timings (benchmarks/common.py's interleaved_ms).
 """
 
 from __future__ import annotations
@@ -14,9 +26,11 @@ import argparse
 import os
 import statistics
 import sys
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
@@ -25,32 +39,65 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from common import cuda_profiler, interleaved_ms, one_axis_mesh  # noqa: E402
 
 
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8192,8192,8192", help="M,N,K")
+    ap.add_argument("--fp8", choices=("tensor", "block"), default=None,
+                    help="profile the FP8 GEMM forward with this recipe's factors")
     a = ap.parse_args()
     m, n, k = map(int, a.shape.split(","))
+    if a.fp8:
+        return profile(fp8_calls(m, n, k, a.fp8), "forward")
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
     w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * k ** -0.5
     dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
     mesh = one_axis_mesh(jax.devices()[:1])
-    pk = jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(x, w, "x"), mesh=mesh,
-                       in_specs=(P("x"), P()), out_specs=P("x"))
+    pk = jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(x, w, "x", mechanism="chunked"),
+                       mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
     fns = {name: jax.jit(lambda x, w, dy, f=f: jax.vjp(f, x, w)[1](dy))
            for name, f in (("pk", pk), ("xla", lambda x, w: x @ w))}
-    for f in fns.values():
-        jax.block_until_ready(f(x, w, dy))
+    profile({name: (lambda f=f: f(x, w, dy)) for name, f in fns.items()}, "backward (dx, dw)")
+
+
+def fp8_calls(m: int, n: int, k: int, recipe: str) -> dict[str, Callable[[], jax.Array]]:
+    """pk's FP8 GEMM with `recipe`'s factors and XLA's two fastest FP8 dots."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (n, k), jnp.bfloat16) * k ** -0.5
+    if recipe == "tensor":
+        xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor")
+        wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor")
+        pk = jax.jit(pk_jax.fp8_matmul)
+    else:
+        xq, _, fx, _ = pk_jax.fp8_quantize(x, "rows")
+        _, wq, fw, _ = pk_jax.fp8_quantize(w.T, "blocks", rowwise=False, transposed=True)
+        pk = jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(a, b, fa, fb, scaling="block"))
+    tq, _, tx, _ = pk_jax.fp8_quantize(x, "tensor")
+    uq, _, tw, _ = pk_jax.fp8_quantize(w, "tensor")
+    sx, sw = tx.reshape(()), tw.reshape(())
+    dims = (((1,), (1,)), ((), ()))
+    direct = jax.jit(lambda a, b, sa, sb: (lax.dot_general(
+        a, b, dims, preferred_element_type=jnp.float32) * (sa * sb)).astype(jnp.bfloat16))
+    dq_f32 = jax.jit(lambda a, b, sa, sb: lax.dot_general(
+        a.astype(jnp.float32) * sa, b.astype(jnp.float32) * sb, dims,
+        preferred_element_type=jnp.float32).astype(jnp.bfloat16))
+    return {f"pk_fp8_{recipe}": lambda: pk(xq, wq, fx, fw),
+            "xla_fp8_direct": lambda: direct(tq, uq, sx, sw),
+            "xla_fp8_dq_f32": lambda: dq_f32(tq, uq, sx, sw)}
+
+
+def profile(calls: dict[str, Callable[[], jax.Array]], what: str) -> None:
+    """Each call once between cudaProfilerStart/Stop (after a warm-up), then timed."""
+    for f in calls.values():
+        jax.block_until_ready(f())
     cuda_profiler(True)
-    for f in fns.values():
-        jax.block_until_ready(f(x, w, dy))
+    for f in calls.values():
+        jax.block_until_ready(f())
     cuda_profiler(False)
-    times = interleaved_ms({name: (lambda f=f: f(x, w, dy)) for name, f in fns.items()},
-                           rounds=2)
+    times = interleaved_ms(calls, rounds=2)
     for name, ts in times.items():
-        print(f"{name}: backward (dx, dw) median {statistics.median(ts):.3f} ms", flush=True)
+        print(f"{name}: {what} median {statistics.median(ts):.3f} ms", flush=True)
 
 
 if __name__ == "__main__":
