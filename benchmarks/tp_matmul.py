@@ -78,10 +78,11 @@ def _put(mesh, shape, spec, rng, scale=1.0):
     return jax.device_put(a, NamedSharding(mesh, spec))
 
 
-def ag_impls(mesh):
+def ag_impls(mesh, mechanism="auto"):
     specs = dict(mesh=mesh, in_specs=(P("x"), P(None, "x")), out_specs=P(None, "x"))
     return {
-        "pk": jax.jit(jax.shard_map(lambda x, w: pk_jax.all_gather_matmul(x, w, "x"), **specs)),
+        "pk": jax.jit(jax.shard_map(
+            lambda x, w: pk_jax.all_gather_matmul(x, w, "x", mechanism=mechanism), **specs)),
         "xla": jax.jit(jax.shard_map(
             lambda x, w: lax.all_gather(x, "x", tiled=True) @ w, **specs)),
         # the local GEMM alone: every rank multiplies M rows (its rows n times)
@@ -323,12 +324,13 @@ def main() -> int:
             {**ar_impls(mesh), **windowed(mesh, jnp.matmul, P(), x, w)},
             2.0 * m * k * nn, x, w)
     for shape in shapes("gemm_world_size_1", WS1_SHAPES, 1, SMOKE["ws1"]):
-        # World size 1: pk's GEMM (no peers) against XLA's dot on one GPU, in
+        # World size 1: pk's GEMM (no peers; "chunked" forces it: `auto` runs
+        # XLA's dot on one device) against XLA's dot on one GPU, in
         # interleaved rounds (clocks drift under sustained load).
         m, k, nn = shape
         one = one_axis_mesh(devices[:1])
         x, w = _put(one, (m, k), P("x"), rng), _put(one, (k, nn), P(None, "x"), rng, k ** -0.5)
-        impls = ag_impls(one)
+        impls = ag_impls(one, "chunked")
         runs = interleaved_ms({name: (lambda f=impls[name]: f(x, w)) for name in ("pk", "xla")},
                               **(dict(rounds=1, calls=2, batches=1) if args.smoke else {}))
         times = {name: float(np.median(t)) for name, t in runs.items()}

@@ -89,6 +89,21 @@ def moe_mechanism(n: int) -> str:
     return "local" if n == 1 else "ld_st"
 
 
+def single_gpu_gemm() -> str:
+    """What the bf16/fp16 tensor-parallel matmuls run under `auto` on an axis
+    of one device (nothing to gather or reduce): "kernel" (pk's CUTLASS GEMM
+    sequences) or "xla" (XLA's dot, cuBLAS; its backward too).
+
+    From benchmarks/RESULTS.md's kernels_gemm (one H200, the same run's
+    XLA dot): pk's GEMM was 0.93-1.00x cuBLAS forward + backward over the 15
+    LLM shapes (forward alone 0.95-1.04x), so one device runs XLA's dot, as a
+    user without pk_jax would. `mechanism="chunked"` still runs the kernels
+    there; the FP8 path (`fp8=`) keeps pk's FP8 GEMMs, which lead XLA's FP8
+    dot (kernels_fp8).
+    """
+    return "xla"
+
+
 def single_gpu_attention(head_dim: int, causal: bool, kernel_takes: bool) -> str:
     """What ring_attention under `auto` runs on a ring of one device (one GPU
     holding the whole sequence, no communication): "kernel" (pk's fused

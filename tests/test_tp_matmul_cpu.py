@@ -204,7 +204,8 @@ def test_backward_is_one_call_computing_dx_and_dw(rng, sharding_mode, op, n):
     inputs and of the fp32 computation."""
     mesh = cpu_mesh((n,), ("tp",))
     x, w, t = _op_inputs(rng, op, n)
-    (dx, dw), prims = _op_grads(mesh, op, "auto", x, w, t)
+    # (one device: `auto` runs XLA's dot, test_one_device_auto_runs_xla_dot)
+    (dx, dw), prims = _op_grads(mesh, op, "auto" if n > 1 else "chunked", x, w, t)
     assert prims.count(_BWD[op]) == 1 and "dot_general" not in prims, prims
     (rx, rw), ref_prims = _op_grads(mesh, op, "xla", x, w, t)
     assert _BWD[op] not in ref_prims and "dot_general" in ref_prims  # the check can fail
@@ -213,6 +214,22 @@ def test_backward_is_one_call_computing_dx_and_dw(rng, sharding_mode, op, n):
         assert ours.dtype == jnp.bfloat16 and ours.shape == exact.shape, name
         assert rel_err(ours, xla) < 1e-6, name  # the same products, rounded the same
         assert rel_err(ours, exact) < 2e-2, name
+
+
+@pytest.mark.parametrize("op", list(_BWD))
+def test_one_device_auto_runs_xla_dot(rng, sharding_mode, op):
+    """On an axis of one device `auto` runs XLA's dot forward and backward
+    (tuning.single_gpu_gemm): no pk primitive, the gradients of
+    mechanism="xla" bit for bit; "chunked" still runs the kernels' path."""
+    mesh = cpu_mesh((1,), ("tp",))
+    x, w, t = _op_inputs(rng, op, 1)
+    (dx, dw), prims = _op_grads(mesh, op, "auto", x, w, t)
+    (rx, rw), ref_prims = _op_grads(mesh, op, "xla", x, w, t)
+    assert prims == ref_prims and "dot_general" in prims and _BWD[op] not in prims, prims
+    assert np.array_equal(np.asarray(dx), np.asarray(rx))
+    assert np.array_equal(np.asarray(dw), np.asarray(rw))
+    _, forced = _op_grads(mesh, op, "chunked", x, w, t)
+    assert forced.count(_BWD[op]) == 1, forced  # the check can fail
 
 
 @pytest.mark.parametrize("op", list(_BWD))

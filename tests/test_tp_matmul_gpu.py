@@ -163,7 +163,9 @@ def test_mlp_backward_is_one_call_per_op(rng, n):
     d, h = 256, 512 * n
     args = [_put(mesh, jnp.asarray(rng.standard_normal(s) / 8, jnp.bfloat16), p)
             for s, p in (((128 * n, d), P("x")), ((d, h), P(None, "x")), ((h, d), P("x", None)))]
-    grad = jax.jit(jax.grad(lambda *b: mlp_loss(mesh, "x", True, *b), (0, 1, 2)))
+    # "chunked": on one device `auto` runs XLA's dot (tuning.single_gpu_gemm)
+    grad = jax.jit(jax.grad(lambda *b: mlp_loss(mesh, "x", True, *b, mechanism="chunked"),
+                            (0, 1, 2)))
     hlo = grad.lower(*args).compile().as_text()
     targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
     for t in ("pk_all_gather_matmul_bwd", "pk_matmul_reduce_scatter_bwd"):

@@ -42,7 +42,8 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism,
               mechanisms=MECHANISMS, pick=None) -> TpConfig:
     """The call's config, with the mechanism resolved: a kernel mechanism
     (`pick(n)` under "auto", else "chunked") where the kernels take the
-    operands, else "xla" (an error if a kernel mechanism was forced)."""
+    operands, else "xla" (an error if a kernel mechanism was forced). Under
+    "auto" an axis of one device runs XLA's dot (`tuning.single_gpu_gemm`)."""
     if mechanism not in mechanisms:
         raise ValueError(f"pk_jax.{op}: mechanism must be one of {mechanisms}, got "
                          f"{mechanism!r}")
@@ -69,7 +70,7 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism,
         raise ValueError(f"pk_jax.{op}(mechanism={mechanism!r}): {why}")
     if why and runtime.available():  # elsewhere the reference is the plan, not a fallback
         warn_once(f"{op}-{why}", f"pk_jax.{op}: {why}; using the XLA reference path")
-    if why:
+    if why or (not forced and n == 1 and tuning.single_gpu_gemm() == "xla"):
         return TpConfig(names, n, out_dtype, "xla")
     if not forced:
         mechanism = pick(n) if pick else "chunked"
