@@ -22,8 +22,11 @@ from helpers.tp_models import mlp_loss
 
 pytestmark = pytest.mark.gpu
 
-# (rows per rank, K, N per rank): square-ish, non-square, tall-skinny, ragged rows.
-SHAPES = [(256, 512, 1024), (1024, 4096, 512), (4096, 256, 128), (100, 128, 256)]
+# (rows per rank, K, N per rank): square-ish, non-square, tall-skinny, ragged rows,
+# and the forward GEMM's tile table on both sides of its bound (tile_table.h: 64
+# tiles of 128x256 run 128x128 ping-pong tiles, 81 the 128x256 cooperative ones).
+SHAPES = [(256, 512, 1024), (1024, 4096, 512), (4096, 256, 128), (100, 128, 256),
+          (1024, 256, 2048), (1152, 256, 2304)]
 
 
 def _put(mesh, a, spec):

@@ -49,7 +49,7 @@ using Configs = std::tuple<
     Entry<Bf16<Sm90Tiles<Shape<_128, _256, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>>, 0>,
     Entry<Bf16<Sm90Tiles<Shape<_256, _128, _64>, Shape<_1, _2, _1>, Coop, CoopEpi>>, 0>,
     Entry<Bf16<Sm90Tiles<Shape<_256, _128, _64>, Shape<_2, _1, _1>, Coop, CoopEpi>>, 0>,
-    Entry<Bf16<Sm90Tiles<Shape<_128, _128, _64>, Shape<_2, _1, _1>, PingPong, PingPongEpi>>, 0>,
+    Entry<Bf16<pk::gemm::NarrowTiles>, 0>,
     Entry<Bf16<Sm90Tiles<Shape<_128, _256, _64>, Shape<_1, _1, _1>, Coop, CoopEpi>>, 0>,
     Entry<Bf16<Sm90Tiles<Shape<_128, _256, _64>, Shape<_2, _1, _1>, Coop, CoopEpi, StreamK>>, 0>,
     Entry<Bf16<Sm90Tiles<Shape<_256, _128, _64>, Shape<_2, _1, _1>, Coop, CoopEpi, StreamK>>, 0>,
@@ -69,7 +69,7 @@ using Configs = std::tuple<
 constexpr const char* kNames[] = {
     "bf16 128x256x64 c2x1 coop (ops)", "bf16 128x256x64 c1x2 coop",
     "bf16 256x128x64 c1x2 coop",       "bf16 256x128x64 c2x1 coop",
-    "bf16 128x128x64 c2x1 pingpong",   "bf16 128x256x64 c1x1 coop",
+    "bf16 128x128x64 c2x1 pingpong (ops, few tiles)", "bf16 128x256x64 c1x1 coop",
     "bf16 128x256x64 c2x1 coop streamk", "bf16 256x128x64 c2x1 coop streamk",
     "fp8 tensor 128x256x128 c2x1 coop fast (ops)", "fp8 tensor 128x256x128 c1x2 coop fast",
     "fp8 tensor 256x128x128 c1x2 coop fast", "fp8 tensor 128x128x128 c1x2 pingpong fast",

@@ -2,6 +2,7 @@
 #include "kernels/gemm/gemm.h"
 
 #include "kernels/common/variants.h"
+#include "kernels/gemm/tile_table.h"
 
 namespace pk::gemm {
 namespace {
@@ -14,7 +15,9 @@ using Instantiations =
                        Variant<DType::kBF16, DType::kBF16, true>,
                        Variant<DType::kF16, DType::kF16, true>,
                        Variant<DType::kBF16, DType::kBF16, false, true>,
-                       Variant<DType::kF16, DType::kF16, false, true>>;
+                       Variant<DType::kF16, DType::kF16, false, true>,
+                       Variant<DType::kBF16, DType::kBF16, false, false, Tiles::kNarrow>,
+                       Variant<DType::kF16, DType::kF16, false, false, Tiles::kNarrow>>;
 
 using Fp8Instantiations = variants::Built<
     Fp8Variant<DType::kE4M3, DType::kE4M3, DType::kBF16, Scaling::kTensor>,
@@ -72,7 +75,7 @@ bool supported(const Problem& p) {
 
 namespace {
 VariantKey key_of(const Problem& p) {
-  return VariantKey{p.in, p.out, p.b_transposed, p.a_transposed};
+  return VariantKey{p.in, p.out, p.b_transposed, p.a_transposed, tiles_for(p)};
 }
 }  // namespace
 

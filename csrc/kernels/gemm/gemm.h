@@ -92,21 +92,33 @@ cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream);
 // enqueue anything.
 cudaError_t check(const Problem& p, const Device& dev);
 
+// The 16-bit GEMMs' tile configurations (gemm_sm90.cuh; tile_table.h picks
+// one per problem):
+//   kWide: 128x256x64 tiles, 2x1 clusters, cooperative (the two consumer
+//     warpgroups share a tile): every layout;
+//   kNarrow: 128x128x64 tiles, 2x1 clusters, ping-pong (each consumer
+//     warpgroup its own tile, one's epilogue under the other's mainloop):
+//     the forward layout with the output in the input type, for grids of
+//     few wide tiles.
+enum class Tiles : int32_t { kWide = 0, kNarrow = 1 };
+
 // The instantiations (kernels/common/variants.h): one per (input type, output
-// type, B layout, A layout), instantiations/gemm_<in>_<out>[_bt|_at].cu;
-// defined in gemm_sm90.cuh.
+// type, B layout, A layout, tiles), instantiations/gemm_<in>_<out>[_bt|_at|
+// _narrow].cu; defined in gemm_sm90.cuh.
 struct VariantKey {
   DType in, out;
   bool b_transposed;
   bool a_transposed = false;
+  Tiles tiles = Tiles::kWide;
 };
 constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
   return a.in == b.in && a.out == b.out && a.b_transposed == b.b_transposed &&
-         a.a_transposed == b.a_transposed;
+         a.a_transposed == b.a_transposed && a.tiles == b.tiles;
 }
-template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed = false>
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed = false,
+          Tiles kTiles = Tiles::kWide>
 struct Variant {
-  static constexpr VariantKey key{kIn, kOut, kBTransposed, kATransposed};
+  static constexpr VariantKey key{kIn, kOut, kBTransposed, kATransposed, kTiles};
   static cudaError_t check(const Problem& p, const Device& dev);
   static cudaError_t launch(const Problem& p, const Device& dev, cudaStream_t stream);
   static cudaError_t load();

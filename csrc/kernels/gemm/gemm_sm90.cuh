@@ -1,16 +1,17 @@
 // The sm90 GEMM: CUTLASS's TMA warp-specialized kernel with a persistent tile
-// scheduler, its tiles a template parameter (DefaultTiles for the ops:
-// 128x256x64, 2x1 clusters, cooperative), instantiated once per (input type,
-// output type, B layout, A layout) in gemm_<in>_<out>[_bt|_at].cu (gemm.h:
-// Variant). B row-major is [k, n]; column-major is B^T stored row-major
+// scheduler, its tiles a template parameter (gemm.h's Tiles: DefaultTiles,
+// 128x256x64, 2x1 clusters, cooperative; NarrowTiles, 128x128x64, 2x1
+// clusters, ping-pong, where tile_table.h picks it), instantiated once per
+// (input type, output type, B layout, A layout, tiles) in
+// gemm_<in>_<out>[_bt|_at|_narrow].cu (gemm.h: Variant). B row-major is [k, n]; column-major is B^T stored row-major
 // [n, k] (K-major, wgmma's native operand order). A row-major is [m, k];
 // column-major is A^T stored row-major [k, m] (M-major: wgmma reads 16-bit
 // operands of either major from shared memory), the weight gradients' X^T.
 //
 // Launch config: CUTLASS's (persistent grid of at most one CTA per SM, 2x1
 // clusters). Arguments: gemm.h's Problem. Roles: one producer warpgroup (TMA
-// loads), two consumer warpgroups (wgmma, epilogue). Entry point:
-// Variant<...>::launch.
+// loads), two consumer warpgroups (wgmma, epilogue: on one tile, or each on
+// its own with ping-pong). Entry point: Variant<...>::launch.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -48,6 +49,16 @@ using DefaultTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_256, cute::_64>,
                                cute::Shape<cute::_2, cute::_1, cute::_1>,
                                cutlass::gemm::KernelTmaWarpSpecializedCooperative,
                                cutlass::epilogue::TmaWarpSpecializedCooperative>;
+
+// Few-tile grids (tile_table.h): 128x128 output tiles, each consumer
+// warpgroup on its own tile, their mainloops and epilogues taking turns.
+using NarrowTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_128, cute::_64>,
+                              cute::Shape<cute::_2, cute::_1, cute::_1>,
+                              cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                              cutlass::epilogue::TmaWarpSpecialized>;
+
+template <Tiles kTiles>
+using TilesOf = std::conditional_t<kTiles == Tiles::kNarrow, NarrowTiles, DefaultTiles>;
 
 // What launch() checks before it touches the stream.
 template <class Adapter>
@@ -147,26 +158,25 @@ template <bool kTransposed>
 using Major = std::conditional_t<kTransposed, cutlass::layout::ColumnMajor,
                                  cutlass::layout::RowMajor>;
 
-template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed>
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed, Tiles kTiles>
 using VariantGemm = Sm90Gemm<typename CutlassType<kIn>::Type, typename CutlassType<kOut>::Type,
-                             Major<kBTransposed>, DefaultTiles, Major<kATransposed>>;
+                             Major<kBTransposed>, TilesOf<kTiles>, Major<kATransposed>>;
 
-template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed>
-cudaError_t Variant<kIn, kOut, kBTransposed, kATransposed>::check(const Problem& p,
-                                                                  const Device& dev) {
-  return VariantGemm<kIn, kOut, kBTransposed, kATransposed>::check(p, dev);
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed, Tiles kTiles>
+cudaError_t Variant<kIn, kOut, kBTransposed, kATransposed, kTiles>::check(const Problem& p,
+                                                                          const Device& dev) {
+  return VariantGemm<kIn, kOut, kBTransposed, kATransposed, kTiles>::check(p, dev);
 }
 
-template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed>
-cudaError_t Variant<kIn, kOut, kBTransposed, kATransposed>::launch(const Problem& p,
-                                                                   const Device& dev,
-                                                                   cudaStream_t stream) {
-  return VariantGemm<kIn, kOut, kBTransposed, kATransposed>::run(p, dev, stream);
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed, Tiles kTiles>
+cudaError_t Variant<kIn, kOut, kBTransposed, kATransposed, kTiles>::launch(
+    const Problem& p, const Device& dev, cudaStream_t stream) {
+  return VariantGemm<kIn, kOut, kBTransposed, kATransposed, kTiles>::run(p, dev, stream);
 }
 
-template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed>
-cudaError_t Variant<kIn, kOut, kBTransposed, kATransposed>::load() {
-  return VariantGemm<kIn, kOut, kBTransposed, kATransposed>::load();
+template <DType kIn, DType kOut, bool kBTransposed, bool kATransposed, Tiles kTiles>
+cudaError_t Variant<kIn, kOut, kBTransposed, kATransposed, kTiles>::load() {
+  return VariantGemm<kIn, kOut, kBTransposed, kATransposed, kTiles>::load();
 }
 
 }  // namespace pk::gemm
