@@ -3,10 +3,11 @@
 // 128x256x64, 2x1 clusters, cooperative; NarrowTiles, 128x128x64, 2x1
 // clusters, ping-pong, where tile_table.h picks it), instantiated once per
 // (input type, output type, B layout, A layout, tiles) in
-// gemm_<in>_<out>[_bt|_at|_narrow].cu (gemm.h: Variant). B row-major is [k, n]; column-major is B^T stored row-major
-// [n, k] (K-major, wgmma's native operand order). A row-major is [m, k];
-// column-major is A^T stored row-major [k, m] (M-major: wgmma reads 16-bit
-// operands of either major from shared memory), the weight gradients' X^T.
+// gemm_<in>_<out>[_bt|_at|_narrow].cu (gemm.h: Variant). B row-major is
+// [k, n]; column-major is B^T stored row-major [n, k] (K-major, wgmma's
+// native operand order). A row-major is [m, k]; column-major is A^T stored
+// row-major [k, m] (M-major: wgmma reads 16-bit operands of either major from
+// shared memory), the weight gradients' X^T.
 //
 // Launch config: CUTLASS's (persistent grid of at most one CTA per SM, 2x1
 // clusters). Arguments: gemm.h's Problem. Roles: one producer warpgroup (TMA
