@@ -1,10 +1,13 @@
-"""One fwd+bwd of pk's ring attention on one GPU and one of cuDNN's attention,
-between cudaProfilerStart/Stop, for Nsight Compute:
+"""One fwd+bwd of pk's ring attention on one GPU (its own kernels: mechanism
+copy_engine by default) and one of cuDNN's attention, between
+cudaProfilerStart/Stop, for Nsight Compute (the metric set of
+tools/profile_gemm.py's docstring, which ran on the H200 machine):
 
-    ncu --profile-from-start off --metrics gpu__time_duration.sum \
-        python tools/profile_attention_bwd.py           # every kernel's time
-    ncu --profile-from-start off -k regex:'Fmha|bprop|dgrad' --set detailed \
-        python tools/profile_attention_bwd.py           # the backward kernels
+    XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    ncu --profile-from-start off --clock-control none --metrics \
+        gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,\
+        sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed \
+        python tools/profile_attention_bwd.py [--causal]   # every kernel
 
 Without ncu it first times both fwd+bwd in `--rounds` interleaved rounds
 (benchmarks/common.py's interleaved_ms: each the median of batches of

@@ -1,21 +1,21 @@
 """One world-size-1 GEMM forward + backward of pk's all_gather_matmul (its
 CUTLASS GEMMs: the forward, then dx = dy w^T and dw = x^T dy in one call) and
-one of XLA's dot, between cudaProfilerStart/Stop, for Nsight Compute:
+one of XLA's dot, between cudaProfilerStart/Stop, for Nsight Compute. Each
+kernel's time, SM clock and tensor-pipe activity (whether it is bound by the
+tensor cores at the clock it ran at):
 
-    ncu --profile-from-start off --clock-control none \
-        --metrics gpu__time_duration.sum python tools/profile_gemm.py   # each kernel's time
-
-`--fp8 tensor|block` profiles the FP8 GEMM forward instead: pk_jax.fp8_matmul on
-operands quantized beforehand (per-tensor or 1x128 / 128x128 factors) and XLA's
-dot of the same e4m3 operands written the two fastest ways (kernels.py's
-xla_fp8_direct and xla_fp8_dq_f32). Whether a kernel is bound by the tensor
-cores at the clock it ran at:
-
+    XLA_PYTHON_CLIENT_PREALLOCATE=false \
     ncu --profile-from-start off --clock-control none --metrics \
         gpu__time_duration.sum,sm__cycles_elapsed.avg.per_second,\
-        sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed,\
-        dram__throughput.avg.pct_of_peak_sustained_elapsed \
-        python tools/profile_gemm.py --fp8 tensor
+        sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed \
+        python tools/profile_gemm.py [--shape M,N,K] [--fp8 tensor|block]
+
+(On the H200 machine this set ran every time; the duration metric alone, or
+with the clock's, crashed the profiled process at start: benchmarks/NOTES.md,
+2026-12-04.) `--fp8 tensor|block` profiles the FP8 GEMM forward instead:
+pk_jax.fp8_matmul on operands quantized beforehand (per-tensor or 1x128 /
+128x128 factors) and XLA's dot of the same e4m3 operands written the two
+fastest ways (kernels.py's xla_fp8_direct and xla_fp8_dq_f32).
 
 Without ncu it prints the timings (benchmarks/common.py's interleaved_ms).
 """
