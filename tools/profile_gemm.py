@@ -30,13 +30,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from common import cuda_profiler, interleaved_ms, one_axis_mesh  # noqa: E402
+from kernels import _xla_fp8_variants  # noqa: E402
 
 
 def main() -> None:
@@ -76,15 +76,11 @@ def fp8_calls(m: int, n: int, k: int, recipe: str) -> dict[str, Callable[[], jax
     tq, _, tx, _ = pk_jax.fp8_quantize(x, "tensor")
     uq, _, tw, _ = pk_jax.fp8_quantize(w, "tensor")
     sx, sw = tx.reshape(()), tw.reshape(())
-    dims = (((1,), (1,)), ((), ()))
-    direct = jax.jit(lambda a, b, sa, sb: (lax.dot_general(
-        a, b, dims, preferred_element_type=jnp.float32) * (sa * sb)).astype(jnp.bfloat16))
-    dq_f32 = jax.jit(lambda a, b, sa, sb: lax.dot_general(
-        a.astype(jnp.float32) * sa, b.astype(jnp.float32) * sb, dims,
-        preferred_element_type=jnp.float32).astype(jnp.bfloat16))
-    return {f"pk_fp8_{recipe}": lambda: pk(xq, wq, fx, fw),
-            "xla_fp8_direct": lambda: direct(tq, uq, sx, sw),
-            "xla_fp8_dq_f32": lambda: dq_f32(tq, uq, sx, sw)}
+    xla = _xla_fp8_variants()
+    calls = {f"pk_fp8_{recipe}": lambda: pk(xq, wq, fx, fw)}
+    for name in ("xla_fp8_direct", "xla_fp8_dq_f32"):
+        calls[name] = lambda f=jax.jit(xla[name]): f(tq, uq, sx, sw)
+    return calls
 
 
 def profile(calls: dict[str, Callable[[], jax.Array]], what: str) -> None:
