@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 
 import jax
@@ -121,3 +123,76 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
         q, k, v, scale=scale, is_causal=is_causal, implementation="cudnn")
     other = lambda q, k, v: xla_attention(q, k, v, scale=scale, is_causal=is_causal)
     return jax.lax.platform_dependent(q, k, v, cuda=cudnn, default=other)
+
+
+# ---- cuDNN's attention blocks for a ring (jax's private cuDNN module) -------------
+# A ring needs two pieces jax.nn.dot_product_attention does not give: the
+# forward's log-sum-exp in fp32 (to merge the steps' blocks), and the backward
+# fed the whole ring's output and log-sum-exp instead of the block's own (so
+# each step's gradients are that block's share). Both come from
+# jax._src.cudnn.fused_attention_stablehlo, whose operand names are read from
+# the installed jax: an unknown signature makes `cudnn_blocks_available` False
+# and the ring keeps its einsum blocks.
+_BWD_UNUSED = {"bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
+               "page_table_v"}
+_BWD_GIVEN = {"query", "key", "value", "activation", "fwd_output", "grad_output"}
+_BWD_ATTRS = {"scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
+              "sliding_window_length"}
+
+
+@functools.cache
+def _cudnn_module():
+    """(jax's private cuDNN attention module, the backward primitive's
+    operand names, its attribute names), or None: no such module, or an API
+    these blocks do not know."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+        fwd = inspect.signature(fa.dot_product_attention).parameters
+        names = list(inspect.signature(fa._dot_product_attention_bwd_impl).parameters)
+        fa._dot_product_attention_bwd_p_wrapper  # noqa: B018 - present or AttributeError
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return None
+    if "return_residual" not in fwd or "scale" not in names:
+        return None
+    operands, attrs = names[:names.index("scale")], names[names.index("scale"):]
+    if set(operands) - _BWD_UNUSED - _BWD_GIVEN or set(attrs) - _BWD_ATTRS:
+        return None
+    return fa, tuple(operands), tuple(attrs)
+
+
+def cudnn_blocks_available() -> bool:
+    """Whether cuDNN's attention blocks can run here: `cudnn_available` and
+    a jax whose private cuDNN module has the API `cudnn_block` and
+    `cudnn_block_bwd` bind."""
+    return cudnn_available() and _cudnn_module() is not None
+
+
+def cudnn_block(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: bool):
+    """cuDNN's attention of q [B, T, Hq, D] to one K/V block [B, S, Hkv, D]
+    (causal: top-left aligned): (out in q's dtype, log-sum-exp [B, Hq, T]
+    fp32, natural log of the scaled scores). Traces only where
+    `cudnn_blocks_available`; CUDA only."""
+    fa, _, _ = _cudnn_module()
+    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    out, lse = fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask, qkv_layout="BTNH",
+                                        return_residual=True)
+    return out, lse.astype(jax.numpy.float32)
+
+
+def cudnn_block_bwd(q, k, v, out, lse, dout, *, scale: float, causal: bool):
+    """cuDNN's attention backward of one block with the given statistics:
+    `out` and `lse` [B, Hq, T] are the final output and log-sum-exp of these
+    query rows over every block, so (dq, dk, dv), in the inputs' dtypes, are
+    this block's share of the gradients (dq summed over blocks gives the
+    whole dq; dk, dv are the block's, summed over the query rows). Same
+    conditions as `cudnn_block`."""
+    fa, operands, attr_names = _cudnn_module()
+    empty = jax.numpy.zeros(0, q.dtype)
+    given = {"query": q, "key": k, "value": v, "activation": lse.astype(jax.numpy.float32),
+             "fwd_output": out.astype(q.dtype), "grad_output": dout.astype(q.dtype)}
+    attrs = dict(scale=float(scale), seed=42, dropout_rate=0.0, variadic_args=(False, False),
+                 mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK,
+                 layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
+    grads = fa._dot_product_attention_bwd_p_wrapper.bind(
+        *(given.get(nm, empty) for nm in operands), **{a: attrs[a] for a in attr_names})
+    return grads[0], grads[1], grads[2]

@@ -190,6 +190,18 @@ def ring_attention(q, k, v, names: tuple[str, ...], *, n: int, causal: bool, sca
     return _finish(update(kb, vb, state, jnp.int32(n - 1)), q.shape, q.dtype)
 
 
+def attention_block(q, k, v, *, causal: bool, scale: float, q_pos=None, k_pos=None):
+    """Attention of q [B, S, Hq, D] to one K/V block [B, T, Hkv, D]: (out
+    [B, S, Hq, D] in q's dtype, log-sum-exp [B, Hq, S] fp32), causal by
+    global positions (default 0..S-1 and 0..T-1: top-left aligned); one step
+    of `ring_attention`'s online softmax."""
+    q5 = _grouped(q, k.shape[2])
+    q_pos = jnp.arange(q.shape[1]) if q_pos is None else q_pos
+    k_pos = jnp.arange(k.shape[1]) if k_pos is None else k_pos
+    state = _block_update(_init_state(q5), q5, k, v, q_pos, k_pos, causal, scale)
+    return _finish(state, q.shape, q.dtype)
+
+
 def attention_block_grads(q, dout, lse, delta, k, v, q_pos, k_pos, *, causal: bool,
                           scale: float):
     """Gradient contributions of one K/V block [B, T, Hkv, D] to the queries

@@ -41,6 +41,17 @@ MATMUL_ALL_REDUCE_ONE_SHOT_ROWS = 256
 # causal and not), and it leaves every SM to the attention.
 RING_ATTENTION_MECHANISM = "copy_engine"
 
+# The ring attention's mechanism under `auto` where the fused kernel does not
+# take the shapes (head dim 256, or 64/128 off its tiles) but cuDNN's blocks
+# do: "cudnn" (each step one cuDNN flash-attention call, XLA's
+# collective-permutes between the steps; ring_attention_cudnn.py). The
+# alternative there is the pure-JAX ring of einsums, which ran at 0.09-0.15x
+# the same ring of cuDNN blocks on 2 x H200 (RESULTS.md ring_attention,
+# einsum_ring against cudnn_ring rows, d128). Where the kernel takes the
+# shapes it stays: on 2 GPUs its fwd+bwd was 0.96-1.01x the cuDNN ring
+# (2026-11-30), and only it moves K/V with pk's transport.
+RING_ATTENTION_UNFUSED = "cudnn"
+
 
 # The ring attention backward's transport for the kernel mechanisms: "pk"
 # (one fused call per backward: block kernels, copy-engine pushes and posted

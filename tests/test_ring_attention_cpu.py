@@ -497,17 +497,22 @@ def test_copy_engine_lowers_to_kernel_primitive():
     del q
 
 
-@pytest.mark.parametrize("shape,dtype,what", [
-    ((1, 256, 4, 96), jnp.bfloat16, "head_dim 96"),
-    ((1, 200, 4, 64), jnp.bfloat16, "S_local=200"),
-    ((1, 256, 4, 64), jnp.float32, "dtype float32"),
+@pytest.mark.parametrize("mechanism,shape,dtype,what", [
+    ("copy_engine", (1, 256, 4, 96), jnp.bfloat16, "head_dim 96"),
+    ("copy_engine", (1, 200, 4, 64), jnp.bfloat16, "S_local=200"),
+    ("copy_engine", (1, 256, 4, 64), jnp.float32, "dtype float32"),
+    ("cudnn", (1, 64, 4, 64), jnp.float32, "dtype float32"),
+    ("cudnn", (1, 64, 4, 12), jnp.bfloat16, "head_dim 12"),
+    ("cudnn", (1, 64, 4, 264), jnp.bfloat16, "head_dim 264"),
 ])
-def test_copy_engine_rejects_unsupported(shape, dtype, what):
-    f = jax.shard_map(lambda q: ring_attention(q, q, q, "sp", mechanism="copy_engine"),
+def test_forced_mechanism_rejects_unsupported(mechanism, shape, dtype, what):
+    """A forced mechanism raises for shapes it does not take, naming the
+    mechanism and what is wrong."""
+    f = jax.shard_map(lambda q: ring_attention(q, q, q, "sp", mechanism=mechanism),
                       mesh=cpu_mesh((2,), ("sp",)), in_specs=SEQ, out_specs=SEQ,
                       check_vma=False)
     glob = jax.ShapeDtypeStruct((shape[0], 2 * shape[1]) + shape[2:], dtype)
-    with pytest.raises(ValueError, match=what):
+    with pytest.raises(ValueError, match=f"mechanism='{mechanism}' does not take {what}"):
         jax.eval_shape(f, glob)
 
 
@@ -586,6 +591,9 @@ def test_one_device_auto_takes_cudnn_where_available(monkeypatch, rng, head_dim,
         return _compat.xla_attention(q, k, v, scale=scale, is_causal=is_causal)
     monkeypatch.setattr(_compat, "cudnn_available", lambda: True)
     monkeypatch.setattr(_compat, "cudnn_attention", fake)
+    # rings of two at head dim 256 would take the ring of cuDNN blocks, whose
+    # CUDA branch cannot be traced here (test_auto_takes_the_cudnn_ring)
+    monkeypatch.setattr(_compat, "cudnn_blocks_available", lambda: False)
     mesh = cpu_mesh((n,), ("sp",))
     q, k, v = (_normal(rng, (1, 128 * n, 2, head_dim), jnp.bfloat16) for _ in range(3))
     for kwargs, used in (({}, n == 1), ({"deterministic": True}, False),
@@ -598,3 +606,78 @@ def test_one_device_auto_takes_cudnn_where_available(monkeypatch, rng, head_dim,
         want = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)),
                                             is_causal=True)
         assert rel_err(out, want) < 2e-2
+
+
+# ---- the ring of cuDNN blocks (mechanism "cudnn"; fp32 einsum blocks on CPU) -------
+def _cudnn_ring_case(rng, n, layout, causal, return_lse):
+    """bf16 GQA inputs through mechanism="cudnn" (check_vma on): output,
+    log-sum-exp and gradients against fp32 attention on the whole sequence."""
+    q, k, v = _qkv(rng, 2, 16 * n, 4, 2, 32, jnp.bfloat16)
+    w = _normal(rng, q.shape)
+    ring = _sharded(cpu_mesh((n,), ("sp",)), layout, return_lse=return_lse, check_vma=True,
+                    causal=causal, mechanism="cudnn")
+    first = (lambda *x: ring(*x)[0]) if return_lse else ring
+    if return_lse:
+        assert rel_err(jax.jit(ring)(q, k, v)[1], _reference_lse(q, k, v, causal)) < 1e-2
+    assert rel_err(jax.jit(first)(q, k, v), _reference(q, k, v, causal)) < 2e-2
+    grad = lambda f: jax.jit(jax.grad(
+        lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w), (0, 1, 2)))(q, k, v)
+    for a, b in zip(grad(first), grad(lambda *x: _reference(*x, causal))):
+        assert rel_err(a, b) < 3e-2
+
+
+@pytest.mark.parametrize("n,layout", [(1, "zigzag"), (2, "contiguous"), (3, "contiguous"),
+                                      (3, "zigzag"), (4, "zigzag")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cudnn_ring(rng, n, layout, causal):
+    """Every block case of ring_attention_cudnn.py (own block, an earlier
+    rank's, a later rank's; whole blocks and zigzag halves) in the forward
+    and in the backward's cuDNN-style block gradients (return_lse=False)."""
+    _cudnn_ring_case(rng, n, layout, causal, return_lse=False)
+
+
+@pytest.mark.parametrize("n,layout", [(3, "zigzag"), (2, "contiguous")])
+def test_cudnn_ring_return_lse(rng, n, layout):
+    """With return_lse the forward is the same ring and the backward's block
+    gradients are einsums (cuDNN's backward takes no lse cotangent)."""
+    _cudnn_ring_case(rng, n, layout, True, return_lse=True)
+
+
+@pytest.mark.parametrize("deterministic,return_lse,want", [
+    (False, False, "cudnn"), (True, False, "einsum"), (False, True, "einsum")])
+def test_cudnn_ring_block_grads(deterministic, return_lse, want):
+    from pk_jax.ops import ring_attention as ra
+    q = jax.ShapeDtypeStruct((1, 256, 4, 256), jnp.bfloat16)
+    assert ra._block_grads(q, q, "zigzag", "cudnn", deterministic, return_lse) == want
+
+
+@pytest.mark.parametrize("head_dim,fused", [(96, False), (256, False), (128, True)])
+def test_auto_takes_the_cudnn_ring(monkeypatch, rng, head_dim, fused):
+    """Under `auto` on a ring of two, shapes the fused kernel does not take
+    run the ring of cuDNN blocks where cuDNN's blocks run (stood in for here:
+    the CUDA branch is traced, CPU runs the einsum one), and shapes it takes
+    keep the fused kernel."""
+    from pk_jax import _compat
+    calls = []
+
+    def fake_fwd(q, k, v, *, scale, causal):
+        calls.append("fwd")
+        return reference.attention_block(q, k, v, causal=causal, scale=scale)
+
+    def fake_bwd(q, k, v, out, lse, dout, *, scale, causal):
+        calls.append("bwd")
+        delta = jnp.einsum("bshd,bshd->bhs", dout.astype(jnp.float32), out.astype(jnp.float32))
+        pos = lambda x: jnp.arange(x.shape[1])
+        return reference.attention_block_grads(q, dout, lse, delta, k, v, pos(q), pos(k),
+                                               causal=causal, scale=scale)
+    monkeypatch.setattr(_compat, "cudnn_blocks_available", lambda: True)
+    monkeypatch.setattr(_compat, "cudnn_block", fake_fwd)
+    monkeypatch.setattr(_compat, "cudnn_block_bwd", fake_bwd)
+    q, k, v = _qkv(rng, 1, 512, 4, 2, head_dim, jnp.bfloat16)
+    ring = _sharded(cpu_mesh((2,), ("sp",)), "zigzag", check_vma=True, causal=True)
+    w = _normal(rng, q.shape)
+    loss = lambda f: lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w)
+    grads = jax.jit(jax.grad(loss(ring), (0, 1, 2)))(q, k, v)
+    assert set(calls) == (set() if fused else {"fwd", "bwd"})
+    for a, b in zip(grads, jax.grad(loss(lambda *x: _reference(*x, True)), (0, 1, 2))(q, k, v)):
+        assert rel_err(a, b) < 3e-2

@@ -271,8 +271,9 @@ def test_repeated_in_scan(mechanism, n):
 
 
 # ---- shapes the kernel does not take ---------------------------------------------
-# Documented contract: "auto" falls back to the reference ring with a one-time
-# PkJaxFallbackWarning saying why; an explicit "copy_engine" raises a ValueError
+# Documented contract: "auto" falls back (to the ring of cuDNN blocks where
+# they take the shape, as bf16 head dim 32, else the pure-JAX ring) with a
+# one-time PkJaxFallbackWarning saying why; an explicit "copy_engine" raises a ValueError
 # that says what the kernel supports. float32 inputs (kernel: bf16 / fp16) and
 # head dim 32 (kernel: 64, 128) are outside it. The error must name the
 # offending value and what the kernel takes (the words listed).
@@ -420,3 +421,97 @@ def test_64_bit_offsets_one_gpu(causal):
     assert err <= 1.5 * base + 2e-3, f"rel err {err:.3g}, same precision {base:.3g} (seed {seed})"
     assert lse_err <= 2e-2, f"lse max abs err {lse_err:.3g} (seed {seed})"
     pk_jax.check_errors()
+
+
+# ---- the ring of cuDNN blocks (mechanism "cudnn") ----------------------------------
+def _grad_check(ring, q, k, v, causal, what, seed):
+    """Gradients of sum(ring(q, k, v) * w) against fp32 attention on the
+    whole sequence (relative L2 per tensor, the gradient tolerance 3e-2)."""
+    w = jax.random.normal(jax.random.key(seed + 1), q.shape, jnp.float32)
+    loss = lambda f: lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w)
+    exact = lambda *x: jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in x),
+                                                    is_causal=causal)
+    got = jax.grad(loss(ring), (0, 1, 2))(q, k, v)
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(jax.grad(loss(exact), (0, 1, 2)))(q, k, v)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.shape == b.shape and a.dtype == q.dtype, f"{what} {name}: {a.shape} {a.dtype}"
+        err = rel_err(a, b)
+        assert err < 3e-2, f"{what} {name}: rel err {err:.3g} (seed {seed})"
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("causal,layout", CASES)
+@pytest.mark.parametrize("d,hkv,dtype", [(256, 2, jnp.bfloat16), (128, 8, jnp.float16),
+                                         (96, 1, jnp.bfloat16)])
+def test_cudnn_ring(n, causal, layout, d, hkv, dtype):
+    """mechanism="cudnn": values and gradients, head dims the fused kernel
+    does not take (256, 96) and one it does, GQA / MHA / MQA."""
+    mesh = gpu_mesh(n, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 2, n * 512, 8, hkv, d, dtype)
+    what = f"cudnn ring n={n} causal={causal} {layout} d={d} hkv={hkv}"
+    ring = _ring(mesh, causal=causal, layout=layout, mechanism="cudnn")
+    _check(ring(q, k, v), q, k, v, causal, what, seed, n)
+    _grad_check(ring, q, k, v, causal, what, seed)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_auto_runs_the_cudnn_ring_at_head_dim_256(fresh_warnings, n):
+    """`auto` at head dim 256 with return_lse (so not cuDNN's whole attention
+    on one device): the ring of cuDNN blocks, with the fallback warning
+    naming it, and the log-sum-exp checked."""
+    mesh = gpu_mesh(n, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 1, n * 1024, 8, 2, 256, jnp.bfloat16)
+    with pytest.warns(pk_jax.PkJaxFallbackWarning, match="cuDNN attention blocks"):
+        out, lse = _ring(mesh, causal=True, layout="zigzag", mechanism="auto",
+                         return_lse=True)(q, k, v)
+    _check(out, q, k, v, True, f"auto d256 n={n}", seed, n, lse=lse)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("case", ["own", "earlier", "later"])
+def test_cudnn_blocks_with_the_ring_statistics(d, case):
+    """The cuDNN calls of each ring step (ring_attention_cudnn._block_fwd and
+    _block_bwd, as the ring shapes them) on one GPU against fp32 einsums:
+    the forward's log-sum-exp, and the backward fed statistics over more keys
+    than the block (those of the whole ring), which must give the block's
+    share of the gradients. Rings of two or more GPUs run exactly these
+    calls; this checks them where only one GPU is present. The lowered
+    program must hold cuDNN's custom call (not the einsum branch)."""
+    from pk_jax import reference
+    from pk_jax.ops import ring_attention_cudnn as rc
+    gpu_mesh(1, "sp")  # skips without a GPU
+    seed = _seed()
+    t, s = {"own": (512, 512), "earlier": (512, 256), "later": (256, 512)}[case]
+    causal = case == "own"
+    extra = 384  # keys of other blocks, all visible to these queries (earlier positions)
+    keys = jax.random.split(jax.random.key(seed), 6)
+    draw = lambda kk, shape: jax.random.normal(kk, shape, jnp.float32).astype(jnp.bfloat16)
+    q, dout = draw(keys[0], (2, t, 8, d)), draw(keys[1], (2, t, 8, d))
+    kb, vb = draw(keys[2], (2, s, 2, d)), draw(keys[3], (2, s, 2, d))
+    ke, ve = draw(keys[4], (2, extra, 2, d)), draw(keys[5], (2, extra, 2, d))
+    scale = d ** -0.5
+    q_pos = extra + jnp.arange(t)
+    k_pos = extra + jnp.arange(s)
+    # the ring's statistics: over this block and the `extra` keys
+    out_g, lse_g = reference.attention_block(
+        q, jnp.concatenate([ke, kb], 1), jnp.concatenate([ve, vb], 1), causal=causal,
+        scale=scale, q_pos=q_pos, k_pos=jnp.concatenate([jnp.arange(extra), k_pos]))
+    delta = jnp.einsum("bshd,bshd->bhs", dout.astype(jnp.float32), out_g.astype(jnp.float32))
+    fwd = jax.jit(lambda *a: rc._block_fwd((), *a, causal, scale))
+    bwd = jax.jit(lambda *a: rc._block_bwd((), *a, causal, scale))
+    for f, args in ((fwd, (q, kb, vb)), (bwd, (q, kb, vb, out_g, lse_g, dout, delta))):
+        text = f.lower(*args).as_text()
+        assert "cudnn" in text, f"{case} d={d}: no cuDNN custom call in the lowered program"
+    out, lse = fwd(q, kb, vb)
+    want_out, want_lse = reference.attention_block(q, kb, vb, causal=causal, scale=scale)
+    assert rel_err(out, want_out) < 2e-2, f"{case} d={d}: block output (seed {seed})"
+    assert float(jnp.max(jnp.abs(lse - want_lse))) < 2e-2, f"{case} d={d}: lse (seed {seed})"
+    got = bwd(q, kb, vb, out_g, lse_g, dout, delta)
+    want = reference.attention_block_grads(q, dout, lse_g, delta, kb, vb, q_pos, k_pos,
+                                           causal=causal, scale=scale)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.dtype == jnp.float32 and a.shape == b.shape, f"{case} {name}: {a.shape}"
+        assert rel_err(a, b) < 3e-2, f"{case} d={d} {name}: rel err {rel_err(a, b):.3g} (seed {seed})"

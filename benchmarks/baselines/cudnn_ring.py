@@ -31,9 +31,11 @@ every measurement in benchmarks/RESULTS.md) runs it with check_vma=False;
 with einsum blocks on CPU check_vma=True works too (not tried with cuDNN
 blocks).
 
-Blocks: `cudnn_blocks()` wraps jax's cuDNN attention. The log-sum-exp comes
-from jax's cuDNN wrapper with return_residual=True (fp32 from
-`jax._src.cudnn.fused_attention_stablehlo` where available; the public
+Blocks: `cudnn_blocks()` wraps jax's cuDNN attention, through
+`pk_jax._compat.cudnn_block` / `cudnn_block_bwd` (jax's calls only, wrapped
+once for this baseline and pk_jax's own ring of cuDNN blocks). The
+log-sum-exp comes from jax's cuDNN wrapper with return_residual=True (fp32
+from `jax._src.cudnn.fused_attention_stablehlo` where available; the public
 `jax.nn.dot_product_attention` rounds it to the input dtype). The backward
 binds jax's cuDNN backward primitive with the global statistics; its operand
 list is read from the installed jax. The blocks are probed at start-up on
@@ -56,6 +58,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from pk_jax import _compat  # jax's private cuDNN blocks, wrapped once (pk_jax's ring uses them)
 
 NEG = -1e30  # log-sum-exp of an empty block: merges as weight 0, never NaN
 F32 = jnp.float32
@@ -154,23 +158,22 @@ def cudnn_blocks() -> Blocks:
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                             implementation="cudnn")
 
-    try:
-        from jax._src.cudnn import fused_attention_stablehlo as fa
-    except ImportError:
-        fa = None
-    if fa is not None and "return_residual" in inspect.signature(fa.dot_product_attention).parameters:
+    bwd, bwd_note = None, ""
+    if _compat.cudnn_blocks_available():
         def fwd(q, k, v, causal, scale):
-            mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-            out, stats = fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask,
-                                                  qkv_layout="BTNH", return_residual=True)
-            return out, stats.astype(F32)  # [B, Hq, T], fp32 already
-        notes.append("lse: fp32 from jax._src.cudnn (return_residual)")
+            return _compat.cudnn_block(q, k, v, scale=scale, causal=causal)
+
+        def bwd(q, k, v, out, lse, dout, causal, scale):
+            return _compat.cudnn_block_bwd(q, k, v, out, lse, dout, scale=scale, causal=causal)
+        notes.append("lse: fp32 from jax._src.cudnn (return_residual); backward: jax's cuDNN "
+                     "backward primitive fed the ring's statistics")
     elif "return_residual" in inspect.signature(jax.nn.dot_product_attention).parameters:
         def fwd(q, k, v, causal, scale):
             out, res = jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal,
                                                     implementation="cudnn", return_residual=True)
             return out, jnp.swapaxes(res, 1, 2).astype(F32)  # [B, T, H] -> [B, H, T]
         notes.append("lse: jax.nn return_residual (rounded to the input dtype)")
+        bwd_note = "this jax's private cuDNN module has no backward these blocks can bind"
     else:
         def fwd(q, k, v, causal, scale):
             out = whole(q, k, v, causal, scale)
@@ -179,49 +182,9 @@ def cudnn_blocks() -> Blocks:
             return out, lse.reshape(q.shape[0], q.shape[2], q.shape[1])
         notes.append("lse: this jax has no return_residual; computed by an fp32 einsum "
                      "(correct, but slows the cuDNN ring)")
-    bwd, bwd_note = None, ""
-    try:
-        bwd = _cudnn_bwd(fa)
-    except Unavailable as e:
-        bwd_note = str(e)
+        bwd_note = "this jax's private cuDNN module has no backward these blocks can bind"
     blocks = Blocks("cudnn", fwd, bwd, whole, "; ".join(notes), bwd_note)
     return probe(blocks)
-
-
-# Operands of jax's cuDNN backward primitive that the ring leaves empty.
-_UNUSED_OPERANDS = {"bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
-                    "page_table_v"}
-
-
-def _cudnn_bwd(fa) -> Callable:
-    """cuDNN flash-attention backward fed given statistics (what a ring's
-    backward needs: jax's custom VJP would use the block's own). The operand
-    and attribute names are read from the installed jax; unknown ones raise."""
-    if fa is None or not hasattr(fa, "_dot_product_attention_bwd_p_wrapper"):
-        raise Unavailable("jax has no cuDNN backward primitive to bind")
-    names = list(inspect.signature(fa._dot_product_attention_bwd_impl).parameters)
-    if "scale" not in names:
-        raise Unavailable(f"unknown cuDNN backward signature {names}")
-    operands, attrs = names[:names.index("scale")], names[names.index("scale"):]
-    unknown = set(operands) - _UNUSED_OPERANDS - {"query", "key", "value", "activation",
-                                                  "fwd_output", "grad_output"}
-    known_attrs = {"scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
-                   "sliding_window_length"}
-    if unknown or set(attrs) - known_attrs:
-        raise Unavailable(f"unknown cuDNN backward operands/attributes "
-                          f"{sorted(unknown | (set(attrs) - known_attrs))}")
-
-    def bwd(q, k, v, out, lse, dout, causal, scale):
-        empty = jnp.zeros(0, q.dtype)
-        given = {"query": q, "key": k, "value": v, "activation": lse.astype(F32),
-                 "fwd_output": out.astype(q.dtype), "grad_output": dout.astype(q.dtype)}
-        values = dict(scale=float(scale), seed=42, dropout_rate=0.0, variadic_args=(False, False),
-                      mask_type=fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK,
-                      layout=fa.AttentionLayout.BTNH.value, sliding_window_length=None)
-        grads = fa._dot_product_attention_bwd_p_wrapper.bind(
-            *(given.get(nm, empty) for nm in operands), **{a: values[a] for a in attrs})
-        return grads[0], grads[1], grads[2]
-    return bwd
 
 
 def probe(blocks: Blocks) -> Blocks:

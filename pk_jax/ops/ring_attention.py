@@ -8,9 +8,12 @@ masks use global token positions, computed from the rank and the layout
 Validation, the mechanism and the backward's block gradients are decided
 here, once, at trace time, into one frozen `RingConfig`:
   * "copy_engine" / "ld_st": the fused forward kernel (ring_attention_primitive.py);
+  * "cudnn": a ring of cuDNN flash-attention blocks with XLA's
+    collective-permutes between them (ring_attention_cudnn.py);
   * "xla": the pure-JAX ring (pk_jax/reference.py);
   * "auto": the kernel mechanism of pk_jax/tuning.py where the kernel takes
-    the shapes, else "xla" (with a one-time PkJaxFallbackWarning saying why).
+    the shapes, else "cudnn" where cuDNN's blocks take them and run here,
+    else "xla" (either with a one-time PkJaxFallbackWarning saying why).
 Gradients: a custom_vjp saving the output and log-sum-exp. The backward is a
 ring (ring_attention_bwd_primitive.py): K/V blocks travel with their partial
 dK/dV and go home at the end, dq stays local, probabilities are recomputed
@@ -18,9 +21,10 @@ from the log-sum-exp, and the summation order is fixed. For the kernel
 mechanisms (rings of 2 or more, `deterministic=False`, shapes the block
 kernel takes) it is one fused call: the Hopper flash-attention backward
 kernel at every step and pk's copy-engine transport between them. Otherwise
-each step's block gradients are that kernel (world size 1) or einsums
-(`deterministic=True`, mechanism "xla", other shapes), and the hops XLA
-collective-permutes that fly while the steps run.
+each step's block gradients are that kernel (world size 1), cuDNN's
+backward (mechanism "cudnn", `deterministic=False`, `return_lse=False`) or
+einsums (`deterministic=True`, mechanism "xla", other shapes), and the hops
+XLA collective-permutes that fly while the steps run.
 """
 
 from __future__ import annotations
@@ -40,11 +44,12 @@ from pk_jax._compat import make_varying, xla_attention
 from pk_jax._warnings import warn_once
 from pk_jax.ops import attention_bwd_primitive as block_bwd
 from pk_jax.ops import ring_attention_bwd_primitive as ring_bwd
+from pk_jax.ops import ring_attention_cudnn
 from pk_jax.ops.ring_attention_primitive import (DEFAULT_COMM_CTAS, KERNEL_MECHANISMS,
                                                  MAX_COMM_CTAS, RingConfig, kernel_problem,
                                                  ring_attention_p)
 
-MECHANISMS = ("auto", "copy_engine", "ld_st", "xla")
+MECHANISMS = ("auto", "copy_engine", "ld_st", "xla", "cudnn")
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -121,24 +126,34 @@ def _check_comm_ctas(num_comm_ctas, mechanism: str) -> int:
 
 def _mechanism(q, k, layout: str, mechanism: str) -> str:
     """The forward mechanism: a kernel mechanism where the kernel takes the
-    call ("auto" through pk_jax/tuning.py), else "xla"."""
+    call ("auto" through pk_jax/tuning.py), else (auto) "cudnn" where
+    cuDNN's blocks take the call and run here, else "xla"."""
     if mechanism == "xla" or q.shape[1] == 0 or q.shape[3] == 0:  # empty: nothing to compute
         return "xla"
+    if mechanism == "cudnn":
+        if why := ring_attention_cudnn.problem(q, k):
+            raise ValueError(f"pk_jax.ring_attention: mechanism='cudnn' does not take {why}; "
+                             "use mechanism='auto' or 'xla' for this call")
+        return "cudnn"
     why = kernel_problem(q, k, layout)
     if why is None:
         return tuning.RING_ATTENTION_MECHANISM if mechanism == "auto" else mechanism
     if mechanism in KERNEL_MECHANISMS:
         raise ValueError(f"pk_jax.ring_attention: mechanism={mechanism!r} does not take {why}; "
-                         "use mechanism='auto' or 'xla' for this call")
+                         "use mechanism='auto', 'cudnn' or 'xla' for this call")
+    if ring_attention_cudnn.problem(q, k) is None and _compat.cudnn_blocks_available():
+        return tuning.RING_ATTENTION_UNFUSED
     return "xla"
 
 
-def _warn_fallback(q, k, layout: str) -> None:
+def _warn_fallback(q, k, layout: str, chosen: str) -> None:
     """The one-time warning of an `auto` call the kernel does not take."""
     why = kernel_problem(q, k, layout)
+    ring = ("the ring of cuDNN attention blocks" if chosen == "cudnn"
+            else "the pure-JAX ring")
     if why and runtime.available():  # only where the kernel could have run
-        warn_once(f"ring_attention-fallback-{why}", f"pk_jax.ring_attention: the fused "
-                  f"kernel does not take {why}; using the pure-JAX ring")
+        warn_once(f"ring_attention-fallback-{chosen}-{why}", f"pk_jax.ring_attention: the "
+                  f"fused kernel does not take {why}; using {ring}")
 
 
 def _single_gpu_cudnn(q, k, cfg: RingConfig, mechanism: str, return_lse: bool,
@@ -155,8 +170,23 @@ def _single_gpu_cudnn(q, k, cfg: RingConfig, mechanism: str, return_lse: bool,
     return tuning.single_gpu_attention(q.shape[3], cfg.causal, takes) == "cudnn"
 
 
+def _block_grads(q, k, layout: str, chosen: str, deterministic: bool,
+                 return_lse: bool) -> str:
+    """How the backward ring computes each step's block gradients
+    (RingConfig.block_grads): the block kernel under the kernel mechanisms,
+    cuDNN's backward under "cudnn" (it takes no log-sum-exp cotangent, so
+    not with return_lse), einsums otherwise and whenever `deterministic`."""
+    if deterministic:
+        return "einsum"
+    if chosen in KERNEL_MECHANISMS and block_bwd.kernel_problem(q, k, layout) is None:
+        return "kernel"
+    if chosen == "cudnn" and not return_lse:
+        return "cudnn"
+    return "einsum"
+
+
 def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
-            deterministic) -> RingConfig:
+            deterministic, return_lse) -> RingConfig:
     if mechanism not in MECHANISMS:
         raise ValueError(f"pk_jax.ring_attention: mechanism must be one of {MECHANISMS}, "
                          f"got {mechanism!r}")
@@ -165,6 +195,7 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
                          f"got {layout!r}")
     causal = _args.boolean("ring_attention", "causal", causal)
     deterministic = _args.boolean("ring_attention", "deterministic", deterministic)
+    return_lse = _args.boolean("ring_attention", "return_lse", return_lse)
     comm_ctas = _check_comm_ctas(num_comm_ctas, mechanism)
     _check_shapes(q, k, v)
     if layout == "zigzag" and q.shape[1] % 2:
@@ -173,24 +204,25 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
                          "layout='contiguous' or pad the sequence")
     names = groups.axis_names(axis_name)
     chosen = _mechanism(q, k, layout, mechanism)
-    kernel_grads = (chosen in KERNEL_MECHANISMS and not deterministic
-                    and block_bwd.kernel_problem(q, k, layout) is None)
+    block_grads = _block_grads(q, k, layout, chosen, deterministic, return_lse)
     scale = check_scale("ring_attention", scale, q.shape[3])
     n = lax.axis_size(names)
     if n * q.shape[1] > _args.INT32_MAX:
         raise ValueError(f"pk_jax.ring_attention: a global sequence of {n} x {q.shape[1]} "
                          "tokens: positions are int32, so at most 2^31 - 1")
-    fused = kernel_grads and n > 1 and tuning.RING_ATTENTION_BWD_TRANSPORT == "pk"
+    fused = block_grads == "kernel" and n > 1 and tuning.RING_ATTENTION_BWD_TRANSPORT == "pk"
     return RingConfig(names, n, causal, scale,
                       layout, chosen, mechanism in KERNEL_MECHANISMS,
                       comm_ctas if chosen == "ld_st" else 0,
-                      "kernel" if kernel_grads else "einsum", "pk" if fused else "xla")
+                      block_grads, "pk" if fused else "xla")
 
 
 # ---- forward and the ring backward ---------------------------------------------------
 def _forward(q, k, v, cfg: RingConfig):
     if cfg.mechanism in KERNEL_MECHANISMS:
         return tuple(ring_attention_p.bind(q, k, v, cfg=cfg))
+    if cfg.mechanism == "cudnn":
+        return ring_attention_cudnn.forward(q, k, v, cfg)
     return reference.ring_attention(q, k, v, cfg.names, n=cfg.n, causal=cfg.causal,
                                     scale=cfg.scale, layout=cfg.layout)
 
@@ -207,7 +239,7 @@ def _backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse):
         delta = delta - dlse.astype(f32)
     backward = (ring_bwd.fused_backward if cfg.bwd_transport == "pk"
                 else ring_bwd.ppermute_backward)
-    dq, dk, dv = backward(cfg, q, dout, lse.astype(f32), delta, k, v)
+    dq, dk, dv = backward(cfg, q, dout, lse.astype(f32), delta, k, v, out=out)
     return dq.astype(q.dtype), dk, dv
 
 
@@ -280,17 +312,23 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         layout="zigzag" (sequence sharded as P(None, axis_name)).
       return_lse: also return the log-sum-exp of the scaled scores.
       mechanism: "auto" (the fused kernel where it takes the shapes, with the
-        mechanism of pk_jax/tuning.py, else the pure-JAX ring with a one-time
-        warning), "copy_engine" (the fused kernel; the copy engines push K/V
+        mechanism of pk_jax/tuning.py; else the ring of cuDNN blocks where
+        they take the shapes and cuDNN runs here, else the pure-JAX ring,
+        either with a one-time warning), "copy_engine" (the fused kernel; the copy engines push K/V
         to the peers: bf16/fp16, head dim 64 or 128, S_local a multiple of
         128, or of 256 for zigzag; ValueError for other shapes), "ld_st" (the
         same kernel with `num_comm_ctas` communicator CTAs pushing K/V over
-        NVLink instead) or "xla" (the pure-JAX ring).
+        NVLink instead), "cudnn" (each ring step one cuDNN flash-attention
+        call, XLA's collective-permutes between the steps: bf16/fp16, head
+        dims multiple of 8 up to 256, any S_local; where cuDNN cannot run,
+        as on CPU, the same ring with fp32 einsum blocks) or "xla" (the
+        pure-JAX ring).
       num_comm_ctas: "ld_st" only: the communicator CTAs (SMs) pushing K/V,
         1..32; None: 16.
       deterministic: bitwise-reproducible gradients: the backward's block
         gradients are einsums in the ring's fixed order, never the
-        block-backward kernel (whose dq reduce-adds land in arrival order).
+        block-backward kernel or cuDNN's (whose dq reduce-adds land in
+        arrival order).
         The forward is deterministic either way.
 
     An empty sequence (S_local = 0) or head dim (D = 0) gives the empty
@@ -304,13 +342,13 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
     cfg = _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
-                  deterministic)
+                  deterministic, return_lse)
     q, k, v = (make_varying(x, cfg.names) for x in (q, k, v))
     if _single_gpu_cudnn(q, k, cfg, mechanism, return_lse, deterministic):
         # one device: cuDNN where tuning.py measured it faster (module docstring)
         return _compat.cudnn_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal)
-    if mechanism == "auto" and cfg.mechanism == "xla":
-        _warn_fallback(q, k, layout)
+    if mechanism == "auto" and cfg.mechanism in ("xla", "cudnn"):
+        _warn_fallback(q, k, layout, cfg.mechanism)
     if q.shape[1] == 0:  # no tokens: an empty result, as jax.nn.dot_product_attention
         out, lse = jnp.zeros_like(q), jnp.zeros((q.shape[0], q.shape[2], 0), jnp.float32)
         return (out, lse) if return_lse else out

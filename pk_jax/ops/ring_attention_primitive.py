@@ -49,12 +49,14 @@ class RingConfig:
       causal: mask keys at later global positions than the query.
       scale: the score scale.
       layout: "contiguous" or "zigzag" (which global tokens a rank holds).
-      mechanism: "copy_engine" or "ld_st" (the fused kernel) or "xla" (the
+      mechanism: "copy_engine" or "ld_st" (the fused kernel), "cudnn" (the
+        ring of cuDNN blocks, ring_attention_cudnn.py) or "xla" (the
         pure-JAX ring), resolved at trace time.
       forced: the user asked for `mechanism` (else "auto" chose it).
       num_comm_ctas: ld_st's communicator CTAs; 0 for the other mechanisms.
       block_grads: how each step of the backward ring computes its block
-        gradients: "kernel" (pk_attention_block_bwd) or "einsum".
+        gradients: "kernel" (pk_attention_block_bwd), "cudnn" (cuDNN's
+        backward with the ring's statistics) or "einsum".
       bwd_transport: how the backward moves K/V and the partial dK/dV: "pk"
         (one fused pk_ring_attention_bwd call, block_grads "kernel" only)
         or "xla" (collective-permutes between the steps).
