@@ -612,17 +612,19 @@ def test_one_device_auto_takes_cudnn_where_available(monkeypatch, rng, head_dim,
 def _cudnn_ring_case(rng, n, layout, causal, return_lse):
     """bf16 GQA inputs through mechanism="cudnn" (check_vma on): output,
     log-sum-exp and gradients against fp32 attention on the whole sequence."""
+    mesh = cpu_mesh((n,), ("sp",))
     q, k, v = _qkv(rng, 2, 16 * n, 4, 2, 32, jnp.bfloat16)
+    placed = [jax.device_put(x, NamedSharding(mesh, SEQ)) for x in (q, k, v)]  # Explicit needs it
     w = _normal(rng, q.shape)
-    ring = _sharded(cpu_mesh((n,), ("sp",)), layout, return_lse=return_lse, check_vma=True,
-                    causal=causal, mechanism="cudnn")
+    ring = _sharded(mesh, layout, return_lse=return_lse, check_vma=True, causal=causal,
+                    mechanism="cudnn")
     first = (lambda *x: ring(*x)[0]) if return_lse else ring
     if return_lse:
-        assert rel_err(jax.jit(ring)(q, k, v)[1], _reference_lse(q, k, v, causal)) < 1e-2
-    assert rel_err(jax.jit(first)(q, k, v), _reference(q, k, v, causal)) < 2e-2
-    grad = lambda f: jax.jit(jax.grad(
-        lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w), (0, 1, 2)))(q, k, v)
-    for a, b in zip(grad(first), grad(lambda *x: _reference(*x, causal))):
+        assert rel_err(jax.jit(ring)(*placed)[1], _reference_lse(q, k, v, causal)) < 1e-2
+    assert rel_err(jax.jit(first)(*placed), _reference(q, k, v, causal)) < 2e-2
+    grad = lambda f, args: jax.jit(jax.grad(
+        lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w), (0, 1, 2)))(*args)
+    for a, b in zip(grad(first, placed), grad(lambda *x: _reference(*x, causal), (q, k, v))):
         assert rel_err(a, b) < 3e-2
 
 
@@ -636,10 +638,12 @@ def test_cudnn_ring(rng, n, layout, causal):
     _cudnn_ring_case(rng, n, layout, causal, return_lse=False)
 
 
+@pytest.mark.parametrize("sharding_mode", ["auto", "explicit"], indirect=True)
 @pytest.mark.parametrize("n,layout", [(3, "zigzag"), (2, "contiguous")])
-def test_cudnn_ring_return_lse(rng, n, layout):
+def test_cudnn_ring_return_lse(rng, sharding_mode, n, layout):
     """With return_lse the forward is the same ring and the backward's block
-    gradients are einsums (cuDNN's backward takes no lse cotangent)."""
+    gradients are einsums (cuDNN's backward takes no lse cotangent); on Auto
+    and Explicit meshes."""
     _cudnn_ring_case(rng, n, layout, True, return_lse=True)
 
 
