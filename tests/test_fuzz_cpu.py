@@ -177,7 +177,8 @@ def test_ring_attention_random_calls(seed, cuda_lowering):
         # The support matrix (ring_attention's docstring): one dtype (else a
         # TypeError), Hq a multiple of Hkv, an even S_local for zigzag; the
         # forced kernel mechanisms take bf16/fp16, head dim 64 or 128 and
-        # S_local a multiple of 128 (256 for zigzag), or an empty sequence.
+        # S_local a multiple of 128 (256 for zigzag), or an empty sequence;
+        # "cudnn" bf16/fp16 and head dims multiple of 8 up to 256.
         errors = set()
         if mechanism not in RING_MECHANISMS or layout not in RING_LAYOUTS:
             errors.add(ValueError)
@@ -188,6 +189,9 @@ def test_ring_attention_random_calls(seed, cuda_lowering):
         if mechanism in ("copy_engine", "ld_st") and s and (
                 dtype not in (jnp.bfloat16, jnp.float16) or d not in (64, 128)
                 or s % (256 if layout == "zigzag" else 128)):
+            errors.add(ValueError)
+        if mechanism == "cudnn" and s and (dtype not in (jnp.bfloat16, jnp.float16)
+                                           or d % 8 or d > 256):
             errors.add(ValueError)
         q = _values(rng, (b, n * s, hq, d), dtype)
         k, v = (_values(rng, (b, n * s, hkv, d), kv_dtype) for _ in range(2))
