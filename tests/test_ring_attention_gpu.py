@@ -514,4 +514,5 @@ def test_cudnn_blocks_with_the_ring_statistics(d, case):
                                            causal=causal, scale=scale)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert a.dtype == jnp.float32 and a.shape == b.shape, f"{case} {name}: {a.shape}"
-        assert rel_err(a, b) < 3e-2, f"{case} d={d} {name}: rel err {rel_err(a, b):.3g} (seed {seed})"
+        err = rel_err(a, b)
+        assert err < 3e-2, f"{case} d={d} {name}: rel err {err:.3g} (seed {seed})"

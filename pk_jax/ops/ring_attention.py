@@ -314,11 +314,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       mechanism: "auto" (the fused kernel where it takes the shapes, with the
         mechanism of pk_jax/tuning.py; else the ring of cuDNN blocks where
         they take the shapes and cuDNN runs here, else the pure-JAX ring,
-        either with a one-time warning), "copy_engine" (the fused kernel; the copy engines push K/V
-        to the peers: bf16/fp16, head dim 64 or 128, S_local a multiple of
-        128, or of 256 for zigzag; ValueError for other shapes), "ld_st" (the
-        same kernel with `num_comm_ctas` communicator CTAs pushing K/V over
-        NVLink instead), "cudnn" (each ring step one cuDNN flash-attention
+        either with a one-time warning), "copy_engine" (the fused kernel;
+        the copy engines push K/V to the peers: bf16/fp16, head dim 64 or
+        128, S_local a multiple of 128, or of 256 for zigzag; ValueError for
+        other shapes), "ld_st" (the same kernel with `num_comm_ctas`
+        communicator CTAs pushing K/V over NVLink instead), "cudnn" (each ring step one cuDNN flash-attention
         call, XLA's collective-permutes between the steps: bf16/fp16, head
         dims multiple of 8 up to 256, any S_local; where cuDNN cannot run,
         as on CPU, the same ring with fp32 einsum blocks) or "xla" (the
@@ -328,8 +328,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       deterministic: bitwise-reproducible gradients: the backward's block
         gradients are einsums in the ring's fixed order, never the
         block-backward kernel or cuDNN's (whose dq reduce-adds land in
-        arrival order).
-        The forward is deterministic either way.
+        arrival order). The forward is deterministic either way.
 
     An empty sequence (S_local = 0) or head dim (D = 0) gives the empty
     result, as jax.nn.dot_product_attention does.

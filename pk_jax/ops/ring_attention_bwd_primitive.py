@@ -13,8 +13,8 @@ with each K/V block travelling r -> r + 1 together with its partial dK/dV
 (every rank adds its queries' share in ring order) and one last hop home.
 
 `ppermute_backward`: the steps are `cfg.block_grads` (the block kernel
-primitive, cuDNN's backward (ring_attention_cudnn.py) or einsums), the hops `lax.ppermute`s between them (K and V
-stacked, one collective per hop). A ring of one is one block call writing
+primitive, cuDNN's backward (ring_attention_cudnn.py) or einsums), the hops
+`lax.ppermute`s between them (K and V stacked, one collective per hop). A ring of one is one block call writing
 dk and dv in k's dtype: nothing to stack, sum or cast.
 
 `pk_ring_attention_bwd` (`fused_backward`, for block_grads "kernel" on
