@@ -231,15 +231,20 @@ def _backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse):
     """(dq, dk, dv) from the forward's output and log-sum-exp (`dlse` may be
     None): the fused backward (one pk_ring_attention_bwd call) for
     `cfg.bwd_transport` "pk", else the XLA-collective ring whose steps run
-    `cfg.block_grads` (ring_attention_bwd_primitive.py)."""
+    `cfg.block_grads` (ring_attention_bwd_primitive.py; block_grads "cudnn":
+    the steps of ring_attention_cudnn.py)."""
     f32 = jnp.float32
     # delta' = rowsum(dO * O) - dlse: what the softmax's backward subtracts.
     delta = jnp.einsum("bshd,bshd->bhs", dout.astype(f32), out.astype(f32))
     if dlse is not None:
         delta = delta - dlse.astype(f32)
-    backward = (ring_bwd.fused_backward if cfg.bwd_transport == "pk"
-                else ring_bwd.ppermute_backward)
-    dq, dk, dv = backward(cfg, q, dout, lse.astype(f32), delta, k, v, out=out)
+    lse = lse.astype(f32)
+    if cfg.bwd_transport == "pk":
+        dq, dk, dv = ring_bwd.fused_backward(cfg, q, dout, lse, delta, k, v)
+    else:
+        steps = (ring_attention_cudnn.block_grads(cfg, q, out, lse, dout, delta)
+                 if cfg.block_grads == "cudnn" else None)
+        dq, dk, dv = ring_bwd.ppermute_backward(cfg, q, dout, lse, delta, k, v, grads=steps)
     return dq.astype(q.dtype), dk, dv
 
 

@@ -13,8 +13,9 @@ with each K/V block travelling r -> r + 1 together with its partial dK/dV
 (every rank adds its queries' share in ring order) and one last hop home.
 
 `ppermute_backward`: the steps are `cfg.block_grads` (the block kernel
-primitive, cuDNN's backward (ring_attention_cudnn.py) or einsums), the hops
-`lax.ppermute`s between them (K and V stacked, one collective per hop). A ring of one is one block call writing
+primitive, einsums, or the step function the caller passes: cuDNN's
+backward, ring_attention_cudnn.py), the hops `lax.ppermute`s between them
+(K and V stacked, one collective per hop). A ring of one is one block call writing
 dk and dv in k's dtype: nothing to stack, sum or cast.
 
 `pk_ring_attention_bwd` (`fused_backward`, for block_grads "kernel" on
@@ -47,7 +48,6 @@ from pk_jax._compat import make_varying, vary_alike
 from pk_jax._warnings import warn_once
 from pk_jax.errors import PkJaxError
 from pk_jax.ops import attention_bwd_primitive as block_bwd
-from pk_jax.ops import ring_attention_cudnn
 from pk_jax.ops._lowering import channel_attr, kernel_group
 from pk_jax.ops.ring_attention_primitive import RingConfig, block_layout
 
@@ -123,18 +123,17 @@ def _ring(cfg: RingConfig, kv, grads: Callable, axes, out_dtype):
     return dq, hop(dkv.astype(out_dtype))
 
 
-def ppermute_backward(cfg: RingConfig, q, dout, lse, delta, k, v, *, out=None):
+def ppermute_backward(cfg: RingConfig, q, dout, lse, delta, k, v, *,
+                      grads: Callable | None = None):
     """(dq fp32, dk, dv of k's dtype): the ring of `_ring` whose steps run
-    `cfg.block_grads` and whose hops are XLA collective-permutes. `out` (the
-    forward's output) is read by block_grads "cudnn" only."""
+    `grads` (`_ring`'s step function; None: `cfg.block_grads` "kernel" or
+    "einsum") and whose hops are XLA collective-permutes."""
     rank = lax.axis_index(cfg.names)
-    if cfg.n == 1 and cfg.block_grads == "kernel":
+    if cfg.n == 1 and cfg.block_grads == "kernel" and grads is None:
         # The whole ring is our own block: the kernel's gradients are final.
         return block_bwd.block_bwd(q, dout, lse, delta, k, v, rank, rank, cfg, k.dtype)
     q_pos = reference.positions(rank, cfg.n, q.shape[1], cfg.layout)
-    if cfg.block_grads == "cudnn":
-        grads = ring_attention_cudnn.block_grads(cfg, q, out, lse, dout, delta)
-    else:
+    if grads is None:
         grads = functools.partial(_kernel_or_einsum_grads, cfg, q, dout, lse, delta, rank, q_pos)
     dq, dkv = _ring(cfg, jnp.stack([k, v]), grads, reference.ring_axes(cfg.names, q), k.dtype)
     return dq, dkv[0], dkv[1]
@@ -160,10 +159,9 @@ ring_attention_bwd_p = Primitive("pk_ring_attention_bwd")
 ring_attention_bwd_p.multiple_results = True
 
 
-def fused_backward(cfg: RingConfig, q, dout, lse, delta, k, v, *, out=None):
+def fused_backward(cfg: RingConfig, q, dout, lse, delta, k, v):
     """(dq fp32, dk, dv of k's dtype) by one pk_ring_attention_bwd call
-    (cfg.n >= 2, shapes the block kernel takes; `out` is not read)."""
-    del out
+    (cfg.n >= 2, shapes the block kernel takes)."""
     args = (q, dout, lse.astype(jnp.float32), delta.astype(jnp.float32), k, v,
             jnp.arange(cfg.n, dtype=jnp.int32))
     dq, dk, dv, _ = ring_attention_bwd_p.bind(*vary_alike(*args, names=cfg.names), cfg=cfg)
