@@ -104,14 +104,28 @@ def cudnn_available() -> bool:
         return False
 
 
-def cudnn_takes(q: jax.Array, k: jax.Array) -> bool:
-    """Whether cuDNN's fused attention (through jax.nn.dot_product_attention)
-    takes these operands: bf16/fp16, a head dim that is a multiple of 8 up
-    to 256, as many keys as queries."""
+CUDNN_MAX_HEAD_DIM = 256  # cuDNN's flash attention on Hopper: multiples of 8 up to 256
+
+
+def cudnn_operand_problem(q: jax.Array) -> str | None:
+    """None when cuDNN's fused attention takes q's dtype and head dim
+    (bf16/fp16, a multiple of 8 up to 256), else why not."""
     half = (jax.numpy.dtype(jax.numpy.bfloat16), jax.numpy.dtype(jax.numpy.float16))
     d = q.shape[-1]
-    return (jax.numpy.dtype(q.dtype) in half and 0 < d <= 256 and d % 8 == 0
-            and q.shape[1] == k.shape[1] and q.shape[1] > 0)
+    if jax.numpy.dtype(q.dtype) not in half:
+        return f"dtype {q.dtype} (cuDNN's attention takes bfloat16 and float16)"
+    if not (0 < d <= CUDNN_MAX_HEAD_DIM and d % 8 == 0):
+        return (f"head_dim {d} (cuDNN's attention takes multiples of 8 up to "
+                f"{CUDNN_MAX_HEAD_DIM})")
+    return None
+
+
+def cudnn_takes(q: jax.Array, k: jax.Array) -> bool:
+    """Whether cuDNN's fused attention (through jax.nn.dot_product_attention)
+    takes these operands: `cudnn_operand_problem`'s dtypes and head dims, as
+    many keys as queries."""
+    return (cudnn_operand_problem(q) is None and q.shape[1] == k.shape[1]
+            and q.shape[1] > 0)
 
 
 def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,

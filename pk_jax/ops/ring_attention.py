@@ -131,7 +131,7 @@ def _mechanism(q, k, layout: str, mechanism: str) -> str:
     if mechanism == "xla" or q.shape[1] == 0 or q.shape[3] == 0:  # empty: nothing to compute
         return "xla"
     if mechanism == "cudnn":
-        if why := ring_attention_cudnn.problem(q, k):
+        if why := _compat.cudnn_operand_problem(q):  # k, v: q's dtype and head dim
             raise ValueError(f"pk_jax.ring_attention: mechanism='cudnn' does not take {why}; "
                              "use mechanism='auto' or 'xla' for this call")
         return "cudnn"
@@ -141,7 +141,7 @@ def _mechanism(q, k, layout: str, mechanism: str) -> str:
     if mechanism in KERNEL_MECHANISMS:
         raise ValueError(f"pk_jax.ring_attention: mechanism={mechanism!r} does not take {why}; "
                          "use mechanism='auto', 'cudnn' or 'xla' for this call")
-    if ring_attention_cudnn.problem(q, k) is None and _compat.cudnn_blocks_available():
+    if _compat.cudnn_operand_problem(q) is None and _compat.cudnn_blocks_available():
         return tuning.RING_ATTENTION_UNFUSED
     return "xla"
 
@@ -323,11 +323,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         the copy engines push K/V to the peers: bf16/fp16, head dim 64 or
         128, S_local a multiple of 128, or of 256 for zigzag; ValueError for
         other shapes), "ld_st" (the same kernel with `num_comm_ctas`
-        communicator CTAs pushing K/V over NVLink instead), "cudnn" (each ring step one cuDNN flash-attention
-        call, XLA's collective-permutes between the steps: bf16/fp16, head
-        dims multiple of 8 up to 256, any S_local; where cuDNN cannot run,
-        as on CPU, the same ring with fp32 einsum blocks) or "xla" (the
-        pure-JAX ring).
+        communicator CTAs pushing K/V over NVLink instead), "cudnn" (each
+        ring step one cuDNN flash-attention call, XLA's collective-permutes
+        between the steps: bf16/fp16, head dims multiple of 8 up to 256, any
+        S_local; where cuDNN cannot run, as on CPU, the same ring with fp32
+        einsum blocks) or "xla" (the pure-JAX ring).
       num_comm_ctas: "ld_st" only: the communicator CTAs (SMs) pushing K/V,
         1..32; None: 16.
       deterministic: bitwise-reproducible gradients: the backward's block

@@ -45,18 +45,6 @@ from pk_jax._compat import make_varying
 from pk_jax.ops.ring_attention_primitive import RingConfig
 
 F32 = jnp.float32
-_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-MAX_HEAD_DIM = 256  # cuDNN's flash attention on Hopper: head dims multiple of 8 up to 256
-
-
-def problem(q, k) -> str | None:
-    """None when cuDNN's blocks take these operands, else why not."""
-    d = q.shape[3]
-    if jnp.dtype(q.dtype) not in _HALF:
-        return f"dtype {q.dtype} (cuDNN's attention takes bfloat16 and float16)"
-    if not (0 < d <= MAX_HEAD_DIM and d % 8 == 0):
-        return f"head_dim {d} (cuDNN's attention takes multiples of 8 up to {MAX_HEAD_DIM})"
-    return None
 
 
 # ---- one block: cuDNN on CUDA, fp32 einsum elsewhere -------------------------------
