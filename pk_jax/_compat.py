@@ -146,7 +146,7 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
 # each step's gradients are that block's share). Both come from
 # jax._src.cudnn.fused_attention_stablehlo, whose operand names are read from
 # the installed jax: an unknown signature makes `cudnn_blocks_available` False
-# and the ring keeps its einsum blocks.
+# (then `auto` takes the pure-JAX ring, and mechanism "cudnn" its einsum blocks).
 _BWD_UNUSED = {"bias", "q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets", "page_table_k",
                "page_table_v"}
 _BWD_GIVEN = {"query", "key", "value", "activation", "fwd_output", "grad_output"}
