@@ -173,14 +173,18 @@ def ffi_attr(call: str, name: str) -> str:
 
 def pytest_collection_modifyitems(session, config, items):
     """The CUDA compile check (tests/helpers/compile_check.py) builds in the
-    background from now on, and its test runs last, when the build has had
+    background from now on, and its tests run last, when the build has had
     the whole session."""
     from helpers import compile_check
-    check = [it for it in items if it.name == compile_check.TEST_NAME]
+    names = set(compile_check.TEST_NAMES.values())
+    check = [it for it in items if it.name in names]
     if not check or config.option.collectonly:
         return
-    items[:] = [it for it in items if it.name != compile_check.TEST_NAME] + check
-    compile_check.start()
+    items[:] = [it for it in items if it.name not in names] + check
+    try:
+        compile_check.start()
+    except ValueError as e:  # PK_JAX_COMPILE_CHECK set to no mode
+        raise pytest.UsageError(str(e)) from None
 
 
 def pytest_unconfigure(config):

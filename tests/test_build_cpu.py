@@ -145,27 +145,64 @@ def _needed(shared_object: pathlib.Path) -> list[str]:
                 for tag in section.iter_tags() if tag.entry.d_tag == "DT_NEEDED"]
 
 
-def test_wheel_carries_the_kernels(tmp_path):
-    """The compile check (tests/helpers/compile_check.py, built in the
-    background while the other tests run; conftest.py runs this test last):
-    wherever nvcc exists, `PK_JAX_BUILD_CUDA=1 pip wheel` builds the wheel a
-    release ships. It holds the sm_90a extension (CUTLASS kernels required),
-    says so in _build_info, links no CUDA toolkit library, is a manylinux
-    wheel by auditwheel's reading (repaired to that tag), and its extension
-    imports on this machine and registers the FFI targets the Python side
-    lowers to. Skipped where the install itself compiled the extension (the
-    test above checks that one). PK_JAX_COMPILE_CHECK=0 skips it, =1 runs it
-    even then."""
+def _built(mode: str) -> compile_check.Plan:
+    """The compile check's plan once its build (mode `mode`) succeeded;
+    skips where it does not run here or runs the other mode, fails with the
+    log's tail where the build failed."""
     p, rc = compile_check.result()
     if p.skip is not None:
         pytest.skip(p.skip)
-    missing = [m for m in (*compile_check.BUILD_MODULES, "elftools")
+    if p.mode != mode:
+        pytest.skip(f"the compile check runs mode {p.mode} (PK_JAX_COMPILE_CHECK={mode} "
+                    "runs this one)")
+    missing = [m for m in compile_check.BUILD_MODULES[mode] + (("elftools",) if mode == "wheel"
+                                                                else ())
                if importlib.util.find_spec(m) is None]
     assert not missing, f"the compile check needs {missing}: pip install -e '.[test]'"
     if rc != 0:
         tail = "\n".join(p.log.read_text(errors="replace").splitlines()[-60:])
-        pytest.fail(f"the wheel with the CUDA extension does not build (full log: {p.log}):"
-                    f"\n{tail}")
+        pytest.fail(f"the CUDA sources do not build (mode {mode}, full log: {p.log}):\n{tail}")
+    return p
+
+
+def test_covering_holds_every_name_part():
+    names = ["gemm_bf16_bf16", "gemm_bf16_bf16_at", "gemm_f16_f16_bt", "gemm_fp8_e4m3_f32_block"]
+    chosen = compile_check.covering(names)
+    assert chosen == ["gemm_fp8_e4m3_f32_block", "gemm_bf16_bf16_at", "gemm_f16_f16_bt"]
+    assert compile_check.covering([]) == []
+    # Every kernel folder: each part of each instantiation's name is compiled.
+    sources = compile_check.kernel_sources()
+    for folder in ROOT.glob("csrc/kernels/*/instantiations"):
+        stems = [f.stem for f in folder.glob("*.cu")]
+        picked = [s.stem for s in sources if s.parent == folder.relative_to(ROOT)]
+        assert picked and set().union(*(set(n.split("_")) for n in picked)) == \
+            set().union(*(set(n.split("_")) for n in stems)), folder
+    assert pathlib.Path("xla_ffi/module.cc") in sources
+    assert compile_check.object_of(pathlib.Path("xla_ffi/module.cc")).parts[1] == \
+        "_pk_jax_ext.dir"
+
+
+def test_every_kernel_compiles():
+    """The default compile check (tests/helpers/compile_check.py, built in
+    the background while the other tests run; conftest.py runs this test
+    last): wherever nvcc exists, the extension's sources compile for sm_90a
+    with the wheel build's CMake settings: every source that is not a kernel
+    instantiation, and instantiations holding every element type, head dim,
+    layout, tile shape, scaling recipe and mechanism. Skipped where the
+    install itself compiled the extension (the test above checks that one)."""
+    p = _built("kernels")
+    absent = [o for o in p.objects if not (p.build / o).is_file()]
+    assert not absent, f"built without writing {absent}"
+
+
+def test_wheel_carries_the_kernels(tmp_path):
+    """The release check (PK_JAX_COMPILE_CHECK=wheel; about half an hour on
+    two cores): `PK_JAX_BUILD_CUDA=1 pip wheel` builds the wheel a release
+    ships. It holds the sm_90a extension (CUTLASS kernels required), says so
+    in _build_info, links no CUDA toolkit library, is a manylinux wheel by
+    auditwheel's reading (repaired to that tag), and its extension imports
+    on this machine and registers the FFI targets the Python side lowers to."""
+    p = _built("wheel")
     wheels = sorted(p.dist.glob("pk_jax-*.whl"))
     assert len(wheels) == 1, f"expected one wheel in {p.dist}, found {wheels}"
     wheel = wheels[0]

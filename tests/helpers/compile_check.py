@@ -1,17 +1,30 @@
-"""The CUDA compile check (tests/test_build_cpu.py::test_wheel_carries_the_kernels):
-wherever nvcc exists, the wheel a release ships is built in the background
-while the other tests run: `PK_JAX_BUILD_CUDA=1 pip wheel --no-build-isolation`
-(the sm_90a kernels, CUTLASS required) into build/compile-check-<python>
-(kept, so a rerun recompiles only what changed), the wheel to
-build/compile-check-<python>/dist. conftest.py starts it once collection has
-picked that test (at the lowest CPU priority, so the tests keep theirs) and
-runs the test last; the test waits for the build, then checks the wheel
-(auditwheel's manylinux tag, no CUDA toolkit library needed, the extension
-importing and registering its FFI targets).
+"""The CUDA compile checks, run wherever nvcc exists, in the background while
+the other tests run (conftest.py starts the build once collection has
+picked the check's test, at the lowest CPU priority so the tests keep
+theirs, and runs that test last; it waits for the build):
 
-PK_JAX_COMPILE_CHECK=0 skips it, =1 runs it even where the install itself
-compiled the extension (test_build_cpu.py checks that one otherwise);
-PK_JAX_COMPILE_CHECK_JOBS sets the build's parallelism (default: the CPUs).
+- `kernels` (the default): CMake configures the extension exactly as the
+  wheel build does (sm_90a, CUTLASS required, Release) into
+  build/compile-check-<python>, and Ninja compiles every source that is not
+  a kernel instantiation plus, from each kernel folder's instantiations/,
+  the fewest files whose names hold every name part of the folder (every
+  element type, head dim, layout, tile shape, scaling recipe and mechanism
+  compiled at least once: 12 of the 40 instantiation units, each about a
+  minute of one core on a 2-core machine, where the other 38 sources take
+  seconds). Test: test_every_kernel_compiles.
+- `wheel`: `PK_JAX_BUILD_CUDA=1 pip wheel --no-build-isolation` builds the
+  wheel a release ships (every instantiation) into the same folder, the
+  wheel to build/compile-check-<python>/dist; its test checks auditwheel's
+  manylinux tag, that no CUDA toolkit library is needed and that the
+  extension imports and registers its FFI targets. Test:
+  test_wheel_carries_the_kernels. The release check: about half an hour on
+  two cores, which is why the test suite does not run it by default.
+
+PK_JAX_COMPILE_CHECK=0 skips both, =kernels or =wheel picks one (also where
+the install itself compiled the extension, which test_build_cpu.py checks
+otherwise and the default then skips); PK_JAX_COMPILE_CHECK_JOBS sets the
+build's parallelism (default: the CPUs). The build folder is kept, so a
+rerun recompiles only what changed.
 """
 
 from __future__ import annotations
@@ -28,15 +41,19 @@ import sysconfig
 import threading
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TEST_NAME = "test_wheel_carries_the_kernels"
+MODES = ("kernels", "wheel")
+# The check's test for each mode (test_build_cpu.py); conftest.py runs them last.
+TEST_NAMES = {"kernels": "test_every_kernel_compiles", "wheel": "test_wheel_carries_the_kernels"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
     skip: str | None                  # why the check does not run here, or None
+    mode: str = ""                    # one of MODES when it runs
     build: pathlib.Path | None = None
     commands: tuple[tuple[str, ...], ...] = ()
     env: dict | None = None           # the commands' environment
+    objects: tuple[pathlib.Path, ...] = ()  # what mode kernels compiles (in build)
 
     @property
     def log(self) -> pathlib.Path:
@@ -44,13 +61,16 @@ class Plan:
 
     @property
     def dist(self) -> pathlib.Path:
-        """Where the wheel is written (emptied before each build)."""
+        """Where mode wheel writes the wheel (emptied before each build)."""
         return self.build / "dist"
 
 
-# What `pip wheel --no-build-isolation` takes from this environment (the test
-# extra): the build backend's requirements and those of a CUDA build.
-BUILD_MODULES = ("scikit_build_core", "nanobind", "cutlass_library", "jax")
+# What each mode takes from this environment (the test extra): mode wheel,
+# `pip wheel --no-build-isolation`, the build backend's requirements and
+# those of a CUDA build; mode kernels, what CMakeLists.txt imports and the
+# CMake and Ninja it runs.
+BUILD_MODULES = {"wheel": ("scikit_build_core", "nanobind", "cutlass_library", "jax"),
+                 "kernels": ("nanobind", "cutlass_library", "jax", "cmake", "ninja")}
 # README's wheel command takes these too (tests/test_readme_cpu.py checks).
 WHEEL_FLAGS = ("--no-build-isolation", "--no-deps")
 
@@ -79,28 +99,78 @@ def tool_path() -> str:
     return os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 
+def covering(names: list[str]) -> list[str]:
+    """The fewest of `names` (file stems such as "gemm_f16_f16_at") whose
+    "_"-separated parts together hold every part of all of them: greedy, the
+    name adding most new parts first (ties: the first in sorted order)."""
+    names = sorted(names)
+    parts = {n: set(n.split("_")) for n in names}
+    missing = set().union(*parts.values()) if names else set()
+    chosen = []
+    while missing:
+        best = max(names, key=lambda n: (len(parts[n] & missing), -names.index(n)))
+        chosen.append(best)
+        missing -= parts[best]
+    return chosen
+
+
+def kernel_sources() -> list[pathlib.Path]:
+    """Mode kernels' sources (relative to ROOT), by CMakeLists.txt's globs:
+    every source of the extension that is not a kernel instantiation, and
+    the covering() instantiations of each kernel folder."""
+    plain = [*ROOT.glob("csrc/pk/*.cu"), *ROOT.glob("csrc/kernels/*/*.cu"),
+             *ROOT.glob("csrc/runtime/*.cc"), *ROOT.glob("xla_ffi/*.cc")]
+    chosen = []
+    for folder in sorted(ROOT.glob("csrc/kernels/*/instantiations")):
+        stems = covering([f.stem for f in folder.glob("*.cu")])
+        chosen += [folder / f"{stem}.cu" for stem in stems]
+    return [f.relative_to(ROOT) for f in sorted(plain) + chosen]
+
+
+def object_of(source: pathlib.Path) -> pathlib.Path:
+    """The Ninja target (relative to the build folder) compiling `source`:
+    CMake's object path in its target's folder (xla_ffi/module.cc is the
+    Python module's, every other source the pk_cuda library's)."""
+    target = "_pk_jax_ext" if source.as_posix() == "xla_ffi/module.cc" else "pk_cuda"
+    return pathlib.Path("CMakeFiles", f"{target}.dir", f"{source.as_posix()}.o")
+
+
 def plan() -> Plan:
-    """Whether the check runs here and, if so, its build directory and commands."""
+    """Whether the check runs here and, if so, its mode, build folder and commands."""
     forced = os.environ.get("PK_JAX_COMPILE_CHECK", "")
     if forced == "0":
         return Plan("PK_JAX_COMPILE_CHECK=0")
+    if forced and forced not in MODES:
+        raise ValueError(f"PK_JAX_COMPILE_CHECK={forced!r}: expected 0, "
+                         + " or ".join(MODES) + " (unset: kernels)")
+    mode = forced or "kernels"
     nvcc = decision_module().find_nvcc()
     if nvcc is None:
         return Plan("nvcc not found: no CUDA compile check on this machine")
     info = build_info()
-    if forced != "1" and info is not None and info.cuda:
+    if not forced and info is not None and info.cuda:
         return Plan(f"the install compiled the extension ({info.reason})")
     tag = sysconfig.get_config_var("SOABI") or f"py{sys.version_info[0]}{sys.version_info[1]}"
-    build = ROOT / "build" / f"compile-check-{tag}"
+    build = ROOT / "build" / f"compile-check-{tag}" / mode
     jobs = os.environ.get("PK_JAX_COMPILE_CHECK_JOBS") or str(os.cpu_count() or 2)
     env = {**os.environ, "PK_JAX_BUILD_CUDA": "1", "CMAKE_BUILD_PARALLEL_LEVEL": jobs,
            "PATH": tool_path()}
     if shutil.which("nvcc", path=env["PATH"]) is None and not os.environ.get("CUDACXX"):
         env["CUDACXX"] = nvcc
     nice = ("nice", "-n", "19") if shutil.which("nice") else ()
-    wheel = (*nice, sys.executable, "-m", "pip", "wheel", "-v", *WHEEL_FLAGS, "--no-index",
-             "-C", f"build-dir={build}", "-w", str(build / "dist"), str(ROOT))
-    return Plan(None, build, (wheel,), env)
+    if mode == "wheel":
+        wheel = (*nice, sys.executable, "-m", "pip", "wheel", "-v", *WHEEL_FLAGS, "--no-index",
+                 "-C", f"build-dir={build}", "-w", str(build / "dist"), str(ROOT))
+        return Plan(None, mode, build, (wheel,), env)
+    # The wheel build's CMake settings (build_backend/pk_jax_build.py: _config).
+    configure = (*nice, "cmake", "-S", str(ROOT), "-B", str(build), "-G", "Ninja",
+                 "-DCMAKE_BUILD_TYPE=Release", f"-DPython_EXECUTABLE={sys.executable}",
+                 f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DPK_JAX_CUDA=ON",
+                 "-DPK_JAX_REQUIRE_CUTLASS=ON")
+    objects = tuple(object_of(s) for s in kernel_sources())
+    compile_ = (*nice, "cmake", "--build", str(build), "--parallel", jobs, "--",
+                *(o.as_posix() for o in objects))
+    return Plan(None, mode, build, (configure, compile_), env, objects)
 
 
 class _Run:
@@ -131,8 +201,13 @@ class _Run:
                 # fairly between sessions, which would void the build's nice 19.
                 group = ({"process_group": 0} if sys.version_info >= (3, 11)
                          else {"preexec_fn": os.setpgrp})
-                self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                              env=self.plan.env, **group)
+                try:
+                    self._proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                                  env=self.plan.env, **group)
+                except OSError as e:  # e.g. no cmake on PATH
+                    out.write(f"could not start {cmd[0]!r}: {e}\n")
+                    rc = 127
+                    break
                 rc = self._proc.wait()
                 if rc != 0:
                     break
