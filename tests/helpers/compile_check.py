@@ -5,18 +5,18 @@ theirs, and runs that test last; it waits for the build):
 
 - `kernels` (the default): CMake configures the extension exactly as the
   wheel build does (sm_90a, CUTLASS required, Release) into
-  build/compile-check-<python>, and Ninja compiles every source that is not
-  a kernel instantiation plus, from each kernel folder's instantiations/,
-  the fewest files whose names hold every name part of the folder (every
-  element type, head dim, layout, tile shape, scaling recipe and mechanism
-  compiled at least once: 12 of the 40 instantiation units, each about a
-  minute of one core on a 2-core machine, where the other 38 sources take
-  seconds). Test: test_every_kernel_compiles.
+  build/compile-check-<python>/kernels, and Ninja compiles every source that
+  is not a kernel instantiation plus, from each kernel folder's
+  instantiations/, a few files (a greedy cover) whose names together hold
+  every name part of the folder: every element type, head dim, layout, tile
+  shape, scaling recipe and mechanism compiled at least once (the CUTLASS
+  instantiation units take about a minute of one core each, the other
+  sources seconds). Test: test_every_kernel_compiles.
 - `wheel`: `PK_JAX_BUILD_CUDA=1 pip wheel --no-build-isolation` builds the
-  wheel a release ships (every instantiation) into the same folder, the
-  wheel to build/compile-check-<python>/dist; its test checks auditwheel's
-  manylinux tag, that no CUDA toolkit library is needed and that the
-  extension imports and registers its FFI targets. Test:
+  wheel a release ships (every instantiation) in
+  build/compile-check-<python>/wheel, the wheel to its dist/; its test
+  checks auditwheel's manylinux tag, that no CUDA toolkit library is needed
+  and that the extension imports and registers its FFI targets. Test:
   test_wheel_carries_the_kernels. The release check: about half an hour on
   two cores, which is why the test suite does not run it by default.
 
@@ -100,9 +100,10 @@ def tool_path() -> str:
 
 
 def covering(names: list[str]) -> list[str]:
-    """The fewest of `names` (file stems such as "gemm_f16_f16_at") whose
-    "_"-separated parts together hold every part of all of them: greedy, the
-    name adding most new parts first (ties: the first in sorted order)."""
+    """A few of `names` (file stems such as "gemm_f16_f16_at") whose
+    "_"-separated parts together hold every part of all of them: a greedy
+    cover, the name adding most new parts first (ties: the first in sorted
+    order)."""
     names = sorted(names)
     parts = {n: set(n.split("_")) for n in names}
     missing = set().union(*parts.values()) if names else set()
