@@ -193,6 +193,15 @@ def test_every_kernel_compiles():
     p = _built("kernels")
     absent = [o for o in p.objects if not (p.build / o).is_file()]
     assert not absent, f"built without writing {absent}"
+    # The check's sources are CMake's: every object of the configured build,
+    # the instantiations aside, is among them (a source CMakeLists.txt adds
+    # elsewhere is not left out).
+    targets = re.findall(r"^build (CMakeFiles/(?:pk_cuda|_pk_jax_ext)\.dir/\S+\.o):",
+                         (p.build / "build.ninja").read_text(), flags=re.M)
+    assert targets, "no object targets in build.ninja"
+    others = {t for t in targets if "/instantiations/" not in t}
+    assert others <= {o.as_posix() for o in p.objects}, \
+        others - {o.as_posix() for o in p.objects}
 
 
 def test_wheel_carries_the_kernels(tmp_path):
