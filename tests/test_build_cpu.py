@@ -205,7 +205,7 @@ def test_every_kernel_compiles():
 
 
 def test_wheel_carries_the_kernels(tmp_path):
-    """The release check (PK_JAX_COMPILE_CHECK=wheel; about half an hour on
+    """The release check (PK_JAX_COMPILE_CHECK=wheel; about 20 minutes on
     two cores): `PK_JAX_BUILD_CUDA=1 pip wheel` builds the wheel a release
     ships. It holds the sm_90a extension (CUTLASS kernels required), says so
     in _build_info, links no CUDA toolkit library, is a manylinux wheel by

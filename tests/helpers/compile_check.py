@@ -17,7 +17,7 @@ theirs, and runs that test last; it waits for the build):
   build/compile-check-<python>/wheel, the wheel to its dist/; its test
   checks auditwheel's manylinux tag, that no CUDA toolkit library is needed
   and that the extension imports and registers its FFI targets. Test:
-  test_wheel_carries_the_kernels. The release check: about half an hour on
+  test_wheel_carries_the_kernels. The release check: about 20 minutes on
   two cores, which is why the test suite does not run it by default.
 
 PK_JAX_COMPILE_CHECK=0 skips both, =kernels or =wheel picks one (also where
