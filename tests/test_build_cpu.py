@@ -155,9 +155,8 @@ def _built(mode: str) -> compile_check.Plan:
     if p.mode != mode:
         pytest.skip(f"the compile check runs mode {p.mode} (PK_JAX_COMPILE_CHECK={mode} "
                     "runs this one)")
-    missing = [m for m in compile_check.BUILD_MODULES[mode] + (("elftools",) if mode == "wheel"
-                                                                else ())
-               if importlib.util.find_spec(m) is None]
+    needs = compile_check.BUILD_MODULES[mode] + (("elftools",) if mode == "wheel" else ())
+    missing = [m for m in needs if importlib.util.find_spec(m) is None]
     assert not missing, f"the compile check needs {missing}: pip install -e '.[test]'"
     if rc != 0:
         tail = "\n".join(p.log.read_text(errors="replace").splitlines()[-60:])
@@ -182,7 +181,7 @@ def test_covering_holds_every_name_part():
         "_pk_jax_ext.dir"
 
 
-def test_every_kernel_compiles():
+def test_cuda_sources_compile():
     """The default compile check (tests/helpers/compile_check.py, built in
     the background while the other tests run; conftest.py runs this test
     last): wherever nvcc exists, the extension's sources compile for sm_90a

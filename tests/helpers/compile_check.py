@@ -11,7 +11,7 @@ theirs, and runs that test last; it waits for the build):
   every name part of the folder: every element type, head dim, layout, tile
   shape, scaling recipe and mechanism compiled at least once (the CUTLASS
   instantiation units take about a minute of one core each, the other
-  sources seconds). Test: test_every_kernel_compiles.
+  sources seconds). Test: test_cuda_sources_compile.
 - `wheel`: `PK_JAX_BUILD_CUDA=1 pip wheel --no-build-isolation` builds the
   wheel a release ships (every instantiation) in
   build/compile-check-<python>/wheel, the wheel to its dist/; its test
@@ -43,7 +43,7 @@ import threading
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("kernels", "wheel")
 # The check's test for each mode (test_build_cpu.py); conftest.py runs them last.
-TEST_NAMES = {"kernels": "test_every_kernel_compiles", "wheel": "test_wheel_carries_the_kernels"}
+TEST_NAMES = {"kernels": "test_cuda_sources_compile", "wheel": "test_wheel_carries_the_kernels"}
 
 
 @dataclasses.dataclass(frozen=True)
