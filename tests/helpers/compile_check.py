@@ -109,7 +109,7 @@ def covering(names: list[str]) -> list[str]:
     missing = set().union(*parts.values()) if names else set()
     chosen = []
     while missing:
-        best = max(names, key=lambda n: (len(parts[n] & missing), -names.index(n)))
+        best = max(names, key=lambda n: len(parts[n] & missing))  # first of equals
         chosen.append(best)
         missing -= parts[best]
     return chosen
