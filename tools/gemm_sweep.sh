@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Tile configurations and swizzles of the sm90 GEMMs, bf16 and FP8 (tools/gemm_sweep),
 # on one GPU, then XLA's dot (cuBLAS) at the same shapes in the same call, to pick
-# the GEMMs' tiles per shape. Needs nvcc and the nvidia-cutlass headers (on the
-# GPU machine: after tools/gpu_check.sh, which installs them into /tmp/site).
+# the GEMMs' tiles per shape. Building needs nvcc and the nvidia-cutlass headers
+# (tools/sweep_build.sh).
 # Usage: tools/gemm_sweep.sh [M,N,K ...]; output in $OUT/gemm_sweep.log.
 # PK_SWEEP_BIN=path runs a binary built earlier (tools/gemm_sweep.sh build-only:
 # PK_SWEEP_BUILD_ONLY=1 leaves it in $PK_SWEEP_OUT_BIN) instead of building.
@@ -10,21 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pk_out}; mkdir -p "$OUT"
 BIN=${PK_SWEEP_BIN:-}
-if [ -z "$BIN" ]; then  # the CUTLASS headers are needed only to build
-  C=$(python3 -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \
-print(os.path.join(s.submodule_search_locations[0], 'source'))")
-  B=$(mktemp -d)
-  flags=(-std=c++17 -O3 -DNDEBUG -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr
-         -DPK_HAVE_CUTLASS -Icsrc -I. -isystem "$C/include" -isystem "$C/tools/util/include")
-  t0=$(date +%s)
-  configs=$(grep -c '^    Entry<' tools/gemm_sweep/config.cu)
-  # one translation unit per configuration, $(nproc) at a time
-  seq 0 $((configs - 1)) | xargs -P "$(nproc)" -I{} \
-    nvcc "${flags[@]}" -DPK_SWEEP_INDEX={} -c tools/gemm_sweep/config.cu -o "$B/config_{}.o"
-  nvcc "${flags[@]}" -c tools/gemm_sweep/main.cu -o "$B/main.o"
-  BIN="$B/gemm_sweep"
-  nvcc -gencode=arch=compute_90a,code=sm_90a "$B"/*.o -o "$BIN"
-  echo "gemm_sweep built in $(( $(date +%s) - t0 )) s"
+if [ -z "$BIN" ]; then
+  BIN=$(tools/sweep_build.sh gemm_sweep)
   if [ -n "${PK_SWEEP_BUILD_ONLY:-}" ]; then cp "$BIN" "${PK_SWEEP_OUT_BIN:-gemm_sweep}"; exit 0; fi
 fi
 "$BIN" "$@" | tee "$OUT/gemm_sweep.log"

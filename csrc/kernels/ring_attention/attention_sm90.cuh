@@ -4,7 +4,8 @@
 //
 // Launch config: one CTA per (128-row query tile, batch, query head), 384
 // threads, heaviest query tiles first (HeavyFirstScheduler); CTAs that start
-// late find the peers' blocks already posted.
+// late find the peers' blocks already posted. (FwdTile's persistent variant,
+// which tools/attention_sweep measures: one CTA per SM over the same order.)
 // Arguments: see KernelArgs / Params in ring_attention.h.
 // Roles: warp 1 of warpgroup 0 loads Q, K, V (and waits on the posts);
 // warpgroups 1 and 2 run QK, softmax and PV on 64 query rows each.
@@ -134,33 +135,79 @@ struct WithCommCtas : Base {
   }
 };
 
-// (query rows, keys, head dim) of one CTA's tile. Head dim 64 takes 128 keys
-// a tile, as head dim 128 does (64 keys halves every QK and PV GEMM and
-// doubles the softmax steps per key; NOTES.md, 2026-12-03).
-template <int kHeadDim>
-struct Tiles;
-template <>
-struct Tiles<128> {
-  using Shape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+// The same order, persistent: min(tiles, SMs) CTAs, CTA c taking tiles c,
+// c + grid, ... of HeavyFirstScheduler's order (x: query tiles from the
+// last, then batch, then head), so a CTA's producer loads its next tile
+// while its math warpgroups finish the last one.
+struct PersistentHeavyFirstScheduler {
+  struct Params {
+    int m_blocks = 0, batch = 0, heads = 0, ctas = 0;
+  };
+  Params p;
+  int tile = 0;
+
+  CUTLASS_DEVICE explicit PersistentHeavyFirstScheduler(Params const& params)
+      : p(params), tile(int(blockIdx.x)) {}
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem,
+                                        cutlass::KernelHardwareInfo hw, ClusterShape const&,
+                                        TileShape const& tile) {
+    const int m_blocks = cute::ceil_div(cute::get<2>(problem), cute::get<0>(tile));
+    const int tiles = m_blocks * cute::get<0>(problem) * cute::get<1>(problem);
+    return Params{m_blocks, cute::get<0>(problem), cute::get<1>(problem),
+                  hw.sm_count > 0 && hw.sm_count < tiles ? hw.sm_count : tiles};
+  }
+  static dim3 get_grid_shape(Params const& p) { return dim3(unsigned(p.ctas)); }
+  CUTLASS_DEVICE bool is_valid() const { return tile < p.m_blocks * p.batch * p.heads; }
+  CUTLASS_DEVICE auto get_block_coord() const {
+    const int m = p.m_blocks - 1 - tile % p.m_blocks;
+    const int i = tile / p.m_blocks;
+    return cute::make_coord(m, cute::_0{}, cute::make_coord(i % p.batch, i / p.batch));
+  }
+  CUTLASS_DEVICE PersistentHeavyFirstScheduler& operator++() {
+    tile += p.ctas;
+    return *this;
+  }
 };
-template <>
-struct Tiles<64> {
-  using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+
+// (query rows, keys, head dim) of one CTA's tile, the stages of its K/V
+// pipeline (K and V tiles share it, one tile a stage) and two mainloop
+// variants: persistent CTAs (PersistentHeavyFirstScheduler) and the lazy
+// rescale of O (RingMainloop::online_softmax). The instantiations take the
+// defaults: head dims 64 and 128 take 128 keys a tile (64 keys halves every
+// QK and PV GEMM and doubles the softmax steps per key; benchmarks/NOTES.md,
+// 2026-12-03) in the example's 5 stages, one query tile per CTA.
+// tools/attention_sweep measures the others.
+template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kIsPersistent = false,
+          bool kLazy = false>
+struct FwdTile {
+  using Shape = cute::Shape<cute::_128, cute::Int<kKeys>, cute::Int<kHeadDim>>;
+  using StagesKV = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV,
+                                                 cute::Int<kStages>>;
+  using Persistent = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kIsPersistent,
+                                                   cute::bool_constant<kIsPersistent>>;
+  static constexpr bool kLazyRescale = kLazy;
+  using Scheduler =
+      std::conditional_t<kIsPersistent, PersistentHeavyFirstScheduler, HeavyFirstScheduler>;
 };
 
 // kCommCtas: mechanism ld_st (communicator CTAs in front); false is the
 // copy_engine kernel, unchanged.
-template <typename Element, int kHeadDim, bool kCommCtas = false>
+template <typename Element, int kHeadDim, bool kCommCtas = false, class Tile = FwdTile<kHeadDim>>
 struct AttentionKernel {
   // (seq, dim, (batch, head)), 64-bit: the batch strides of q/out (s_local *
   // Hq * D) and of the peers' K/V ((n - 1) * s_local * Hkv * D) pass 2^31
   // elements at sizes a GPU holds (TensorStrides, kv_walk.cuh).
   using Stride = StrideO;
-  using TileShape = typename Tiles<kHeadDim>::Shape;
-  using Mainloop = RingMainloop<Element, TileShape, Stride>;
+  using TileShape = typename Tile::Shape;
+  using Mainloop = RingMainloop<Element, Tile, Stride>;
   using Epilogue = RingEpilogue<Element, float, typename Mainloop::TileShapePV>;
   using Fmha = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue, std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
+      Mainloop, Epilogue,
+      std::conditional_t<kCommCtas, CommFirstScheduler, typename Tile::Scheduler>>;
+  static_assert(!(kCommCtas && Mainloop::Base::kIsPersistent),
+                "mechanism ld_st's communicator CTAs need one query tile per CTA");
   using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
 
