@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
-# Forward tile configurations of the fused ring attention kernel (keys per tile,
-# K/V stages; head dims 64, 128, 256: tools/attention_sweep) on one GPU, then
+# Forward configurations of the fused ring attention kernel (keys per tile, K/V
+# stages, persistent CTAs, lazy rescale; head dims 64, 128, 256:
+# tools/attention_sweep/config.cu) on one GPU, bf16, then
 # cuDNN's fused attention (jax.nn.dot_product_attention, implementation="cudnn")
 # at the same shapes in the same call, to pick the kernel's tile per shape class.
-# Building needs nvcc and the nvidia-cutlass headers (tools/sweep_build.sh).
-# Usage: tools/attention_sweep.sh [B,S,HQ,HKV,D,CAUSAL ...]; output in
-# $OUT/attention_sweep.log. PK_SWEEP_BIN=path runs a binary built earlier
-# (PK_SWEEP_BUILD_ONLY=1 leaves it in $PK_SWEEP_OUT_BIN) instead of building.
+# The binary: tools/sweep_build.sh (PK_SWEEP_BIN runs one built earlier,
+# PK_SWEEP_BUILD_ONLY only builds it). Usage: tools/attention_sweep.sh
+# [B,S,HQ,HKV,D,CAUSAL ...]; output in $OUT/attention_sweep.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pk_out}; mkdir -p "$OUT"
-BIN=${PK_SWEEP_BIN:-}
-if [ -z "$BIN" ]; then
-  BIN=$(tools/sweep_build.sh attention_sweep)
-  if [ -n "${PK_SWEEP_BUILD_ONLY:-}" ]; then cp "$BIN" "${PK_SWEEP_OUT_BIN:-attention_sweep}"; exit 0; fi
-fi
+BIN=$(tools/sweep_build.sh attention_sweep)
+[ -n "$BIN" ] || exit 0  # PK_SWEEP_BUILD_ONLY: built and copied
 "$BIN" "$@" | tee "$OUT/attention_sweep.log"
 # cuDNN at the same shapes (the same timing loop as benchmarks/common.py).
 python3 - "$@" <<'PY' | tee -a "$OUT/attention_sweep.log"

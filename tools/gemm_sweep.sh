@@ -1,19 +1,14 @@
 #!/usr/bin/env bash
 # Tile configurations and swizzles of the sm90 GEMMs, bf16 and FP8 (tools/gemm_sweep),
 # on one GPU, then XLA's dot (cuBLAS) at the same shapes in the same call, to pick
-# the GEMMs' tiles per shape. Building needs nvcc and the nvidia-cutlass headers
-# (tools/sweep_build.sh).
+# the GEMMs' tiles per shape. The binary: tools/sweep_build.sh (PK_SWEEP_BIN runs
+# one built earlier, PK_SWEEP_BUILD_ONLY only builds it).
 # Usage: tools/gemm_sweep.sh [M,N,K ...]; output in $OUT/gemm_sweep.log.
-# PK_SWEEP_BIN=path runs a binary built earlier (tools/gemm_sweep.sh build-only:
-# PK_SWEEP_BUILD_ONLY=1 leaves it in $PK_SWEEP_OUT_BIN) instead of building.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pk_out}; mkdir -p "$OUT"
-BIN=${PK_SWEEP_BIN:-}
-if [ -z "$BIN" ]; then
-  BIN=$(tools/sweep_build.sh gemm_sweep)
-  if [ -n "${PK_SWEEP_BUILD_ONLY:-}" ]; then cp "$BIN" "${PK_SWEEP_OUT_BIN:-gemm_sweep}"; exit 0; fi
-fi
+BIN=$(tools/sweep_build.sh gemm_sweep)
+[ -n "$BIN" ] || exit 0  # PK_SWEEP_BUILD_ONLY: built and copied
 "$BIN" "$@" | tee "$OUT/gemm_sweep.log"
 # XLA's dot at the same shapes (the same timing loop as benchmarks/common.py).
 python3 - "$@" <<'PY' | tee -a "$OUT/gemm_sweep.log"

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# Build a tile sweep, tools/<name>/ (config.cu: one translation unit per
-# configuration, -DPK_SWEEP_INDEX=i, $(nproc) at a time; main.cu), into one
-# sm_90a binary and print its path. Needs nvcc and the nvidia-cutlass headers (on
-# the GPU machine: after tools/gpu_check.sh, which installs them into /tmp/site).
+# The binary of a tile sweep, tools/<name>/, for tools/<name>.sh: prints its path.
+# PK_SWEEP_BIN=path: that binary, nothing built. Otherwise config.cu (one
+# translation unit per configuration, -DPK_SWEEP_INDEX=i, $(nproc) at a time) and
+# main.cu are built into one sm_90a binary; PK_SWEEP_BUILD_ONLY=1 then copies it to
+# $PK_SWEEP_OUT_BIN (default ./<name>) and prints nothing. Building needs nvcc and
+# the nvidia-cutlass headers (on the GPU machine: after tools/gpu_check.sh, which
+# installs them into /tmp/site).
 # Usage: tools/sweep_build.sh gemm_sweep|attention_sweep
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=$1
+if [ -n "${PK_SWEEP_BIN:-}" ]; then echo "$PK_SWEEP_BIN"; exit 0; fi
 C=$(python3 -c "import importlib.util as u, os; s = u.find_spec('cutlass_library'); \
 print(os.path.join(s.submodule_search_locations[0], 'source'))")
 B=$(mktemp -d)
@@ -20,4 +24,5 @@ seq 0 $((configs - 1)) | xargs -P "$(nproc)" -I{} \
 nvcc "${flags[@]}" -c "tools/$NAME/main.cu" -o "$B/main.o"
 nvcc -gencode=arch=compute_90a,code=sm_90a "$B"/*.o -o "$B/$NAME"
 echo "$NAME built in $(( $(date +%s) - t0 )) s" >&2
+if [ -n "${PK_SWEEP_BUILD_ONLY:-}" ]; then cp "$B/$NAME" "${PK_SWEEP_OUT_BIN:-$NAME}"; exit 0; fi
 echo "$B/$NAME"

@@ -76,7 +76,7 @@ cudaError_t run(const pk::ring_attention::Params& p) {
   return This::Kernel::launch(a);
 }
 
-const bool registered =
+[[maybe_unused]] const bool registered =
     pk_sweep::add({PK_SWEEP_INDEX, kNames[PK_SWEEP_INDEX], This::head_dim, load, run});
 
 }  // namespace

@@ -20,6 +20,7 @@
 
 #include "pk/layout.h"
 #include "tools/attention_sweep/sweep.h"
+#include "tools/sweep_common.cuh"
 
 std::vector<pk_sweep::Config>& pk_sweep::configs() {
   static std::vector<Config> all;
@@ -28,26 +29,12 @@ std::vector<pk_sweep::Config>& pk_sweep::configs() {
 
 namespace {
 
+using pk_sweep::check;
+using pk_sweep::fill;
+using pk_sweep::max_abs_diff;
+
 constexpr int kWarmup = 3, kIters = 20, kSamples = 256;
 
-void check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-  std::exit(1);
-}
-
-__device__ float hash_unit(size_t i, uint32_t seed) {  // in [-1, 1)
-  uint32_t h = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32) * 40503u;
-  h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-  return float(h & 0xFFFF) / 32768.0f - 1.0f;
-}
-
-// Values from a hash of the index and a seed (fresh per run).
-__global__ void fill(__nv_bfloat16* x, size_t count, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
-       i += size_t(gridDim.x) * blockDim.x)
-    x[i] = __float2bfloat16(scale * hash_unit(i, seed));
-}
 
 struct Shape { int b, s, hq, hkv, d, causal; };
 struct Sample { int b, h, row; };
@@ -113,16 +100,6 @@ __global__ void gather(const __nv_bfloat16* o, const float* lse, Shape sh, const
     out_lse[blockIdx.x] = lse[(size_t(smp.b) * sh.hq + smp.h) * sh.s + smp.row];
 }
 
-__global__ void max_abs_diff(const __nv_bfloat16* x, const __nv_bfloat16* y, size_t count,
-                             float* result) {
-  float m = 0.f;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
-       i += size_t(gridDim.x) * blockDim.x) {
-    const float e = fabsf(__bfloat162float(x[i]) - __bfloat162float(y[i]));
-    m = isnan(e) ? INFINITY : fmaxf(m, e);  // fmaxf would drop a NaN (unwritten poison)
-  }
-  atomicMax(reinterpret_cast<int*>(result), __float_as_int(m));  // m >= 0: int order = float order
-}
 
 double flops(const Shape& s) {  // 4 B S^2 H D, half of it causal
   return 4.0 * s.b * double(s.s) * s.s * s.hq * s.d * (s.causal ? 0.5 : 1.0);
