@@ -28,7 +28,7 @@ struct Entry {
 };
 
 // The sweep's configurations, in the order main.cu prints them (one a line:
-// tools/sweep_build.sh counts them). ptxas (nvcc 13.0) spills 24 bytes in
+// tools/sweep.sh counts them). ptxas (nvcc 13.0) spills 24 bytes in
 // d256 x 96 keys (measured all the same); d64 x 256 keys is left out: it
 // spills 144 bytes and ptxas serializes its wgmma (too few registers).
 using Configs = std::tuple<

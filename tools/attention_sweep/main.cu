@@ -1,12 +1,14 @@
-// tools/attention_sweep: time the fused ring attention kernel's forward tile
-// configurations (config.cu: keys per tile, K/V stages, head dims 64, 128,
-// 256) on one GPU, bf16, on a ring of one, at the shapes of
+// tools/attention_sweep: time the fused ring attention kernel's forward
+// configurations (config.cu: keys per tile, K/V stages, persistent CTAs, lazy
+// rescale; head dims 64, 128, 256) on one GPU, bf16, on a ring of one, at the
+// shapes of
 // benchmarks/kernels.py's attention table. Every configuration's output is
 // checked before it is timed: sampled query rows (output and log-sum-exp)
 // against an fp32 reference kernel, and the whole output against the first
 // configuration of its head dim; outputs are poisoned (NaN) before each
-// checked run. Usage: attention_sweep [B,S,HQ,HKV,D,CAUSAL ...]; prints one
-// row per (shape, configuration) and the best per shape.
+// checked run. Usage: attention_sweep [B,S,HQ,HKV,D,CAUSAL ...]; prints the
+// shapes (a line "shapes B,S,HQ,HKV,D,CAUSAL ..."), one row per (shape,
+// configuration) and the best per shape.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -126,7 +128,9 @@ int main(int argc, char** argv) {
   check(cudaGetDevice(&dev_id), "cudaGetDevice");
   cudaDeviceProp prop;
   check(cudaGetDeviceProperties(&prop, dev_id), "cudaGetDeviceProperties");
-  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::printf("shapes");  // tools/sweep.sh times cuDNN at these
+  for (const Shape& s : shapes) std::printf(" %d,%d,%d,%d,%d,%d", s.b, s.s, s.hq, s.hkv, s.d, s.causal);
+  std::printf("\n%s, %d SMs\n", prop.name, prop.multiProcessorCount);
   std::vector<pk_sweep::Config> configs = pk_sweep::configs();
   std::sort(configs.begin(), configs.end(),
             [](const auto& a, const auto& b) { return a.index < b.index; });

@@ -3,8 +3,9 @@
 // FP8 (e4m3) with per-tensor or block factors, bf16 out. Every
 // configuration's output is checked first: sampled elements against an fp32
 // reference kernel, and the whole output against the first configuration of
-// its kind. Usage: gemm_sweep [M,N,K ...]; prints one row per (shape,
-// configuration, swizzle) and the best per (shape, kind).
+// its kind. Usage: gemm_sweep [M,N,K ...]; prints the shapes (a line
+// "shapes M,N,K ..."), one row per (shape, configuration, swizzle) and the
+// best per (shape, kind).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -133,7 +134,9 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, dev_id), "cudaGetDeviceProperties");
   pk::gemm::Device dev{dev_id, prop.multiProcessorCount, nullptr, size_t(256) << 20};
   check(cudaMalloc(&dev.workspace, dev.workspace_bytes), "workspace");
-  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::printf("shapes");  // tools/sweep.sh times XLA's dot at these
+  for (const Shape& s : shapes) std::printf(" %d,%d,%d", s.m, s.n, s.k);
+  std::printf("\n%s, %d SMs\n", prop.name, prop.multiProcessorCount);
   std::printf("| M x N x K | config | swizzle | ms | TFLOP/s | check |\n| --- | --- | --- | --- | --- | --- |\n");
   cudaStream_t stream;
   check(cudaStreamCreate(&stream), "stream");
