@@ -117,12 +117,13 @@ cudaError_t enqueue(const Params& p, const KernelArgs& a, bool* forked) {
 // The kernel needs the CUTLASS headers, like the GEMM: one build switch.
 bool available() { return gemm::available(); }
 
+// A chunk of whole 128-row query tiles; the kernel checks that it holds a
+// key tile (RingMainloop::can_implement: 128 keys at both head dims).
 bool supported(const Params& p) {
   const Geometry& g = p.geo;
-  const int tile_k = p.head_dim == 64 ? 64 : 128;
   return available() && (p.head_dim == 64 || p.head_dim == 128) && p.kv_heads > 0 &&
          p.q_heads % p.kv_heads == 0 && g.s_local > 0 && g.chunk_rows() % kTileQ == 0 &&
-         g.chunk_rows() % tile_k == 0 && p.pieces <= kMaxPieces && p.plan().valid() &&
+         p.pieces <= kMaxPieces && p.plan().valid() &&
          (p.mechanism == Mechanism::kCopyEngine ||
           (p.mechanism == Mechanism::kLdSt && p.num_comm_ctas >= 1 &&
            p.num_comm_ctas <= kMaxCommCtas &&
