@@ -15,7 +15,7 @@
 // Key tiles that do not divide a chunk (176 keys in a chunk of 8192): the
 // last tile of each chunk ends at the chunk's end, overlapping the tile
 // before it; its leading keys that tile already covered are masked (`skip`),
-// so no tile reads past its chunk (the host checks chunk rows >= tile_k).
+// so no tile reads past its chunk (the kernel checks chunk rows >= tile_k).
 #pragma once
 
 #include <cstddef>
