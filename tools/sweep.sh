@@ -5,9 +5,9 @@
 # kernels' tiles per shape class:
 #   gemm_sweep       the sm90 GEMMs' tiles and swizzles, bf16 and FP8, against XLA's
 #                    dot (cuBLAS); shapes M,N,K
-#   attention_sweep  the fused ring attention forward's key tiles, K/V stages,
-#                    persistent CTAs and lazy rescale (head dims 64, 128, 256), bf16,
-#                    against cuDNN's fused attention; shapes B,S,HQ,HKV,D,CAUSAL
+#   attention_sweep  the fused ring attention forward's key tiles, K/V stages and
+#                    mainloop variants (head dims 64, 128, 256), bf16, against
+#                    cuDNN's fused attention; shapes B,S,HQ,HKV,D,CAUSAL
 # Usage: tools/sweep.sh NAME [SHAPE ...] (no shapes: the binary's table); output in
 # $OUT/NAME.log. The binary: PK_SWEEP_BIN=path runs one built earlier; otherwise
 # config.cu (one translation unit per configuration, -DPK_SWEEP_INDEX=i, $(nproc) at

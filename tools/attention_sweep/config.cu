@@ -2,8 +2,9 @@
 // tools/attention_sweep, picked by -DPK_SWEEP_INDEX=i (each its own
 // translation unit, so they compile in parallel): head dim, keys per tile,
 // K/V pipeline stages and mainloop variant (persistent CTAs, lazy rescale of
-// O) of AttentionKernel (attention_sm90.cuh: FwdTile), bf16, mechanism
-// copy_engine, run on a ring of one.
+// O, O's rescale under the next QK GEMM) of AttentionKernel
+// (attention_sm90.cuh: FwdTile), bf16, mechanism copy_engine, run on a ring
+// of one.
 #include <iterator>
 #include <tuple>
 
@@ -11,17 +12,19 @@
 #include "tools/attention_sweep/sweep.h"
 
 #ifndef PK_SWEEP_INDEX
-#error "compile with -DPK_SWEEP_INDEX=<0..14>"
+#error "compile with -DPK_SWEEP_INDEX=<0..17>"
 #endif
 
 namespace {
 
 using pk::ring_attention::FwdTile;
 
-template <int kHeadDim, int kKeys, int kStages, bool kPersistent = false, bool kLazy = false>
+template <int kHeadDim, int kKeys, int kStages, bool kPersistent = false, bool kLazy = false,
+          bool kUnderQk = false>
 struct Entry {
   using Kernel = pk::ring_attention::AttentionKernel<
-      cutlass::bfloat16_t, kHeadDim, false, FwdTile<kHeadDim, kKeys, kStages, kPersistent, kLazy>>;
+      cutlass::bfloat16_t, kHeadDim, false,
+      FwdTile<kHeadDim, kKeys, kStages, kPersistent, kLazy, kUnderQk>>;
   static constexpr int head_dim = kHeadDim;
   // What one CTA may hold (the H200's 227 KiB of shared memory per block).
   static_assert(Kernel::Kernel::SharedStorageSize <= 227 * 1024, "tile too large");
@@ -38,11 +41,14 @@ using Configs = std::tuple<
     Entry<128, 192, 4>,
     Entry<128, 128, 5, false, true>,
     Entry<128, 176, 4, false, true>,
+    Entry<128, 128, 5, false, false, true>,
+    Entry<128, 176, 4, false, false, true>,
     Entry<128, 128, 4, true>,
     Entry<128, 176, 3, true, true>,
     Entry<64, 128, 5>,
     Entry<64, 192, 5>,
     Entry<64, 128, 5, false, true>,
+    Entry<64, 128, 5, false, false, true>,
     Entry<256, 64, 4>,
     Entry<256, 64, 5>,
     Entry<256, 80, 4>,
@@ -54,11 +60,14 @@ constexpr const char* kNames[] = {
     "d128 192 keys 4 stages",
     "d128 128 keys 5 stages lazy rescale",
     "d128 176 keys 4 stages lazy rescale",
+    "d128 128 keys 5 stages rescale under QK",
+    "d128 176 keys 4 stages rescale under QK",
     "d128 128 keys 4 stages persistent",
     "d128 176 keys 3 stages persistent lazy rescale",
     "d64 128 keys 5 stages (ops)",
     "d64 192 keys 5 stages",
     "d64 128 keys 5 stages lazy rescale",
+    "d64 128 keys 5 stages rescale under QK",
     "d256 64 keys 4 stages",
     "d256 64 keys 5 stages",
     "d256 80 keys 4 stages",

@@ -1,6 +1,6 @@
 // tools/attention_sweep: time the fused ring attention kernel's forward
-// configurations (config.cu: keys per tile, K/V stages, persistent CTAs, lazy
-// rescale; head dims 64, 128, 256) on one GPU, bf16, on a ring of one, at the
+// configurations (config.cu: keys per tile, K/V stages, mainloop variants;
+// head dims 64, 128, 256) on one GPU, bf16, on a ring of one, at the
 // shapes of
 // benchmarks/kernels.py's attention table. Every configuration's output is
 // checked before it is timed: sampled query rows (output and log-sum-exp)

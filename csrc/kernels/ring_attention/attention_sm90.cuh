@@ -172,15 +172,16 @@ struct PersistentHeavyFirstScheduler {
 };
 
 // (query rows, keys, head dim) of one CTA's tile, the stages of its K/V
-// pipeline (K and V tiles share it, one tile a stage) and two mainloop
-// variants: persistent CTAs (PersistentHeavyFirstScheduler) and the lazy
-// rescale of O (RingMainloop::online_softmax). The instantiations take the
+// pipeline (K and V tiles share it, one tile a stage) and three mainloop
+// variants: persistent CTAs (PersistentHeavyFirstScheduler), the lazy
+// rescale of O (RingMainloop::online_softmax) and O's rescale under the next
+// QK GEMM (RingMainloop::compute). The instantiations take the
 // defaults: head dims 64 and 128 take 128 keys a tile (64 keys halves every
 // QK and PV GEMM and doubles the softmax steps per key; benchmarks/NOTES.md,
 // 2026-12-03) in the example's 5 stages, one query tile per CTA.
 // tools/attention_sweep measures the others.
 template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kIsPersistent = false,
-          bool kLazy = false>
+          bool kLazy = false, bool kUnderQk = false>
 struct FwdTile {
   using Shape = cute::Shape<cute::_128, cute::Int<kKeys>, cute::Int<kHeadDim>>;
   using StagesKV = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV,
@@ -188,6 +189,7 @@ struct FwdTile {
   using Persistent = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kIsPersistent,
                                                    cute::bool_constant<kIsPersistent>>;
   static constexpr bool kLazyRescale = kLazy;
+  static constexpr bool kRescaleUnderQk = kUnderQk;
   using Scheduler =
       std::conditional_t<kIsPersistent, PersistentHeavyFirstScheduler, HeavyFirstScheduler>;
 };

@@ -50,7 +50,8 @@ struct RingArgs {
 
 // Tile: the CTA's tile and mainloop variant (attention_sm90.cuh, FwdTile):
 // Shape (query rows, keys, head dim), the example's options (Options: K/V
-// stages, persistence) and kLazyRescale (online_softmax).
+// stages, persistence), kLazyRescale (online_softmax) and kRescaleUnderQk
+// (compute).
 template <class Element, class Tile, class Stride>
 struct RingMainloop
     : cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
@@ -80,6 +81,7 @@ struct RingMainloop
   using typename Base::TMA_V;
   using Base::NumMmaWarpGroups;
   static constexpr bool kLazyRescale = Tile::kLazyRescale;
+  static constexpr bool kRescaleUnderQk = Tile::kRescaleUnderQk;
 
   static constexpr int kTileQ = get<0>(TileShape{});
   static constexpr int kTileK = get<1>(TileShape{});
@@ -401,7 +403,7 @@ struct RingMainloop
     pipeline.consumer_release(read_k);
     next_tile(read_k);
     if (t.masked) mask_tile(acc_qk, tPcP, q_shift, t, g.causal);
-    online_softmax(acc_qk, state, k2);
+    auto o_scale = online_softmax(acc_qk, state, k2);  // O is zero: nothing to rescale
     Tensor p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
 
     // O += P V of the previous tile.
@@ -418,21 +420,26 @@ struct RingMainloop
     while (walk.next(t)) {
       Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
       issue_qk(acc_qk);
+      // kRescaleUnderQk: O takes the previous tile's factor while the tensor
+      // cores run this tile's QK (FA3's order), not between the PV wait and
+      // the next GEMM issue.
+      if constexpr (kRescaleUnderQk) rescale(acc_pv, o_scale);
       issue_pv();
       warpgroup_wait<1>();  // this tile's QK (the older batch) is done
       warpgroup_fence_operand(acc_qk);
       pipeline.consumer_release(read_k);
       next_tile(read_k);
       if (t.masked) mask_tile(acc_qk, tPcP, q_shift, t, g.causal);
-      auto o_scale = online_softmax(acc_qk, state, k2);
+      o_scale = online_softmax(acc_qk, state, k2);
       warpgroup_wait<0>();  // the previous tile's PV: O and P are free
       warpgroup_fence_operand(acc_pv);
       pipeline.consumer_release(read_v);
       next_tile(read_v);
-      rescale(acc_pv, o_scale);
+      if constexpr (!kRescaleUnderQk) rescale(acc_pv, o_scale);
       p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
     }
 
+    if constexpr (kRescaleUnderQk) rescale(acc_pv, o_scale);
     issue_pv();  // the last tile's
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_pv);
