@@ -37,7 +37,6 @@ using pk_sweep::max_abs_diff;
 
 constexpr int kWarmup = 3, kIters = 20, kSamples = 256;
 
-
 struct Shape { int b, s, hq, hkv, d, causal; };
 struct Sample { int b, h, row; };
 
@@ -101,7 +100,6 @@ __global__ void gather(const __nv_bfloat16* o, const float* lse, Shape sh, const
   if (threadIdx.x == 0)
     out_lse[blockIdx.x] = lse[(size_t(smp.b) * sh.hq + smp.h) * sh.s + smp.row];
 }
-
 
 double flops(const Shape& s) {  // 4 B S^2 H D, half of it causal
   return 4.0 * s.b * double(s.s) * s.s * s.hq * s.d * (s.causal ? 0.5 : 1.0);

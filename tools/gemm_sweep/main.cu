@@ -108,7 +108,6 @@ __global__ void gather(const __nv_bfloat16* d, const int* rows, const int* cols,
   if (s < samples) out[s] = __bfloat162float(d[size_t(rows[s]) * n + cols[s]]);
 }
 
-
 struct Shape { int m, n, k; };
 
 }  // namespace
