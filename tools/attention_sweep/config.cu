@@ -12,7 +12,7 @@
 #include "tools/attention_sweep/sweep.h"
 
 #ifndef PK_SWEEP_INDEX
-#error "compile with -DPK_SWEEP_INDEX=<0..17>"
+#error "compile with -DPK_SWEEP_INDEX=<0..19>"
 #endif
 
 namespace {
@@ -31,7 +31,7 @@ struct Entry {
 };
 
 // The sweep's configurations, in the order main.cu prints them (one a line:
-// tools/sweep.sh counts them). ptxas (nvcc 13.0) spills 24 bytes in
+// tools/sweep.sh counts them; a shape's rows follow this order). ptxas (nvcc 13.0) spills 24 bytes in
 // d256 x 96 keys (measured all the same); d64 x 256 keys is left out: it
 // spills 144 bytes and ptxas serializes its wgmma (too few registers).
 using Configs = std::tuple<
@@ -52,7 +52,9 @@ using Configs = std::tuple<
     Entry<256, 64, 4>,
     Entry<256, 64, 5>,
     Entry<256, 80, 4>,
-    Entry<256, 96, 3>>;
+    Entry<256, 96, 3>,
+    Entry<128, 128, 5, false, true, true>,
+    Entry<128, 176, 4, false, true, true>>;
 constexpr const char* kNames[] = {
     "d128 128 keys 5 stages (ops)",
     "d128 128 keys 4 stages",
@@ -71,7 +73,9 @@ constexpr const char* kNames[] = {
     "d256 64 keys 4 stages",
     "d256 64 keys 5 stages",
     "d256 80 keys 4 stages",
-    "d256 96 keys 3 stages"};
+    "d256 96 keys 3 stages",
+    "d128 128 keys 5 stages lazy rescale under QK",
+    "d128 176 keys 4 stages lazy rescale under QK"};
 static_assert(std::tuple_size_v<Configs> == std::size(kNames));
 static_assert(PK_SWEEP_INDEX >= 0 && PK_SWEEP_INDEX < std::tuple_size_v<Configs>,
               "PK_SWEEP_INDEX out of range");
