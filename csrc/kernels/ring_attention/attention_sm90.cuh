@@ -4,8 +4,7 @@
 //
 // Launch config: one CTA per (128-row query tile, batch, query head), 384
 // threads, heaviest query tiles first (HeavyFirstScheduler); CTAs that start
-// late find the peers' blocks already posted. (FwdTile's persistent variant,
-// which tools/attention_sweep measures: one CTA per SM over the same order.)
+// late find the peers' blocks already posted.
 // Arguments: see KernelArgs / Params in ring_attention.h.
 // Roles: warp 1 of warpgroup 0 loads Q, K, V (and waits on the posts);
 // warpgroups 1 and 2 run QK, softmax and PV on 64 query rows each.
@@ -135,63 +134,22 @@ struct WithCommCtas : Base {
   }
 };
 
-// The same order, persistent: min(tiles, SMs) CTAs, CTA c taking tiles c,
-// c + grid, ... of HeavyFirstScheduler's order (x: query tiles from the
-// last, then batch, then head), so a CTA's producer loads its next tile
-// while its math warpgroups finish the last one.
-struct PersistentHeavyFirstScheduler {
-  struct Params {
-    int m_blocks = 0, batch = 0, heads = 0, ctas = 0;
-  };
-  Params p;
-  int tile = 0;
-
-  CUTLASS_DEVICE explicit PersistentHeavyFirstScheduler(Params const& params)
-      : p(params), tile(int(blockIdx.x)) {}
-
-  template <class ProblemSize, class ClusterShape, class TileShape>
-  static Params to_underlying_arguments(ProblemSize const& problem,
-                                        cutlass::KernelHardwareInfo hw, ClusterShape const&,
-                                        TileShape const& tile) {
-    const int m_blocks = cute::ceil_div(cute::get<2>(problem), cute::get<0>(tile));
-    const int tiles = m_blocks * cute::get<0>(problem) * cute::get<1>(problem);
-    return Params{m_blocks, cute::get<0>(problem), cute::get<1>(problem),
-                  hw.sm_count > 0 && hw.sm_count < tiles ? hw.sm_count : tiles};
-  }
-  static dim3 get_grid_shape(Params const& p) { return dim3(unsigned(p.ctas)); }
-  CUTLASS_DEVICE bool is_valid() const { return tile < p.m_blocks * p.batch * p.heads; }
-  CUTLASS_DEVICE auto get_block_coord() const {
-    const int m = p.m_blocks - 1 - tile % p.m_blocks;
-    const int i = tile / p.m_blocks;
-    return cute::make_coord(m, cute::_0{}, cute::make_coord(i % p.batch, i / p.batch));
-  }
-  CUTLASS_DEVICE PersistentHeavyFirstScheduler& operator++() {
-    tile += p.ctas;
-    return *this;
-  }
-};
-
 // (query rows, keys, head dim) of one CTA's tile, the stages of its K/V
-// pipeline (K and V tiles share it, one tile a stage) and three mainloop
-// variants: persistent CTAs (PersistentHeavyFirstScheduler), the lazy
-// rescale of O (RingMainloop::online_softmax) and O's rescale under the next
-// QK GEMM (RingMainloop::compute). The instantiations take the
-// defaults: head dims 64 and 128 take 128 keys a tile (64 keys halves every
-// QK and PV GEMM and doubles the softmax steps per key; benchmarks/NOTES.md,
-// 2026-12-03) in the example's 5 stages, one query tile per CTA.
-// tools/attention_sweep measures the others.
-template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kIsPersistent = false,
-          bool kLazy = false, bool kUnderQk = false>
+// pipeline (K and V tiles share it, one tile a stage) and two mainloop
+// variants: the lazy rescale of O (RingMainloop::online_softmax) and O's
+// rescale under the next QK GEMM (RingMainloop::compute). The instantiations
+// take the defaults: head dims 64 and 128 take 128 keys a tile (64 keys
+// halves every QK and PV GEMM and doubles the softmax steps per key;
+// benchmarks/NOTES.md, 2026-12-03) in the example's 5 stages, with O's
+// rescale under the next QK GEMM. tools/attention_sweep measures the others.
+template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = false,
+          bool kUnderQk = true>
 struct FwdTile {
   using Shape = cute::Shape<cute::_128, cute::Int<kKeys>, cute::Int<kHeadDim>>;
   using StagesKV = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV,
                                                  cute::Int<kStages>>;
-  using Persistent = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kIsPersistent,
-                                                   cute::bool_constant<kIsPersistent>>;
   static constexpr bool kLazyRescale = kLazy;
   static constexpr bool kRescaleUnderQk = kUnderQk;
-  using Scheduler =
-      std::conditional_t<kIsPersistent, PersistentHeavyFirstScheduler, HeavyFirstScheduler>;
 };
 
 // kCommCtas: mechanism ld_st (communicator CTAs in front); false is the
@@ -207,9 +165,7 @@ struct AttentionKernel {
   using Epilogue = RingEpilogue<Element, float, typename Mainloop::TileShapePV>;
   using Fmha = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue,
-      std::conditional_t<kCommCtas, CommFirstScheduler, typename Tile::Scheduler>>;
-  static_assert(!(kCommCtas && Mainloop::Base::kIsPersistent),
-                "mechanism ld_st's communicator CTAs need one query tile per CTA");
+      std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
   using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
 

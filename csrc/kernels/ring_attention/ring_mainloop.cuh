@@ -48,20 +48,27 @@ struct RingArgs {
   PiecePlan plan{};                  // how each peer's block is cut into posted pieces
 };
 
+// The unit of a TMA coordinate tensor's mode whose stride is `step` units of
+// one basis (a tile mode: kTileK keys a step), e.g. E<1> for 128 E<1>; the
+// key mode is TMA dimension 1 for K and V alike, not the tensor's mode.
+template <int kStep, class T, int... Ns>
+CUTLASS_DEVICE constexpr auto unit_basis(cute::ScaledBasis<T, Ns...>) {
+  static_assert(cute::is_static<T>::value && T::value == kStep,
+                "the tile mode advances kStep units of one coordinate");
+  return cute::E<Ns...>{};
+}
+
 // Tile: the CTA's tile and mainloop variant (attention_sm90.cuh, FwdTile):
-// Shape (query rows, keys, head dim), the example's options (Options: K/V
-// stages, persistence), kLazyRescale (online_softmax) and kRescaleUnderQk
-// (compute).
+// Shape (query rows, keys, head dim), the example's K/V stages option,
+// kLazyRescale (online_softmax) and kRescaleUnderQk (compute).
 template <class Element, class Tile, class Stride>
 struct RingMainloop
     : cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
           Element, float, float, typename Tile::Shape, Stride, Stride, Stride,
-          cutlass::fmha::collective::DefaultFusion, typename Tile::StagesKV,
-          typename Tile::Persistent> {
+          cutlass::fmha::collective::DefaultFusion, typename Tile::StagesKV> {
   using Base = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, typename Tile::Shape, Stride, Stride, Stride,
-      cutlass::fmha::collective::DefaultFusion, typename Tile::StagesKV,
-      typename Tile::Persistent>;
+      cutlass::fmha::collective::DefaultFusion, typename Tile::StagesKV>;
   using TileShape = typename Tile::Shape;
   using typename Base::CollectiveMmaPV;
   using typename Base::CollectiveMmaQK;
@@ -80,6 +87,7 @@ struct RingMainloop
   using typename Base::TMA_K;
   using typename Base::TMA_V;
   using Base::NumMmaWarpGroups;
+  static_assert(!Base::kIsPersistent, "one query tile per CTA: the last stages are not released");
   static constexpr bool kLazyRescale = Tile::kLazyRescale;
   static constexpr bool kRescaleUnderQk = Tile::kRescaleUnderQk;
 
@@ -202,14 +210,16 @@ struct RingMainloop
     auto v_peer = load_v_peers.init_state(block_rank_in_cluster, peers, TileShapePV{}, kv_blk, 0);
 
     // One stage of the shared K/V pipeline, filled by one TMA load of the
-    // tile whose first key is `key_row` keys into the tensor: the first
-    // tile's coordinates moved along the key mode by `key_row` (K's mode 0,
-    // V's mode 1), so a tile may start at any row.
-    auto issue = [&](auto const& tma, auto const& state, auto const& key_row) {
+    // tile whose first key is `key` keys into the tensor: the first tile's
+    // coordinates moved by `key` units of the tile mode's coordinate (the
+    // TMA tensor's own basis for the key mode: its stride is kTileK units of
+    // it), so a tile may start at any row.
+    auto issue = [&](auto const& tma, auto const& state, int key) {
       pipeline.producer_acquire(write);
       auto* bar = pipeline.producer_get_barrier(write);
       auto first = get<0>(state)(_, _, _, 0);
-      copy(tma.with(*bar, 0), make_tensor(first.data() + key_row, first.layout()),
+      const auto key_unit = unit_basis<kTileK>(stride<3>(get<0>(state)));
+      copy(tma.with(*bar, 0), make_tensor(first.data() + key_unit * key, first.layout()),
            get<1>(state)(_, _, _, write.index()));
       ++write;
     };
@@ -239,14 +249,14 @@ struct RingMainloop
         // Q for the first warpgroup, then K, then Q for the second: the first
         // QK GEMM can start before all of Q has landed.
         if (first) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
-        if (t.step == 0) issue(p.tma_load_k, k_own, E<0>{} * key);
-        else issue(p.tma_load_k_peers, k_peer, E<0>{} * key);
+        if (t.step == 0) issue(p.tma_load_k, k_own, key);
+        else issue(p.tma_load_k_peers, k_peer, key);
         if (first) {
           while (q_count > 0) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
           first = false;
         }
-        if (t.step == 0) issue(p.tma_load_v, v_own, E<1>{} * key);
-        else issue(p.tma_load_v_peers, v_peer, E<1>{} * key);
+        if (t.step == 0) issue(p.tma_load_v, v_own, key);
+        else issue(p.tma_load_v_peers, v_peer, key);
       }
     }
   }
@@ -446,8 +456,6 @@ struct RingMainloop
     pipeline.consumer_release(read_v);
     next_tile(read_v);
     read = read_v;  // past every stage this CTA consumed
-    // A persistent CTA's producer reloads our Q stage for its next tile.
-    if constexpr (Base::kIsPersistent) pipeline_q.consumer_release(read_q);
 
     Tensor lse = softmax.tail(state, acc_pv, mma_pv);
     // A failed call's tile is poison (NaN in O and the log-sum-exp): a wait
