@@ -140,10 +140,11 @@ struct WithCommCtas : Base {
 // rescale under the next QK GEMM (RingMainloop::compute). The instantiations
 // take the defaults: head dims 64 and 128 take 128 keys a tile (64 keys
 // halves every QK and PV GEMM and doubles the softmax steps per key;
-// benchmarks/NOTES.md, 2026-12-03) in the example's 5 stages, with O's
-// rescale under the next QK GEMM. tools/attention_sweep measures the others.
+// benchmarks/NOTES.md, 2026-12-03) in the example's 5 stages; head dim 128
+// rescales O under the next QK GEMM, 64 between the PV wait and the next
+// issue (each the faster in tools/attention_sweep; NOTES.md, 2026-12-05).
 template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = false,
-          bool kUnderQk = true>
+          bool kUnderQk = (kHeadDim == 128)>
 struct FwdTile {
   using Shape = cute::Shape<cute::_128, cute::Int<kKeys>, cute::Int<kHeadDim>>;
   using StagesKV = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV,
