@@ -123,7 +123,7 @@ def single_gpu_attention(head_dim: int, causal: bool, kernel_takes: bool) -> str
 
     The choice is by forward + backward time (training), from
     benchmarks/RESULTS.md's kernels_attention (one H200, bf16 and fp16, the
-    same run's cuDNN): pk's kernel was 0.89-0.98x cuDNN on every forward +
+    same run's cuDNN): pk's kernel was 0.91-0.97x cuDNN on every forward +
     backward row (head dims 64 and 128, full and causal, MHA and GQA, 4k-32k
     tokens, batch 1 and 4), so cuDNN runs at every head dim cuDNN takes;
     head dims pk's kernel does not take (256) take cuDNN too. Shapes cuDNN

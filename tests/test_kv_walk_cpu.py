@@ -4,7 +4,9 @@ must visit exactly the tiles with a visible key, once each, in posting order,
 mask every tile that needs it, and place tokens exactly where the reference
 ring (pk_jax/reference.py) does. The same checker runs the
 push layout (PushLayout: where both mechanisms write a block in the peers'
-regions) against the rows the walk reads."""
+regions) against the rows the walk reads. Key tiles that do not divide a
+chunk (176 keys) are walked too: each chunk's last tile ends at the chunk's
+end with the keys before it masked."""
 
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ def _run(exe, n, s_local, zigzag, causal, tile_q=128, tile_k=128):
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("zigzag", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("s_local,tile_k", [(256, 128), (512, 64), (1024, 128)])
+@pytest.mark.parametrize("s_local,tile_k", [(256, 128), (512, 64), (1024, 128),
+                                            (1024, 176), (512, 192), (1024, 80)])
 def test_walk(checker, n, zigzag, causal, s_local, tile_k):
     tokens = _run(checker, n, s_local, zigzag, causal, 128, tile_k)
     layout = "zigzag" if zigzag else "contiguous"
@@ -46,9 +49,9 @@ def test_walk(checker, n, zigzag, causal, s_local, tile_k):
         np.testing.assert_array_equal(got, want)
 
 
-def _broken_run(tmp_path, old: str, new: str, args=("2", "256", "1", "1")):
+def _broken_run(tmp_path, old: str, new: str, args=("2", "256", "1", "1"), tile_k="128"):
     """The checker built against a kv_walk.cuh with `old` replaced by `new`,
-    run on one geometry (n, s_local, zigzag, causal; 128-row tiles)."""
+    run on one geometry (n, s_local, zigzag, causal; 128-row query tiles)."""
     src = open(os.path.join(ROOT, "csrc", "kernels", "ring_attention", "kv_walk.cuh")).read()
     broken = src.replace(old, new)
     assert broken != src
@@ -56,14 +59,27 @@ def _broken_run(tmp_path, old: str, new: str, args=("2", "256", "1", "1")):
     inc.mkdir(parents=True)
     (inc / "kv_walk.cuh").write_text(broken)
     exe = build_native("kv_walk_check.cc", tmp_path / "broken", (tmp_path,), opt="-O0")
-    return subprocess.run([exe, *args, "128", "128"], capture_output=True, text=True)
+    return subprocess.run([exe, *args, "128", tile_k], capture_output=True, text=True)
 
 
 def test_checker_catches_a_broken_walk(tmp_path):
     """The checker must fail when the walk is wrong: a walk that forgets the
     mask flag."""
-    res = _broken_run(tmp_path, "t.masked = g_.causal &&", "t.masked = false &&")
+    res = _broken_run(tmp_path, "(g_.causal && t.token", "(false && t.token")
     assert res.returncode == 1 and "mask missing" in res.stdout
+
+
+@pytest.mark.parametrize("old,new,error", [
+    # the last tile of a chunk left where the tiles before it would put it
+    ("rows - tile_k_;", "next_key;", "tile reads past its chunk"),
+    # the keys the tile before it covered counted again
+    ("t.skip = next_key - offset;", "t.skip = 0;", "key covered twice"),
+])
+def test_checker_catches_a_broken_last_tile(tmp_path, old, new, error):
+    """Key tiles that do not divide the chunk (176 keys of 512): the checker
+    fails when the last tile reads past the chunk or repeats covered keys."""
+    res = _broken_run(tmp_path, old, new, args=("2", "1024", "1", "0"), tile_k="176")
+    assert res.returncode == 1 and error in res.stdout
 
 
 def test_checker_catches_a_misplaced_push(tmp_path):

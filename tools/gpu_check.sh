@@ -14,7 +14,7 @@
 #          (tests/native/ipc_pair_check.cu) and every op across processes
 #          (tests/scripts/gpu_multiprocess_check.py), ~2-4 min
 #   gemm   (not in the default list) the GEMM's tile configurations and swizzles
-#          on one GPU against XLA's dot, ~3-4 min (tools/gemm_sweep.sh)
+#          on one GPU against XLA's dot, ~3-4 min (tools/sweep.sh gemm_sweep)
 # Logs land in $OUT (results JSON and RESULTS.md too: benchmarks/common.py), so a run
 # cut short keeps what it did.
 set -uo pipefail
@@ -124,7 +124,7 @@ fi
 
 if stage gemm; then
   echo "== gemm tile sweep (one GPU)"
-  timeout 400 tools/gemm_sweep.sh 2>&1 | grep -E "^(best|xla|gemm_sweep built|\| [0-9].*WRONG)"
+  timeout 400 tools/sweep.sh gemm_sweep 2>&1 | grep -E "^(best|xla|gemm_sweep built|\| [0-9].*WRONG)"
 fi
 
 echo "== summary"

@@ -1,7 +1,8 @@
 // Host-side check of the ring attention kernel's K/V walk (kv_walk.cuh):
 // for every geometry given on the command line it walks every query tile and
-// checks that the walk visits exactly the K/V tiles holding a key some query
-// of the tile may see, each once, in the order the posting protocol assumes,
+// checks that the walk covers every key some query of the tile may see exactly
+// once (a tile's leading `skip` keys, masked, belong to the tile before it),
+// in the order the posting protocol assumes, that no tile reads past its chunk
 // and that every tile it leaves unmasked is wholly visible. Then the push
 // layout (PushLayout, shared by both mechanisms' pushes): every rank's block
 // lands, batch by batch and piece by piece, exactly where the receiving
@@ -15,8 +16,6 @@
 // the first violation (exit code 1).
 #include <cstdio>
 #include <cstdlib>
-#include <set>
-#include <utility>
 #include <vector>
 
 #include "kernels/ring_attention/kv_walk.cuh"
@@ -124,36 +123,44 @@ int main(int argc, char** argv) {
       for (int i = 0; i < tile_q; ++i)  // a query tile is consecutive tokens
         if (g.token(rank, m * tile_q + i) != q_first + i) return fail("tile straddles", rank, m, 0, i);
       const int q_last = q_first + tile_q - 1;
-      std::set<std::pair<int, int>> seen;
+      // How often the walk covered each key of each step's block (a tile's
+      // first `skip` keys are not its own: the tile before it covered them).
+      std::vector<std::vector<int>> covered(n, std::vector<int>(s_local, 0));
+      const int chunk_rows = g.chunk_rows();
       KvWalk walk(g, q_first, tile_q, tile_k);
       KvTile t;
-      int last_step = 0, last_row = -1;
+      int last_step = 0, last_row = -1, tiles = 0;
       while (walk.next(t)) {
-        if (!seen.insert({t.step, t.row}).second) return fail("visited twice", rank, m, t.step, t.row);
+        ++tiles;
         if (t.step < last_step || (t.step == last_step && t.row <= last_row))
           return fail("out of order", rank, m, t.step, t.row);
         last_step = t.step, last_row = t.row;
+        if (t.skip < 0 || t.skip >= tile_k) return fail("skip out of range", rank, m, t.step, t.row);
+        if (t.row / chunk_rows != (t.row + tile_k - 1) / chunk_rows)
+          return fail("tile reads past its chunk", rank, m, t.step, t.row);
+        if (t.skip > 0 && !t.masked) return fail("covered keys unmasked", rank, m, t.step, t.row);
         const int src = (rank - t.step + n) % n;
         if (g.token(src, t.row) != t.token) return fail("wrong token", rank, m, t.step, t.row);
         bool all_visible = true, any_visible = false;
-        for (int j = 0; j < tile_k; ++j) {
+        for (int j = t.skip; j < tile_k; ++j) {
           const int k = g.token(src, t.row + j);
           all_visible &= !causal || k <= q_first;
           any_visible |= !causal || k <= q_last;
+          ++covered[t.step][t.row + j];
         }
         if (!any_visible) return fail("wholly masked tile visited", rank, m, t.step, t.row);
         if (!all_visible && !t.masked) return fail("mask missing", rank, m, t.step, t.row);
       }
-      // Every tile with a visible key must have been visited.
+      // Every key some query of the tile sees is covered once; no key twice.
       for (int step = 0; step < n; ++step) {
         const int src = (rank - step + n) % n;
-        for (int row = 0; row < s_local; row += tile_k) {
-          bool any_visible = false;
-          for (int j = 0; j < tile_k; ++j) any_visible |= !causal || g.token(src, row + j) <= q_last;
-          if (any_visible && !seen.count({step, row})) return fail("tile skipped", rank, m, step, row);
+        for (int row = 0; row < s_local; ++row) {
+          const bool visible = !causal || g.token(src, row) <= q_last;
+          if (covered[step][row] > 1) return fail("key covered twice", rank, m, step, row);
+          if (visible && covered[step][row] == 0) return fail("key skipped", rank, m, step, row);
         }
       }
-      if (seen.empty()) return fail("empty walk", rank, m, 0, 0);
+      if (tiles == 0) return fail("empty walk", rank, m, 0, 0);
     }
   }
   for (int batch = 1; batch <= 3; ++batch)

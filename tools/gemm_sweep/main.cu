@@ -3,8 +3,9 @@
 // FP8 (e4m3) with per-tensor or block factors, bf16 out. Every
 // configuration's output is checked first: sampled elements against an fp32
 // reference kernel, and the whole output against the first configuration of
-// its kind. Usage: gemm_sweep [M,N,K ...]; prints one row per (shape,
-// configuration, swizzle) and the best per (shape, kind).
+// its kind. Usage: gemm_sweep [M,N,K ...]; prints the shapes (a line
+// "shapes M,N,K ..."), one row per (shape, configuration, swizzle) and the
+// best per (shape, kind).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "kernels/gemm/gemm.h"
+#include "tools/sweep_common.cuh"
 
 #define PK_SWEEP_DECLARE(i)                                                          \
   const char* pk_sweep_name_##i();                                                  \
@@ -43,6 +45,11 @@ PK_SWEEP_DECLARE(16)
 
 namespace {
 
+using pk_sweep::check;
+using pk_sweep::fill;
+using pk_sweep::hash_unit;
+using pk_sweep::max_abs_diff;
+
 struct Config {
   const char* (*name)();
   int (*kind)();
@@ -59,24 +66,6 @@ constexpr const char* kKindNames[] = {"bf16", "fp8 tensor", "fp8 block"};
 constexpr int kSwizzles[] = {1, 2, 4, 8};
 constexpr int kWarmup = 3, kIters = 20, kSamples = 4096;
 
-void check(cudaError_t e, const char* what) {
-  if (e == cudaSuccess) return;
-  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
-  std::exit(1);
-}
-
-__device__ float hash_unit(size_t i, uint32_t seed) {  // in [-1, 1)
-  uint32_t h = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32) * 40503u;
-  h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
-  return float(h & 0xFFFF) / 32768.0f - 1.0f;
-}
-
-// Values from a hash of the index and a seed (fresh per run).
-__global__ void fill(__nv_bfloat16* x, size_t count, uint32_t seed, float scale) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
-       i += size_t(gridDim.x) * blockDim.x)
-    x[i] = __float2bfloat16(scale * hash_unit(i, seed));
-}
 __global__ void fill_fp8(__nv_fp8_e4m3* x, size_t count, uint32_t seed) {  // |x| < 4
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
        i += size_t(gridDim.x) * blockDim.x)
@@ -119,17 +108,6 @@ __global__ void gather(const __nv_bfloat16* d, const int* rows, const int* cols,
   if (s < samples) out[s] = __bfloat162float(d[size_t(rows[s]) * n + cols[s]]);
 }
 
-__global__ void max_abs_diff(const __nv_bfloat16* x, const __nv_bfloat16* y, size_t count,
-                             float* result) {
-  float m = 0.f;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
-       i += size_t(gridDim.x) * blockDim.x) {
-    const float v = fabsf(__bfloat162float(x[i]) - __bfloat162float(y[i]));
-    m = isnan(v) ? INFINITY : fmaxf(m, v);  // fmaxf would drop a NaN (unwritten poison)
-  }
-  atomicMax(reinterpret_cast<int*>(result), __float_as_int(m));  // m >= 0: int order = float order
-}
-
 struct Shape { int m, n, k; };
 
 }  // namespace
@@ -155,7 +133,9 @@ int main(int argc, char** argv) {
   check(cudaGetDeviceProperties(&prop, dev_id), "cudaGetDeviceProperties");
   pk::gemm::Device dev{dev_id, prop.multiProcessorCount, nullptr, size_t(256) << 20};
   check(cudaMalloc(&dev.workspace, dev.workspace_bytes), "workspace");
-  std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+  std::printf("shapes");  // tools/sweep.sh times XLA's dot at these
+  for (const Shape& s : shapes) std::printf(" %d,%d,%d", s.m, s.n, s.k);
+  std::printf("\n%s, %d SMs\n", prop.name, prop.multiProcessorCount);
   std::printf("| M x N x K | config | swizzle | ms | TFLOP/s | check |\n| --- | --- | --- | --- | --- | --- |\n");
   cudaStream_t stream;
   check(cudaStreamCreate(&stream), "stream");

@@ -1,5 +1,5 @@
 // Which tile configuration (gemm.h: Tiles) a 16-bit GEMM runs, from the
-// measured table below: tools/gemm_sweep.sh on one H200 at the TP ops' chunk
+// measured table below: tools/sweep.sh gemm_sweep on one H200 at the TP ops' chunk
 // shapes (rows per chunk = tokens / ranks; Llama-3 8B and 70B at TP 2-8),
 // the ops' 128x256 cooperative tiles (kWide) against 128x128 ping-pong tiles
 // (kNarrow), ms with the default swizzle (benchmarks/NOTES.md, 2026-12-04,

@@ -134,33 +134,39 @@ struct WithCommCtas : Base {
   }
 };
 
-// (query rows, keys, head dim) of one CTA's tile. Head dim 64 takes 128 keys
-// a tile, as head dim 128 does (64 keys halves every QK and PV GEMM and
-// doubles the softmax steps per key; NOTES.md, 2026-12-03).
-template <int kHeadDim>
-struct Tiles;
-template <>
-struct Tiles<128> {
-  using Shape = cute::Shape<cute::_128, cute::_128, cute::_128>;
-};
-template <>
-struct Tiles<64> {
-  using Shape = cute::Shape<cute::_128, cute::_128, cute::_64>;
+// (query rows, keys, head dim) of one CTA's tile, the stages of its K/V
+// pipeline (K and V tiles share it, one tile a stage) and two mainloop
+// variants: the lazy rescale of O (RingMainloop::online_softmax) and O's
+// rescale under the next QK GEMM (RingMainloop::compute). The instantiations
+// take the defaults: head dims 64 and 128 take 128 keys a tile (64 keys
+// halves every QK and PV GEMM and doubles the softmax steps per key;
+// benchmarks/NOTES.md, 2026-12-03) in the example's 5 stages; head dim 128
+// rescales O under the next QK GEMM, 64 between the PV wait and the next
+// issue (each the faster in tools/attention_sweep; NOTES.md, 2026-12-05).
+template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = false,
+          bool kUnderQk = (kHeadDim == 128)>
+struct FwdTile {
+  using Shape = cute::Shape<cute::_128, cute::Int<kKeys>, cute::Int<kHeadDim>>;
+  using StagesKV = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV,
+                                                 cute::Int<kStages>>;
+  static constexpr bool kLazyRescale = kLazy;
+  static constexpr bool kRescaleUnderQk = kUnderQk;
 };
 
 // kCommCtas: mechanism ld_st (communicator CTAs in front); false is the
 // copy_engine kernel, unchanged.
-template <typename Element, int kHeadDim, bool kCommCtas = false>
+template <typename Element, int kHeadDim, bool kCommCtas = false, class Tile = FwdTile<kHeadDim>>
 struct AttentionKernel {
   // (seq, dim, (batch, head)), 64-bit: the batch strides of q/out (s_local *
   // Hq * D) and of the peers' K/V ((n - 1) * s_local * Hkv * D) pass 2^31
   // elements at sizes a GPU holds (TensorStrides, kv_walk.cuh).
   using Stride = StrideO;
-  using TileShape = typename Tiles<kHeadDim>::Shape;
-  using Mainloop = RingMainloop<Element, TileShape, Stride>;
+  using TileShape = typename Tile::Shape;
+  using Mainloop = RingMainloop<Element, Tile, Stride>;
   using Epilogue = RingEpilogue<Element, float, typename Mainloop::TileShapePV>;
   using Fmha = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue, std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
+      Mainloop, Epilogue,
+      std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
   using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
 

@@ -12,6 +12,10 @@
 // the blocks of ranks r - 1, r - 2, ... in the order the copy engines deliver
 // them. Causal walks skip the K tiles that lie wholly after the query tile's
 // last token and flag the tiles that cross its first token for masking.
+// Key tiles that do not divide a chunk (176 keys in a chunk of 8192): the
+// last tile of each chunk ends at the chunk's end, overlapping the tile
+// before it; its leading keys that tile already covered are masked (`skip`),
+// so no tile reads past its chunk (the kernel checks chunk rows >= tile_k).
 #pragma once
 
 #include <cstddef>
@@ -114,7 +118,8 @@ struct KvTile {
   int step;    // 0: our own block; s >= 1: the block of rank (r - s) mod n
   int row;     // first row of the tile inside that rank's block
   int token;   // global token of that row
-  bool masked; // some key of the tile comes after some query of the tile
+  int skip;    // leading keys of the tile that the tile before it covered
+  bool masked; // skip > 0, or some key of the tile comes after some query of the tile
 };
 
 class KvWalk {
@@ -130,10 +135,14 @@ class KvWalk {
       const int start = g_.chunk_start(src, chunk_);
       if (count_ < 0) count_ = tiles_in_chunk(start);
       if (tile_ < count_) {
+        const int rows = g_.chunk_rows();
+        const int next_key = tile_ * tile_k_;  // the first key no earlier tile covered
+        const int offset = next_key + tile_k_ <= rows ? next_key : rows - tile_k_;
         t.step = step_;
-        t.row = chunk_ * g_.chunk_rows() + tile_ * tile_k_;
-        t.token = start + tile_ * tile_k_;
-        t.masked = g_.causal && t.token + tile_k_ - 1 > q_first_;
+        t.row = chunk_ * rows + offset;
+        t.token = start + offset;
+        t.skip = next_key - offset;
+        t.masked = t.skip > 0 || (g_.causal && t.token + tile_k_ - 1 > q_first_);
         ++tile_;
         return true;
       }
@@ -145,10 +154,10 @@ class KvWalk {
   }
 
  private:
-  // Tiles of the chunk starting at global token `start` that hold at least
-  // one key at or before the tile's last query.
+  // Tiles of the chunk starting at global token `start` whose first key no
+  // earlier tile covered is at or before the query tile's last query.
   PK_HD int tiles_in_chunk(int start) const {
-    const int all = g_.chunk_rows() / tile_k_;
+    const int all = (g_.chunk_rows() + tile_k_ - 1) / tile_k_;
     if (!g_.causal) return all;
     if (start > q_last_) return 0;
     const int visible = (q_last_ - start) / tile_k_ + 1;

@@ -117,8 +117,8 @@ cudaError_t enqueue(const Params& p, const KernelArgs& a, bool* forked) {
 // The kernel needs the CUTLASS headers, like the GEMM: one build switch.
 bool available() { return gemm::available(); }
 
-// A chunk of whole 128-row query tiles also holds whole key tiles (128 keys
-// at both head dims: attention_sm90.cuh, Tiles).
+// A chunk of whole 128-row query tiles; the kernel checks that it holds a
+// key tile (RingMainloop::can_implement: 128 keys at both head dims).
 bool supported(const Params& p) {
   const Geometry& g = p.geo;
   return available() && (p.head_dim == 64 || p.head_dim == 128) && p.kv_heads > 0 &&

@@ -13,6 +13,9 @@
 //     partial results of all ring steps merge in registers;
 //   * causal masks compare global token positions (both layouts), and tiles
 //     wholly in the future are never loaded;
+//   * key tiles need not divide a chunk: each chunk's last tile is loaded
+//     from the chunk's end and its keys the tile before it covered are
+//     masked (kv_walk.cuh), so TMA loads start at any row;
 //   * a CTA that ends while the device holds an error (one of its waits
 //     failed, or an earlier one) writes NaN: a failed call's output is poison.
 // GQA/MQA: query head h reads K/V head h / group.
@@ -45,14 +48,28 @@ struct RingArgs {
   PiecePlan plan{};                  // how each peer's block is cut into posted pieces
 };
 
-template <class Element, class TileShape, class Stride>
+// The unit of a TMA coordinate tensor's mode whose stride is `step` units of
+// one basis (a tile mode: kTileK keys a step), e.g. E<1> for 128 E<1>; the
+// key mode is TMA dimension 1 for K and V alike, not the tensor's mode.
+template <int kStep, class T, int... Ns>
+CUTLASS_DEVICE constexpr auto unit_basis(cute::ScaledBasis<T, Ns...>) {
+  static_assert(cute::is_static<T>::value && T::value == kStep,
+                "the tile mode advances kStep units of one coordinate");
+  return cute::E<Ns...>{};
+}
+
+// Tile: the CTA's tile and mainloop variant (attention_sm90.cuh, FwdTile):
+// Shape (query rows, keys, head dim), the example's K/V stages option,
+// kLazyRescale (online_softmax) and kRescaleUnderQk (compute).
+template <class Element, class Tile, class Stride>
 struct RingMainloop
     : cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-          Element, float, float, TileShape, Stride, Stride, Stride,
-          cutlass::fmha::collective::DefaultFusion> {
+          Element, float, float, typename Tile::Shape, Stride, Stride, Stride,
+          cutlass::fmha::collective::DefaultFusion, typename Tile::StagesKV> {
   using Base = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-      Element, float, float, TileShape, Stride, Stride, Stride,
-      cutlass::fmha::collective::DefaultFusion>;
+      Element, float, float, typename Tile::Shape, Stride, Stride, Stride,
+      cutlass::fmha::collective::DefaultFusion, typename Tile::StagesKV>;
+  using TileShape = typename Tile::Shape;
   using typename Base::CollectiveMmaPV;
   using typename Base::CollectiveMmaQK;
   using typename Base::LoadK;
@@ -71,6 +88,8 @@ struct RingMainloop
   using typename Base::TMA_V;
   using Base::NumMmaWarpGroups;
   static_assert(!Base::kIsPersistent, "one query tile per CTA: the last stages are not released");
+  static constexpr bool kLazyRescale = Tile::kLazyRescale;
+  static constexpr bool kRescaleUnderQk = Tile::kRescaleUnderQk;
 
   static constexpr int kTileQ = get<0>(TileShape{});
   static constexpr int kTileK = get<1>(TileShape{});
@@ -117,9 +136,11 @@ struct RingMainloop
     return cute::make_tuple(q_params.tma_load_a, k_params.tma_load_b, v_params.tma_load_b);
   }
 
+  // The head dim is the tile's; a chunk holds at least one key tile (the
+  // walk places each chunk's last tile inside it).
   template <class ProblemShape>
-  static bool can_implement(ProblemShape const& problem, Arguments const&) {
-    return get<4>(problem) == get<2>(TileShape{});  // the head dim is the tile's
+  static bool can_implement(ProblemShape const& problem, Arguments const& a) {
+    return get<4>(problem) == get<2>(TileShape{}) && a.ring.geo.chunk_rows() >= kTileK;
   }
 
   template <class ProblemShape>
@@ -188,11 +209,18 @@ struct RingMainloop
     auto k_peer = load_k_peers.init_state(block_rank_in_cluster, peers, TileShapeQK{}, kv_blk, 0);
     auto v_peer = load_v_peers.init_state(block_rank_in_cluster, peers, TileShapePV{}, kv_blk, 0);
 
-    // One stage of the shared K/V pipeline, filled by one TMA load.
-    auto issue = [&](auto const& tma, auto const& state, int tile) {
+    // One stage of the shared K/V pipeline, filled by one TMA load of the
+    // tile whose first key is `key` keys into the tensor: the first tile's
+    // coordinates moved by `key` units of the tile mode's coordinate (the
+    // TMA tensor's own basis for the key mode: its stride is kTileK units of
+    // it), so a tile may start at any row.
+    auto issue = [&](auto const& tma, auto const& state, int key) {
       pipeline.producer_acquire(write);
       auto* bar = pipeline.producer_get_barrier(write);
-      copy(tma.with(*bar, 0), get<0>(state)(_, _, _, tile), get<1>(state)(_, _, _, write.index()));
+      auto first = get<0>(state)(_, _, _, 0);
+      const auto key_unit = unit_basis<kTileK>(stride<3>(get<0>(state)));
+      copy(tma.with(*bar, 0), make_tensor(first.data() + key_unit * key, first.layout()),
+           get<1>(state)(_, _, _, write.index()));
       ++write;
     };
 
@@ -217,29 +245,33 @@ struct RingMainloop
           waited_step = t.step;
           waited_piece = piece;
         }
-        const int k_tile = (t.step == 0 ? t.row : (t.step - 1) * g.s_local + t.row) / kTileK;
+        const int key = t.step == 0 ? t.row : (t.step - 1) * g.s_local + t.row;
         // Q for the first warpgroup, then K, then Q for the second: the first
         // QK GEMM can start before all of Q has landed.
         if (first) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
-        if (t.step == 0) issue(p.tma_load_k, k_own, k_tile);
-        else issue(p.tma_load_k_peers, k_peer, k_tile);
+        if (t.step == 0) issue(p.tma_load_k, k_own, key);
+        else issue(p.tma_load_k_peers, k_peer, key);
         if (first) {
           while (q_count > 0) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
           first = false;
         }
-        if (t.step == 0) issue(p.tma_load_v, v_own, k_tile);
-        else issue(p.tma_load_v_peers, v_peer, k_tile);
+        if (t.step == 0) issue(p.tma_load_v, v_own, key);
+        else issue(p.tma_load_v_peers, v_peer, key);
       }
     }
   }
 
-  // Mask the scores of keys after their query (global tokens).
+  // Mask the scores a tile must not count: its first t.skip keys (the tile
+  // before it covered them) and, causal, keys after their query (global
+  // tokens).
   template <class Acc, class Coords>
-  CUTLASS_DEVICE static void mask_future(Acc& acc, Coords const& coords, int q_shift, int k_token) {
+  CUTLASS_DEVICE static void mask_tile(Acc& acc, Coords const& coords, int q_shift,
+                                       KvTile const& t, bool causal) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); ++i) {
       auto c = coords(i);
-      if (k_token + int(get<1>(c)) > int(get<0>(c)) + q_shift) acc(i) = -INFINITY;
+      const int key = int(get<1>(c));
+      if (key < t.skip || (causal && t.token + key > int(get<0>(c)) + q_shift)) acc(i) = -INFINITY;
     }
   }
 
@@ -247,9 +279,14 @@ struct RingMainloop
   // The online-softmax update for one tile's scores, in place: the running
   // row max m grows to cover the tile, the scores become exp2(k (s - m))
   // (k = scale * log2 e), and the running sum l is rescaled and extended.
-  // Returns each row's factor exp2(k (m_old - m)) for O, which the caller
-  // applies once the PV GEMM of the previous tile has let go of O. Rows with
-  // nothing visible yet keep m = -inf and contribute zeros.
+  // Returns each row's factor exp2(k (m_old - m)) for O (exactly 1 where m
+  // did not change), which the caller applies once the PV GEMM of the
+  // previous tile has let go of O. Rows with nothing visible yet keep
+  // m = -inf and contribute zeros. kLazyRescale: a row keeps its running max
+  // while the tile's exceeds it by at most 8 in k units (probabilities up to
+  // 2^8, which bf16, fp16 and the fp32 sums hold), so O is rescaled only when
+  // a row's max grows by more; exact, as O and l share the max the
+  // normalization and the log-sum-exp use.
   template <class AccQK, class State>
   CUTLASS_DEVICE static auto online_softmax(AccQK& acc_qk, State& state, float k) {
     TiledMmaQK mma_qk;
@@ -270,8 +307,11 @@ struct RingMainloop
         for (int j = 1; j < shape<r>(red); j *= 2)
           mx = fmaxf(mx, __shfl_xor_sync(uint32_t(-1), mx, stride<r>(red) * j));
       });
+      if constexpr (kLazyRescale)
+        if (m(i) != -INFINITY && (mx - m(i)) * k <= 8.f) mx = m(i);
       const float base = mx == -INFINITY ? 0.f : mx * k;
-      o_scale(i) = exp2_ftz(m(i) * k - base);  // m(i) = -inf on a row's first visible tile: 0
+      // m(i) = -inf on a row's first visible tile: 0
+      o_scale(i) = mx == m(i) ? 1.f : exp2_ftz(m(i) * k - base);
       m(i) = mx;
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
@@ -284,8 +324,15 @@ struct RingMainloop
     return o_scale;
   }
 
+  // kLazyRescale: nothing to do where every factor is 1.
   template <class AccPV, class Scale>
   CUTLASS_DEVICE static void rescale(AccPV& acc_pv, Scale const& o_scale) {
+    if constexpr (kLazyRescale) {
+      bool any = false;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(o_scale); ++i) any |= o_scale(i) != 1.f;
+      if (!any) return;
+    }
     TiledMmaPV mma_pv;
     Tensor o = make_tensor(acc_pv.data(), fmha::layout_acc_mn(mma_pv, acc_pv.layout()));
     CUTLASS_PRAGMA_UNROLL
@@ -365,8 +412,8 @@ struct RingMainloop
     warpgroup_fence_operand(acc_qk);
     pipeline.consumer_release(read_k);
     next_tile(read_k);
-    if (t.masked) mask_future(acc_qk, tPcP, q_shift, t.token);
-    online_softmax(acc_qk, state, k2);
+    if (t.masked) mask_tile(acc_qk, tPcP, q_shift, t, g.causal);
+    auto o_scale = online_softmax(acc_qk, state, k2);  // O is zero: nothing to rescale
     Tensor p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
 
     // O += P V of the previous tile.
@@ -383,21 +430,26 @@ struct RingMainloop
     while (walk.next(t)) {
       Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
       issue_qk(acc_qk);
+      // kRescaleUnderQk: O takes the previous tile's factor while the tensor
+      // cores run this tile's QK (FA3's order), not between the PV wait and
+      // the next GEMM issue.
+      if constexpr (kRescaleUnderQk) rescale(acc_pv, o_scale);
       issue_pv();
       warpgroup_wait<1>();  // this tile's QK (the older batch) is done
       warpgroup_fence_operand(acc_qk);
       pipeline.consumer_release(read_k);
       next_tile(read_k);
-      if (t.masked) mask_future(acc_qk, tPcP, q_shift, t.token);
-      auto o_scale = online_softmax(acc_qk, state, k2);
+      if (t.masked) mask_tile(acc_qk, tPcP, q_shift, t, g.causal);
+      o_scale = online_softmax(acc_qk, state, k2);
       warpgroup_wait<0>();  // the previous tile's PV: O and P are free
       warpgroup_fence_operand(acc_pv);
       pipeline.consumer_release(read_v);
       next_tile(read_v);
-      rescale(acc_pv, o_scale);
+      if constexpr (!kRescaleUnderQk) rescale(acc_pv, o_scale);
       p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
     }
 
+    if constexpr (kRescaleUnderQk) rescale(acc_pv, o_scale);
     issue_pv();  // the last tile's
     warpgroup_wait<0>();
     warpgroup_fence_operand(acc_pv);

@@ -1,0 +1,47 @@
+// What the tile sweeps' drivers (tools/gemm_sweep/main.cu,
+// tools/attention_sweep/main.cu) share: CUDA error checks, hashed random
+// inputs (a fresh seed per run) and the whole-output comparison.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+
+namespace pk_sweep {
+
+inline void check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return;
+  std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+  std::exit(1);
+}
+
+__device__ inline float hash_unit(size_t i, uint32_t seed) {  // in [-1, 1)
+  uint32_t h = uint32_t(i) * 2654435761u ^ seed ^ uint32_t(i >> 32) * 40503u;
+  h ^= h >> 15; h *= 2246822519u; h ^= h >> 13;
+  return float(h & 0xFFFF) / 32768.0f - 1.0f;
+}
+
+// Values from a hash of the index and a seed, times `scale`.
+__global__ void fill(__nv_bfloat16* x, size_t count, uint32_t seed, float scale) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
+       i += size_t(gridDim.x) * blockDim.x)
+    x[i] = __float2bfloat16(scale * hash_unit(i, seed));
+}
+
+// *result (zeroed by the caller) = max |x - y|, infinity where either is NaN.
+__global__ void max_abs_diff(const __nv_bfloat16* x, const __nv_bfloat16* y, size_t count,
+                             float* result) {
+  float m = 0.f;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
+       i += size_t(gridDim.x) * blockDim.x) {
+    const float v = fabsf(__bfloat162float(x[i]) - __bfloat162float(y[i]));
+    m = isnan(v) ? INFINITY : fmaxf(m, v);  // fmaxf would drop a NaN (unwritten poison)
+  }
+  atomicMax(reinterpret_cast<int*>(result), __float_as_int(m));  // m >= 0: int order = float order
+}
+
+}  // namespace pk_sweep
