@@ -183,6 +183,24 @@ def test_gqa_and_head_dim(mechanism, group, d):
                    f"{mechanism} GQA {group} d={d}")
 
 
+# The kernel's tile forms (ring_attention.cu, form_of): head dim 64 takes
+# 192-key tiles on long chunks (1536 rows: whole tiles; 10240: the last tile
+# placed at the chunk's end, its repeated keys masked), 128 keys on short
+# ones; head dim 128 adds the lazy rescale under a causal mask.
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("d,causal,layout,s_local,dtype", [
+    (64, False, "contiguous", 1536, jnp.bfloat16),
+    (64, True, "contiguous", 10240, jnp.float16),
+    (64, False, "zigzag", 20480, jnp.bfloat16),
+    (64, True, "zigzag", 1024, jnp.bfloat16),
+    (128, True, "contiguous", 2048, jnp.float16),
+])
+def test_tile_forms(n, mechanism, d, causal, layout, s_local, dtype):
+    _run_and_check(n, mechanism, causal, layout, 1, s_local, 4, 2, d, dtype,
+                   f"n={n} {mechanism} d={d} causal={causal} {layout} s_local={s_local}")
+
+
 # S_local from 128 to 64k; the long ones few (a 64k-token block per GPU).
 @pytest.mark.parametrize("mechanism,causal,layout,b,s_local,hq,hkv", [
     ("copy_engine", True, "contiguous", 3, 128, 8, 8),

@@ -48,14 +48,14 @@ using Configs = std::tuple<
     Entry<256, 96, 3, false, true>>;
 constexpr const char* kNames[] = {
     "d128 128 keys 5 stages",
-    "d128 128 keys 5 stages rescale under QK (ops)",
+    "d128 128 keys 5 stages rescale under QK (ops: no mask)",
     "d128 128 keys 4 stages rescale under QK",
     "d128 176 keys 4 stages rescale under QK",
     "d128 192 keys 4 stages rescale under QK",
-    "d128 128 keys 5 stages lazy rescale under QK",
-    "d64 128 keys 5 stages (ops)",
+    "d128 128 keys 5 stages lazy rescale under QK (ops: causal)",
+    "d64 128 keys 5 stages (ops: short chunks)",
     "d64 128 keys 5 stages rescale under QK",
-    "d64 192 keys 5 stages rescale under QK",
+    "d64 192 keys 5 stages rescale under QK (ops: long chunks)",
     "d256 64 keys 4 stages rescale under QK",
     "d256 80 keys 4 stages rescale under QK",
     "d256 96 keys 3 stages rescale under QK"};

@@ -210,25 +210,41 @@ struct AttentionKernel {
   }
 };
 
-// The instantiations (ring_attention.h: Variant).
+// The instantiations (ring_attention.h: Variant, Form).
 
-template <DType kType, int kHeadDim, Mechanism kMechanism>
+template <int kHeadDim, Form kForm>
+struct FormTile {
+  static_assert(kForm == Form::kBase, "kCausalLazy is head dim 128's, kWide 64's");
+  using Type = FwdTile<kHeadDim>;
+};
+template <>
+struct FormTile<128, Form::kCausalLazy> {
+  using Type = FwdTile<128, 128, 5, /*kLazy=*/true, /*kUnderQk=*/true>;
+};
+template <>
+struct FormTile<64, Form::kWide> {
+  using Type = FwdTile<64, 192, 5, /*kLazy=*/false, /*kUnderQk=*/true>;
+};
+
+template <DType kType, int kHeadDim, Mechanism kMechanism, Form kForm>
 using VariantKernel =
-    AttentionKernel<typename CutlassType<kType>::Type, kHeadDim, kMechanism == Mechanism::kLdSt>;
+    AttentionKernel<typename CutlassType<kType>::Type, kHeadDim, kMechanism == Mechanism::kLdSt,
+                    typename FormTile<kHeadDim, kForm>::Type>;
 
-template <DType kType, int kHeadDim, Mechanism kMechanism>
-cudaError_t Variant<kType, kHeadDim, kMechanism>::check(const KernelArgs& a) {
-  return VariantKernel<kType, kHeadDim, kMechanism>::check(a);
+template <DType kType, int kHeadDim, Mechanism kMechanism, Form kForm>
+cudaError_t Variant<kType, kHeadDim, kMechanism, kForm>::check(const KernelArgs& a) {
+  return VariantKernel<kType, kHeadDim, kMechanism, kForm>::check(a);
 }
 
-template <DType kType, int kHeadDim, Mechanism kMechanism>
-cudaError_t Variant<kType, kHeadDim, kMechanism>::launch(const KernelArgs& a) {
-  return VariantKernel<kType, kHeadDim, kMechanism>::launch(a);
+template <DType kType, int kHeadDim, Mechanism kMechanism, Form kForm>
+cudaError_t Variant<kType, kHeadDim, kMechanism, kForm>::launch(const KernelArgs& a) {
+  return VariantKernel<kType, kHeadDim, kMechanism, kForm>::launch(a);
 }
 
-template <DType kType, int kHeadDim, Mechanism kMechanism>
-cudaError_t Variant<kType, kHeadDim, kMechanism>::load() {
-  return fmha_launch::load_kernel<typename VariantKernel<kType, kHeadDim, kMechanism>::Kernel>();
+template <DType kType, int kHeadDim, Mechanism kMechanism, Form kForm>
+cudaError_t Variant<kType, kHeadDim, kMechanism, kForm>::load() {
+  return fmha_launch::load_kernel<
+      typename VariantKernel<kType, kHeadDim, kMechanism, kForm>::Kernel>();
 }
 
 }  // namespace pk::ring_attention

@@ -114,20 +114,31 @@ struct KernelArgs {
   const void* v_peers;
   PushArgs push;  // ld_st only
 };
+// The forward's tile form beyond (type, head dim, mechanism): the fastest
+// configuration of tools/attention_sweep per shape class (benchmarks/NOTES.md,
+// 2026-12-05), picked per call by ring_attention.cu's form_of.
+enum class Form : int32_t {
+  kBase = 0,        // 128 keys a tile (attention_sm90.cuh: FwdTile's defaults)
+  kCausalLazy = 1,  // head dim 128, causal: also the lazy rescale of O
+  kWide = 2,        // head dim 64, long chunks: 192 keys a tile, O rescaled under QK
+};
 // The instantiations (kernels/common/variants.h): one per (element type,
-// head dim, mechanism), instantiations/attention_<type>_d<D>[_ld_st].cu;
-// defined in attention_sm90.cuh.
+// head dim, mechanism, form),
+// instantiations/attention_<type>_d<D>[_lazy|_k192][_ld_st].cu; defined in
+// attention_sm90.cuh.
 struct VariantKey {
   DType dtype;
   int head_dim;
   Mechanism mechanism;
+  Form form;
 };
 constexpr bool operator==(const VariantKey& a, const VariantKey& b) {
-  return a.dtype == b.dtype && a.head_dim == b.head_dim && a.mechanism == b.mechanism;
+  return a.dtype == b.dtype && a.head_dim == b.head_dim && a.mechanism == b.mechanism &&
+         a.form == b.form;
 }
-template <DType kType, int kHeadDim, Mechanism kMechanism>
+template <DType kType, int kHeadDim, Mechanism kMechanism, Form kForm = Form::kBase>
 struct Variant {
-  static constexpr VariantKey key{kType, kHeadDim, kMechanism};
+  static constexpr VariantKey key{kType, kHeadDim, kMechanism, kForm};
   static cudaError_t check(const KernelArgs& a);  // what launch() would refuse
   static cudaError_t launch(const KernelArgs& a);
   static cudaError_t load();
