@@ -99,12 +99,21 @@ def machine() -> dict[str, Any]:
 
 
 def commit() -> str | None:
-    """The code measured: $PK_BENCH_COMMIT where set (a copy without .git),
-    else the checkout's short commit, suffixed "-dirty" when tracked files
-    other than the results (which the benchmarks rewrite) differ from it;
-    None when neither is known."""
+    """The code measured: $PK_BENCH_COMMIT where set; else, where the pk_jax
+    imported is an installed build and not this checkout's sources (a wheel),
+    the commit its build recorded (pk_jax._build_info.commit; None where it
+    recorded none); else the checkout's short commit, suffixed "-dirty" when
+    tracked files other than the results (which the benchmarks rewrite)
+    differ from it; None when neither is known."""
     if os.environ.get("PK_BENCH_COMMIT"):
         return os.environ["PK_BENCH_COMMIT"]
+    import pk_jax
+    if not pathlib.Path(pk_jax.__file__).resolve().is_relative_to(HERE.parent):
+        try:
+            from pk_jax import _build_info
+        except ImportError:
+            return None
+        return getattr(_build_info, "commit", "") or None
     git = lambda *a: subprocess.run(["git", *a], cwd=HERE, capture_output=True, text=True,
                                     check=True).stdout.strip()
     try:

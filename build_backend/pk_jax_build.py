@@ -17,8 +17,8 @@ headers) to the isolated build environment and passes
 metadata pip prepares matches the wheel it builds.
 
 The decision is recorded in the package as ``pk_jax._build_info`` (``cuda``,
-``setting``, ``reason``, and ``kernels``: the GPU code, nvcc release and
-CUTLASS of a CUDA build), generated through ``[[tool.scikit-build.generate]]``
+``setting``, ``reason``, ``kernels``: the GPU code, nvcc release and CUTLASS
+of a CUDA build, and ``commit``: the sources' git commit), generated through ``[[tool.scikit-build.generate]]``
 from a template this backend writes to build/pk_jax_build_info.py.in.
 """
 
@@ -82,6 +82,20 @@ def nvcc_release(nvcc: str) -> str:
     return found.group(1) if found else ""
 
 
+def source_commit() -> str:
+    """The short git commit of the sources being built, suffixed "-dirty" when
+    tracked files differ from it; '' outside a git checkout (an sdist)."""
+    def git(*args):
+        return subprocess.run(["git", *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return head + ("-dirty" if dirty else "")
+
+
 def _config(config_settings, *, write_info: bool = False):
     """The config settings for scikit-build-core, and whether CUDA is on."""
     cuda, setting, reason = cuda_decision()
@@ -114,7 +128,8 @@ def _config(config_settings, *, write_info: bool = False):
                 f"cuda = {cuda!r}  # the CUDA extension was built\n"
                 f"setting = {setting!r}  # PK_JAX_BUILD_CUDA: '1', '0' or 'auto'\n"
                 f"reason = {reason!r}\n"
-                f"kernels = {kernels!r}  # what the extension holds ('' without one)\n")
+                f"kernels = {kernels!r}  # what the extension holds ('' without one)\n"
+                f"commit = {source_commit()!r}  # the sources' git commit ('' outside a checkout)\n")
         BUILD_INFO_TEMPLATE.parent.mkdir(parents=True, exist_ok=True)
         # string.Template placeholders: a literal $ is written $$.
         BUILD_INFO_TEMPLATE.write_text(text.replace("$", "$$"), encoding="utf-8")

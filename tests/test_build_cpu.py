@@ -92,6 +92,14 @@ def test_build_info_says_what_a_cuda_build_holds(tmp_path, monkeypatch):
     info = template.read_text()
     assert "cuda = True" in info and "reason = 'PK_JAX_BUILD_CUDA=1'" in info
     assert "sm_90a kernels compiled by nvcc 13.0, CUTLASS GEMMs included" in info, info
+    # The sources' commit: none here (tmp_path is no git checkout), the
+    # repository's own from its root.
+    assert "commit = ''" in info, info
+    monkeypatch.chdir(ROOT)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    assert backend.source_commit().startswith(head)
+    monkeypatch.chdir(tmp_path)
 
     two = "-gencode=arch=compute_90a,code=sm_90a -gencode=arch=compute_100a,code=sm_100a"
     backend._config({"cmake.define.PK_JAX_REQUIRE_CUTLASS": "OFF",

@@ -31,3 +31,25 @@ def test_part_and_merge_write_one_section(tmp_path):
     assert "--part I/N (I = 1..2), then --merge" in section
     assert section.count("| fp8_gemm_tensor |") == 2 * sum(
         r["op"] == "fp8_gemm_tensor" for r in rows)
+
+
+def test_results_name_the_measured_builds_commit(monkeypatch):
+    """benchmarks/common.commit(): an installed build (pk_jax outside this
+    checkout, a wheel) is named by the commit its build recorded, not by the
+    checkout's; $PK_BENCH_COMMIT overrides both."""
+    import types
+
+    import pk_jax
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import common
+    monkeypatch.delenv("PK_BENCH_COMMIT", raising=False)
+    fake = types.ModuleType("pk_jax._build_info")
+    fake.commit = "abc1234"
+    monkeypatch.setitem(sys.modules, "pk_jax._build_info", fake)
+    monkeypatch.setattr(pk_jax, "_build_info", fake, raising=False)
+    monkeypatch.setattr(pk_jax, "__file__", "/opt/site-packages/pk_jax/__init__.py")
+    assert common.commit() == "abc1234"
+    fake.commit = ""  # a build that recorded none: unknown, not the checkout's
+    assert common.commit() is None
+    monkeypatch.setenv("PK_BENCH_COMMIT", "0123abc")
+    assert common.commit() == "0123abc"
