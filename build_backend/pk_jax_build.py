@@ -18,8 +18,9 @@ metadata pip prepares matches the wheel it builds.
 
 The decision is recorded in the package as ``pk_jax._build_info`` (``cuda``,
 ``setting``, ``reason``, ``kernels``: the GPU code, nvcc release and CUTLASS
-of a CUDA build, and ``commit``: the sources' git commit), generated through ``[[tool.scikit-build.generate]]``
-from a template this backend writes to build/pk_jax_build_info.py.in.
+of a CUDA build, and ``commit``: the sources' git commit), generated through
+``[[tool.scikit-build.generate]]`` from a template this backend writes to
+build/pk_jax_build_info.py.in.
 """
 
 from __future__ import annotations

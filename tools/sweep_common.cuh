@@ -1,6 +1,6 @@
 // What the tile sweeps' drivers (tools/gemm_sweep/main.cu,
-// tools/attention_sweep/main.cu) share: CUDA error checks, hashed random
-// inputs (a fresh seed per run) and the whole-output comparison.
+// tools/attention_sweep/main.cu) share: CUDA error checks and frees, hashed
+// random inputs (a fresh seed per run) and the whole-output comparison.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -17,6 +17,12 @@ inline void check(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return;
   std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
   std::exit(1);
+}
+
+// cudaFree of every buffer given (any pointer types), each checked.
+template <class... Ptrs>
+void free_all(Ptrs... ptrs) {
+  (check(cudaFree(static_cast<void*>(ptrs)), "free"), ...);
 }
 
 __device__ inline float hash_unit(size_t i, uint32_t seed) {  // in [-1, 1)
@@ -42,6 +48,16 @@ __global__ void max_abs_diff(const __nv_bfloat16* x, const __nv_bfloat16* y, siz
     m = isnan(v) ? INFINITY : fmaxf(m, v);  // fmaxf would drop a NaN (unwritten poison)
   }
   atomicMax(reinterpret_cast<int*>(result), __float_as_int(m));  // m >= 0: int order = float order
+}
+
+// Enqueues *host = max |x - y| over `count` elements (0 where !compare: the
+// first configuration has nothing to compare with), through the device float
+// `scratch`; *host is valid once `stream` is synchronized.
+inline void enqueue_vs_first(const __nv_bfloat16* x, const __nv_bfloat16* y, size_t count,
+                             bool compare, float* scratch, float* host, cudaStream_t stream) {
+  check(cudaMemsetAsync(scratch, 0, sizeof(float), stream), "diff");
+  if (compare) max_abs_diff<<<1024, 256, 0, stream>>>(x, y, count, scratch);
+  check(cudaMemcpyAsync(host, scratch, sizeof(float), cudaMemcpyDeviceToHost, stream), "diff");
 }
 
 }  // namespace pk_sweep

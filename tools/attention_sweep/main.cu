@@ -32,8 +32,9 @@ std::vector<pk_sweep::Config>& pk_sweep::configs() {
 namespace {
 
 using pk_sweep::check;
+using pk_sweep::enqueue_vs_first;
 using pk_sweep::fill;
-using pk_sweep::max_abs_diff;
+using pk_sweep::free_all;
 
 constexpr int kWarmup = 3, kIters = 20, kSamples = 256;
 
@@ -215,10 +216,8 @@ int main(int argc, char** argv) {
                                           got, got_lse);
       check(cudaMemcpyAsync(got_h.data(), got, got_h.size() * 4, cudaMemcpyDeviceToHost, stream), "got");
       check(cudaMemcpyAsync(got_lse_h.data(), got_lse, kSamples * 4, cudaMemcpyDeviceToHost, stream), "got");
-      check(cudaMemsetAsync(diff, 0, 4, stream), "diff");
-      if (!first) max_abs_diff<<<1024, 256, 0, stream>>>(o, o0, q_elems, diff);
       float vs0 = 0.f;
-      check(cudaMemcpyAsync(&vs0, diff, 4, cudaMemcpyDeviceToHost, stream), "diff");
+      enqueue_vs_first(o, o0, q_elems, !first, diff, &vs0, stream);
       check(cudaStreamSynchronize(stream), "check");
       // Output rows are averages of V rows (|v| < 1): bf16 P and output
       // round at 2^-9 relative; the log-sum-exp is fp32.
@@ -251,12 +250,7 @@ int main(int argc, char** argv) {
     std::snprintf(line, sizeof(line), "best %s: %s, %.3f ms, %.0f TFLOP/s\n", label,
                   best_name.c_str(), best_ms, flops(s) / (best_ms * 1e-3) / 1e12);
     best += line;
-    for (void* ptr : {static_cast<void*>(q), static_cast<void*>(k), static_cast<void*>(v),
-                      static_cast<void*>(o), static_cast<void*>(o0), static_cast<void*>(lse),
-                      static_cast<void*>(scores), static_cast<void*>(ref), static_cast<void*>(got),
-                      static_cast<void*>(ref_lse), static_cast<void*>(got_lse),
-                      static_cast<void*>(diff), static_cast<void*>(samples_d)})
-      check(cudaFree(ptr), "free");
+    free_all(q, k, v, o, o0, lse, scores, ref, got, ref_lse, got_lse, diff, samples_d);
   }
   std::printf("%s", best.c_str());
   check(cudaFree(flags), "free");

@@ -46,9 +46,10 @@ PK_SWEEP_DECLARE(16)
 namespace {
 
 using pk_sweep::check;
+using pk_sweep::enqueue_vs_first;
 using pk_sweep::fill;
+using pk_sweep::free_all;
 using pk_sweep::hash_unit;
-using pk_sweep::max_abs_diff;
 
 struct Config {
   const char* (*name)();
@@ -214,10 +215,8 @@ int main(int argc, char** argv) {
         gather<<<kSamples / 128, 128, 0, stream>>>(static_cast<__nv_bfloat16*>(p.d), rows_d,
                                                    cols_d, got, kSamples, s.n);
         check(cudaMemcpyAsync(got_h.data(), got, kSamples * 4, cudaMemcpyDeviceToHost, stream), "got");
-        check(cudaMemsetAsync(diff, 0, 4, stream), "diff");
-        if (!first) max_abs_diff<<<1024, 256, 0, stream>>>(d, d0, mn, diff);
         float vs0 = 0.f;
-        check(cudaMemcpyAsync(&vs0, diff, 4, cudaMemcpyDeviceToHost, stream), "diff");
+        enqueue_vs_first(d, d0, mn, !first, diff, &vs0, stream);
         check(cudaStreamSynchronize(stream), "check");
         // relative to the row's scale: bf16 output 2^-9, fast FP8 accumulation more
         const float scale = kind == 0 ? 1.0f : 4.0f * std::sqrt(float(s.k));
@@ -264,12 +263,7 @@ int main(int argc, char** argv) {
       best += line;
       std::fflush(stdout);
     }
-    for (void* ptr : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(a8),
-                      static_cast<void*>(b8), static_cast<void*>(sa), static_cast<void*>(sb),
-                      static_cast<void*>(d), static_cast<void*>(d0), static_cast<void*>(rows_d),
-                      static_cast<void*>(cols_d), static_cast<void*>(ref),
-                      static_cast<void*>(got), static_cast<void*>(diff)})
-      check(cudaFree(ptr), "free");
+    free_all(a, b, a8, b8, sa, sb, d, d0, rows_d, cols_d, ref, got, diff);
   }
   std::printf("%s", best.c_str());
   return 0;
