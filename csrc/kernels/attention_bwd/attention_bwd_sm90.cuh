@@ -12,7 +12,9 @@
 // Roles: warpgroup 0: warp 0 adds dQ tiles into global dq (TMA reduce-add),
 //   warp 1 loads K/V once and Q, lse, dO, delta' per visible query tile;
 //   warpgroups 1 and 2 each own 64 K/V rows: S, dP, P, dS, dV and dK
-//   (registers), warpgroup 2 also dQ over the CTA's 128 rows.
+//   (registers), and each computes half of the tile's dQ over the CTA's
+//   128 K/V rows (along the head dim at 64-row query tiles, along the query
+//   rows at 128).
 // Entry point: Variant<type, head dim>::launch (attention_bwd.h).
 #pragma once
 

@@ -19,8 +19,9 @@
 // Per tile: S = K Q^T and dP = V dO^T (wgmma from shared memory), P =
 // exp2(S * scale * log2 e - lse * log2 e), dV += P dO, dS = P (dP - delta')
 // * scale (to the element type, through shared memory), dK += dS Q, and
-// dQ = dS^T K over the CTA's 128 K rows, which the reducer warp adds into
-// global dq with a TMA reduce-add.
+// dQ = dS^T K over the CTA's 128 K rows (each math warpgroup half of it,
+// TiledMmaDQ), which the reducer warp adds into global dq with a TMA
+// reduce-add.
 #pragma once
 
 #include <cmath>
@@ -63,7 +64,6 @@ struct BwdMainloop
   using typename Base::SmemLayoutQ;
   using typename Base::SmemLayoutQp;
   using typename Base::SmemLayoutV;
-  using typename Base::TiledMmaMD;
   using typename Base::TiledMmaND;
   using typename Base::TiledMmaND_SS;
   using typename Base::TiledMmaNM;
@@ -80,6 +80,47 @@ struct BwdMainloop
   static constexpr int kTileQ = get<0>(TileShape{});
   static constexpr int kTileKv = get<1>(TileShape{});
   static constexpr int kWgRows = get<0>(TileShapeNM{});  // K/V rows per math warpgroup
+  static constexpr int kDim = get<2>(TileShape{});
+
+  // dQ = dS^T K, a (query rows, head dim) tile over the CTA's K/V rows, half
+  // of it in each math warpgroup so that both do the same GEMM work per tile
+  // (S, dP, dV, dK and half of dQ): split along the query rows where they
+  // are 128, else along the head dim. Both operands from shared memory in
+  // the example's layouts (dS^T M-major, K^T N-major).
+  static constexpr bool kDqSplitRows = kTileQ >= 128;
+  using DqWarpgroupShape = Shape<Int<kDqSplitRows ? kTileQ / 2 : kTileQ>,
+                                 Int<kDqSplitRows ? kDim : kDim / 2>, Int<kWgRows>>;
+  using TiledMmaDQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, DqWarpgroupShape, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      Layout<std::conditional_t<kDqSplitRows, Shape<_2, _1, _1>, Shape<_1, _2, _1>>>{}));
+  static_assert(NumMmaWarpGroups == 2, "dQ is split between two math warpgroups");
+  // The K/V pipeline's stage of warpgroup j's K rows: the producer loads K and
+  // V of warpgroup j into stages 2j and 2j + 1, once per CTA.
+  template <int j>
+  CUTLASS_HOST_DEVICE static constexpr auto k_stage() {
+    return Int<2 * j>{};
+  }
+
+  // Named barriers of the two math warpgroups around dS in shared memory
+  // (ids after CUTLASS's reserved ones; nothing else in the kernel uses
+  // them). Id 0: both warpgroups' dS of the tile is stored (each GEMM for dQ
+  // reads both halves). Id 1 + w: warpgroup w's dQ GEMM has finished reading
+  // the tile's dS, so the other warpgroup may overwrite its half; warpgroup w
+  // arrives once a tile, the other waits once a tile from its second tile on
+  // and once after its last, so the arrivals pair up (and neither can arrive
+  // twice before the other waits: between two arrivals it passes id 0, which
+  // needs the other's next dS, stored after its wait).
+  struct DsBarrier {
+    static constexpr uint32_t kThreads = NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+    CUTLASS_DEVICE static void sync_stored() { cutlass::arch::NamedBarrier::sync(kThreads, 0); }
+    CUTLASS_DEVICE static void arrive_read(int wg) {
+      cutlass::arch::NamedBarrier::arrive(kThreads, 1 + wg);
+    }
+    CUTLASS_DEVICE static void sync_read_by_other(int wg) {
+      cutlass::arch::NamedBarrier::sync(kThreads, 2 - wg);
+    }
+  };
 
   // Strides (batch, head, row, 1) of [B, rows, heads, D] tensors, and
   // (batch, head, 1) of [B, heads, rows] ones, in the example's order but
@@ -323,8 +364,6 @@ struct BwdMainloop
     ++read_kv;
     pipeline_kv.consumer_wait(read_kv);
     PipelineStateQ read_v = read_kv;
-    PipelineStateQ read_k_other = read_k;  // the other warpgroup's K rows
-    read_k_other.advance(2);
 
     // S = K Q^T and dP = V dO^T.
     TiledMmaNM mma_nm;
@@ -345,15 +384,16 @@ struct BwdMainloop
     Tensor sQp = make_tensor(make_smem_ptr(storage.smem_qp.data()), SmemLayoutQp{});
     Tensor tDKrQ = thr_nd.make_fragment_B(thr_nd.partition_B(sQp));
 
-    // dQ = dS^T K over both warpgroups' rows.
-    TiledMmaMD mma_md;
-    auto thr_md = mma_md.get_thread_slice(thread_idx);
+    // dQ = dS^T K over the CTA's K/V rows, half of it in each warpgroup
+    // (TiledMmaDQ): both read both warpgroups' dS and K.
+    TiledMmaDQ mma_dq;
+    auto thr_dq = mma_dq.get_thread_slice(wg * cutlass::NumThreadsPerWarpGroup + thread_idx);
     Tensor sDS = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutDS{});
-    Tensor tDQrDS = thr_md.make_fragment_A(thr_md.partition_A(sDS));
+    Tensor tDQrDS = thr_dq.make_fragment_A(thr_dq.partition_A(sDS));
     Tensor sKp = make_tensor(make_smem_ptr(storage.smem_kp.data()), SmemLayoutKp{});
-    Tensor tDQrK = thr_md.make_fragment_B(thr_md.partition_B(sKp));
+    Tensor tDQrK = thr_dq.make_fragment_B(thr_dq.partition_B(sKp));
     Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), SmemLayoutDQ{});
-    auto tDQsDQ_full = thr_md.partition_C(sDQ);
+    auto tDQsDQ_full = thr_dq.partition_C(sDQ);
 
     // Per-row lse and delta', broadcast over the K/V rows.
     using NM = TileShapeNM;
@@ -379,7 +419,7 @@ struct BwdMainloop
     const int k_token0 = walk.k_first() + wg * kWgRows;  // token of our first K/V row
     constexpr float kLog2e = float(M_LOG2E);
     int head, q_tile, q_first;
-    bool masked;
+    bool masked, first = true;
     CUTLASS_PRAGMA_NO_UNROLL
     while (walk.next(head, q_tile, q_first, masked)) {
       pipeline.consumer_wait(read);
@@ -437,65 +477,53 @@ struct BwdMainloop
       cute::gemm(mma_nd, op_p, tDVrDO(_, _, _, read_do.index()), acc_dv);
       warpgroup_commit_batch();
 
-      // dS into shared memory, transposed, 32 bits (two elements) per store.
-      if (wg == 0) order.wait();
+      // dS into shared memory, transposed, 32 bits (two elements) per store,
+      // once the other warpgroup's dQ GEMM has read this warpgroup's last dS.
+      if (!first) DsBarrier::sync_read_by_other(wg);
+      first = false;
       auto tDPsDS_v = recast<uint32_t>(tDPsDS);
       auto acc_ds_v = recast<uint32_t>(acc_ds);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_ds_v); ++i) tDPsDS_v(_, _, _, wg)(i) = acc_ds_v(i);
       cutlass::arch::fence_view_async_shared();
-      if (wg == 0) order.arrive();
+      DsBarrier::sync_stored();  // both warpgroups' dS is in shared memory
 
-      // dK += dS^T Q, asynchronously (both warpgroups, each its own 64 K rows).
-      auto issue_dk = [&] {
-        warpgroup_fence_operand(acc_dk);
-        warpgroup_arrive();
-        cute::gemm(TiledMmaND_SS{}, tDKrDSt(_, _, _, wg), tDKrQ(_, _, _, read_q.index()), acc_dk);
-        warpgroup_commit_batch();
-      };
+      // dQ (this warpgroup's half) over both warpgroups' K rows, then dK +=
+      // dS^T Q (this warpgroup's 64 K rows), both asynchronously.
+      Tensor acc_dq = partition_fragment_C(mma_dq, take<0, 2>(TileShapeMD{}));
+      warpgroup_fence_operand(acc_dq);
+      warpgroup_arrive();
+      fmha::gemm_zero_acc(mma_dq, tDQrDS(_, _, _, 0), tDQrK(_, _, _, k_stage<0>()), acc_dq);
+      cute::gemm(mma_dq, tDQrDS(_, _, _, 1), tDQrK(_, _, _, k_stage<1>()), acc_dq);
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(acc_dk);
+      warpgroup_arrive();
+      cute::gemm(TiledMmaND_SS{}, tDKrDSt(_, _, _, wg), tDKrQ(_, _, _, read_q.index()), acc_dk);
+      warpgroup_commit_batch();
 
-      if (wg == 1) {
-        order.wait();  // warpgroup 0's dS is in shared memory
-        Tensor acc_dq = partition_fragment_C(mma_md, take<0, 2>(TileShapeMD{}));
-        warpgroup_fence_operand(acc_dq);
-        warpgroup_arrive();
-        fmha::gemm_zero_acc(mma_md, tDQrDS(_, _, _, 0), tDQrK(_, _, _, read_k_other.index()), acc_dq);
-        cute::gemm(mma_md, tDQrDS(_, _, _, 1), tDQrK(_, _, _, read_k.index()), acc_dq);
-        warpgroup_commit_batch();
-        issue_dk();
+      warpgroup_wait<1>();  // dQ (dK may still run)
+      warpgroup_fence_operand(acc_dq);
+      DsBarrier::arrive_read(wg);  // the other warpgroup may overwrite its dS
 
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(acc_dk);
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(acc_dq);
-        order.arrive();
-
-        // dQ to a reducer stage; the reducer warp adds it into global dq.
-        pipeline_red.producer_acquire(write_red);
-        auto tDQsDQ = tDQsDQ_full(_, _, _, write_red.index());
-        using Vec = uint_bit_t<64>;
-        auto tDQsDQ_v = recast<Vec>(tDQsDQ);
-        auto acc_dq_v = recast<Vec>(acc_dq);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(acc_dq_v); ++i) tDQsDQ_v(i) = acc_dq_v(i);
-        cutlass::arch::fence_view_async_shared();
-        pipeline_red.producer_commit(write_red);
-        ++write_red;
-      } else {
-        issue_dk();
-        warpgroup_wait<1>();
-        warpgroup_fence_operand(acc_dk);
-        // The reducer pipeline counts both warpgroups' arrivals.
-        pipeline_red.producer_acquire(write_red);
-        pipeline_red.producer_commit(write_red);
-        ++write_red;
-      }
+      // dQ to a reducer stage (each warpgroup its half; the reducer pipeline
+      // counts both arrivals); the reducer warp adds it into global dq.
+      pipeline_red.producer_acquire(write_red);
+      auto tDQsDQ = tDQsDQ_full(_, _, _, write_red.index());
+      using Vec = uint_bit_t<64>;
+      auto tDQsDQ_v = recast<Vec>(tDQsDQ);
+      auto acc_dq_v = recast<Vec>(acc_dq);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc_dq_v); ++i) tDQsDQ_v(i) = acc_dq_v(i);
+      cutlass::arch::fence_view_async_shared();
+      pipeline_red.producer_commit(write_red);
+      ++write_red;
 
       pipeline.consumer_release(read_do);  // dO and delta': both GEMMs reading dO are done
       pending_q = read_q;                  // Q and lse: at the next tile's first wait
       q_pending = true;
     }
 
+    if (!first) DsBarrier::sync_read_by_other(wg);  // pairs the other's last arrival
     pipeline_kv.consumer_release(read_k);
     pipeline_kv.consumer_release(read_kv);
     pipeline_red.producer_tail(write_red);
