@@ -462,20 +462,27 @@ struct BwdMainloop
       order.arrive();
       if constexpr (kTileQ == 128) load_delta();
 
-      warpgroup_wait<0>();
+      // dV += P dO (P from registers). Where registers allow (64-row query
+      // tiles) it is issued before dS is computed, so it runs meanwhile; at
+      // 128 rows P's element-type copy beside dS spills (ptxas, nvcc 13.0).
+      auto issue_dv = [&] {
+        auto op_p = fmha::make_acc_into_op<Element>(acc_p, typename TiledMmaND::LayoutA_TV{});
+        warpgroup_fence_operand(acc_dv);
+        warpgroup_fence_operand(op_p);
+        warpgroup_arrive();
+        cute::gemm(mma_nd, op_p, tDVrDO(_, _, _, read_do.index()), acc_dv);
+        warpgroup_commit_batch();
+      };
+      constexpr bool kEarlyDv = kTileQ != 128;
+      if constexpr (kEarlyDv) issue_dv();
+
+      warpgroup_wait<kEarlyDv ? 1 : 0>();  // dP (dV may still run)
       warpgroup_fence_operand(acc_dp);
       Tensor acc_ds = make_fragment_like<Element>(acc_dp);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_ds); ++i)
         acc_ds(i) = Element(acc_p(i) * p.scale_softmax * (acc_dp(i) - delta(i)));
-
-      // dV += P dO
-      auto op_p = fmha::make_acc_into_op<Element>(acc_p, typename TiledMmaND::LayoutA_TV{});
-      warpgroup_fence_operand(acc_dv);
-      warpgroup_fence_operand(op_p);
-      warpgroup_arrive();
-      cute::gemm(mma_nd, op_p, tDVrDO(_, _, _, read_do.index()), acc_dv);
-      warpgroup_commit_batch();
+      if constexpr (!kEarlyDv) issue_dv();
 
       // dS into shared memory, transposed, 32 bits (two elements) per store,
       // once the other warpgroup's dQ GEMM has read this warpgroup's last dS.
