@@ -326,6 +326,23 @@ struct BwdMainloop
     }
   }
 
+  // Accumulator pairs (adjacent columns, contiguous in `dst` under its
+  // swizzle) into shared memory, 64 bits a store. `dst` partitions a tensor
+  // over shared memory starting at `base`; the addresses are formed as
+  // shared-window offsets from it, as the assignment through the swizzled
+  // tensor compiled to generic 32-bit stores (ST.E; nvcc 13.0).
+  template <class Acc, class Dst>
+  CUTLASS_DEVICE static void store_pairs_shared(Acc const& acc, Dst&& dst, float const* base) {
+    static_assert(size(Acc{}) % 2 == 0);
+    const uint32_t base_smem = cute::cast_smem_ptr_to_uint(base);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); i += 2) {
+      const uint32_t at = base_smem + uint32_t(&dst(i) - base) * uint32_t(sizeof(float));
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(acc(i)), "f"(acc(i + 1))
+                   : "memory");
+    }
+  }
+
   // Scores of keys after their query (global tokens) get -inf.
   template <class Acc, class Coords>
   CUTLASS_DEVICE static void mask_future(Acc& acc, Coords const& coords, int k_token0, int q_first) {
@@ -515,12 +532,7 @@ struct BwdMainloop
       // dQ to a reducer stage (each warpgroup its half; the reducer pipeline
       // counts both arrivals); the reducer warp adds it into global dq.
       pipeline_red.producer_acquire(write_red);
-      auto tDQsDQ = tDQsDQ_full(_, _, _, write_red.index());
-      using Vec = uint_bit_t<64>;
-      auto tDQsDQ_v = recast<Vec>(tDQsDQ);
-      auto acc_dq_v = recast<Vec>(acc_dq);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(acc_dq_v); ++i) tDQsDQ_v(i) = acc_dq_v(i);
+      store_pairs_shared(acc_dq, tDQsDQ_full(_, _, _, write_red.index()), storage.smem_dq.data());
       cutlass::arch::fence_view_async_shared();
       pipeline_red.producer_commit(write_red);
       ++write_red;
