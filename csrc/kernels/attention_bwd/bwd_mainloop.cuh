@@ -337,7 +337,8 @@ struct BwdMainloop
     const uint32_t base_smem = cute::cast_smem_ptr_to_uint(base);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); i += 2) {
-      const uint32_t at = base_smem + uint32_t(&dst(i) - base) * uint32_t(sizeof(float));
+      const uint32_t at = base_smem + uint32_t(reinterpret_cast<char const*>(&dst(i)) -
+                                               reinterpret_cast<char const*>(base));
       asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(acc(i)), "f"(acc(i + 1))
                    : "memory");
     }
@@ -461,10 +462,11 @@ struct BwdMainloop
       Tensor lse = make_fragment_like<float>(acc_s);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(lse); ++i) lse(i) = kLog2e * tSsLSE(_, _, _, read_q.index())(i);
-      Tensor delta = make_fragment_like<float>(acc_s);
+      Tensor delta = make_fragment_like<float>(acc_s);  // delta' * scale
       auto load_delta = [&] {
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(delta); ++i) delta(i) = tDPsODO(_, _, _, read_do.index())(i);
+        for (int i = 0; i < size(delta); ++i)
+          delta(i) = p.scale_softmax * tDPsODO(_, _, _, read_do.index())(i);
       };
       if constexpr (kTileQ != 128) load_delta();  // as the example: early where registers allow
 
@@ -498,7 +500,7 @@ struct BwdMainloop
       Tensor acc_ds = make_fragment_like<Element>(acc_dp);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_ds); ++i)
-        acc_ds(i) = Element(acc_p(i) * p.scale_softmax * (acc_dp(i) - delta(i)));
+        acc_ds(i) = Element(acc_p(i) * fmaf(acc_dp(i), p.scale_softmax, -delta(i)));
       if constexpr (!kEarlyDv) issue_dv();
 
       // dS into shared memory, transposed, 32 bits (two elements) per store,

@@ -38,9 +38,12 @@ class BwdWalk {
   PK_HD BwdWalk(const BwdArgs& a, int q_rank, int k_rank, int kv_tile, int tile_q, int tile_kv)
       : q_geo_{q_rank, a.n, a.s_q, a.zigzag, a.causal},
         causal_(a.causal),
+        group_(a.group),
         tile_q_(tile_q),
         tiles_q_(a.s_q / tile_q),
-        total_(a.group * (a.s_q / tile_q)) {
+        chunk_tiles_(q_geo_.chunk_rows() / tile_q),
+        head_(tiles_q_ > 0 ? 0 : a.group),
+        q_first_(q_geo_.chunk_start(q_rank, 0)) {
     const Geometry k_geo{k_rank, a.n, a.s_kv, a.zigzag, a.causal};
     k_first_ = k_geo.token(k_rank, kv_tile * tile_kv);
     k_last_ = k_first_ + tile_kv - 1;
@@ -52,11 +55,11 @@ class BwdWalk {
   // The next visible tile: head in the group, query tile, global token of
   // its first query, whether some key comes after some query. False at the end.
   PK_HD bool next(int& head, int& q_tile, int& q_first, bool& masked) {
-    while (i_ < total_) {
-      const int i = i_++;
-      head = i / tiles_q_;
-      q_tile = i % tiles_q_;
-      q_first = q_geo_.token(q_geo_.rank, q_tile * tile_q_);
+    while (head_ < group_) {
+      head = head_;
+      q_tile = q_tile_;
+      q_first = q_first_;
+      advance();
       if (causal_ && q_first + tile_q_ - 1 < k_first_) continue;  // wholly hidden: skip
       masked = causal_ && k_last_ > q_first;
       return true;
@@ -65,11 +68,26 @@ class BwdWalk {
   }
 
  private:
+  // On to the next (head, query tile), without a division: a tile's first
+  // token moves by tile_q within a chunk, to the second chunk's start (zigzag)
+  // at the first's end, and back to the first chunk's for the next head.
+  PK_HD void advance() {
+    if (++q_tile_ == tiles_q_) {
+      q_tile_ = 0;
+      ++head_;
+      q_first_ = q_geo_.chunk_start(q_geo_.rank, 0);
+    } else if (q_tile_ == chunk_tiles_) {
+      q_first_ = q_geo_.chunk_start(q_geo_.rank, 1);
+    } else {
+      q_first_ += tile_q_;
+    }
+  }
+
   Geometry q_geo_;
   bool causal_;
-  int tile_q_, tiles_q_, total_;
+  int group_, tile_q_, tiles_q_, chunk_tiles_;
+  int head_, q_tile_ = 0, q_first_;
   int k_first_ = 0, k_last_ = 0;
-  int i_ = 0;
 };
 
 }  // namespace pk::attention_bwd
