@@ -4,7 +4,10 @@
 // K/V pipeline stages and mainloop variant (lazy rescale of O, O's rescale
 // under the next QK GEMM) of AttentionKernel
 // (attention_sm90.cuh: FwdTile), bf16, mechanism copy_engine, run on a ring
-// of one.
+// of one. Key tiles of 176 and 80 need cute's extended wgmma shapes (else
+// cute tiles them with 16-wide wgmma; AttentionKernel refuses that), so
+// they are enabled before any cute header.
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include <iterator>
 #include <tuple>
 

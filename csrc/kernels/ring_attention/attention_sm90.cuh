@@ -169,6 +169,13 @@ struct AttentionKernel {
       std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
   using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
+  // One wgmma spans the key tile: cute offers N outside {8, 16, 32, 64, 96,
+  // 128, 192, 256} only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED defined
+  // before its headers, and otherwise tiles 176 keys with 16-wide wgmma.
+  static_assert(cute::size<1>(typename Mainloop::TiledMmaQK::AtomShape_MNK{}) ==
+                    cute::get<1>(TileShape{}),
+                "the key tile is not one wgmma wide: define "
+                "CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED for this key count");
 
   // [B, rows, heads, D], row-major.
   static Stride stride(int rows, int heads) {
