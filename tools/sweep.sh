@@ -14,7 +14,8 @@
 # a time) and main.cu are built, which needs nvcc and the nvidia-cutlass headers (on
 # the GPU machine: after tools/gpu_check.sh, which installs them into /tmp/site);
 # PK_SWEEP_BUILD_ONLY=1 copies the build to $PK_SWEEP_OUT_BIN (default ./NAME) and
-# stops.
+# stops. PK_SWEEP_CONFIGS=i,j,... runs only those configurations (their indices
+# in config.cu's list, from 0), e.g. to profile one kernel under Nsight Compute.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NAME=$1; shift

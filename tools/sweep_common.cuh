@@ -31,6 +31,26 @@ __device__ inline float hash_unit(size_t i, uint32_t seed) {  // in [-1, 1)
   return float(h & 0xFFFF) / 32768.0f - 1.0f;
 }
 
+// Whether configuration `index` runs: $PK_SWEEP_CONFIGS, a comma-separated
+// list of configuration indices (e.g. "0,17"), picks some (to profile one
+// kernel under Nsight Compute, or time a few); unset or empty, every one.
+// The first configuration run of a kind is what the others are compared with.
+inline bool selected(int index) {
+  const char* list = std::getenv("PK_SWEEP_CONFIGS");
+  if (list == nullptr || *list == '\0') return true;
+  for (const char* at = list; *at != '\0';) {
+    char* end = nullptr;
+    const long i = std::strtol(at, &end, 10);
+    if (end == at) {
+      std::fprintf(stderr, "PK_SWEEP_CONFIGS=%s: want indices like 0,17\n", list);
+      std::exit(2);
+    }
+    if (i == index) return true;
+    at = *end == ',' ? end + 1 : end;
+  }
+  return false;
+}
+
 // Values from a hash of the index and a seed, times `scale`.
 __global__ void fill(__nv_bfloat16* x, size_t count, uint32_t seed, float scale) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;

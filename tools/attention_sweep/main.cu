@@ -6,7 +6,8 @@
 // checked before it is timed: sampled query rows (output and log-sum-exp)
 // against an fp32 reference kernel, and the whole output against the first
 // configuration of its head dim; outputs are poisoned (NaN) before each
-// checked run. Usage: attention_sweep [B,S,HQ,HKV,D,CAUSAL ...]; prints the
+// checked run ($PK_SWEEP_CONFIGS: only those configurations, tools/sweep.sh).
+// Usage: attention_sweep [B,S,HQ,HKV,D,CAUSAL ...]; prints the
 // shapes (a line "shapes B,S,HQ,HKV,D,CAUSAL ..."), one row per (shape,
 // configuration) and the best per shape.
 #include <cuda_bf16.h>
@@ -203,7 +204,7 @@ int main(int argc, char** argv) {
     std::string best_name = "none";
     bool first = true;
     for (const auto& c : configs) {
-      if (c.head_dim != s.d) continue;
+      if (c.head_dim != s.d || !pk_sweep::selected(c.index)) continue;
       p.out = first ? o0 : o;
       check(cudaMemsetAsync(p.out, 0xFF, q_elems * 2, stream), "poison");  // NaN
       check(cudaMemsetAsync(lse, 0xFF, rows * 4, stream), "poison");

@@ -3,7 +3,8 @@
 // FP8 (e4m3) with per-tensor or block factors, bf16 out. Every
 // configuration's output is checked first: sampled elements against an fp32
 // reference kernel, and the whole output against the first configuration of
-// its kind. Usage: gemm_sweep [M,N,K ...]; prints the shapes (a line
+// its kind ($PK_SWEEP_CONFIGS: only those configurations, tools/sweep.sh).
+// Usage: gemm_sweep [M,N,K ...]; prints the shapes (a line
 // "shapes M,N,K ..."), one row per (shape, configuration, swizzle) and the
 // best per (shape, kind).
 #include <cuda_bf16.h>
@@ -194,7 +195,7 @@ int main(int argc, char** argv) {
       std::string best_name;
       bool first = true;
       for (int c = 0; c < kConfigCount; ++c) {
-        if (kConfigs[c].kind() != kind) continue;
+        if (kConfigs[c].kind() != kind || !pk_sweep::selected(c)) continue;
         pk::gemm::Problem p;
         p.m = s.m; p.n = s.n; p.k = s.k; p.a = pa; p.b = pb; p.d = first ? d0 : d;
         if (kind > 0) {
