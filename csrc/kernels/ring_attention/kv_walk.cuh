@@ -126,21 +126,26 @@ class KvWalk {
  public:
   // `q_first`: global token of the query tile's first row; `q_rows` its rows.
   PK_HD KvWalk(const Geometry& g, int q_first, int q_rows, int tile_k)
-      : g_(g), q_first_(q_first), q_last_(q_first + q_rows - 1), tile_k_(tile_k) {}
+      : g_(g), q_first_(q_first), q_last_(q_first + q_rows - 1), tile_k_(tile_k),
+        src_(g.rank) {}
 
-  // The next tile, false after the last one.
+  // The next tile, false after the last one. Incremental: the source rank
+  // and the chunk's first token change only between chunks, so a tile
+  // inside a chunk costs no division (the kernels call this once per K/V
+  // tile, between one tile's GEMMs and the next).
   PK_HD bool next(KvTile& t) {
     while (step_ < g_.n) {
-      const int src = (g_.rank - step_ + g_.n) % g_.n;
-      const int start = g_.chunk_start(src, chunk_);
-      if (count_ < 0) count_ = tiles_in_chunk(start);
+      if (count_ < 0) {
+        start_ = g_.chunk_start(src_, chunk_);
+        count_ = tiles_in_chunk(start_);
+      }
       if (tile_ < count_) {
         const int rows = g_.chunk_rows();
         const int next_key = tile_ * tile_k_;  // the first key no earlier tile covered
         const int offset = next_key + tile_k_ <= rows ? next_key : rows - tile_k_;
         t.step = step_;
         t.row = chunk_ * rows + offset;
-        t.token = start + offset;
+        t.token = start_ + offset;
         t.skip = next_key - offset;
         t.masked = t.skip > 0 || (g_.causal && t.token + tile_k_ - 1 > q_first_);
         ++tile_;
@@ -148,7 +153,11 @@ class KvWalk {
       }
       tile_ = 0;
       count_ = -1;
-      if (++chunk_ == g_.chunks()) chunk_ = 0, ++step_;
+      if (++chunk_ == g_.chunks()) {
+        chunk_ = 0;
+        ++step_;
+        src_ = src_ == 0 ? g_.n - 1 : src_ - 1;  // rank - step, mod n
+      }
     }
     return false;
   }
@@ -167,6 +176,8 @@ class KvWalk {
   Geometry g_;
   int q_first_, q_last_, tile_k_;
   int step_ = 0, chunk_ = 0, tile_ = 0, count_ = -1;
+  int src_;        // the rank whose block step_ visits: (rank - step_) mod n
+  int start_ = 0;  // global token of the current chunk's first row
 };
 
 }  // namespace pk::ring_attention
