@@ -121,6 +121,21 @@ def build_native(source: str, exe, includes=(), opt: str = "-O1") -> str:
     return str(exe)
 
 
+def mutated_header(tmp_path, header: str, old: str, new: str):
+    """A copy of csrc/<header> with `old` replaced by `new`, under tmp_path
+    (pass tmp_path to build_native's includes, ahead of csrc/): how the host
+    checks show that they fail on a broken kernel header."""
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = open(os.path.join(root, "csrc", header)).read()
+    broken = src.replace(old, new)
+    assert broken != src, f"{old!r} is not in {header}"
+    path = tmp_path / header
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(broken)
+    return tmp_path
+
+
 def rel_err(a, b) -> float:
     """||a - b|| / ||b|| in float64: the relative error the value checks use."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)

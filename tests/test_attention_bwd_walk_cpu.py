@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from pk_jax.reference import positions as _positions
-from conftest import build_native
+from conftest import build_native, mutated_header
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SRC = os.path.join(ROOT, "tests", "native", "bwd_walk_check.cc")
@@ -81,11 +81,7 @@ def test_walk_every_rank_pair(checker, n, zigzag, causal, s_q, s_kv, tq, group):
 
 def test_checker_catches_a_broken_walk(tmp_path):
     """The comparison must fail against a walk that forgets the mask flag."""
-    src = open(os.path.join(ROOT, "csrc", "kernels", "attention_bwd", "bwd_walk.cuh")).read()
-    broken = src.replace("masked = causal_ &&", "masked = false &&")
-    assert broken != src
-    inc = tmp_path / "kernels" / "attention_bwd"
-    inc.mkdir(parents=True)
-    (inc / "bwd_walk.cuh").write_text(broken)
-    exe = _build(str(tmp_path), str(tmp_path / "broken"))
+    inc = mutated_header(tmp_path, "kernels/attention_bwd/bwd_walk.cuh",
+                         "masked = causal_ &&", "masked = false &&")
+    exe = _build(str(inc), str(tmp_path / "broken"))
     assert _problems(exe, 2, 256, 256, True, True, 1, 128, 128, 1, 1)

@@ -10,7 +10,6 @@ end with the keys before it masked."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import jax.numpy as jnp
@@ -18,9 +17,7 @@ import numpy as np
 import pytest
 
 from pk_jax.reference import positions as _positions
-from conftest import build_native
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import build_native, mutated_header
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +49,8 @@ def test_walk(checker, n, zigzag, causal, s_local, tile_k):
 def _broken_run(tmp_path, old: str, new: str, args=("2", "256", "1", "1"), tile_k="128"):
     """The checker built against a kv_walk.cuh with `old` replaced by `new`,
     run on one geometry (n, s_local, zigzag, causal; 128-row query tiles)."""
-    src = open(os.path.join(ROOT, "csrc", "kernels", "ring_attention", "kv_walk.cuh")).read()
-    broken = src.replace(old, new)
-    assert broken != src
-    inc = tmp_path / "kernels" / "ring_attention"
-    inc.mkdir(parents=True)
-    (inc / "kv_walk.cuh").write_text(broken)
-    exe = build_native("kv_walk_check.cc", tmp_path / "broken", (tmp_path,), opt="-O0")
+    inc = mutated_header(tmp_path, "kernels/ring_attention/kv_walk.cuh", old, new)
+    exe = build_native("kv_walk_check.cc", tmp_path / "broken", (inc,), opt="-O0")
     return subprocess.run([exe, *args, "128", tile_k], capture_output=True, text=True)
 
 
