@@ -91,7 +91,8 @@ IMPLS = {
     "attention": (
         "`pk`: what `ring_attention(mechanism=\"auto\")` runs on one device (cuDNN's fused "
         "attention, pk_jax/tuning.py's single_gpu_attention); `pk_kernel`: pk's own fused "
-        "kernel (mechanism=\"copy_engine\"; it does not take head dim 256); `cudnn`: "
+        "kernel (mechanism=\"copy_engine\"; at head dim 256 its backward steps are cuDNN's block "
+        "backward); `cudnn`: "
         "jax.nn.dot_product_attention(implementation=\"cudnn\"); `tokamax_*`: tokamax "
         "0.0.17's Mosaic GPU and Triton kernels. TFLOP/s count 4 B S^2 H D (x0.5 causal, "
         "x3.5 forward + backward). `pk` and `cudnn` run the same kernel: their spread is "

@@ -591,7 +591,7 @@ def test_one_device_auto_takes_cudnn_where_available(monkeypatch, rng, head_dim,
         return _compat.xla_attention(q, k, v, scale=scale, is_causal=is_causal)
     monkeypatch.setattr(_compat, "cudnn_available", lambda: True)
     monkeypatch.setattr(_compat, "cudnn_attention", fake)
-    # rings of two at head dim 256 would take the ring of cuDNN blocks, whose
+    # rings of two at head dim 256 would take cuDNN's block backward, whose
     # CUDA branch cannot be traced here (test_auto_takes_the_cudnn_ring)
     monkeypatch.setattr(_compat, "cudnn_blocks_available", lambda: False)
     mesh = cpu_mesh((n,), ("sp",))
@@ -647,20 +647,31 @@ def test_cudnn_ring_return_lse(rng, sharding_mode, n, layout):
     _cudnn_ring_case(rng, n, layout, True, return_lse=True)
 
 
+@pytest.mark.parametrize("chosen", ["cudnn", "copy_engine", "ld_st"])
 @pytest.mark.parametrize("deterministic,return_lse,want", [
     (False, False, "cudnn"), (True, False, "einsum"), (False, True, "einsum")])
-def test_cudnn_ring_block_grads(deterministic, return_lse, want):
+def test_cudnn_ring_block_grads(monkeypatch, chosen, deterministic, return_lse, want):
+    """Block gradients at head dim 256 (the block backward kernel takes 64
+    and 128): cuDNN's backward under the cudnn ring and under the forward
+    kernel where cuDNN's blocks run, einsums where they do not."""
+    from pk_jax import _compat
     from pk_jax.ops import ring_attention as ra
     q = jax.ShapeDtypeStruct((1, 256, 4, 256), jnp.bfloat16)
-    assert ra._block_grads(q, q, "zigzag", "cudnn", deterministic, return_lse) == want
+    monkeypatch.setattr(_compat, "cudnn_blocks_available", lambda: True)
+    assert ra._block_grads(q, q, "zigzag", chosen, deterministic, return_lse) == want
+    if chosen != "cudnn":
+        monkeypatch.setattr(_compat, "cudnn_blocks_available", lambda: False)
+        assert ra._block_grads(q, q, "zigzag", chosen, deterministic, return_lse) == "einsum"
 
 
-@pytest.mark.parametrize("head_dim,fused", [(96, False), (256, False), (128, True)])
-def test_auto_takes_the_cudnn_ring(monkeypatch, rng, head_dim, fused):
+@pytest.mark.parametrize("head_dim,cudnn_calls", [(96, {"fwd", "bwd"}), (256, {"bwd"}),
+                                                  (128, set())])
+def test_auto_takes_the_cudnn_ring(monkeypatch, rng, head_dim, cudnn_calls):
     """Under `auto` on a ring of two, shapes the fused kernel does not take
     run the ring of cuDNN blocks where cuDNN's blocks run (stood in for here:
-    the CUDA branch is traced, CPU runs the einsum one), and shapes it takes
-    keep the fused kernel."""
+    the CUDA branch is traced, CPU runs the einsum one); head dim 256 keeps
+    the fused forward and takes cuDNN's block backward (the block backward
+    kernel takes 64 and 128); 128 keeps the kernels."""
     from pk_jax import _compat
     calls = []
 
@@ -682,6 +693,6 @@ def test_auto_takes_the_cudnn_ring(monkeypatch, rng, head_dim, fused):
     w = _normal(rng, q.shape)
     loss = lambda f: lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w)
     grads = jax.jit(jax.grad(loss(ring), (0, 1, 2)))(q, k, v)
-    assert set(calls) == (set() if fused else {"fwd", "bwd"})
+    assert set(calls) == cudnn_calls
     for a, b in zip(grads, jax.grad(loss(lambda *x: _reference(*x, True)), (0, 1, 2))(q, k, v)):
         assert rel_err(a, b) < 3e-2

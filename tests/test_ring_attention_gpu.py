@@ -177,7 +177,7 @@ def test_values(n, mechanism, causal, layout, dtype):
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("group", [1, 4, 8])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_gqa_and_head_dim(mechanism, group, d):
     _run_and_check(2, mechanism, True, "zigzag", 2, 512, 8, 8 // group, d, jnp.bfloat16,
                    f"{mechanism} GQA {group} d={d}")
@@ -186,7 +186,8 @@ def test_gqa_and_head_dim(mechanism, group, d):
 # The kernel's tile forms (ring_attention.cu, form_of): head dim 64 takes
 # 192-key tiles on long chunks (1536 rows: whole tiles; 10240: the last tile
 # placed at the chunk's end, its repeated keys masked), 128 keys on short
-# ones; head dim 128 adds the lazy rescale under a causal mask.
+# ones; head dim 128 adds the lazy rescale under a causal mask; head dim 256
+# takes 80-key tiles (1024 rows: the last tile repeats keys; 640: whole tiles).
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("d,causal,layout,s_local,dtype", [
@@ -195,6 +196,8 @@ def test_gqa_and_head_dim(mechanism, group, d):
     (64, False, "zigzag", 20480, jnp.bfloat16),
     (64, True, "zigzag", 1024, jnp.bfloat16),
     (128, True, "contiguous", 2048, jnp.float16),
+    (256, True, "contiguous", 1024, jnp.bfloat16),
+    (256, False, "zigzag", 1280, jnp.float16),
 ])
 def test_tile_forms(n, mechanism, d, causal, layout, s_local, dtype):
     _run_and_check(n, mechanism, causal, layout, 1, s_local, 4, 2, d, dtype,
@@ -293,10 +296,10 @@ def test_repeated_in_scan(mechanism, n):
 # they take the shape, as bf16 head dim 32, else the pure-JAX ring) with a
 # one-time PkJaxFallbackWarning saying why; an explicit "copy_engine" raises a ValueError
 # that says what the kernel supports. float32 inputs (kernel: bf16 / fp16) and
-# head dim 32 (kernel: 64, 128) are outside it. The error must name the
+# head dim 32 (kernel: 64, 128, 256) are outside it. The error must name the
 # offending value and what the kernel takes (the words listed).
 UNSUPPORTED = [pytest.param(jnp.float32, 128, ["float32", "bfloat16", "float16"], id="float32"),
-               pytest.param(jnp.bfloat16, 32, ["32", "64", "128"], id="head_dim_32")]
+               pytest.param(jnp.bfloat16, 32, ["32", "64", "128", "256"], id="head_dim_32")]
 
 
 @pytest.fixture
@@ -463,8 +466,8 @@ def _grad_check(ring, q, k, v, causal, what, seed):
 @pytest.mark.parametrize("d,hkv,dtype", [(256, 2, jnp.bfloat16), (128, 8, jnp.float16),
                                          (96, 1, jnp.bfloat16)])
 def test_cudnn_ring(n, causal, layout, d, hkv, dtype):
-    """mechanism="cudnn": values and gradients, head dims the fused kernel
-    does not take (256, 96) and one it does, GQA / MHA / MQA."""
+    """mechanism="cudnn": values and gradients, a head dim the fused kernel
+    does not take (96) and ones it does, GQA / MHA / MQA."""
     mesh = gpu_mesh(n, "sp")
     seed = _seed()
     q, k, v = _qkv(seed, 2, n * 512, 8, hkv, d, dtype)
@@ -475,17 +478,46 @@ def test_cudnn_ring(n, causal, layout, d, hkv, dtype):
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_auto_runs_the_cudnn_ring_at_head_dim_256(fresh_warnings, n):
+def test_auto_runs_the_kernel_at_head_dim_256(fresh_warnings, n):
     """`auto` at head dim 256 with return_lse (so not cuDNN's whole attention
-    on one device): the ring of cuDNN blocks, with the fallback warning
-    naming it, and the log-sum-exp checked."""
+    on one device): the fused kernel, no fallback warning, the log-sum-exp
+    checked."""
     mesh = gpu_mesh(n, "sp")
     seed = _seed()
     q, k, v = _qkv(seed, 1, n * 1024, 8, 2, 256, jnp.bfloat16)
-    with pytest.warns(pk_jax.PkJaxFallbackWarning, match="cuDNN attention blocks"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pk_jax.PkJaxFallbackWarning)
         out, lse = _ring(mesh, causal=True, layout="zigzag", mechanism="auto",
                          return_lse=True)(q, k, v)
     _check(out, q, k, v, True, f"auto d256 n={n}", seed, n, lse=lse)
+    pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+@pytest.mark.parametrize("causal,layout", CASES[:3])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_head_dim_256_grads(n, mechanism, causal, layout, dtype):
+    """Head dim 256 (the block backward kernel takes 64 and 128): the fused
+    forward kernel, its backward ring's steps cuDNN's block backward fed the
+    kernel's output and log-sum-exp; the program must hold both (the
+    kernel's custom call and cuDNN's), the gradients match fp32 attention."""
+    mesh = gpu_mesh(n, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 1, n * 512, 8, 2, 256, dtype)
+    f = jax.shard_map(
+        lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal, layout=layout,
+                                              mechanism=mechanism),
+        mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    w = jax.random.normal(jax.random.key(seed + 2), q.shape, jnp.float32)
+    text = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w))).lower(
+        q, k, v).as_text()
+    assert "pk_ring_attention" in text and "cudnn" in text, "not the kernel + cuDNN blocks"
+    what = f"d256 n={n} {mechanism} causal={causal} {layout} {jnp.dtype(dtype).name}"
+    ring = _ring(mesh, causal=causal, layout=layout, mechanism=mechanism)
+    _check(ring(q, k, v), q, k, v, causal, what, seed, n)
+    _grad_check(ring, q, k, v, causal, what, seed)
+    pk_jax.check_errors()
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])

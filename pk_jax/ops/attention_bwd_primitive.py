@@ -34,7 +34,7 @@ from jax.interpreters import mlir
 from pk_jax import reference
 from pk_jax._compat import vary_alike
 from pk_jax.ops._lowering import kernels_missing
-from pk_jax.ops.ring_attention_primitive import RingConfig, operand_problem
+from pk_jax.ops.ring_attention_primitive import BWD_HEAD_DIMS, RingConfig, operand_problem
 
 attention_block_bwd_p = Primitive("pk_attention_block_bwd")
 attention_block_bwd_p.multiple_results = True
@@ -49,7 +49,7 @@ def tile_q(head_dim: int) -> int:
 
 def kernel_problem(q, k, layout: str) -> str | None:
     """None when the kernel takes this block pair, else why it does not."""
-    if why := operand_problem(q, k):
+    if why := operand_problem(q, k, BWD_HEAD_DIMS):
         return why
     d = q.shape[3]
     hq, hkv = q.shape[2], k.shape[2]

@@ -22,8 +22,9 @@ mechanisms (rings of 2 or more, `deterministic=False`, shapes the block
 kernel takes) it is one fused call: the Hopper flash-attention backward
 kernel at every step and pk's copy-engine transport between them. Otherwise
 each step's block gradients are that kernel (world size 1), cuDNN's
-backward (mechanism "cudnn", `deterministic=False`, `return_lse=False`) or
-einsums (`deterministic=True`, mechanism "xla", other shapes), and the hops
+backward (mechanism "cudnn", and the kernel mechanisms at head dim 256,
+which the block kernel does not take; `deterministic=False`,
+`return_lse=False`) or einsums (`deterministic=True`, mechanism "xla", other shapes), and the hops
 XLA collective-permutes that fly while the steps run.
 """
 
@@ -173,14 +174,19 @@ def _single_gpu_cudnn(q, k, cfg: RingConfig, mechanism: str, return_lse: bool,
 def _block_grads(q, k, layout: str, chosen: str, deterministic: bool,
                  return_lse: bool) -> str:
     """How the backward ring computes each step's block gradients
-    (RingConfig.block_grads): the block kernel under the kernel mechanisms,
-    cuDNN's backward under "cudnn" (it takes no log-sum-exp cotangent, so
-    not with return_lse), einsums otherwise and whenever `deterministic`."""
+    (RingConfig.block_grads): the block kernel under the kernel mechanisms
+    where it takes the shapes, else cuDNN's backward where cuDNN's blocks
+    take them and run here (mechanism "cudnn", or the forward kernel's head
+    dim 256; it takes no log-sum-exp cotangent, so not with return_lse),
+    einsums otherwise and whenever `deterministic`."""
     if deterministic:
         return "einsum"
     if chosen in KERNEL_MECHANISMS and block_bwd.kernel_problem(q, k, layout) is None:
         return "kernel"
-    if chosen == "cudnn" and not return_lse:
+    cudnn_blocks = chosen == "cudnn" or (chosen in KERNEL_MECHANISMS
+                                         and _compat.cudnn_operand_problem(q) is None
+                                         and _compat.cudnn_blocks_available())
+    if cudnn_blocks and not return_lse:
         return "cudnn"
     return "einsum"
 
@@ -320,8 +326,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         mechanism of pk_jax/tuning.py; else the ring of cuDNN blocks where
         they take the shapes and cuDNN runs here, else the pure-JAX ring,
         either with a one-time warning), "copy_engine" (the fused kernel;
-        the copy engines push K/V to the peers: bf16/fp16, head dim 64 or
-        128, S_local a multiple of 128, or of 256 for zigzag; ValueError for
+        the copy engines push K/V to the peers: bf16/fp16, head dim 64,
+        128 or 256, S_local a multiple of 128, or of 256 for zigzag; ValueError for
         other shapes), "ld_st" (the same kernel with `num_comm_ctas`
         communicator CTAs pushing K/V over NVLink instead), "cudnn" (each
         ring step one cuDNN flash-attention call, XLA's collective-permutes

@@ -27,7 +27,8 @@ from jax.interpreters import mlir
 from pk_jax import reference
 from pk_jax.ops._lowering import channel_attr, kernel_group
 
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)  # the forward kernel's (attention_sm90.cuh: FormTile)
+BWD_HEAD_DIMS = (64, 128)  # the block backward kernel's (attention_bwd.h)
 DTYPES = (jnp.bfloat16, jnp.float16)
 TILE_Q = 128  # query rows per CTA: kTileQ (csrc/kernels/ring_attention/ring_attention.h)
 MAX_PIECES = 8  # pieces a peer's block is posted in: kMaxPieces
@@ -74,16 +75,17 @@ class RingConfig:
     bwd_transport: str = "xla"
 
 
-def operand_problem(q, k) -> str | None:
-    """What the attention kernels (forward and block backward) need of the
-    operands' dtypes and head dim: None, or why they do not take them."""
+def operand_problem(q, k, head_dims=HEAD_DIMS) -> str | None:
+    """What an attention kernel (the forward: `head_dims` HEAD_DIMS; the
+    block backward: BWD_HEAD_DIMS) needs of the operands' dtypes and head
+    dim: None, or why it does not take them."""
     if q.dtype not in DTYPES:
         return f"dtype {q.dtype} (the kernel takes bfloat16 and float16)"
     if k.dtype != q.dtype:
         return f"q is {q.dtype} but k/v are {k.dtype} (the kernel needs one dtype)"
     d = q.shape[3]
-    if d not in HEAD_DIMS or k.shape[3] != d:
-        return f"head_dim {d} (the kernel takes {HEAD_DIMS})"
+    if d not in head_dims or k.shape[3] != d:
+        return f"head_dim {d} (the kernel takes {head_dims})"
     return None
 
 

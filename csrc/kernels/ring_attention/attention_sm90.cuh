@@ -137,8 +137,9 @@ struct WithCommCtas : Base {
 // (query rows, keys, head dim) of one CTA's tile, the stages of its K/V
 // pipeline (K and V tiles share it, one tile a stage) and two mainloop
 // variants: the lazy rescale of O (RingMainloop::online_softmax) and O's
-// rescale under the next QK GEMM (RingMainloop::compute). The instantiations
-// take the defaults: head dims 64 and 128 take 128 keys a tile (64 keys
+// rescale under the next QK GEMM (RingMainloop::compute). The base forms of
+// head dims 64 and 128 take the defaults (head dim 256 its own, FormTile
+// below): 128 keys a tile (64 keys
 // halves every QK and PV GEMM and doubles the softmax steps per key;
 // benchmarks/NOTES.md, 2026-12-03) in the example's 5 stages; head dim 128
 // rescales O under the next QK GEMM, 64 between the PV wait and the next
@@ -231,6 +232,14 @@ struct FormTile<128, Form::kCausalLazy> {
 template <>
 struct FormTile<64, Form::kWide> {
   using Type = FwdTile<64, 192, 5, /*kLazy=*/false, /*kUnderQk=*/true>;
+};
+// Head dim 256: 80 keys a tile in 4 stages, O rescaled under QK (1.37x / 1.06x
+// cuDNN causal / full at s8192 in tools/attention_sweep, 64 keys 1.19x / 0.96x;
+// benchmarks/NOTES.md, 2026-12-05). 80-wide wgmma is among cute's extended
+// shapes: its units define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED.
+template <>
+struct FormTile<256, Form::kBase> {
+  using Type = FwdTile<256, 80, 4, /*kLazy=*/false, /*kUnderQk=*/true>;
 };
 
 template <DType kType, int kHeadDim, Mechanism kMechanism, Form kForm>

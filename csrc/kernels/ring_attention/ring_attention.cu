@@ -26,7 +26,10 @@ using Instantiations = variants::Built<
     Variant<DType::kBF16, 64, Mechanism::kCopyEngine, Form::kWide>,
     Variant<DType::kF16, 64, Mechanism::kCopyEngine, Form::kWide>,
     Variant<DType::kBF16, 64, Mechanism::kLdSt, Form::kWide>,
-    Variant<DType::kF16, 64, Mechanism::kLdSt, Form::kWide>>;
+    Variant<DType::kF16, 64, Mechanism::kLdSt, Form::kWide>,
+    Variant<DType::kBF16, 256, Mechanism::kCopyEngine>,
+    Variant<DType::kF16, 256, Mechanism::kCopyEngine>,
+    Variant<DType::kBF16, 256, Mechanism::kLdSt>, Variant<DType::kF16, 256, Mechanism::kLdSt>>;
 
 // The tile form of p's call (tools/attention_sweep, benchmarks/NOTES.md,
 // 2026-12-05): head dim 128 under a causal mask adds the lazy rescale (3-10%
@@ -148,7 +151,8 @@ bool available() { return gemm::available(); }
 // wide form, which form_of picks only for chunks of 192 rows or more).
 bool supported(const Params& p) {
   const Geometry& g = p.geo;
-  return available() && (p.head_dim == 64 || p.head_dim == 128) && p.kv_heads > 0 &&
+  return available() && (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) &&
+         p.kv_heads > 0 &&
          p.q_heads % p.kv_heads == 0 && g.s_local > 0 && g.chunk_rows() % kTileQ == 0 &&
          p.pieces <= kMaxPieces && p.plan().valid() &&
          (p.mechanism == Mechanism::kCopyEngine ||

@@ -90,7 +90,7 @@ inline size_t block_bytes(int batch, int s_local, int kv_heads, int head_dim) {
 }
 // False when the extension was built without CUTLASS.
 bool available();
-// head_dim 64 or 128; tiles fit the layout (see the Python checks).
+// head_dim 64, 128 or 256; tiles fit the layout (see the Python checks).
 bool supported(const Params& p);
 cudaError_t run(const Params& p);
 cudaError_t load_kernels();
@@ -118,7 +118,7 @@ struct KernelArgs {
 // configuration of tools/attention_sweep per shape class (benchmarks/NOTES.md,
 // 2026-12-05), picked per call by ring_attention.cu's form_of.
 enum class Form : int32_t {
-  kBase = 0,        // 128 keys a tile (attention_sm90.cuh: FwdTile's defaults)
+  kBase = 0,        // 128 keys a tile (FwdTile's defaults); head dim 256: 80
   kCausalLazy = 1,  // head dim 128, causal: also the lazy rescale of O
   kWide = 2,        // head dim 64, long chunks: 192 keys a tile, O rescaled under QK
 };
