@@ -96,21 +96,23 @@ def main() -> None:
     _fp8_mlp(mesh, put, cpu, rng, bf)
 
     # Ring attention (both kernel mechanisms, both masks: the peers' blocks
-    # are walked whole without one), forward and gradients.
-    s, hq, hkv, hd = 2 * 512, 8, 2, 128
-    q, k, v = (rng.standard_normal((1, s, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
-    qb, kb, vb = (np.asarray(bf(a), np.float32) for a in (q, k, v))
-    seq = [put(bf(a), P(None, "x")) for a in (q, k, v)]  # placed once for all four calls
-    for causal in (True, False):
-        with jax.default_device(cpu):
-            want = np.asarray(jax.nn.dot_product_attention(qb, kb, vb, is_causal=causal))
-        for mechanism in ("copy_engine", "ld_st"):
-            ring = sm(lambda q, k, v, m=mechanism, c=causal: pk_jax.ring_attention(
-                q, k, v, "x", causal=c, mechanism=m), (P(None, "x"),) * 3, P(None, "x"))
-            idx, got = local(ring(*seq))
-            mask = "causal" if causal else "full"
-            check(rel(got.astype(np.float32), want[idx]) < 2e-2,
-                  f"ring attention {mechanism} {mask} across processes")
+    # are walked whole without one; head dims 128 and 256, whose 80-key tiles
+    # repeat keys at a chunk's end), forward and gradients.
+    for hd in (128, 256):
+        s, hq, hkv = 2 * 512, 8, 2
+        q, k, v = (rng.standard_normal((1, s, h, hd)).astype(np.float32) for h in (hq, hkv, hkv))
+        qb, kb, vb = (np.asarray(bf(a), np.float32) for a in (q, k, v))
+        seq = [put(bf(a), P(None, "x")) for a in (q, k, v)]  # placed once for all four calls
+        for causal in (True, False):
+            with jax.default_device(cpu):
+                want = np.asarray(jax.nn.dot_product_attention(qb, kb, vb, is_causal=causal))
+            for mechanism in ("copy_engine", "ld_st"):
+                ring = sm(lambda q, k, v, m=mechanism, c=causal: pk_jax.ring_attention(
+                    q, k, v, "x", causal=c, mechanism=m), (P(None, "x"),) * 3, P(None, "x"))
+                idx, got = local(ring(*seq))
+                mask = "causal" if causal else "full"
+                check(rel(got.astype(np.float32), want[idx]) < 2e-2,
+                      f"ring attention {mechanism} {mask} d{hd} across processes")
     # The fused backward moves K/V and dK/dV through pk's workspaces, so it
     # runs across processes on one shared GPU too (XLA's collectives do not).
     _ring_grads(mesh, put, cpu, rng, bf)
