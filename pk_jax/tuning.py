@@ -126,8 +126,9 @@ def single_gpu_attention(head_dim: int, causal: bool, kernel_takes: bool) -> str
     same run's cuDNN): pk's kernel was 0.91-0.97x cuDNN on every forward +
     backward row (head dims 64 and 128, full and causal, MHA and GQA, 4k-32k
     tokens, batch 1 and 4), so cuDNN runs at every head dim cuDNN takes;
-    head dim 256 (pk's forward kernel with cuDNN's block backward) is not
-    yet measured against it and takes cuDNN too. Shapes cuDNN
+    at head dim 256 pk's forward kernel with cuDNN's block backward was
+    1.025x cuDNN (one H100, causal s8192, benchmarks/NOTES.md 2026-12-05),
+    inside that run's spread (cuDNN against itself 1.045x): cuDNN too. Shapes cuDNN
     does not take stay on the kernel (or the pure-JAX ring where neither
     applies).
     """

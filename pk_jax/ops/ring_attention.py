@@ -24,8 +24,9 @@ kernel at every step and pk's copy-engine transport between them. Otherwise
 each step's block gradients are that kernel (world size 1), cuDNN's
 backward (mechanism "cudnn", and the kernel mechanisms at head dim 256,
 which the block kernel does not take; `deterministic=False`,
-`return_lse=False`) or einsums (`deterministic=True`, mechanism "xla", other shapes), and the hops
-XLA collective-permutes that fly while the steps run.
+`return_lse=False`) or einsums (`deterministic=True`, mechanism "xla",
+other shapes), and the hops XLA collective-permutes that fly while the
+steps run.
 """
 
 from __future__ import annotations
@@ -142,9 +143,15 @@ def _mechanism(q, k, layout: str, mechanism: str) -> str:
     if mechanism in KERNEL_MECHANISMS:
         raise ValueError(f"pk_jax.ring_attention: mechanism={mechanism!r} does not take {why}; "
                          "use mechanism='auto', 'cudnn' or 'xla' for this call")
-    if _compat.cudnn_operand_problem(q) is None and _compat.cudnn_blocks_available():
+    if _cudnn_blocks_take(q):
         return tuning.RING_ATTENTION_UNFUSED
     return "xla"
+
+
+def _cudnn_blocks_take(q) -> bool:
+    """Whether cuDNN's blocks (ring_attention_cudnn.py) take q's dtype and
+    head dim and can run here."""
+    return _compat.cudnn_operand_problem(q) is None and _compat.cudnn_blocks_available()
 
 
 def _warn_fallback(q, k, layout: str, chosen: str) -> None:
@@ -183,9 +190,7 @@ def _block_grads(q, k, layout: str, chosen: str, deterministic: bool,
         return "einsum"
     if chosen in KERNEL_MECHANISMS and block_bwd.kernel_problem(q, k, layout) is None:
         return "kernel"
-    cudnn_blocks = chosen == "cudnn" or (chosen in KERNEL_MECHANISMS
-                                         and _compat.cudnn_operand_problem(q) is None
-                                         and _compat.cudnn_blocks_available())
+    cudnn_blocks = chosen == "cudnn" or (chosen in KERNEL_MECHANISMS and _cudnn_blocks_take(q))
     if cudnn_blocks and not return_lse:
         return "cudnn"
     return "einsum"
@@ -327,8 +332,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
         they take the shapes and cuDNN runs here, else the pure-JAX ring,
         either with a one-time warning), "copy_engine" (the fused kernel;
         the copy engines push K/V to the peers: bf16/fp16, head dim 64,
-        128 or 256, S_local a multiple of 128, or of 256 for zigzag; ValueError for
-        other shapes), "ld_st" (the same kernel with `num_comm_ctas`
+        128 or 256, S_local a multiple of 128, or of 256 for zigzag;
+        ValueError for other shapes), "ld_st" (the same kernel with `num_comm_ctas`
         communicator CTAs pushing K/V over NVLink instead), "cudnn" (each
         ring step one cuDNN flash-attention call, XLA's collective-permutes
         between the steps: bf16/fp16, head dims multiple of 8 up to 256, any

@@ -137,13 +137,13 @@ struct WithCommCtas : Base {
 // (query rows, keys, head dim) of one CTA's tile, the stages of its K/V
 // pipeline (K and V tiles share it, one tile a stage) and two mainloop
 // variants: the lazy rescale of O (RingMainloop::online_softmax) and O's
-// rescale under the next QK GEMM (RingMainloop::compute). The base forms of
-// head dims 64 and 128 take the defaults (head dim 256 its own, FormTile
-// below): 128 keys a tile (64 keys
-// halves every QK and PV GEMM and doubles the softmax steps per key;
-// benchmarks/NOTES.md, 2026-12-03) in the example's 5 stages; head dim 128
-// rescales O under the next QK GEMM, 64 between the PV wait and the next
-// issue (each the faster in tools/attention_sweep; NOTES.md, 2026-12-05).
+// rescale under the next QK GEMM (RingMainloop::compute). Head dims 64 and
+// 128 take the defaults in their base forms (head dim 256: FormTile below):
+// 128 keys a tile (64 keys halves every QK and PV GEMM and doubles the
+// softmax steps per key; benchmarks/NOTES.md, 2026-12-03) in the example's 5
+// stages; head dim 128 rescales O under the next QK GEMM, 64 between the PV
+// wait and the next issue (each the faster in tools/attention_sweep;
+// NOTES.md, 2026-12-05).
 template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = false,
           bool kUnderQk = (kHeadDim == 128)>
 struct FwdTile {

@@ -147,8 +147,9 @@ cudaError_t enqueue(const Params& p, const KernelArgs& a, bool* forked) {
 bool available() { return gemm::available(); }
 
 // A chunk of whole 128-row query tiles; the kernel checks that it holds a
-// key tile (RingMainloop::can_implement: 128 keys, or 192 in head dim 64's
-// wide form, which form_of picks only for chunks of 192 rows or more).
+// key tile (RingMainloop::can_implement: 128 keys, 80 at head dim 256, or
+// 192 in head dim 64's wide form, which form_of picks only for chunks of 192
+// rows or more).
 bool supported(const Params& p) {
   const Geometry& g = p.geo;
   return available() && (p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256) &&
