@@ -5,7 +5,9 @@ drift under sustained load moves every implementation alike).
 Sections (--only):
   attention  pk's ring_attention at world size 1 ("pk": what `auto` runs there,
              pk_jax/tuning.py's measured choice; "pk_kernel": pk's own fused
-             kernel, mechanism="copy_engine", where it takes the shapes) against
+             kernel, mechanism="copy_engine", where it takes the shapes;
+             "pk_kernel_cudnn_bwd": that kernel's forward with cuDNN's
+             backward, tuning.forced's third alternative) against
              cuDNN (jax.nn.dot_product_attention(implementation="cudnn")) and
              tokamax 0.0.17 (implementation="mosaic", Mosaic GPU; "triton"
              where it runs): forward, and forward + backward (value_and_grad).
@@ -39,6 +41,7 @@ to a file; --merge writes the slices' rows as one run's results)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import re
@@ -53,6 +56,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+from pk_jax import tuning
 from common import interleaved_ms, markdown_table, one_axis_mesh, write_results
 
 SECTIONS = ("attention", "gemm", "fp8")
@@ -89,14 +93,16 @@ COLUMNS = ("Columns: median ms per call over interleaved rounds, TFLOP/s, the fa
 # What each section's implementations are (RESULTS.md, before the columns).
 IMPLS = {
     "attention": (
-        "`pk`: what `ring_attention(mechanism=\"auto\")` runs on one device (cuDNN's fused "
-        "attention, pk_jax/tuning.py's single_gpu_attention); `pk_kernel`: pk's own fused "
-        "kernel (mechanism=\"copy_engine\"; at head dim 256 its backward steps are cuDNN's block "
-        "backward); `cudnn`: "
+        "`pk`: what `ring_attention(mechanism=\"auto\")` runs on one device "
+        "(pk_jax/tuning.py's single_gpu_attention by head dim and mask: one of the next "
+        "three); `pk_kernel`: pk's own fused kernel and its block backward "
+        "(mechanism=\"copy_engine\"; at head dim 256 its backward steps are cuDNN's block "
+        "backward); `pk_kernel_cudnn_bwd` (forward + backward only): pk's forward kernel, "
+        "then cuDNN's backward fed its output and log-sum-exp; `cudnn`: "
         "jax.nn.dot_product_attention(implementation=\"cudnn\"); `tokamax_*`: tokamax "
         "0.0.17's Mosaic GPU and Triton kernels. TFLOP/s count 4 B S^2 H D (x0.5 causal, "
-        "x3.5 forward + backward). `pk` and `cudnn` run the same kernel: their spread is "
-        "the run's noise.\n\n"),
+        "x3.5 forward + backward). `pk` runs the same code as one of `pk_kernel`, "
+        "`pk_kernel_cudnn_bwd` and `cudnn`: their spread is the run's noise.\n\n"),
     "gemm": ("`pk`: all_gather_matmul(mechanism=\"chunked\") at world size 1 (pk's CUTLASS "
              "GEMM; forward + backward: y, then dx and dw in one call; under `auto` one "
              "device runs XLA's dot, pk_jax/tuning.py's single_gpu_gemm); `xla`: XLA's dot "
@@ -203,6 +209,10 @@ def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
         impls: dict[str, Callable] = {
             "pk": ring(),  # auto: the measured choice (pk_jax/tuning.py)
             "pk_kernel": ring(mechanism="copy_engine"),  # pk's own fused kernel
+            # pk's forward kernel, cuDNN's backward fed its output and lse
+            # (an alternative of tuning.single_gpu_attention; the same
+            # forward as pk_kernel, so timed with the backward only)
+            "pk_kernel_cudnn_bwd": ring(),
             "cudnn": lambda q, k, v: jax.nn.dot_product_attention(
                 q, k, v, is_causal=causal, implementation="cudnn"),
         }
@@ -219,13 +229,18 @@ def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
         for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
             fns, outs = {}, {}
             for name, f in impls.items():
+                if mode == "fwd" and name == "pk_kernel_cudnn_bwd":
+                    continue
                 if mode == "fwd":
                     g = jax.jit(f)
                 else:
                     g = jax.jit(jax.grad(lambda q, k, v, f=f: jnp.sum(
                         f(q, k, v).astype(jnp.float32) * do.astype(jnp.float32)), (0, 1, 2)))
+                choice = {"pk_kernel_cudnn_bwd": "kernel_fwd_cudnn_bwd"}.get(name)
                 try:
-                    outs[name] = jax.block_until_ready(g(q, k, v))
+                    with (tuning.forced(single_gpu_attention=choice) if choice
+                          else contextlib.nullcontext()):  # traced at the first call
+                        outs[name] = jax.block_until_ready(g(q, k, v))
                 except Exception as e:  # noqa: BLE001 - a baseline that does not take the case
                     if name == "pk":
                         raise
@@ -235,7 +250,7 @@ def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
                 fns[name] = lambda g=g: g(q, k, v)
             ref = outs.get("cudnn", next((o for n, o in outs.items() if n != "pk"), None))
             if ref is not None:  # pk against a baseline's output before timing
-                for name in ("pk", "pk_kernel"):
+                for name in ("pk", "pk_kernel", "pk_kernel_cudnn_bwd"):
                     for got, want in zip(jax.tree.leaves(outs.get(name, ())),
                                          jax.tree.leaves(ref)):
                         _close(f"attention {name} {mode} {case}", got, want, 2e-2)

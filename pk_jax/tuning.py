@@ -5,6 +5,9 @@ any mechanism.
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 
 def all_gather_mechanism(ll_eligible: bool) -> str:
     """The all_gather mechanism `auto` takes.
@@ -115,22 +118,64 @@ def single_gpu_gemm() -> str:
     return "xla"
 
 
+SINGLE_GPU_ATTENTION_CHOICES = ("cudnn", "kernel", "kernel_fwd_cudnn_bwd")
+
+# (head dim, causal) -> what a ring of one device runs under `auto` (see
+# single_gpu_attention); classes not listed run cuDNN.
+SINGLE_GPU_ATTENTION = {
+    (64, True): "kernel_fwd_cudnn_bwd",
+    (128, False): "kernel_fwd_cudnn_bwd",
+    (128, True): "kernel",
+    (256, True): "kernel_fwd_cudnn_bwd",
+    (256, False): "kernel_fwd_cudnn_bwd",
+}
+
+
 def single_gpu_attention(head_dim: int, causal: bool, kernel_takes: bool) -> str:
     """What ring_attention under `auto` runs on a ring of one device (one GPU
-    holding the whole sequence, no communication): "kernel" (pk's fused
-    attention kernel and its block backward) or "cudnn" (cuDNN's fused
-    attention and its backward, through jax.nn.dot_product_attention).
+    holding the whole sequence, no communication), where cuDNN takes the
+    shapes: "cudnn" (cuDNN's fused attention and its backward, through
+    jax.nn.dot_product_attention), "kernel" (pk's fused attention kernel and
+    its block backward) or "kernel_fwd_cudnn_bwd" (pk's forward kernel, then
+    cuDNN's backward fed the kernel's output and log-sum-exp). Shapes the
+    kernel does not take (`kernel_takes` False) run cuDNN.
 
     The choice is by forward + backward time (training), from
-    benchmarks/RESULTS.md's kernels_attention (one H200, bf16 and fp16, the
-    same run's cuDNN): pk's kernel was 0.91-0.97x cuDNN on every forward +
-    backward row (head dims 64 and 128, full and causal, MHA and GQA, 4k-32k
-    tokens, batch 1 and 4), so cuDNN runs at every head dim cuDNN takes;
-    at head dim 256 pk's forward kernel with cuDNN's block backward was
-    1.025x cuDNN (one H100, causal s8192, benchmarks/NOTES.md 2026-12-05),
-    inside that run's spread (cuDNN against itself 1.045x): cuDNN too. Shapes cuDNN
-    does not take stay on the kernel (or the pure-JAX ring where neither
-    applies).
+    benchmarks/RESULTS.md's kernels_attention (one H200, the same run's
+    cuDNN and tokamax; SINGLE_GPU_ATTENTION, by head dim and mask).
     """
-    del head_dim, causal, kernel_takes  # no shape class measured where the kernel leads
-    return "cudnn"
+    forced = _FORCED.get("single_gpu_attention")
+    if forced is not None:
+        return forced
+    if not kernel_takes:
+        return "cudnn"
+    return SINGLE_GPU_ATTENTION.get((head_dim, bool(causal)), "cudnn")
+
+
+_FORCED: dict[str, str] = {}
+
+
+@contextlib.contextmanager
+def forced(**choices: str) -> Iterator[None]:
+    """For measurements: inside the block, each named choice function of
+    this module returns the value given (programs traced inside keep it).
+    benchmarks/kernels.py times single_gpu_attention's alternatives so:
+
+        with tuning.forced(single_gpu_attention="kernel_fwd_cudnn_bwd"):
+            jax.jit(f).lower(...)  # or a first call
+    """
+    allowed = {"single_gpu_attention": SINGLE_GPU_ATTENTION_CHOICES}
+    for name, value in choices.items():
+        if name not in allowed:
+            raise ValueError(f"pk_jax.tuning.forced: {name!r} is not a forcible choice; "
+                             f"choose from {sorted(allowed)}")
+        if value not in allowed[name]:
+            raise ValueError(f"pk_jax.tuning.forced: {name}={value!r}; choose from "
+                             f"{allowed[name]}")
+    before = dict(_FORCED)
+    _FORCED.update(choices)
+    try:
+        yield
+    finally:
+        _FORCED.clear()
+        _FORCED.update(before)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import cpu_mesh, rel_err
-from pk_jax import reference
+from pk_jax import reference, tuning
 from pk_jax.ops.ring_attention import ring_attention
 from pk_jax.ops.zigzag import zigzag_shard, zigzag_unshard
 
@@ -580,9 +580,10 @@ def test_block_update_of_a_row_that_saw_nothing_yet(rng):
 @pytest.mark.parametrize("n", [1, 2])
 def test_one_device_auto_takes_cudnn_where_available(monkeypatch, rng, head_dim, n):
     """Under `auto`, a ring of one device runs cuDNN's fused attention where
-    this process has cuDNN (pk_jax/tuning.py's single_gpu_attention); rings
-    of two or more, return_lse, deterministic=True and forced mechanisms do
-    not. cuDNN itself is stood in for by XLA's attention here (CPU)."""
+    this process has cuDNN and pk_jax/tuning.py's single_gpu_attention
+    chooses it (forced here); rings of two or more, return_lse,
+    deterministic=True and forced mechanisms do not. cuDNN itself is stood
+    in for by XLA's attention here (CPU)."""
     from pk_jax import _compat
     calls = []
 
@@ -601,11 +602,71 @@ def test_one_device_auto_takes_cudnn_where_available(monkeypatch, rng, head_dim,
         calls.clear()
         f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, "sp", causal=True, **kwargs),
                           mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
-        out = jax.jit(f)(q, k, v)
+        with tuning.forced(single_gpu_attention="cudnn"):
+            out = jax.jit(f)(q, k, v)
         assert bool(calls) == used, kwargs
         want = jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)),
                                             is_causal=True)
         assert rel_err(out, want) < 2e-2
+
+
+@pytest.mark.parametrize("choice", tuning.SINGLE_GPU_ATTENTION_CHOICES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_device_auto_runs_the_measured_choice(monkeypatch, rng, choice, causal):
+    """Each of single_gpu_attention's choices runs what it names on a ring of
+    one device: cuDNN's whole attention ("cudnn"), pk's kernel and block
+    backward ("kernel"), or the kernel's forward with cuDNN's backward steps
+    ("kernel_fwd_cudnn_bwd"); output and gradients match fp32 attention.
+    cuDNN's attention is stood in for by XLA's, its backward steps by the
+    ring's einsum steps (CPU)."""
+    from pk_jax import _compat
+    from pk_jax.ops import ring_attention_cudnn
+    whole, steps = [], []
+
+    def fake(q, k, v, *, scale, is_causal):
+        whole.append(q.shape)
+        return _compat.xla_attention(q, k, v, scale=scale, is_causal=is_causal)
+
+    def fake_steps(cfg, *args):
+        steps.append(cfg.block_grads)
+        return None  # the ring's default steps: einsums under block_grads "cudnn"
+    monkeypatch.setattr(_compat, "cudnn_available", lambda: True)
+    monkeypatch.setattr(_compat, "cudnn_attention", fake)
+    monkeypatch.setattr(_compat, "cudnn_blocks_available", lambda: True)
+    monkeypatch.setattr(ring_attention_cudnn, "block_grads", fake_steps)
+    mesh = cpu_mesh((1,), ("sp",))
+    q, k, v = (_normal(rng, (1, 256, 4, 64), jnp.bfloat16) for _ in range(3))
+    w = _normal(rng, q.shape)
+    f = jax.shard_map(lambda q, k, v: ring_attention(q, k, v, "sp", causal=causal),
+                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    loss = lambda f: lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w)
+    with tuning.forced(single_gpu_attention=choice):
+        out = jax.jit(f)(q, k, v)
+        grads = jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v)
+    assert bool(whole) == (choice == "cudnn")
+    assert steps == (["cudnn"] if choice == "kernel_fwd_cudnn_bwd" else [])
+    assert rel_err(out, _reference(q, k, v, causal)) < 2e-2
+    want = jax.grad(loss(lambda *x: _reference(*x, causal)), (0, 1, 2))(q, k, v)
+    for a, b in zip(grads, want):
+        assert rel_err(a, b) < 3e-2
+
+
+def test_single_gpu_attention_table():
+    """The table names only known choices; shapes the kernel does not take
+    run cuDNN; tuning.forced checks its arguments and restores the table."""
+    assert set(tuning.SINGLE_GPU_ATTENTION.values()) <= set(tuning.SINGLE_GPU_ATTENTION_CHOICES)
+    for (d, causal) in tuning.SINGLE_GPU_ATTENTION:
+        assert tuning.single_gpu_attention(d, causal, kernel_takes=False) == "cudnn"
+    assert tuning.single_gpu_attention(96, True, kernel_takes=True) == "cudnn"
+    with tuning.forced(single_gpu_attention="kernel"):
+        assert tuning.single_gpu_attention(96, True, kernel_takes=True) == "kernel"
+    assert tuning.single_gpu_attention(96, True, kernel_takes=True) == "cudnn"
+    with pytest.raises(ValueError, match="choose from"):
+        with tuning.forced(single_gpu_attention="fastest"):
+            pass
+    with pytest.raises(ValueError, match="not a forcible choice"):
+        with tuning.forced(all_gather_mechanism="ld_st_ll"):
+            pass
 
 
 # ---- the ring of cuDNN blocks (mechanism "cudnn"; fp32 einsum blocks on CPU) -------

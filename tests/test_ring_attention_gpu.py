@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax import _warnings
+from pk_jax import _warnings, tuning
 from conftest import gpu_mesh, rel_err
 from helpers.gpu_util import poison_allocator
 
@@ -566,3 +566,33 @@ def test_cudnn_blocks_with_the_ring_statistics(d, case):
         assert a.dtype == jnp.float32 and a.shape == b.shape, f"{case} {name}: {a.shape}"
         err = rel_err(a, b)
         assert err < 3e-2, f"{case} d={d} {name}: rel err {err:.3g} (seed {seed})"
+
+
+@pytest.mark.parametrize("choice", tuning.SINGLE_GPU_ATTENTION_CHOICES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d,hkv,dtype", [(64, 8, jnp.bfloat16), (128, 2, jnp.float16),
+                                         (256, 8, jnp.bfloat16)])
+def test_one_device_choices(choice, causal, d, hkv, dtype):
+    """Each of tuning.single_gpu_attention's choices on a ring of one device
+    under `auto` (forced): values and gradients against fp32 attention, and
+    the lowered backward holds what the choice names (cuDNN's attention
+    alone; pk's forward kernel and its block backward; pk's forward kernel
+    and cuDNN's)."""
+    mesh = gpu_mesh(1, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 2, 1024, 8, hkv, d, dtype)
+    what = f"one device {choice} causal={causal} d={d} hkv={hkv} {jnp.dtype(dtype).name}"
+    with tuning.forced(single_gpu_attention=choice):
+        f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal),
+                          mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+        w = jnp.ones(q.shape, jnp.float32)
+        text = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w))).lower(
+            q, k, v).as_text()
+        ring = _ring(mesh, causal=causal, layout="contiguous", mechanism="auto")
+        _check(ring(q, k, v), q, k, v, causal, what, seed, 1)
+        _grad_check(ring, q, k, v, causal, what, seed)
+    kernel_bwd = d != 256 and choice == "kernel"  # the block kernel takes 64 and 128
+    assert ("pk_ring_attention" in text) == (choice != "cudnn"), what
+    assert ("pk_attention_block_bwd" in text) == kernel_bwd, what
+    assert ("cudnn" in text) == (not kernel_bwd), what
+    pk_jax.check_errors()

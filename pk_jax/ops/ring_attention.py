@@ -164,40 +164,49 @@ def _warn_fallback(q, k, layout: str, chosen: str) -> None:
                   f"fused kernel does not take {why}; using {ring}")
 
 
-def _single_gpu_cudnn(q, k, cfg: RingConfig, mechanism: str, return_lse: bool,
-                      deterministic: bool) -> bool:
-    """Whether this call runs cuDNN's attention: `auto` on a ring of one
-    device (the whole sequence here, nothing to communicate) where
-    pk_jax/tuning.py's measured choice is cuDNN and cuDNN takes the shapes
-    (not with return_lse: cuDNN's backward takes no log-sum-exp cotangent;
-    not with deterministic=True: cuDNN does not promise bitwise gradients)."""
-    if mechanism != "auto" or return_lse or deterministic or cfg.n != 1 \
+def _single_gpu(q, k, n: int, chosen: str, mechanism: str, causal: bool, return_lse: bool,
+                deterministic: bool) -> str | None:
+    """What `auto` runs on a ring of one device (the whole sequence here,
+    nothing to communicate): pk_jax/tuning.py's measured choice, "cudnn"
+    (cuDNN's fused attention and its backward), "kernel" (pk's fused kernel
+    and its block backward) or "kernel_fwd_cudnn_bwd" (pk's forward kernel,
+    cuDNN's backward fed its output and log-sum-exp); None where no such
+    choice applies: another mechanism, n > 1, return_lse (cuDNN's backward
+    takes no log-sum-exp cotangent), deterministic (cuDNN does not promise
+    bitwise gradients), or cuDNN does not take the shapes or run here."""
+    if mechanism != "auto" or return_lse or deterministic or n != 1 \
             or not _compat.cudnn_takes(q, k) or not _compat.cudnn_available():
-        return False
-    takes = cfg.mechanism in KERNEL_MECHANISMS
-    return tuning.single_gpu_attention(q.shape[3], cfg.causal, takes) == "cudnn"
+        return None
+    return tuning.single_gpu_attention(q.shape[3], causal, chosen in KERNEL_MECHANISMS)
 
 
 def _block_grads(q, k, layout: str, chosen: str, deterministic: bool,
-                 return_lse: bool) -> str:
+                 return_lse: bool, single: str | None = None) -> str:
     """How the backward ring computes each step's block gradients
     (RingConfig.block_grads): the block kernel under the kernel mechanisms
     where it takes the shapes, else cuDNN's backward where cuDNN's blocks
-    take them and run here (mechanism "cudnn", or the forward kernel's head
-    dim 256; it takes no log-sum-exp cotangent, so not with return_lse),
-    einsums otherwise and whenever `deterministic`."""
+    take them and run here (mechanism "cudnn", the forward kernel's head
+    dim 256, or one device's "kernel_fwd_cudnn_bwd" (`single`); it takes no
+    log-sum-exp cotangent, so not with return_lse), einsums otherwise and
+    whenever `deterministic`."""
     if deterministic:
         return "einsum"
-    if chosen in KERNEL_MECHANISMS and block_bwd.kernel_problem(q, k, layout) is None:
+    kernel = chosen in KERNEL_MECHANISMS
+    if kernel and single != "kernel_fwd_cudnn_bwd" \
+            and block_bwd.kernel_problem(q, k, layout) is None:
         return "kernel"
-    cudnn_blocks = chosen == "cudnn" or (chosen in KERNEL_MECHANISMS and _cudnn_blocks_take(q))
+    cudnn_blocks = chosen == "cudnn" or (kernel and _cudnn_blocks_take(q))
     if cudnn_blocks and not return_lse:
         return "cudnn"
+    if kernel and block_bwd.kernel_problem(q, k, layout) is None:
+        return "kernel"
     return "einsum"
 
 
 def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
-            deterministic, return_lse) -> RingConfig:
+            deterministic, return_lse) -> tuple[RingConfig, str | None]:
+    """The call's RingConfig and, on a ring of one device under `auto`, the
+    measured choice of what runs there (`_single_gpu`)."""
     if mechanism not in MECHANISMS:
         raise ValueError(f"pk_jax.ring_attention: mechanism must be one of {MECHANISMS}, "
                          f"got {mechanism!r}")
@@ -215,17 +224,19 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
                          "layout='contiguous' or pad the sequence")
     names = groups.axis_names(axis_name)
     chosen = _mechanism(q, k, layout, mechanism)
-    block_grads = _block_grads(q, k, layout, chosen, deterministic, return_lse)
-    scale = check_scale("ring_attention", scale, q.shape[3])
     n = lax.axis_size(names)
+    single = _single_gpu(q, k, n, chosen, mechanism, causal, return_lse, deterministic)
+    block_grads = _block_grads(q, k, layout, chosen, deterministic, return_lse, single)
+    scale = check_scale("ring_attention", scale, q.shape[3])
     if n * q.shape[1] > _args.INT32_MAX:
         raise ValueError(f"pk_jax.ring_attention: a global sequence of {n} x {q.shape[1]} "
                          "tokens: positions are int32, so at most 2^31 - 1")
     fused = block_grads == "kernel" and n > 1 and tuning.RING_ATTENTION_BWD_TRANSPORT == "pk"
-    return RingConfig(names, n, causal, scale,
-                      layout, chosen, mechanism in KERNEL_MECHANISMS,
-                      comm_ctas if chosen == "ld_st" else 0,
-                      block_grads, "pk" if fused else "xla")
+    cfg = RingConfig(names, n, causal, scale,
+                     layout, chosen, mechanism in KERNEL_MECHANISMS,
+                     comm_ctas if chosen == "ld_st" else 0,
+                     block_grads, "pk" if fused else "xla")
+    return cfg, single
 
 
 # ---- forward and the ring backward ---------------------------------------------------
@@ -356,10 +367,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       would get output 0 and log-sum-exp -1e30, never NaN).
     """
     q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
-    cfg = _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
-                  deterministic, return_lse)
+    cfg, single = _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
+                          deterministic, return_lse)
     q, k, v = (make_varying(x, cfg.names) for x in (q, k, v))
-    if _single_gpu_cudnn(q, k, cfg, mechanism, return_lse, deterministic):
+    if single == "cudnn":
         # one device: cuDNN where tuning.py measured it faster (module docstring)
         return _compat.cudnn_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal)
     if mechanism == "auto" and cfg.mechanism in ("xla", "cudnn"):
