@@ -71,6 +71,11 @@ ATTENTION_CASES = [
     (4, 4096, 16, 16, 128, True, "bfloat16"),
     (1, 8192, 16, 16, 128, True, "float16"),
     (1, 8192, 8, 8, 256, True, "bfloat16"),    # head dim 256
+    (1, 8192, 8, 8, 256, False, "bfloat16"),
+    (1, 16384, 16, 16, 64, False, "bfloat16"),
+    (1, 16384, 16, 16, 128, True, "bfloat16"),
+    (8, 2048, 16, 16, 128, True, "bfloat16"),  # short sequences
+    (16, 1024, 32, 4, 128, False, "bfloat16"),  # GQA, group 8
 ]
 # (M, N, K): 8192^3 and 4096^3, then M = 8192 tokens through the MLP and QKV
 # projections of Llama-3 8B (hidden 4096, ffn 14336, qkv 6144) and 70B (8192,

@@ -120,36 +120,41 @@ def single_gpu_gemm() -> str:
 
 SINGLE_GPU_ATTENTION_CHOICES = ("cudnn", "kernel", "kernel_fwd_cudnn_bwd")
 
-# (head dim, causal) -> what a ring of one device runs under `auto` (see
-# single_gpu_attention); classes not listed run cuDNN.
-SINGLE_GPU_ATTENTION = {
-    (64, True): "kernel_fwd_cudnn_bwd",
-    (128, False): "kernel_fwd_cudnn_bwd",
-    (128, True): "kernel",
-    (256, True): "kernel_fwd_cudnn_bwd",
-    (256, False): "kernel_fwd_cudnn_bwd",
-}
+# Where a ring of one device runs pk's kernel with its own block backward
+# (single_gpu_attention): (head dim, causal, first sequence length, first
+# one past the range).
+SINGLE_GPU_ATTENTION_KERNEL_BWD = ((128, True, 8192, 16384),)
 
 
-def single_gpu_attention(head_dim: int, causal: bool, kernel_takes: bool) -> str:
+def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bool) -> str:
     """What ring_attention under `auto` runs on a ring of one device (one GPU
-    holding the whole sequence, no communication), where cuDNN takes the
-    shapes: "cudnn" (cuDNN's fused attention and its backward, through
-    jax.nn.dot_product_attention), "kernel" (pk's fused attention kernel and
-    its block backward) or "kernel_fwd_cudnn_bwd" (pk's forward kernel, then
-    cuDNN's backward fed the kernel's output and log-sum-exp). Shapes the
-    kernel does not take (`kernel_takes` False) run cuDNN.
+    holding the whole sequence of `seq` tokens, no communication), where
+    cuDNN takes the shapes: "cudnn" (cuDNN's fused attention and its
+    backward, through jax.nn.dot_product_attention), "kernel" (pk's fused
+    attention kernel and its block backward) or "kernel_fwd_cudnn_bwd" (pk's
+    forward kernel, then cuDNN's backward fed the kernel's output and
+    log-sum-exp).
 
-    The choice is by forward + backward time (training), from
-    benchmarks/RESULTS.md's kernels_attention (one H200, the same run's
-    cuDNN and tokamax; SINGLE_GPU_ATTENTION, by head dim and mask).
+    From benchmarks/RESULTS.md's kernels_attention (one GPU, each row's three
+    alternatives and cuDNN in the same run): pk's forward kernel was
+    0.99-1.13x cuDNN's forward on every row, so wherever the kernel takes the
+    shapes the forward is pk's. The backward: cuDNN's behind pk's forward
+    was 0.996-1.036x cuDNN's whole attention (forward + backward) on every
+    row; pk's block backward behind it 1.03-1.05x at head dim 128 causal
+    with 8192 tokens (MHA and GQA, bf16 and fp16) but 0.90-1.00x elsewhere
+    (4 x 4096 tokens, 32768 tokens, head dim 64, no mask):
+    SINGLE_GPU_ATTENTION_KERNEL_BWD. Shapes the kernel does not take run
+    cuDNN.
     """
     forced = _FORCED.get("single_gpu_attention")
     if forced is not None:
         return forced
     if not kernel_takes:
         return "cudnn"
-    return SINGLE_GPU_ATTENTION.get((head_dim, bool(causal)), "cudnn")
+    for d, c, first, past in SINGLE_GPU_ATTENTION_KERNEL_BWD:
+        if (head_dim, bool(causal)) == (d, c) and first <= seq < past:
+            return "kernel"
+    return "kernel_fwd_cudnn_bwd"
 
 
 _FORCED: dict[str, str] = {}

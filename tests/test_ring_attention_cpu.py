@@ -652,15 +652,23 @@ def test_one_device_auto_runs_the_measured_choice(monkeypatch, rng, choice, caus
 
 
 def test_single_gpu_attention_table():
-    """The table names only known choices; shapes the kernel does not take
-    run cuDNN; tuning.forced checks its arguments and restores the table."""
-    assert set(tuning.SINGLE_GPU_ATTENTION.values()) <= set(tuning.SINGLE_GPU_ATTENTION_CHOICES)
-    for (d, causal) in tuning.SINGLE_GPU_ATTENTION:
-        assert tuning.single_gpu_attention(d, causal, kernel_takes=False) == "cudnn"
-    assert tuning.single_gpu_attention(96, True, kernel_takes=True) == "cudnn"
+    """Shapes the kernel takes run its forward, its block backward only in
+    SINGLE_GPU_ATTENTION_KERNEL_BWD's ranges (both ends checked); shapes it
+    does not take run cuDNN; tuning.forced checks its arguments and restores
+    the table."""
+    choose = tuning.single_gpu_attention
+    for d, causal, first, past in tuning.SINGLE_GPU_ATTENTION_KERNEL_BWD:
+        assert choose(d, causal, first, True) == "kernel"
+        assert choose(d, causal, past - 128, True) == "kernel"
+        assert choose(d, causal, past, True) == "kernel_fwd_cudnn_bwd"
+        assert choose(d, causal, first - 128, True) == "kernel_fwd_cudnn_bwd"
+        assert choose(d, not causal, first, True) == "kernel_fwd_cudnn_bwd"
+        assert choose(d, causal, first, False) == "cudnn"
+    assert choose(64, True, 8192, True) == "kernel_fwd_cudnn_bwd"
+    assert choose(96, True, 8192, False) == "cudnn"
     with tuning.forced(single_gpu_attention="kernel"):
-        assert tuning.single_gpu_attention(96, True, kernel_takes=True) == "kernel"
-    assert tuning.single_gpu_attention(96, True, kernel_takes=True) == "cudnn"
+        assert choose(96, True, 8192, False) == "kernel"
+    assert choose(96, True, 8192, False) == "cudnn"
     with pytest.raises(ValueError, match="choose from"):
         with tuning.forced(single_gpu_attention="fastest"):
             pass

@@ -177,7 +177,8 @@ def _single_gpu(q, k, n: int, chosen: str, mechanism: str, causal: bool, return_
     if mechanism != "auto" or return_lse or deterministic or n != 1 \
             or not _compat.cudnn_takes(q, k) or not _compat.cudnn_available():
         return None
-    return tuning.single_gpu_attention(q.shape[3], causal, chosen in KERNEL_MECHANISMS)
+    return tuning.single_gpu_attention(q.shape[3], causal, q.shape[1],
+                                       chosen in KERNEL_MECHANISMS)
 
 
 def _block_grads(q, k, layout: str, chosen: str, deterministic: bool,
