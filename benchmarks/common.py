@@ -60,11 +60,19 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], *, rounds: int = 3, calls:
                    ) -> dict[str, list[float]]:
     """time_ms of each of `fns` in turn, `rounds` times, so that clock drift
     under sustained load moves them alike: each one's per-round times.
+    Each round starts `len(fns) // rounds` (at least 1) further down the
+    list, so no implementation is first in more than one round where
+    `rounds` <= len(fns): the first of a round ran up to 7% faster than the
+    same code later in it (one H200, kernels_attention 2026-12-06, the
+    `pk` rows against their twins), and the median over rounds drops it.
     `on_round(r, {name: ms})` after every round (progress lines)."""
     runs: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    step = max(1, len(names) // max(rounds, 1))
     for r in range(rounds):
-        for name, fn in fns.items():
-            runs[name].append(time_ms(fn, calls=calls, batches=batches))
+        start = (r * step) % len(names) if names else 0
+        for name in names[start:] + names[:start]:
+            runs[name].append(time_ms(fns[name], calls=calls, batches=batches))
         if on_round is not None:
             on_round(r, {name: t[-1] for name, t in runs.items()})
     return runs

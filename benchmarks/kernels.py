@@ -99,8 +99,8 @@ COLUMNS = ("Columns: median ms per call over interleaved rounds, TFLOP/s, the fa
 IMPLS = {
     "attention": (
         "`pk`: what `ring_attention(mechanism=\"auto\")` runs on one device "
-        "(pk_jax/tuning.py's single_gpu_attention by head dim and mask: one of the next "
-        "three); `pk_kernel`: pk's own fused kernel and its block backward "
+        "(pk_jax/tuning.py's single_gpu_attention by head dim, mask and sequence "
+        "length: one of the next three); `pk_kernel`: pk's own fused kernel and its block backward "
         "(mechanism=\"copy_engine\"; at head dim 256 its backward steps are cuDNN's block "
         "backward); `pk_kernel_cudnn_bwd` (forward + backward only): pk's forward kernel, "
         "then cuDNN's backward fed its output and log-sum-exp; `cudnn`: "

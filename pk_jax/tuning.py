@@ -135,16 +135,18 @@ def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bo
     forward kernel, then cuDNN's backward fed the kernel's output and
     log-sum-exp).
 
-    From benchmarks/RESULTS.md's kernels_attention (one GPU, each row's three
-    alternatives and cuDNN in the same run): pk's forward kernel was
-    0.99-1.13x cuDNN's forward on every row, so wherever the kernel takes the
-    shapes the forward is pk's. The backward: cuDNN's behind pk's forward
-    was 0.996-1.036x cuDNN's whole attention (forward + backward) on every
-    row; pk's block backward behind it 1.03-1.05x at head dim 128 causal
-    with 8192 tokens (MHA and GQA, bf16 and fp16) but 0.90-1.00x elsewhere
-    (4 x 4096 tokens, 32768 tokens, head dim 64, no mask):
-    SINGLE_GPU_ATTENTION_KERNEL_BWD. Shapes the kernel does not take run
-    cuDNN.
+    From benchmarks/RESULTS.md's kernels_attention (one H200, each row's three
+    alternatives and cuDNN in the same run; a run on one H100 agreed,
+    benchmarks/NOTES.md 2026-12-06): pk's forward kernel was 0.98-1.14x
+    cuDNN's forward (0.95-1.05x the best of cuDNN and tokamax), so wherever
+    the kernel takes the shapes the forward is pk's. Behind it cuDNN's
+    backward gave 0.97-1.04x cuDNN's whole attention (forward + backward);
+    pk's block backward 1.01-1.05x at head dim 128 causal with 8192 tokens
+    (MHA and GQA, bf16 and fp16; cuDNN's backward there 0.996-1.018x) but
+    0.90-1.00x at 4 x 4096, 16384 and 32768 tokens
+    (SINGLE_GPU_ATTENTION_KERNEL_BWD). Identical code measured up to 8%
+    apart within that run, so choices closer than that rest on both GPUs
+    agreeing. Shapes the kernel does not take run cuDNN.
     """
     forced = _FORCED.get("single_gpu_attention")
     if forced is not None:

@@ -53,3 +53,23 @@ def test_results_name_the_measured_builds_commit(monkeypatch):
     assert common.commit() is None
     monkeypatch.setenv("PK_BENCH_COMMIT", "0123abc")
     assert common.commit() == "0123abc"
+
+
+def test_interleaved_rounds_start_apart(monkeypatch):
+    """benchmarks/common.interleaved_ms: each round starts further down the
+    list, so no implementation is first in two rounds (rounds <= count),
+    and every one is timed once a round."""
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import common
+    order = []
+    monkeypatch.setattr(common, "time_ms", lambda fn, **kw: fn())
+    fns = {name: (lambda name=name: order.append(name) or 1.0) for name in "abcdef"}
+    runs = common.interleaved_ms(fns, rounds=3)
+    assert {name: len(t) for name, t in runs.items()} == dict.fromkeys("abcdef", 3)
+    firsts = [order[i * 6] for i in range(3)]
+    assert firsts == ["a", "c", "e"]
+    for i in range(3):
+        assert sorted(order[i * 6:(i + 1) * 6]) == list("abcdef")
+    order.clear()
+    common.interleaved_ms({"x": lambda: order.append("x") or 1.0}, rounds=3)
+    assert order == ["x"] * 3

@@ -13,7 +13,10 @@ here, once, at trace time, into one frozen `RingConfig`:
   * "xla": the pure-JAX ring (pk_jax/reference.py);
   * "auto": the kernel mechanism of pk_jax/tuning.py where the kernel takes
     the shapes, else "cudnn" where cuDNN's blocks take them and run here,
-    else "xla" (either with a one-time PkJaxFallbackWarning saying why).
+    else "xla" (either with a one-time PkJaxFallbackWarning saying why). On
+    a ring of one device, tuning.single_gpu_attention's measured choice:
+    cuDNN's whole attention, the kernel with its block backward, or the
+    kernel's forward with cuDNN's backward (`_single_gpu`).
 Gradients: a custom_vjp saving the output and log-sum-exp. The backward is a
 ring (ring_attention_bwd_primitive.py): K/V blocks travel with their partial
 dK/dV and go home at the end, dq stays local, probabilities are recomputed
@@ -22,9 +25,9 @@ mechanisms (rings of 2 or more, `deterministic=False`, shapes the block
 kernel takes) it is one fused call: the Hopper flash-attention backward
 kernel at every step and pk's copy-engine transport between them. Otherwise
 each step's block gradients are that kernel (world size 1), cuDNN's
-backward (mechanism "cudnn", and the kernel mechanisms at head dim 256,
-which the block kernel does not take; `deterministic=False`,
-`return_lse=False`) or einsums (`deterministic=True`, mechanism "xla",
+backward (mechanism "cudnn", the kernel mechanisms at head dim 256, which
+the block kernel does not take, and one device's "kernel_fwd_cudnn_bwd";
+`deterministic=False`, `return_lse=False`) or einsums (`deterministic=True`, mechanism "xla",
 other shapes), and the hops XLA collective-permutes that fly while the
 steps run.
 """
@@ -372,7 +375,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           deterministic, return_lse)
     q, k, v = (make_varying(x, cfg.names) for x in (q, k, v))
     if single == "cudnn":
-        # one device: cuDNN where tuning.py measured it faster (module docstring)
+        # one device: cuDNN's whole attention (tuning.single_gpu_attention)
         return _compat.cudnn_attention(q, k, v, scale=cfg.scale, is_causal=cfg.causal)
     if mechanism == "auto" and cfg.mechanism in ("xla", "cudnn"):
         _warn_fallback(q, k, layout, cfg.mechanism)
