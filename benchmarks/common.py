@@ -62,9 +62,10 @@ def interleaved_ms(fns: dict[str, Callable[[], Any]], *, rounds: int = 3, calls:
     under sustained load moves them alike: each one's per-round times.
     Each round starts `len(fns) // rounds` (at least 1) further down the
     list, so no implementation is first in more than one round where
-    `rounds` <= len(fns): the first of a round ran up to 7% faster than the
-    same code later in it (one H200, kernels_attention 2026-12-06, the
-    `pk` rows against their twins), and the median over rounds drops it.
+    `rounds` <= len(fns): the first of a round ran up to 8% off the same
+    code later in it, mostly faster (one H200, kernels_attention
+    2026-12-06, the `pk` rows against their twins), and the median over
+    rounds drops that round.
     `on_round(r, {name: ms})` after every round (progress lines)."""
     runs: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)

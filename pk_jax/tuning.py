@@ -125,6 +125,8 @@ SINGLE_GPU_ATTENTION_CHOICES = ("cudnn", "kernel", "kernel_fwd_cudnn_bwd")
 # one past the range).
 SINGLE_GPU_ATTENTION_KERNEL_BWD = ((128, True, 8192, 16384),)
 
+_FORCED: dict[str, str] = {}  # tuning.forced's choices
+
 
 def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bool) -> str:
     """What ring_attention under `auto` runs on a ring of one device (one GPU
@@ -157,9 +159,6 @@ def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bo
         if (head_dim, bool(causal)) == (d, c) and first <= seq < past:
             return "kernel"
     return "kernel_fwd_cudnn_bwd"
-
-
-_FORCED: dict[str, str] = {}
 
 
 @contextlib.contextmanager

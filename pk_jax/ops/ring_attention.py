@@ -27,9 +27,9 @@ kernel at every step and pk's copy-engine transport between them. Otherwise
 each step's block gradients are that kernel (world size 1), cuDNN's
 backward (mechanism "cudnn", the kernel mechanisms at head dim 256, which
 the block kernel does not take, and one device's "kernel_fwd_cudnn_bwd";
-`deterministic=False`, `return_lse=False`) or einsums (`deterministic=True`, mechanism "xla",
-other shapes), and the hops XLA collective-permutes that fly while the
-steps run.
+`deterministic=False`, `return_lse=False`) or einsums
+(`deterministic=True`, mechanism "xla", other shapes), and the hops XLA
+collective-permutes that fly while the steps run.
 """
 
 from __future__ import annotations
@@ -196,15 +196,11 @@ def _block_grads(q, k, layout: str, chosen: str, deterministic: bool,
     if deterministic:
         return "einsum"
     kernel = chosen in KERNEL_MECHANISMS
-    if kernel and single != "kernel_fwd_cudnn_bwd" \
-            and block_bwd.kernel_problem(q, k, layout) is None:
+    kernel_bwd = kernel and block_bwd.kernel_problem(q, k, layout) is None
+    cudnn_bwd = not return_lse and (chosen == "cudnn" or (kernel and _cudnn_blocks_take(q)))
+    if kernel_bwd and not (single == "kernel_fwd_cudnn_bwd" and cudnn_bwd):
         return "kernel"
-    cudnn_blocks = chosen == "cudnn" or (kernel and _cudnn_blocks_take(q))
-    if cudnn_blocks and not return_lse:
-        return "cudnn"
-    if kernel and block_bwd.kernel_problem(q, k, layout) is None:
-        return "kernel"
-    return "einsum"
+    return "cudnn" if cudnn_bwd else "einsum"
 
 
 def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
