@@ -4,6 +4,8 @@
 // configuration's output is checked first: sampled elements against an fp32
 // reference kernel, and the whole output against the first configuration of
 // its kind ($PK_SWEEP_CONFIGS: only those configurations, tools/sweep.sh).
+// The gradient kinds (3: e5m2 x e4m3, the input gradient's operands; 4: e4m3
+// x e5m2, the weight gradient's) run per-tensor factors like kind 1.
 // Usage: gemm_sweep [M,N,K ...]; prints the shapes (a line
 // "shapes M,N,K ..."), one row per (shape, configuration, swizzle) and the
 // best per (shape, kind).
@@ -43,6 +45,17 @@ PK_SWEEP_DECLARE(13)
 PK_SWEEP_DECLARE(14)
 PK_SWEEP_DECLARE(15)
 PK_SWEEP_DECLARE(16)
+PK_SWEEP_DECLARE(17)
+PK_SWEEP_DECLARE(18)
+PK_SWEEP_DECLARE(19)
+PK_SWEEP_DECLARE(20)
+PK_SWEEP_DECLARE(21)
+PK_SWEEP_DECLARE(22)
+PK_SWEEP_DECLARE(23)
+PK_SWEEP_DECLARE(24)
+PK_SWEEP_DECLARE(25)
+PK_SWEEP_DECLARE(26)
+PK_SWEEP_DECLARE(27)
 
 namespace {
 
@@ -63,8 +76,14 @@ const Config kConfigs[] = {PK_SWEEP_ENTRY(0),  PK_SWEEP_ENTRY(1),  PK_SWEEP_ENTR
                            PK_SWEEP_ENTRY(6),  PK_SWEEP_ENTRY(7),  PK_SWEEP_ENTRY(8),
                            PK_SWEEP_ENTRY(9),  PK_SWEEP_ENTRY(10), PK_SWEEP_ENTRY(11),
                            PK_SWEEP_ENTRY(12), PK_SWEEP_ENTRY(13), PK_SWEEP_ENTRY(14),
-                           PK_SWEEP_ENTRY(15), PK_SWEEP_ENTRY(16)};  // config.cu's 17
-constexpr const char* kKindNames[] = {"bf16", "fp8 tensor", "fp8 block"};
+                           PK_SWEEP_ENTRY(15), PK_SWEEP_ENTRY(16), PK_SWEEP_ENTRY(17),
+                           PK_SWEEP_ENTRY(18), PK_SWEEP_ENTRY(19), PK_SWEEP_ENTRY(20),
+                           PK_SWEEP_ENTRY(21), PK_SWEEP_ENTRY(22), PK_SWEEP_ENTRY(23),
+                           PK_SWEEP_ENTRY(24), PK_SWEEP_ENTRY(25), PK_SWEEP_ENTRY(26),
+                           PK_SWEEP_ENTRY(27)};  // config.cu's 28
+constexpr const char* kKindNames[] = {"bf16", "fp8 tensor", "fp8 block", "fp8 dgrad",
+                                      "fp8 wgrad"};
+constexpr int kKinds = int(sizeof(kKindNames) / sizeof(kKindNames[0]));
 constexpr int kSwizzles[] = {1, 2, 4, 8};
 constexpr int kWarmup = 3, kIters = 20, kSamples = 4096;
 
@@ -72,6 +91,11 @@ __global__ void fill_fp8(__nv_fp8_e4m3* x, size_t count, uint32_t seed) {  // |x
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
        i += size_t(gridDim.x) * blockDim.x)
     x[i] = __nv_fp8_e4m3(4.0f * hash_unit(i, seed));
+}
+__global__ void fill_e5m2(__nv_fp8_e5m2* x, size_t count, uint32_t seed) {  // |x| < 4
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
+       i += size_t(gridDim.x) * blockDim.x)
+    x[i] = __nv_fp8_e5m2(4.0f * hash_unit(i, seed));
 }
 __global__ void fill_factors(float* x, size_t count, uint32_t seed) {  // in [0.5, 1.5)
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < count;
@@ -81,7 +105,7 @@ __global__ void fill_factors(float* x, size_t count, uint32_t seed) {  // in [0.
 
 // fp32 dot products of sampled output elements. bf16: A [m, k], B [k, n]
 // row-major. fp8: A [m, k], B [n, k] with factors (kind 1: sa[0], sb[0];
-// kind 2: sa [k/128, m], sb [k/128, n/128]).
+// kind 2: sa [k/128, m], sb [k/128, n/128]; kinds 3 and 4 as 1, A or B e5m2).
 __global__ void reference(int kind, const void* a, const void* b, const float* sa,
                           const float* sb, const int* rows, const int* cols, float* out,
                           int samples, int m, int n, int k) {
@@ -94,9 +118,11 @@ __global__ void reference(int kind, const void* a, const void* b, const float* s
       acc += __bfloat162float(static_cast<const __nv_bfloat16*>(a)[r * k + i]) *
              __bfloat162float(static_cast<const __nv_bfloat16*>(b)[size_t(i) * n + c]);
     } else {
-      const float x = float(static_cast<const __nv_fp8_e4m3*>(a)[r * k + i]);
-      const float y = float(static_cast<const __nv_fp8_e4m3*>(b)[c * k + i]);
-      const float f = kind == 1 ? sa[0] * sb[0]
+      const float x = kind == 3 ? float(static_cast<const __nv_fp8_e5m2*>(a)[r * k + i])
+                                : float(static_cast<const __nv_fp8_e4m3*>(a)[r * k + i]);
+      const float y = kind == 4 ? float(static_cast<const __nv_fp8_e5m2*>(b)[c * k + i])
+                                : float(static_cast<const __nv_fp8_e4m3*>(b)[c * k + i]);
+      const float f = kind != 2 ? sa[0] * sb[0]
                                 : sa[size_t(i / 128) * m + r] * sb[size_t(i / 128) * ((n + 127) / 128) + c / 128];
       acc += x * y * f;
     }
@@ -152,11 +178,14 @@ int main(int argc, char** argv) {
     const size_t kb = (s.k + 127) / 128, nb = (s.n + 127) / 128;
     __nv_bfloat16 *a, *b, *d, *d0;
     __nv_fp8_e4m3 *a8, *b8;
+    __nv_fp8_e5m2 *a5, *b5;
     float *sa, *sb;
     check(cudaMalloc(&a, mk * 2), "a");
     check(cudaMalloc(&b, kn * 2), "b");
     check(cudaMalloc(&a8, mk), "a8");
     check(cudaMalloc(&b8, kn), "b8");
+    check(cudaMalloc(&a5, mk), "a5");
+    check(cudaMalloc(&b5, kn), "b5");
     check(cudaMalloc(&sa, kb * s.m * 4), "sa");
     check(cudaMalloc(&sb, kb * nb * 4), "sb");
     check(cudaMalloc(&d, mn * 2), "d");
@@ -165,6 +194,8 @@ int main(int argc, char** argv) {
     fill<<<1024, 256, 0, stream>>>(b, kn, seed * 7u + 1u, 1.0f / std::sqrt(float(s.k)));
     fill_fp8<<<1024, 256, 0, stream>>>(a8, mk, seed * 3u + 2u);
     fill_fp8<<<1024, 256, 0, stream>>>(b8, kn, seed * 5u + 3u);
+    fill_e5m2<<<1024, 256, 0, stream>>>(a5, mk, seed * 17u + 6u);
+    fill_e5m2<<<1024, 256, 0, stream>>>(b5, kn, seed * 19u + 7u);
     // kind 2 reads sa [k/128, m] and sb [k/128, n/128]; kind 1 their first entries
     fill_factors<<<64, 256, 0, stream>>>(sa, kb * s.m, seed * 11u + 4u);
     fill_factors<<<64, 256, 0, stream>>>(sb, kb * nb, seed * 13u + 5u);
@@ -183,10 +214,10 @@ int main(int argc, char** argv) {
     check(cudaMemcpy(rows_d, rows.data(), kSamples * 4, cudaMemcpyHostToDevice), "rows");
     check(cudaMemcpy(cols_d, cols.data(), kSamples * 4, cudaMemcpyHostToDevice), "cols");
     std::vector<float> got_h(kSamples);
-    for (int kind = 0; kind < 3; ++kind) {
+    for (int kind = 0; kind < kKinds; ++kind) {
       std::vector<float> ref_h(kSamples);
-      const void* pa = kind == 0 ? static_cast<const void*>(a) : a8;
-      const void* pb = kind == 0 ? static_cast<const void*>(b) : b8;
+      const void* pa = kind == 0 ? static_cast<const void*>(a) : kind == 3 ? static_cast<const void*>(a5) : a8;
+      const void* pb = kind == 0 ? static_cast<const void*>(b) : kind == 4 ? static_cast<const void*>(b5) : b8;
       reference<<<kSamples / 128, 128, 0, stream>>>(kind, pa, pb, sa, sb, rows_d, cols_d, ref,
                                                     kSamples, s.m, s.n, s.k);
       check(cudaMemcpyAsync(ref_h.data(), ref, kSamples * 4, cudaMemcpyDeviceToHost, stream), "ref");
@@ -199,9 +230,10 @@ int main(int argc, char** argv) {
         pk::gemm::Problem p;
         p.m = s.m; p.n = s.n; p.k = s.k; p.a = pa; p.b = pb; p.d = first ? d0 : d;
         if (kind > 0) {
-          p.in = p.in_b = pk::DType::kE4M3;
+          p.in = kind == 3 ? pk::DType::kE5M2 : pk::DType::kE4M3;
+          p.in_b = kind == 4 ? pk::DType::kE5M2 : pk::DType::kE4M3;
           p.b_transposed = true;
-          p.scaling = kind == 1 ? pk::gemm::Scaling::kTensor : pk::gemm::Scaling::kBlock;
+          p.scaling = kind == 2 ? pk::gemm::Scaling::kBlock : pk::gemm::Scaling::kTensor;
           p.scale_a = sa;
           p.scale_b = sb;
         }
@@ -233,9 +265,10 @@ int main(int argc, char** argv) {
         // exceeds an elementwise bound: the samples' relative L2 error is held
         // to tests/test_fp8_gpu.py's Frobenius bound (1e-2) instead.
         const float rel_l2 = float(std::sqrt(err2 / std::fmax(ref2, 1e-30)));
-        const bool close = kind == 1 ? (std::isfinite(worst) && rel_l2 < 1e-2f)
-                                     : worst < (kind == 0 ? 1.5e-2f : 3e-2f);
-        if (kind == 1) worst = rel_l2;  // what the row reports as "rel"
+        const bool tensor = kind == 1 || kind >= 3;
+        const bool close = tensor ? (std::isfinite(worst) && rel_l2 < 1e-2f)
+                                  : worst < (kind == 0 ? 1.5e-2f : 3e-2f);
+        if (tensor) worst = rel_l2;  // what the row reports as "rel"
         const bool ok = close && std::isfinite(vs0) && vs0 < 0.1f * scale;
         first = false;
         for (int sw : kSwizzles) {
@@ -264,7 +297,7 @@ int main(int argc, char** argv) {
       best += line;
       std::fflush(stdout);
     }
-    free_all(a, b, a8, b8, sa, sb, d, d0, rows_d, cols_d, ref, got, diff);
+    free_all(a, b, a8, b8, a5, b5, sa, sb, d, d0, rows_d, cols_d, ref, got, diff);
   }
   std::printf("%s", best.c_str());
   return 0;

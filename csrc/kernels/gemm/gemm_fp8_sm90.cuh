@@ -33,6 +33,18 @@ template <class KernelSchedule>
 using Fp8TensorTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_256, cute::_128>,
                                  cute::Shape<cute::_2, cute::_1, cute::_1>, KernelSchedule,
                                  cutlass::epilogue::TmaWarpSpecializedCooperative>;
+// Products with an e5m2 operand promote: the wgmma accumulators of each
+// 128-deep K step are added to a second set of fp32 registers, so a consumer
+// warpgroup holds two copies of its accumulator tile. 64x192 per warpgroup
+// (96 + 96 registers a thread) fits without spills; the 64x256 of
+// Fp8TensorTiles (128 + 128) spilled about 900 bytes a thread and ran the
+// gradient GEMMs at 0.28-0.38x the forward's; 128x192 with 2x1 clusters runs
+// them at 0.83-1.00x, 1x2 clusters at 0.76-0.91x (benchmarks/NOTES.md,
+// tools/gemm_sweep).
+using Fp8PromotedTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_192, cute::_128>,
+                                   cute::Shape<cute::_2, cute::_1, cute::_1>,
+                                   cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                                   cutlass::epilogue::TmaWarpSpecializedCooperative>;
 // 128x128 tiles: one B factor per tile column with 128x128 weight blocks.
 using Fp8BlockTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_128, cute::_128>,
                                 cute::Shape<cute::_1, cute::_2, cute::_1>,
@@ -69,15 +81,16 @@ struct Sm90Fp8Kernel {
   using StrideD = typename Kernel::StrideD;
 };
 
-// Per-tensor factors: the epilogue's scale_a * scale_b * acc + beta * C.
+// Per-tensor factors: the epilogue's scale_a * scale_b * acc + beta * C;
+// e4m3 x e4m3 on Fp8TensorTiles with fast accumulation, the rest promoted on
+// Fp8PromotedTiles.
 template <typename A, typename B>
-using Fp8TensorSchedule =
+using Fp8TensorTilesOf =
     std::conditional_t<kFastAccum<A, B>,
-                       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum,
-                       cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+                       Fp8TensorTiles<cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8FastAccum>,
+                       Fp8PromotedTiles>;
 
-template <typename A, typename B, typename Out,
-          class Tiles = Fp8TensorTiles<Fp8TensorSchedule<A, B>>>
+template <typename A, typename B, typename Out, class Tiles = Fp8TensorTilesOf<A, B>>
 struct Sm90Fp8TensorGemm {
   using Fusion = cutlass::epilogue::fusion::ScaledLinCombPerRowBiasEltAct<
       cutlass::epilogue::thread::Identity, Out, float, Out, Out, float>;
