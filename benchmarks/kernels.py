@@ -21,7 +21,20 @@ Sections (--only):
              ("xla_fp8_*": dequantize-then-dot in f32 or bf16, which XLA's
              rewriter maps to cuBLASLt FP8, or the FP8 dot itself; the
              custom calls XLA compiled each to are printed), and XLA's bf16
-             dot ("xla_bf16").
+             dot ("xla_bf16"); the per-tensor GEMM for each operand pair the
+             training step runs at the same M, N, K (`role` fprop: e4m3 x e4m3,
+             fast accumulation; dgrad: e5m2 x e4m3, dy and w; wgrad: e4m3 x
+             e5m2, x^T and dy^T; the gradients promoted every 128 of K).
+  fp8_train  one layer's training step, y = x @ w then dx and dw, at LLM shapes
+             (M x K x N): pk_jax.fp8_dot with each recipe ("pk_fp8_<recipe>":
+             quantization and the three FP8 GEMMs; "pk_tp_fp8_<recipe>": the
+             same through all_gather_matmul(fp8=) at world size 1) against the bf16 step in
+             XLA ("xla_bf16"), XLA's FP8 dot under per-tensor current scaling
+             written in jax.numpy ("xla_fp8_current": quantize, dot of the FP8
+             operands, the factors after; e5m2 gradients), and Flax's FP8 ops
+             (flax.linen.Dense with dot_general_cls=Fp8DotGeneralOp,
+             "flax_fp8_xla", and Fp8DirectDotGeneralOp, "flax_fp8_direct",
+             where this Flax has it: delayed scaling).
 Every pk result is checked against its baseline's before timing (a mismatch
 is an error). tokamax is optional (pip install '.[bench]'): without it its
 rows are skipped with a message. Results, one file and RESULTS.md section per
@@ -29,7 +42,7 @@ section run (each one run's rows): results/kernels_<section>.json (one row per
 implementation: op, shape fields, implementation, median_ms, tflops,
 best_other, best_other_ms).
 
-Usage: python benchmarks/kernels.py [--only attention,gemm,fp8] [--quick]
+Usage: python benchmarks/kernels.py [--only attention,gemm,fp8,fp8_train] [--quick]
        [--match TEXT] [--rounds N] [--smoke] [--part I/N [--part-out F]]
        python benchmarks/kernels.py --merge F1 F2 ...
 (--smoke: tiny shapes; --quick: the first two cases; --match: the cases whose
@@ -59,7 +72,7 @@ import pk_jax
 from pk_jax import tuning
 from common import interleaved_ms, markdown_table, one_axis_mesh, write_results
 
-SECTIONS = ("attention", "gemm", "fp8")
+SECTIONS = ("attention", "gemm", "fp8", "fp8_train")
 
 # (batch, seq, q heads, kv heads, head dim, causal, dtype)
 ATTENTION_CASES = [
@@ -89,7 +102,17 @@ GEMM_SHAPES = [
     (8192, 18432, 7168), (8192, 7168, 18432), (8192, 29568, 8192),
     (2048, 14336, 4096), (32768, 4096, 14336),
 ]
+# One layer's training step (M tokens, K in, N out): M from 2048 to 16384 tokens
+# through Llama-3 8B's MLP (4096 <-> 14336), 70B's MLP up projection (8192 ->
+# 28672), a 13B-class MLP (5120 -> 13824) and 8192^2 at 16k tokens.
+FP8_TRAIN_SHAPES = [
+    (2048, 4096, 14336), (4096, 8192, 28672), (8192, 4096, 14336), (8192, 14336, 4096),
+    (8192, 5120, 13824), (16384, 8192, 8192), (16384, 4096, 14336),
+]
+FP8_ROLES = {"fprop": ("float8_e4m3fn", "float8_e4m3fn"), "dgrad": ("float8_e5m2", "float8_e4m3fn"),
+             "wgrad": ("float8_e4m3fn", "float8_e5m2")}
 SMOKE_ATTENTION = [(1, 256, 2, 2, 64, True, "bfloat16")]
+SMOKE_FP8_TRAIN = [(256, 256, 256)]
 SMOKE_GEMM = [(256, 256, 256)]
 HEADER = ["op", "case", "impl", "ms", "TFLOP/s", "best other", "pk vs best other"]
 COLUMNS = ("Columns: median ms per call over interleaved rounds, TFLOP/s, the fastest "
@@ -118,7 +141,21 @@ IMPLS = {
         "`xla_fp8_*`: XLA's dot on the same FP8 operands and factors, written three ways "
         "(dequantize to float32 or bfloat16 then dot, or the FP8 dot then the factors); "
         "`xla_bf16`: XLA's bf16 dot (cuBLAS) of the unquantized operands. Each recipe's "
-        "rows share the baselines.\n\n"),
+        "rows share the baselines. `fp8_gemm_role` rows: the per-tensor GEMM of each operand "
+        "pair the training step runs, at the row's M, N, K (fprop e4m3 x e4m3, fast "
+        "accumulation; dgrad e5m2 x e4m3 and wgrad e4m3 x e5m2, promoted every 128 of K), "
+        "against XLA's dot of the same FP8 operands (the three ways) and its bf16 dot.\n\n"),
+    "fp8_train": (
+        "One layer's training step at M x K x N (forward y = x @ w, then dx and dw; every "
+        "implementation returns all three): `pk_fp8_<recipe>`: pk_jax.fp8_dot (current, "
+        "delayed with given scales, block); `pk_tp_fp8_<recipe>`: "
+        "all_gather_matmul(fp8=recipe) at world size 1 (the TP ops' FP8 sequences on one "
+        "GPU); `xla_bf16`: XLA's bf16 dots (cuBLAS); "
+        "`xla_fp8_current`: XLA's FP8 dots (cuBLASLt) under per-tensor current scaling "
+        "written in jax.numpy (e4m3 forward, e5m2 gradient); `flax_fp8_xla`: "
+        "flax.linen.Dense(dot_general_cls=nn.Fp8DotGeneralOp); `flax_fp8_direct`: "
+        "nn.Fp8DirectDotGeneralOp (where this Flax has it). TFLOP/s count the three GEMMs "
+        "(6 M K N). The ratio column is pk over the fastest non-pk row, bf16 included.\n\n"),
 }
 
 
@@ -325,43 +362,170 @@ def _xla_fp8_variants():
 
 def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
     xla_fp8 = {name: jax.jit(f) for name, f in _xla_fp8_variants().items()}
-    probe = (*(jnp.zeros((256, 256), jnp.float8_e4m3fn),) * 2, jnp.float32(1), jnp.float32(1))
-    for name, f in xla_fp8.items():
-        text = f.lower(*probe).compile().as_text()
-        calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
-        print(f"-- {name}: XLA's custom calls {calls or 'none'}", flush=True)
+    for (ta, tb) in sorted(set(FP8_ROLES.values())):
+        probe = (jnp.zeros((256, 256), ta), jnp.zeros((256, 256), tb), jnp.float32(1),
+                 jnp.float32(1))
+        for name, f in xla_fp8.items():
+            text = f.lower(*probe).compile().as_text()
+            calls = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
+            print(f"-- {name} {ta} x {tb}: XLA's custom calls {calls or 'none'}", flush=True)
     for m, n, k in shapes:
         if k % 128 or n % 128:
             continue
         kx, kw = _fresh_keys(2)
         x = jax.random.normal(kx, (m, k), jnp.bfloat16)
         w = jax.random.normal(kw, (n, k), jnp.bfloat16) * k ** -0.5
-        xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor")
-        wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor")
         xb, _, fxb, _ = pk_jax.fp8_quantize(x, "rows")
         _, wbt, fwb, _ = pk_jax.fp8_quantize(w.T, "blocks", rowwise=False, transposed=True)
-        sx, sw = fx.reshape(()), fw.reshape(())
         dot_t = lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())))
         calls = {  # (jitted function, its arguments): operands are arguments, not constants
-            "pk_fp8_tensor": (jax.jit(pk_jax.fp8_matmul), (xq, wq, fx, fw)),
             "pk_fp8_block": (jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(
                 a, b, fa, fb, scaling="block")), (xb, wbt, fxb, fwb)),
-            **{name: (f, (xq, wq, sx, sw)) for name, f in xla_fp8.items()},
             "xla_bf16": (jax.jit(dot_t), (x, w)),
         }
+        for role, (ta, tb) in FP8_ROLES.items():  # the same x and w in the role's formats
+            xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor", ta)
+            wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor", tb)
+            calls[f"pk_fp8_tensor {role}"] = (jax.jit(pk_jax.fp8_matmul), (xq, wq, fx, fw))
+            calls.update({f"{name} {role}": (f, (xq, wq, fx.reshape(()), fw.reshape(())))
+                          for name, f in xla_fp8.items()})
         fns = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in calls.items()}
         outs = {name: jax.block_until_ready(f()) for name, f in fns.items()}
-        for name in xla_fp8:
-            _close(f"fp8 tensor {m}x{n}x{k} vs {name}", outs["pk_fp8_tensor"], outs[name], 1e-2)
-        _close(f"fp8 block {m}x{n}x{k}", outs["pk_fp8_block"], outs["xla_bf16"], 6e-2)
-        times = _time(fns, rounds, smoke)
         case = gemm_case((m, n, k))
-        fields = {"m": m, "n": n, "k": k, "dtype": "float8_e4m3fn"}
-        for recipe in ("tensor", "block"):
-            sub = {f"pk_fp8_{recipe}": times[f"pk_fp8_{recipe}"], "xla_bf16": times["xla_bf16"],
-                   **{name: times[name] for name in xla_fp8}}
-            table.add(f"fp8_gemm_{recipe}", case, {**fields, "recipe": recipe}, sub,
-                      2.0 * m * n * k)
+        for role in FP8_ROLES:
+            for name in xla_fp8:
+                _close(f"fp8 {role} {case} vs {name}", outs[f"pk_fp8_tensor {role}"],
+                       outs[f"{name} {role}"], 1e-2)
+        _close(f"fp8 block {case}", outs["pk_fp8_block"], outs["xla_bf16"], 6e-2)
+        times = _time(fns, rounds, smoke)
+        fields = {"m": m, "n": n, "k": k}
+        sub = {"pk_fp8_block": times["pk_fp8_block"], "xla_bf16": times["xla_bf16"],
+               **{name: times[f"{name} fprop"] for name in xla_fp8}}
+        table.add("fp8_gemm_block", case, {**fields, "dtype": "float8_e4m3fn",
+                                           "recipe": "block"}, sub, 2.0 * m * n * k)
+        for role, (ta, tb) in FP8_ROLES.items():
+            sub = {"pk_fp8_tensor": times[f"pk_fp8_tensor {role}"], "xla_bf16": times["xla_bf16"],
+                   **{name: times[f"{name} {role}"] for name in xla_fp8}}
+            table.add("fp8_gemm_tensor", f"{case} {role}",
+                      {**fields, "dtype": f"{ta} x {tb}", "recipe": "tensor", "role": role},
+                      sub, 2.0 * m * n * k)
+
+
+# --- one layer's FP8 training step ---------------------------------------------
+
+def _xla_fp8_current_dot():
+    """x @ w with XLA's FP8 dots under per-tensor current scaling, as a JAX
+    user writes it: each operand scaled by fp8_max / amax and cast (e4m3
+    forward, e5m2 output gradient), the dot of the FP8 operands in float32
+    with the factors applied after (XLA's rewriter: one cuBLASLt FP8 call)."""
+    def q(a, dtype):
+        amax = jnp.max(jnp.abs(a.astype(jnp.float32)))
+        fmax = float(jnp.finfo(dtype).max)
+        scale = jnp.where(amax > 0, fmax / amax, 1.0)
+        return jnp.clip(a.astype(jnp.float32) * scale, -fmax, fmax).astype(dtype), 1.0 / scale
+
+    def dot(a, sa, b, sb, dims):
+        out = lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+        return (out * (sa * sb)).astype(jnp.bfloat16)
+
+    @jax.custom_vjp
+    def f(x, w):
+        return f_fwd(x, w)[0]
+
+    def f_fwd(x, w):
+        (xq, sx), (wq, sw) = q(x, jnp.float8_e4m3fn), q(w, jnp.float8_e4m3fn)
+        return dot(xq, sx, wq, sw, ((1,), (0,))), (xq, sx, wq, sw)
+
+    def f_bwd(res, dy):
+        xq, sx, wq, sw = res
+        dq, sd = q(dy, jnp.float8_e5m2)
+        return dot(dq, sd, wq, sw, ((1,), (1,))), dot(xq, sx, dq, sd, ((0,), (0,)))
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def _flax_fp8_steps(w):
+    """Flax's FP8 Dense layers (delayed scaling, their amax histories in the
+    variables) with kernel w: {name: step(x, w, dy) -> (y, dx, dw)} for each
+    op this Flax has."""
+    import warnings
+
+    import flax.linen as nn
+    k, n = w.shape
+    steps = {}
+    for name, op in (("flax_fp8_xla", "Fp8DotGeneralOp"),
+                     ("flax_fp8_direct", "Fp8DirectDotGeneralOp")):
+        if not hasattr(nn, op):
+            print(f"-- {name}: this Flax has no nn.{op}: its rows are skipped", flush=True)
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            layer = nn.Dense(n, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                             dot_general_cls=getattr(nn, op))
+            variables = layer.init(jax.random.key(0), jnp.zeros((16, k), jnp.bfloat16))
+
+        def step(x, w, dy, variables=variables, layer=layer):
+            v = {**variables, "params": {**variables["params"], "kernel": w}}
+            y, vjp = jax.vjp(lambda x, v: layer.apply(v, x), x, v)
+            dx, dv = vjp(dy)
+            return y, dx, dv["params"]["kernel"]
+        steps[name] = jax.jit(step)
+    return steps
+
+
+def fp8_train(table: Table, shapes, rounds: int, smoke: bool) -> None:
+    xla_fp8 = _xla_fp8_current_dot()
+    mesh = one_axis_mesh(jax.devices()[:1], "x")
+    for m, k, n in shapes:
+        keys = _fresh_keys(3)
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * k ** -0.5
+        dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+        fmax = {d: float(jnp.finfo(d).max) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2)}
+        # delayed scaling's scales, as an amax history of earlier steps would give them
+        scales = tuple(jnp.float32(fmax[d]) / jnp.max(jnp.abs(a.astype(jnp.float32)))
+                       for a, d in ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn),
+                                    (dy, jnp.float8_e5m2)))
+
+        def step_of(f):
+            def step(x, w, dy):
+                y, vjp = jax.vjp(f, x, w)
+                return (y, *vjp(dy))
+            return jax.jit(step)
+
+        def delayed(x, w, dy):
+            (y, _), vjp = jax.vjp(lambda x, w, s: pk_jax.fp8_dot(x, w, "delayed", scales=s),
+                                  x, w, scales)
+            dx, dw, _ = vjp((dy, (jnp.zeros(1, jnp.float32),) * 2))
+            return y, dx, dw
+        tp = {f"pk_tp_fp8_{r}": step_of(jax.shard_map(
+            lambda x, w, r=r: pk_jax.all_gather_matmul(x, w, "x", fp8=r), mesh=mesh,
+            in_specs=(P("x"), P()), out_specs=P("x"))) for r in ("current", "block")}
+        steps = {
+            "pk_fp8_current": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current")),
+            "pk_fp8_delayed": jax.jit(delayed),
+            "pk_fp8_block": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "block")),
+            **tp,
+            "xla_bf16": step_of(lambda x, w: x @ w),
+            "xla_fp8_current": step_of(xla_fp8),
+            **_flax_fp8_steps(w),
+        }
+        outs = {name: jax.block_until_ready(f(x, w, dy)) for name, f in steps.items()}
+        fns = {name: (lambda f=f: f(x, w, dy)) for name, f in steps.items()}
+        case = f"{m}x{k}x{n}"
+        for name, got in outs.items():  # y, dx, dw against the bf16 step's
+            for what, g, r, tol in zip(("y", "dx", "dw"), got, outs["xla_bf16"],
+                                       (5e-2, 1e-1, 1e-1)):
+                _close(f"fp8_train {case} {name} {what}", g, r, tol)
+        times = _time(fns, rounds, smoke)
+        fields = {"m": m, "k": k, "n": n}
+        baselines = {name: t for name, t in times.items() if not name.startswith("pk")}
+        for recipe in ("current", "delayed", "block"):
+            pk = {name: t for name, t in times.items()
+                  if name.startswith("pk") and name.endswith(f"_{recipe}")}
+            table.add("fp8_train", f"{case} {recipe}", {**fields, "recipe": recipe},
+                      {**pk, **baselines}, 6.0 * m * k * n)
 
 
 def main() -> int:
@@ -395,8 +559,7 @@ def main() -> int:
     if args.merge is not None:  # the --part runs' rows, written as one run's
         for path in args.merge:
             table.load(path)
-        only = {section for section in SECTIONS
-                if any(r["op"].split("_")[0] == section.split("_")[0] for r in table.rows)}
+        only = {section_of(r["op"]) for r in table.rows}
         command = f"python benchmarks/kernels.py --only {','.join(sorted(only))} --part I/N"
         return _write(table, only, f"{command} (I = 1..{len(args.merge)}), then --merge")
     if "attention" in only:
@@ -408,6 +571,10 @@ def main() -> int:
     if "fp8" in only:
         shapes = SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES, gemm_case)
         fp8(table, shapes, args.rounds, args.smoke)
+    if "fp8_train" in only:
+        shapes = SMOKE_FP8_TRAIN if args.smoke else cut(FP8_TRAIN_SHAPES,
+                                                         lambda c: "x".join(map(str, c)))
+        fp8_train(table, shapes, args.rounds, args.smoke)
     pk_jax.check_errors()
     if args.part:
         table.dump(args.part_out)
@@ -421,11 +588,16 @@ def main() -> int:
     return 0
 
 
+def section_of(op: str) -> str:
+    """The section whose run made rows of `op` (fp8_gemm_* rows: fp8)."""
+    return op if op in SECTIONS else op.split("_")[0]
+
+
 def _write(table: Table, only, command: str) -> int:
     """One file and RESULTS.md section per section run: each one run's rows."""
     for section in sorted(only):
-        rows = [r for r in table.rows if r["op"].split("_")[0] in section.split("_")[0]]
-        md_rows = [m for m in table.md if m[0].split("_")[0] == section.split("_")[0]]
+        rows = [r for r in table.rows if section_of(r["op"]) == section]
+        md_rows = [m for m in table.md if section_of(m[0]) == section]
         write_results(f"kernels_{section}", rows,
                       IMPLS[section] + COLUMNS + markdown_table(HEADER, md_rows), command)
     print(COLUMNS + markdown_table(HEADER, table.md))

@@ -33,6 +33,37 @@ def test_part_and_merge_write_one_section(tmp_path):
         r["op"] == "fp8_gemm_tensor" for r in rows)
 
 
+def test_fp8_train_rows_land_in_their_own_section(tmp_path):
+    """The fp8_train smoke run: every implementation's training step (pk's
+    recipes, the TP op at world size 1, bf16, XLA's FP8 dot, Flax's FP8 ops)
+    checked against bf16's and timed; its rows written to
+    kernels_fp8_train.json and its RESULTS.md section, none to kernels_fp8's."""
+    bench = tmp_path / "benchmarks"
+    shutil.copytree(pathlib.Path(__file__).resolve().parents[1] / "benchmarks", bench)
+    run = lambda *a: subprocess.run([sys.executable, "kernels.py", *a], cwd=bench,
+                                    capture_output=True, text=True, timeout=600,
+                                    env=dict(os.environ))
+    part = tmp_path / "part.json"
+    proc = run("--only", "fp8_train", "--smoke", "--part", "1/1", "--part-out", str(part))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(part.read_text())["rows"]
+    assert {r["implementation"] for r in rows} >= {
+        "pk_fp8_current", "pk_fp8_delayed", "pk_fp8_block", "pk_tp_fp8_current",
+        "pk_tp_fp8_block", "xla_bf16", "xla_fp8_current", "flax_fp8_xla"}
+    assert {r["op"] for r in rows} == {"fp8_train"}
+    assert {r["recipe"] for r in rows} == {"current", "delayed", "block"}
+    assert all({"m", "k", "n", "median_ms", "best_other", "best_other_ms"} <= set(r)
+               for r in rows)
+    before = (bench / "results" / "kernels_fp8.json").read_text()
+    proc = run("--merge", str(part))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = json.loads((bench / "results" / "kernels_fp8_train.json").read_text())
+    key = lambda r: (r["implementation"], r["recipe"], r["median_ms"])
+    assert sorted(map(key, written)) == sorted(map(key, rows))
+    assert (bench / "results" / "kernels_fp8.json").read_text() == before
+    assert "<!-- kernels_fp8_train:begin -->" in (bench / "RESULTS.md").read_text()
+
+
 def test_results_name_the_measured_builds_commit(monkeypatch):
     """benchmarks/common.commit(): an installed build (pk_jax outside this
     checkout, a wheel) is named by the commit its build recorded, not by the
