@@ -31,9 +31,10 @@ pk and the baseline agree.
 
 Runs on GPUs unchanged (use --dtype bfloat16 there for the fused kernels) or
 on 8 fake CPU devices. `--preset gpu` is a model the fused kernels take (head
-dim 128, 8k tokens, bf16); `--collectives both --save` times pk against the
-baseline and writes the "flax_transformer" section of benchmarks/RESULTS.md
-(rows name their baseline). tools/step_breakdown.py profiles one step of
+dim 128, 8k tokens, bf16), `--preset gpu_llama` a GEMM-heavy one for one GPU
+(Llama-3 8B's layer widths, 4 layers, 4096 tokens); `--collectives both
+--save` times pk against the baseline and writes the "flax_transformer"
+section of benchmarks/RESULTS.md (rows name their baseline). tools/step_breakdown.py profiles one step of
 either run and splits its GPU time by op.
 
 `--fp8 current|delayed|block` builds every tensor-parallel projection
@@ -43,7 +44,8 @@ recipe (pk_jax.flax's `fp8=`), parameters and everything else as without;
 them (`pk_jax.flax.update_fp8_state`, see `build`). Block scaling needs
 128-multiples (128 rows per device among them): its default preset is
 "fp8_block". `--compare-fp8` trains without and with each recipe and
-prints the final losses.
+prints the final losses and step times (`--save`: the "flax_fp8" section of
+benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -171,7 +173,13 @@ PRESETS = {
     "gpu": Config(vocab=8192, d_model=2048, num_heads=16, num_kv_heads=4, head_dim=128,
                   hidden=8192, num_layers=4, batch=4, seq_len=8192, period=64,
                   dtype="bfloat16"),
+    # GEMM-heavy, one GPU: Llama-3 8B's layer widths (d_model 4096, MLP 14336,
+    # 32 query / 8 KV heads of 128), 4 layers, 4096 tokens a step (the FP8 runs)
+    "gpu_llama": Config(vocab=8192, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                        hidden=14336, num_layers=4, batch=1, seq_len=4096, period=64,
+                        dtype="bfloat16"),
 }
+GPU_PRESETS = ("gpu", "gpu_llama")
 
 
 # ---- the baseline: XLA's collectives, cuDNN attention ---------------------------
@@ -342,21 +350,59 @@ def fp8_recipes_for(cfg: Config, mesh: Mesh) -> tuple[str, ...]:
 
 
 def compare_fp8(steps: int, cfg: Config, mesh: Mesh, recipes=FP8[1:],
-                log: Callable[[str], None] = print) -> dict[str, list[float]]:
+                log: Callable[[str], None] = print, save: bool = False,
+                command: str = "") -> dict[str, list[float]]:
     """Train `steps` steps without FP8 and with each recipe (pk's
     collectives, the same data and initial weights); return each run's
     losses and print, for each recipe, its final loss and the mean of its
     loss curve, each relative to the run without FP8 (the accuracy target:
-    the final loss within 2% after 200 steps, benchmarks/NOTES.md)."""
-    losses = {fp8: train(steps, "pk", cfg, mesh, log=lambda line: None, fp8=fp8)
-              for fp8 in ("none", *recipes)}
-    base = losses["none"]
-    for fp8, run in losses.items():
-        diff = "" if fp8 == "none" else (
-            f"  ({(run[-1] - base[-1]) / base[-1]:+.2%}; curve mean "
-            f"{(np.mean(run) - np.mean(base)) / np.mean(base):+.2%})")
-        log(f"fp8={fp8:8s} loss after {steps} steps {run[-1]:.4f}{diff}")
-    return losses
+    the final loss within 2% after 200 steps, benchmarks/NOTES.md), and the
+    mean step times. `save`: the "flax_fp8" section of benchmarks/RESULTS.md."""
+    runs = {fp8: train_timed(steps, "pk", cfg, mesh, log=lambda line: None, fp8=fp8)
+            for fp8 in ("none", *recipes)}
+    base, base_ms = runs["none"]
+    rows = []
+    for fp8, (run, ms) in runs.items():
+        final, curve = ((run[-1] - base[-1]) / base[-1],
+                        (np.mean(run) - np.mean(base)) / np.mean(base))
+        diff = "" if fp8 == "none" else f"  ({final:+.2%}; curve mean {curve:+.2%})"
+        log(f"fp8={fp8:8s} loss after {steps} steps {run[-1]:.4f}{diff}; "
+            f"step {ms:.1f} ms ({base_ms / ms:.2f}x without FP8)")
+        rows.append(dict(implementation="bf16" if fp8 == "none" else f"fp8_{fp8}",
+                         median_ms=ms, vs_bf16=base_ms / ms, final_loss=run[-1],
+                         final_loss_vs_bf16=final, curve_mean_vs_bf16=curve, steps=steps,
+                         config=dataclasses.asdict(cfg), sp=mesh.shape["sp"],
+                         tp=mesh.shape["tp"]))
+    if save:
+        markdown_table, write_results = _results_writers()
+        table = markdown_table(
+            ["run", "ms/step", "vs bf16", f"loss after {steps} steps", "vs bf16",
+             "curve mean vs bf16"],
+            [[r["implementation"], f"{r['median_ms']:.1f}", f"{r['vs_bf16']:.2f}x",
+              f"{r['final_loss']:.4f}", f"{r['final_loss_vs_bf16']:+.2%}",
+              f"{r['curve_mean_vs_bf16']:+.2%}"] for r in rows])
+        write_results("flax_fp8", rows,
+                      f"Training steps of examples/flax_transformer.py ({_shape(cfg, mesh)}) "
+                      f"without FP8 (`bf16`: every projection pk's op at mechanism='auto', "
+                      f"bfloat16) and with each FP8 recipe on every projection (pk_jax.flax's "
+                      f"fp8=); the same data and initial weights; mean step time over steps "
+                      f"2-{steps}.\n\n{table}", command)
+    return {fp8: run for fp8, (run, _) in runs.items()}
+
+
+def _results_writers():
+    """benchmarks/common.py's (markdown_table, write_results)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                    "benchmarks"))
+    from common import markdown_table, write_results
+    return markdown_table, write_results
+
+
+def _shape(cfg: Config, mesh: Mesh) -> str:
+    return (f"d_model {cfg.d_model}, {cfg.num_layers} layers, heads {cfg.num_heads}/"
+            f"{cfg.num_kv_heads} x {cfg.head_dim}, hidden {cfg.hidden}, batch {cfg.batch} x "
+            f"{cfg.seq_len} tokens, {cfg.dtype}, mesh sp={mesh.shape['sp']} x "
+            f"tp={mesh.shape['tp']}")
 
 
 def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str,
@@ -373,13 +419,8 @@ def compare(steps: int, cfg: Config, mesh: Mesh, save: bool, command: str,
           f"{xla_ms / pk_ms:.2f}x; largest relative loss difference {agree:.1e}")
     if not save:
         return
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                    "benchmarks"))
-    from common import markdown_table, write_results
-    shape = (f"d_model {cfg.d_model}, {cfg.num_layers} layers, heads {cfg.num_heads}/"
-             f"{cfg.num_kv_heads} x {cfg.head_dim}, hidden {cfg.hidden}, batch {cfg.batch} x "
-             f"{cfg.seq_len} tokens, {cfg.dtype}, mesh sp={mesh.shape['sp']} x "
-             f"tp={mesh.shape['tp']}")
+    markdown_table, write_results = _results_writers()
+    shape = _shape(cfg, mesh)
     rows = [dict(implementation=name, median_ms=ms, steps=steps, final_loss=runs[c][0][-1],
                  baseline=base, baseline_median_ms=xla_ms, baseline_note=attention.note,
                  vs_baseline=xla_ms / ms, config=dataclasses.asdict(cfg), sp=mesh.shape["sp"],
@@ -414,10 +455,10 @@ def model_from_arguments(args: argparse.Namespace,
     """(config, mesh) of the options `add_model_arguments` added."""
     preset = args.preset or ("fp8_block" if getattr(args, "fp8", "none") == "block" else "small")
     cfg = PRESETS[preset]
-    if preset == "gpu" and jax.devices()[0].platform != "gpu":
-        parser.error("--preset gpu is a model for GPUs (about 290M parameters, 32k tokens of "
-                     "8192 per step: tens of GiB on the host); this machine has no GPU, use "
-                     "the default preset")
+    if preset in GPU_PRESETS and jax.devices()[0].platform != "gpu":
+        parser.error(f"--preset {preset} is a model for GPUs (hundreds of millions of "
+                     "parameters, thousands of tokens per step: tens of GiB on the host); "
+                     "this machine has no GPU, use the default preset")
     if args.dtype:
         cfg = dataclasses.replace(cfg, dtype=args.dtype)
     return cfg, make_mesh(args.sp, args.tp)
@@ -437,16 +478,18 @@ def main() -> None:
                         help="train without FP8 and with each recipe that the model's sizes "
                              "take; print the final losses")
     parser.add_argument("--save", action="store_true",
-                        help="with --collectives both: write benchmarks/RESULTS.md")
+                        help="with --collectives both or --compare-fp8: write "
+                             "benchmarks/RESULTS.md")
     args = parser.parse_args()
     if args.fp8 != "none" and args.collectives != "pk":
         parser.error("--fp8 runs pk_jax's FP8 ops: use it with --collectives pk")
     cfg, mesh = model_from_arguments(args, parser)
+    command = "python examples/flax_transformer.py " + " ".join(sys.argv[1:])
     if args.compare_fp8:
-        compare_fp8(args.steps, cfg, mesh, fp8_recipes_for(cfg, mesh))
+        compare_fp8(args.steps, cfg, mesh, fp8_recipes_for(cfg, mesh), save=args.save,
+                    command=command)
     elif args.collectives == "both":
-        compare(args.steps, cfg, mesh, args.save,
-                "python examples/flax_transformer.py " + " ".join(sys.argv[1:]))
+        compare(args.steps, cfg, mesh, args.save, command)
     else:
         train(args.steps, args.collectives, cfg, mesh, fp8=args.fp8)
 

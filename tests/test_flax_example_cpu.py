@@ -80,12 +80,13 @@ def test_gpu_preset_takes_the_fused_kernels():
         assert cfg.d_model % 8 == 0 and (cfg.hidden // tp) % 8 == 0  # TP GEMM kernels
 
 
-def test_gpu_preset_without_gpus_says_why():
-    """On a machine without GPUs the GPU preset stops at once with a message
+@pytest.mark.parametrize("preset", example.GPU_PRESETS)
+def test_gpu_preset_without_gpus_says_why(preset):
+    """On a machine without GPUs the GPU presets stop at once with a message
     (instead of running out of host memory)."""
     if gpus():
         pytest.skip("this machine has GPUs: the preset would train")
-    proc = subprocess.run([sys.executable, str(_PATH), "--preset", "gpu", "--steps", "1"],
+    proc = subprocess.run([sys.executable, str(_PATH), "--preset", preset, "--steps", "1"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "no GPU" in proc.stderr, proc.stderr
 
