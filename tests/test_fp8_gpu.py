@@ -54,22 +54,30 @@ def test_quantize_bitwise(rng, granularity, shape, in_dtype, dtype):
         np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
 
 
-def test_quantize_given_scale_and_amax(rng):
+# delayed scaling's one pass: the amax of this call taken while quantizing with
+# the given scale (whole tiles, partial tiles, scalar accesses; both formats)
+@pytest.mark.parametrize("shape", [(512, 768), (8192, 5120), (1000, 520), (300, 200)])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_quantize_given_scale_and_amax(rng, shape, dtype):
     mesh = gpu_mesh(1)
-    x = jnp.asarray(rng.standard_normal((512, 768)) * 5, jnp.bfloat16)
-    s = jnp.float32(448 / 7)  # saturates the largest values
+    x = jnp.asarray(rng.standard_normal(shape) * 5, jnp.bfloat16)
+    # saturates the largest values
+    s = jnp.float32(prim.FP8_MAX[jnp.dtype(dtype)] / 7)
     poison_allocator(mesh, 4 * x.size)
-    q, qt, f, amax = pk_jax.fp8_quantize(x, "tensor", transposed=True, scale=s)
+    q, qt, f, amax = pk_jax.fp8_quantize(x, "tensor", dtype, transposed=True, scale=s)
+    assert float(amax[0]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         rq, rqt, rf, ramax = jax.jit(lambda x: prim.quantize_reference(
-            x, np.float32(s).reshape(1), granularity="tensor", dtype=prim.E4M3, rowwise=True,
-            transposed=True, given_scale=True, margin=0.0))(np.asarray(x))
+            x, np.float32(s).reshape(1), granularity="tensor", dtype=jnp.dtype(dtype),
+            rowwise=True, transposed=True, given_scale=True, margin=0.0))(np.asarray(x))
     for g, w in ((q, rq), (qt, rqt), (f, rf), (amax, ramax)):
         np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
+# whole and partial 128x256 (e4m3) and 128x192 (promoted) tiles; a long K
+# (128 promotions)
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (512, 384, 640), (128, 8, 16),
-                                   (2048, 6144, 1024)])
+                                   (2048, 6144, 1024), (1000, 520, 4112), (256, 392, 16384)])
 @pytest.mark.parametrize("a_t,b_t", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2")])
 @pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
 def test_matmul_tensor(rng, m, n, k, a_t, b_t, out):
@@ -112,21 +120,26 @@ def test_matmul_block(rng, m, n, k, row_blocks, out):
     assert rel_err(got, want) < (3e-3 if out == jnp.bfloat16 else 5e-4)
 
 
-@pytest.mark.parametrize("recipe", ["current", "block"])
-@pytest.mark.parametrize("m,k,n", [(2048, 1024, 1536), (256, 128, 384)])
+@pytest.mark.parametrize("recipe", ["current", "delayed", "block"])
+@pytest.mark.parametrize("m,k,n", [(2048, 1024, 1536), (256, 128, 384), (1040, 528, 400)])
 def test_fp8_dot_values_and_gradients(rng, recipe, m, k, n):
+    if recipe == "block" and (k % 128 or n % 128):
+        pytest.skip("block scaling needs K and N multiples of 128")
     mesh = gpu_mesh(1)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
     t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
-    loss = lambda x, w: jnp.sum(pk_jax.fp8_dot(x, w, recipe).astype(jnp.float32) * t)
+    # delayed: the scales an amax history of inputs like these gives
+    scales = (np.float32(448 / 5), np.float32(448 * np.sqrt(k) / 5), np.float32(57344 / 64))
+    dot = (lambda x, w: pk_jax.fp8_dot(x, w, recipe, scales=scales)[0]) \
+        if recipe == "delayed" else (lambda x, w: pk_jax.fp8_dot(x, w, recipe))
+    loss = lambda x, w: jnp.sum(dot(x, w).astype(jnp.float32) * t)
     # the loss is linear in y, so its gradient needs no forward GEMM: dgrad and
     # wgrad, both FP8 kernels; the forward is one more
     assert jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text().count("pk_fp8_matmul") == 2
-    assert jax.jit(lambda x, w: pk_jax.fp8_dot(x, w, recipe)).lower(x, w).as_text().count(
-        "pk_fp8_matmul") == 1
+    assert jax.jit(dot).lower(x, w).as_text().count("pk_fp8_matmul") == 1
     poison_allocator(mesh, 8 * m * (k + n))
-    y = jax.jit(lambda x, w: pk_jax.fp8_dot(x, w, recipe))(x, w)
+    y = jax.jit(dot)(x, w)
     dx, dw = jax.jit(jax.grad(loss, (0, 1)))(x, w)
     f32 = lambda x, w: jnp.sum((x.astype(jnp.float32) @ w.astype(jnp.float32)) * t)
     gx, gw = jax.jit(jax.grad(f32, (0, 1)))(x, w)
