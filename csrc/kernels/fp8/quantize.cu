@@ -1,9 +1,11 @@
 // FP8 quantization kernels (fp8.h).
 //
 // Launch config: one block of 256 threads per 128x128 tile (a grid-stride loop
-// over the tiles), every granularity; kTensor without a given scale first runs
-// an amax reduction (grid-stride, four 8-element vectors in flight a thread, one
-// atomic per warp).
+// over the tiles), one kernel per granularity, two blocks an SM (128
+// registers: at three, 80 registers, they spilled and ran 0.71-0.77x the copy's
+// bandwidth against 0.84-0.91x, tools/quantize_bench); kTensor without a given
+// scale first runs an amax reduction (grid-stride, four 8-element vectors in
+// flight a thread, one atomic per warp).
 // Arguments: fp8.h's Quantize.
 // Roles: in the tile kernel every thread loads 8 rows x 8 columns of the tile
 // (rows lr + 16 i, columns 8 cv..8 cv + 7: a warp reads two whole 128-element
@@ -64,6 +66,11 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
+// max(a, b) that propagates NaN
+__device__ __forceinline__ float max_nan(float a, float b) {
+  return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+}
+
 // Two elements of T and |x|'s running max over them, in T's own packed
 // arithmetic (exact: a max rounds nothing; NaN propagates).
 template <typename T> struct PairOf { using type = float2; };
@@ -76,7 +83,6 @@ __device__ __forceinline__ __nv_bfloat162 abs_max(__nv_bfloat162 m, __nv_bfloat1
 __device__ __forceinline__ __half2 abs_max(__half2 m, __half2 v) {
   return __hmax2_nan(m, __habs2(v));
 }
-__device__ __forceinline__ float max_nan(float a, float b);
 __device__ __forceinline__ float2 abs_max(float2 m, float2 v) {
   return make_float2(max_nan(m.x, fabsf(v.x)), max_nan(m.y, fabsf(v.y)));
 }
@@ -92,10 +98,6 @@ __device__ __forceinline__ bool aligned(const void* at, int bytes) {
 // integer max is a float max that propagates NaN.
 __device__ __forceinline__ void atomic_max_abs(float* where, float v) {
   atomicMax(reinterpret_cast<int*>(where), __float_as_int(v));
-}
-
-__device__ __forceinline__ float max_nan(float a, float b) {
-  return (a != a || b != b) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
 }
 
 // max over the lanes l ^ o for o < kWidth (kWidth a power of two <= 32)

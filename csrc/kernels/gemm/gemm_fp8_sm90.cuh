@@ -39,7 +39,7 @@ using Fp8TensorTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_256, cute::_128>
 // (96 + 96 registers a thread) fits without spills; the 64x256 of
 // Fp8TensorTiles (128 + 128) spilled about 900 bytes a thread and ran the
 // gradient GEMMs at 0.28-0.38x the forward's; 128x192 with 2x1 clusters runs
-// them at 0.83-1.00x, 1x2 clusters at 0.76-0.91x (benchmarks/NOTES.md,
+// them at 0.83-1.00x, 1x2 clusters at 0.70-0.91x (benchmarks/NOTES.md,
 // tools/gemm_sweep).
 using Fp8PromotedTiles = Sm90Tiles<cute::Shape<cute::_128, cute::_192, cute::_128>,
                                    cute::Shape<cute::_2, cute::_1, cute::_1>,
