@@ -669,12 +669,20 @@ def test_single_gpu_attention_table():
     with tuning.forced(single_gpu_attention="kernel"):
         assert choose(96, True, 8192, False) == "kernel"
     assert choose(96, True, 8192, False) == "cudnn"
+    # checked when called, also without `with` (nothing forced then)
+    with pytest.raises(ValueError, match="single_gpu_attention='fastest'; choose from"):
+        tuning.forced(single_gpu_attention="fastest")
+    with pytest.raises(ValueError, match="'all_gather_mechanism' is not a forcible choice"):
+        tuning.forced(all_gather_mechanism="ld_st_ll")
     with pytest.raises(ValueError, match="choose from"):
         with tuning.forced(single_gpu_attention="fastest"):
             pass
-    with pytest.raises(ValueError, match="not a forcible choice"):
-        with tuning.forced(all_gather_mechanism="ld_st_ll"):
-            pass
+    assert choose(96, True, 8192, False) == "cudnn"
+    unused = tuning.forced(single_gpu_attention="kernel")  # valid: forces nothing until entered
+    assert choose(96, True, 8192, False) == "cudnn"
+    with unused:
+        assert choose(96, True, 8192, False) == "kernel"
+    assert choose(96, True, 8192, False) == "cudnn"
 
 
 # ---- the ring of cuDNN blocks (mechanism "cudnn"; fp32 einsum blocks on CPU) -------
