@@ -1,32 +1,46 @@
 """python -m pk_jax.launch without JAX in the children: every process is
 watched (a failure of process 1 is seen while process 0 blocks forever),
 the others are stopped (SIGTERM, then SIGKILL for one that ignores it), the
-first failing exit code is returned, and bad flags are refused."""
+first failing exit code is returned, SIGTERM / SIGINT / SIGHUP to the
+launcher reach every process group (SIGKILL after --kill-after, no process
+left, exit code 128 + the signal), and bad flags are refused."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
+from conftest import child_env
 from pk_jax import launch
 
 # Each child runs this with its process id; it reads what to do from argv.
+# "spawn" starts a grandchild that ignores SIGTERM (its pid in gpid<i>).
 CHILD = """
-import os, pathlib, signal, sys, time
+import os, pathlib, signal, subprocess, sys, time
 me = int(os.environ["PK_JAX_PROCESS_ID"])
 roles, ready = sys.argv[1:-1], pathlib.Path(sys.argv[-1])
 role = roles[me]
 if role == "ok":
     sys.exit(0)
 if role.startswith("fail"):  # once every blocking process is set up (pid file written)
-    blocking = [i for i, r in enumerate(roles) if r in ("block", "stubborn")]
+    blocking = [i for i, r in enumerate(roles) if r in ("block", "stubborn", "spawn")]
     while not all((ready.parent / f"pid{i}").exists() for i in blocking):
         time.sleep(0.01)
     sys.exit(int(role[4:]))
 if role == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if role == "spawn":
+    grandchild = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                   "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                   "print('up', flush=True); time.sleep(600)"],
+                                  stdout=subprocess.PIPE)
+    grandchild.stdout.readline()  # its SIGTERM handler is set
+    (ready.parent / f"gpid{me}").write_text(str(grandchild.pid))
 (ready.parent / f"pid{me}").write_text(str(os.getpid()))
 ready.touch()
 while True:  # blocked on a peer that is gone
@@ -43,13 +57,29 @@ def _run(tmp_path, roles, kill_after="0.5"):
     return code, time.monotonic() - start
 
 
-def _gone(tmp_path, i) -> bool:
-    pid = int((tmp_path / f"pid{i}").read_text())
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped by
+    whichever process adopted it, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    return False
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _gone(tmp_path, i, prefix="pid") -> bool:
+    """Whether the process whose pid the child i wrote (`prefix`: "pid"
+    itself, "gpid" its grandchild) has ended (within 2 s: an orphan's
+    SIGKILL is asynchronous)."""
+    pid = int((tmp_path / f"{prefix}{i}").read_text())
+    deadline = time.monotonic() + 2
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return not _alive(pid)
 
 
 def test_all_succeed(tmp_path):
@@ -68,6 +98,56 @@ def test_a_process_ignoring_sigterm_is_killed(tmp_path):
     code, took = _run(tmp_path, ["stubborn", "block", "fail5"], kill_after="0.5")
     assert code == 5 and 0.5 <= took < 20, took
     assert _gone(tmp_path, 0) and _gone(tmp_path, 1)
+
+
+def _signalled(tmp_path, roles, sig, kill_after):
+    """The launcher started as a command, with `roles`, sent `sig` once
+    every child is set up: (its exit code, seconds from the signal to its
+    exit)."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    proc = subprocess.Popen([sys.executable, "-m", "pk_jax.launch", "-n", str(len(roles)),
+                             "--gpus-per-process", "0", "--kill-after", kill_after, str(script),
+                             *roles, str(tmp_path / "ready")], env=child_env(), cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"pid{i}").exists() for i in range(len(roles))):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.02)
+        start = time.monotonic()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        return code, time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_to_the_launcher_reaches_every_process(tmp_path, sig):
+    """The signal reaches each child's group (the grandchild that ignores
+    it gets SIGKILL once its parent is gone), the launcher exits with 128 +
+    the signal's number, no process of the job is left."""
+    code, took = _signalled(tmp_path, ["block", "spawn", "block"], sig, kill_after="30")
+    assert code == 128 + sig and took < 10, (code, took)  # no wait for the grace period
+    assert all(_gone(tmp_path, i) for i in range(3)) and _gone(tmp_path, 1, "gpid")
+
+
+def test_a_process_ignoring_a_forwarded_sigterm_is_killed(tmp_path):
+    code, took = _signalled(tmp_path, ["stubborn", "block"], signal.SIGTERM, kill_after="0.5")
+    assert code == 128 + signal.SIGTERM and 0.5 <= took < 10, (code, took)
+    assert _gone(tmp_path, 0) and _gone(tmp_path, 1)
+
+
+def test_a_failure_stops_what_the_others_started(tmp_path):
+    """The failing process's peers are stopped with what they started (a
+    grandchild ignoring SIGTERM included); the launcher itself keeps its
+    signal handlers as they were (main() restores them)."""
+    before = {s: signal.getsignal(s) for s in launch.FORWARDED}
+    code, _ = _run(tmp_path, ["spawn", "fail4"], kill_after="30")
+    assert code == 4 and _gone(tmp_path, 0) and _gone(tmp_path, 0, "gpid")
+    assert {s: signal.getsignal(s) for s in launch.FORWARDED} == before
 
 
 @pytest.mark.parametrize("flags,match", [
