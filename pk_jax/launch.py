@@ -11,8 +11,12 @@ prefixed with the process id; the launcher returns the first non-zero exit
 code (and stops the other processes when one fails).
 
 Every process is watched: when one exits with an error, the others get
-SIGTERM, then SIGKILL if they are still running `--kill-after` seconds later
-(a process blocked on a dead peer may never notice the SIGTERM).
+SIGTERM, then SIGKILL if they are still running `--kill-after-failure`
+seconds later (2 by default: a process blocked on a dead peer may never
+notice the SIGTERM, and one that joined JAX's distributed runtime takes it
+as a preemption notice and keeps running). A process that fails after
+`pk_jax.distributed.initialize()` exits at once, without JAX's exit-time
+wait for its peers, so the launcher returns its code within seconds.
 
 Each process runs in a process group of its own (with whatever it starts).
 SIGTERM, SIGINT and SIGHUP sent to the launcher (a scheduler's cancel or
@@ -56,7 +60,8 @@ def _pump(stream, prefix: str, out) -> None:
         out.flush()
 
 
-KILL_AFTER_S = 10.0  # default grace period between SIGTERM and SIGKILL
+KILL_AFTER_S = 10.0  # default grace between a signal passed on and SIGKILL
+FAILURE_KILL_AFTER_S = 2.0  # default grace between SIGTERM after a failure and SIGKILL
 _POLL_S = 0.05
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
@@ -100,13 +105,14 @@ def stop(procs: list[subprocess.Popen], kill_after_s: float,
         p.wait()
 
 
-def supervise(procs: list[subprocess.Popen], kill_after_s: float,
+def supervise(procs: list[subprocess.Popen], kill_after_s: float, failure_kill_after_s: float,
               received: list[int] | None = None) -> int:
     """Wait for every process (polling all of them, not only the first
-    still running); on the first failure stop the others (`stop`) and
-    return its exit code; 0 when all exit with 0. A signal appended to
-    `received` (by the launcher's handler) is passed on to every process
-    group (`stop` with that signal) and gives 128 + its number."""
+    still running); on the first failure stop the others (`stop`, SIGKILL
+    after `failure_kill_after_s`) and return its exit code; 0 when all exit
+    with 0. A signal appended to `received` (by the launcher's handler) is
+    passed on to every process group (`stop` with that signal, SIGKILL
+    after `kill_after_s`) and gives 128 + its number."""
     received = [] if received is None else received
     try:
         while True:
@@ -116,14 +122,14 @@ def supervise(procs: list[subprocess.Popen], kill_after_s: float,
             codes = [_code(p) for p in procs]
             failed = next((c for c in codes if c not in (None, 0)), None)
             if failed is not None:
-                stop(procs, kill_after_s)
+                stop(procs, failure_kill_after_s)
                 return failed
             if all(c == 0 for c in codes):
-                stop(procs, kill_after_s)  # what they left behind
+                stop(procs, failure_kill_after_s)  # what they left behind
                 return 0
             time.sleep(_POLL_S)
     except BaseException:  # an error of the launcher itself: no orphans
-        stop(procs, kill_after_s)
+        stop(procs, failure_kill_after_s)
         raise
 
 
@@ -136,10 +142,14 @@ def _parser() -> argparse.ArgumentParser:
                         help="GPUs each process drives (>= 0; default: 1 when GPUs are "
                              "visible; 0: set none)")
     parser.add_argument("--kill-after", type=float, default=KILL_AFTER_S, metavar="SECONDS",
-                        help="after a process fails or the launcher gets SIGTERM, SIGINT or "
-                             "SIGHUP: seconds between that signal (SIGTERM after a failure) "
-                             "and SIGKILL for the processes still running (> 0, default "
-                             f"{KILL_AFTER_S:g})")
+                        help="after SIGTERM, SIGINT or SIGHUP to the launcher: seconds between "
+                             "passing it on and SIGKILL for the processes still running (their "
+                             "time to stop cleanly, e.g. to save a checkpoint at JAX's "
+                             f"preemption sync point; > 0, default {KILL_AFTER_S:g})")
+    parser.add_argument("--kill-after-failure", type=float, default=FAILURE_KILL_AFTER_S,
+                        metavar="SECONDS",
+                        help="after a process fails: seconds between SIGTERM for the others "
+                             f"and SIGKILL (> 0, default {FAILURE_KILL_AFTER_S:g})")
     parser.add_argument("script", help="the Python script each process runs (it calls "
                         "pk_jax.distributed.initialize() before using JAX)")
     parser.add_argument("args", nargs=argparse.REMAINDER,
@@ -157,9 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus_per_process is not None and args.gpus_per_process < 0:
         parser.error(f"--gpus-per-process must be >= 0 (0: set no GPUs), got "
                      f"{args.gpus_per_process}")
-    if not (math.isfinite(args.kill_after) and args.kill_after > 0):
-        parser.error(f"--kill-after must be a finite number of seconds > 0, got "
-                     f"{args.kill_after}")
+    for flag in ("kill_after", "kill_after_failure"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            parser.error(f"--{flag.replace('_', '-')} must be a finite number of seconds > 0, "
+                         f"got {value}")
     gpus = args.gpus_per_process
     if gpus is None:
         gpus = 1 if os.path.exists("/dev/nvidia0") else 0
@@ -190,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                 pump.start()
                 pumps.append(pump)
         except BaseException:
-            stop(procs, args.kill_after)
+            stop(procs, args.kill_after_failure)
             raise
-        code = supervise(procs, args.kill_after, received)
+        code = supervise(procs, args.kill_after, args.kill_after_failure, received)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

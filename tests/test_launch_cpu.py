@@ -49,11 +49,14 @@ while True:  # blocked on a peer that is gone
 
 
 def _run(tmp_path, roles, kill_after="0.5"):
+    """launch.main on `roles` with --kill-after-failure `kill_after`: (its
+    code, seconds)."""
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     start = time.monotonic()
-    code = launch.main(["-n", str(len(roles)), "--gpus-per-process", "0", "--kill-after",
-                        kill_after, str(script), *roles, str(tmp_path / "ready")])
+    code = launch.main(["-n", str(len(roles)), "--gpus-per-process", "0",
+                        "--kill-after-failure", kill_after, str(script), *roles,
+                        str(tmp_path / "ready")])
     return code, time.monotonic() - start
 
 
@@ -155,6 +158,7 @@ def test_a_failure_stops_what_the_others_started(tmp_path):
     (["-n", "2", "--gpus-per-process", "-1"], "--gpus-per-process must be >= 0"),
     (["-n", "2", "--kill-after", "-1"], "--kill-after must be a finite number"),
     (["-n", "2", "--kill-after", "nan"], "--kill-after must be a finite number"),
+    (["-n", "2", "--kill-after-failure", "0"], "--kill-after-failure must be a finite number"),
     (["-n", "two"], "invalid int value"),
 ])
 def test_bad_flags_are_refused(capsys, flags, match):
@@ -185,6 +189,55 @@ def test_bad_launch_environment_is_named(monkeypatch, env, match):
     assert distributed.launch_settings() == {
         "coordinator_address": "127.0.0.1:1", "num_processes": 2, "process_id": 1,
         "local_device_ids": [2, 3]}
+
+
+# How the script ends -> (exit status, whether Python's normal shutdown ran).
+ENDINGS = {
+    "sys.exit(7)": (7, False),
+    "def main():\n    with contextlib.suppress(ValueError):\n        sys.exit(7)\nmain()": (7, False),
+    "try:\n    sys.exit(7)\nfinally:\n    print('FINALLY')": (7, False),
+    "try:\n    sys.exit(7)\nexcept SystemExit:\n    print('CLEANUP')\n    raise": (7, False),
+    "sys.exit('a message')": (1, False),
+    "raise ValueError('uncaught')": (1, False),
+    "raise KeyboardInterrupt": (130, False),
+    # caught and survived, clean, or not through sys.exit: the normal shutdown
+    "def main():\n    try:\n        sys.exit(7)\n    except SystemExit:\n        pass\nmain()":
+        (0, True),
+    "with contextlib.suppress(SystemExit):\n    sys.exit(7)": (0, True),
+    "t = threading.Thread(target=sys.exit, args=(7,))\nt.start()\nt.join()": (0, True),
+    "sys.exit(0)": (0, True),
+    "sys.exit()": (0, True),
+    "pass": (0, True),
+    "raise SystemExit(7)": (7, True),
+}
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_a_failing_exit_skips_the_shutdown(tmp_path, ending):
+    """After pk_jax.distributed.initialize() (its exit hooks installed here
+    without a job): an uncaught exception or a sys.exit with a failing status
+    that nothing caught ends the process at once (what it prints and its
+    finally blocks kept), skipping Python's shutdown and JAX's wait there; a
+    clean exit, a SystemExit caught or raised in a thread keep the normal
+    shutdown (an atexit function registered before the hooks shows it)."""
+    status, normal = ENDINGS[ending]
+    script = tmp_path / "script.py"
+    script.write_text("import atexit, contextlib, sys, threading\n"
+                      "atexit.register(lambda: print('NORMAL_SHUTDOWN', flush=True))\n"
+                      "from pk_jax import distributed\n"
+                      "distributed._fail_fast()\n"
+                      "print('BEFORE', flush=False)\n" + ending + "\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120, env=child_env(), cwd=tmp_path)
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert ("NORMAL_SHUTDOWN" in proc.stdout) == normal, proc.stdout
+    assert "BEFORE" in proc.stdout  # buffered output flushed before the exit
+    for printed in ("FINALLY", "CLEANUP"):
+        assert (printed in proc.stdout) == (printed in ending)
+    if "uncaught" in ending:
+        assert "ValueError: uncaught" in proc.stderr
+    if "message" in ending:
+        assert proc.stderr.strip() == "a message"
 
 
 def test_initialize_twice_says_so(tmp_path):
