@@ -224,6 +224,28 @@ def test_bad_input_is_refused(rng, call, err, match):
         call(x, w)
 
 
+def test_bad_dtypes_and_axes_are_named(rng):
+    x, w, _ = _inputs(rng, 128, 256, 256)
+    with pytest.raises(TypeError, match="pk_jax.fp8_quantize: dtype must be float8_e4m3fn or "
+                       "float8_e5m2, got 'e4m3'"):
+        pk_jax.fp8_quantize(x, dtype="e4m3")
+    with pytest.raises(TypeError, match="pk_jax.fp8_dot: out_dtype must be bfloat16, float16 or "
+                       "float32, got 'nope'"):
+        pk_jax.fp8_dot(x, w, out_dtype="nope")
+    with pytest.raises(TypeError, match="pk_jax.fp8_matmul: out_dtype must be bfloat16 or "
+                       "float32, got 'nope'"):
+        q = x.astype(jnp.float8_e4m3fn)
+        pk_jax.fp8_matmul(q, q, 1.0, 1.0, out_dtype="nope")
+    with pytest.raises(NameError, match="pk_jax.quantize_activation: axis_name 'x' is not an "
+                       "axis bound here.*inside jax.shard_map over a mesh with axis 'x'"):
+        pk_jax.quantize_activation(x, axis_name="x")
+    # the same arguments, valid, are taken
+    assert pk_jax.fp8_quantize(x, dtype="float8_e5m2")[0].dtype == jnp.float8_e5m2
+    assert pk_jax.fp8_dot(x, w, out_dtype="float32").dtype == jnp.float32
+    q, _, f, _ = pk_jax.fp8_quantize(x, scale=np.ones(1, np.float32) * 100)
+    assert float(f[0]) == pytest.approx(0.01)
+
+
 def test_fp8_matmul_bad_factors(rng):
     a = jnp.zeros((128, 256), jnp.float8_e4m3fn) + jnp.float8_e4m3fn(1)
     with pytest.raises(ValueError, match="scale_a"):

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pk_jax import _args, groups
 from pk_jax._compat import make_varying, sum_to_type_of, varying_axes
 from pk_jax.ops import fp8_primitive as prim
 from pk_jax.ops.all_reduce import all_reduce
@@ -186,7 +187,7 @@ def quantize_activation(x, scaling: str = "tensor", *, margin: float = 0.0,
     if axis_name is None:
         q, _, factor, _ = fp8_quantize(x2, "tensor", prim.E4M3, margin=margin)
         return Fp8Activation(q.reshape(x.shape), factor.reshape(()), "tensor")
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    names = groups.axis_names(axis_name, "quantize_activation")
     amax = jnp.max(jnp.abs(x2.astype(jnp.float32))).reshape(1)
     # typed like an unsharded value: one factor over the axes (the kernel's
     # own factor output is typed like x)
@@ -282,9 +283,7 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
     if granularity not in prim.GRANULARITY:
         raise ValueError(f"fp8_quantize(granularity={granularity!r}): expected one of "
                          f"{tuple(prim.GRANULARITY)}")
-    dtype = jnp.dtype(dtype)
-    if dtype not in prim.FP8_TYPES:
-        raise TypeError(f"fp8_quantize(dtype={dtype}): float8_e4m3fn or float8_e5m2")
+    dtype = _args.dtype("fp8_quantize", "dtype", dtype, prim.FP8_TYPES)
     if 0 in x.shape:
         raise ValueError(f"fp8_quantize: x is empty, shape {x.shape}")
     if granularity == "cols" and (rowwise or not transposed):
@@ -329,9 +328,7 @@ def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks:
                         f"e5m2; got {ta}, {tb}")
     if scaling not in ("tensor", "block"):
         raise ValueError(f"fp8_matmul(scaling={scaling!r}): 'tensor' or 'block'")
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in prim.OUT_TYPES:
-        raise TypeError(f"fp8_matmul(out_dtype={out_dtype}): bfloat16 or float32")
+    out_dtype = _args.dtype("fp8_matmul", "out_dtype", out_dtype, prim.OUT_TYPES)
     m, k = a.shape
     n = b.shape[0]
     if 0 in (m, n, k):
@@ -393,10 +390,7 @@ def out_dtype_of(where: str, x, out_dtype):
     bfloat16, float16 or float32 (TypeError naming the argument)."""
     if out_dtype is None:
         return jnp.dtype(jnp.bfloat16) if is_stored(x) else jnp.dtype(x.dtype)
-    dtype = jnp.dtype(out_dtype)
-    if dtype not in prim.IN_TYPES:
-        raise TypeError(f"{where}: out_dtype must be bfloat16, float16 or float32, got {dtype}")
-    return dtype
+    return _args.dtype(where, "out_dtype", out_dtype, prim.IN_TYPES)
 
 
 def checked_scales(where: str, arg: str, recipe: Fp8Recipe, scales):

@@ -222,7 +222,7 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
         raise ValueError(f"pk_jax.ring_attention: layout='zigzag' needs an even seq_local "
                          f"(two chunks per rank), got {q.shape[1]}; use "
                          "layout='contiguous' or pad the sequence")
-    names = groups.axis_names(axis_name)
+    names = groups.axis_names(axis_name, "ring_attention")
     chosen = _mechanism(q, k, layout, mechanism)
     n = lax.axis_size(names)
     single = _single_gpu(q, k, n, chosen, mechanism, causal, return_lse, deterministic)
