@@ -149,7 +149,8 @@ def _unwound(exc: BaseException) -> bool:
 
 def _fail_fast() -> None:
     """Make a failing end of this process immediate (module docstring):
-    sys.excepthook ends the process after printing an uncaught exception;
+    sys.excepthook ends the process after printing an uncaught exception
+    (when Python calls it for one, not when code reports an exception with it);
     sys.exit records the SystemExit it raises in the main thread, and an
     atexit function (run before JAX's, registered after them) ends the
     process when that SystemExit, with a failing status, ended the
@@ -162,7 +163,8 @@ def _fail_fast() -> None:
 
     def excepthook(kind, value, tb):
         hook(kind, value, tb)
-        _exit_now(128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
+        if sys._getframe().f_back is None:  # Python's own call: the exception ends it
+            _exit_now(128 + signal.SIGINT if issubclass(kind, KeyboardInterrupt) else 1)
 
     def exit(status=None):  # noqa: A001 - sys.exit's name
         exc = SystemExit(status)

@@ -8,6 +8,7 @@ left, exit code 128 + the signal), and bad flags are refused."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -167,6 +168,23 @@ def test_bad_flags_are_refused(capsys, flags, match):
     assert info.value.code == 2 and match in capsys.readouterr().err
 
 
+def test_help_shows_the_example_and_what_script_and_args_are(capsys, monkeypatch):
+    """--help: the description carries its example (no colon left dangling
+    before it) and every argument says what it is."""
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps the help to the terminal's width
+    with pytest.raises(SystemExit) as info:
+        launch.main(["--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    assert "on this host:\n\n    python -m pk_jax.launch -n 2 train.py --steps 100\n" in out
+    assert not out.rstrip().endswith(":") and "SIGTERM, SIGINT and SIGHUP" in out
+    for arg, what in (("script", "the Python script each process runs"),
+                      ("args", "the script's own arguments"),
+                      ("--kill-after SECONDS", "after SIGTERM, SIGINT or SIGHUP"),
+                      ("--kill-after-failure SECONDS", "after a process fails")):
+        assert re.search(rf"\n  {re.escape(arg)}\s+{re.escape(what)}", out), (arg, out)
+
+
 # ---- what pk_jax.distributed.initialize reads --------------------------------------
 @pytest.mark.parametrize("env,match", [
     ({"PK_JAX_NUM_PROCESSES": "two"}, "PK_JAX_NUM_PROCESSES='two' must be an integer"),
@@ -209,6 +227,7 @@ ENDINGS = {
     "sys.exit()": (0, True),
     "pass": (0, True),
     "raise SystemExit(7)": (7, True),
+    "try:\n    1 / 0\nexcept ZeroDivisionError:\n    sys.excepthook(*sys.exc_info())": (0, True),
 }
 
 
