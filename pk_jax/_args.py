@@ -45,10 +45,22 @@ def axis(op: str, name: str, value, ndim: int, of: str) -> int:
     return int(value) % ndim
 
 
-def dtype(op: str, name: str, value) -> np.dtype:
-    """`value` (a dtype, a scalar type or a dtype name) as a NumPy dtype."""
+def dtype(op: str, name: str, value, allowed=None) -> np.dtype:
+    """`value` (a dtype, a scalar type or a dtype name) as a NumPy dtype: a
+    dtype of numbers (bool, integer, floating, complex; the callers take
+    None themselves), or one of `allowed` when given; a TypeError naming the
+    argument and what it takes otherwise."""
     try:
-        return jnp.dtype(value)
+        got = jnp.dtype(value)
     except TypeError:
-        raise TypeError(f"pk_jax.{op}: {name} must be a dtype (e.g. jnp.float32) or None, got "
-                        f"{value!r}") from None
+        got = None
+    if allowed is None:
+        if got is not None and (got == np.bool_ or jnp.issubdtype(got, np.number)):
+            return got
+        want = "a dtype of numbers (bool, integer, floating or complex, e.g. jnp.float32) or None"
+    else:
+        names = [jnp.dtype(a).name for a in allowed]
+        if got is not None and got in names:
+            return got
+        want = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    raise TypeError(f"pk_jax.{op}: {name} must be {want}, got {value!r}")

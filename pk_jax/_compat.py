@@ -77,6 +77,16 @@ def drop_varying(aval, names: tuple[str, ...]):
     return aval
 
 
+def bound_axis_names() -> tuple | None:
+    """The axis names bound where this runs, in a trace (a shard_map's mesh
+    axes, vmap's axis_name), or None where this jax does not tell."""
+    try:
+        from jax._src import core
+        return tuple(core.get_axis_env().axis_sizes)
+    except (ImportError, AttributeError):
+        return None
+
+
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
                   is_causal: bool) -> jax.Array:
     """`jax.nn.dot_product_attention` (XLA's attention), usable on every

@@ -11,21 +11,40 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
 
+from pk_jax import _compat
 
-def axis_names(axis_name: str | Sequence[str]) -> tuple[str, ...]:
-    """Normalize an axis name (or tuple of names) to a tuple."""
-    if isinstance(axis_name, (tuple, list)):
-        names = tuple(axis_name)
-    else:
-        names = (axis_name,)
+
+def axis_names(axis_name: str | Sequence[str], op: str) -> tuple[str, ...]:
+    """`axis_name` (a mesh axis name or a tuple of them) as a tuple, each
+    name an axis bound where `pk_jax.<op>` is traced: a mesh axis of the
+    enclosing `jax.shard_map` (or a vmap's axis_name). Errors name the op:
+    no axis or an axis named twice (ValueError), None (TypeError), an
+    unbound axis (NameError, JAX's error for it, saying what to do)."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if not names:
-        raise ValueError("axis_name must name at least one mesh axis")
+        raise ValueError(f"pk_jax.{op}: axis_name must name at least one mesh axis")
+    if any(a is None for a in names):
+        raise TypeError(f"pk_jax.{op}: axis_name must name a mesh axis (a str, or a tuple of "
+                        f"them), got {axis_name!r}; pk_jax.{op} runs inside jax.shard_map over "
+                        "a mesh with that axis")
     repeated = sorted({str(a) for a in names if names.count(a) > 1})
     if repeated:
-        raise ValueError(f"axis_name {names} names mesh axis {', '.join(repeated)} more than "
-                         "once; a tuple of axis names must name each axis at most once")
+        raise ValueError(f"pk_jax.{op}: axis_name {names} names mesh axis "
+                         f"{', '.join(repeated)} more than once; a tuple of axis names must "
+                         "name each axis at most once")
+    for a in names:
+        try:
+            lax.axis_size(a)
+        except NameError:
+            bound = _compat.bound_axis_names()
+            here = (f"the axes bound here are {', '.join(map(repr, bound))}" if bound else
+                    "no mesh axis is bound here: the call is not inside jax.shard_map")
+            raise NameError(f"pk_jax.{op}: axis_name {a!r} is not an axis bound here ({here}); "
+                            f"call pk_jax.{op} inside jax.shard_map over a mesh with axis "
+                            f"{a!r}") from None
     return names
 
 

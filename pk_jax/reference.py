@@ -148,6 +148,15 @@ def _init_state(q5: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return m, jnp.zeros_like(m), jnp.zeros((b, kh, g, s, d), jnp.float32)
 
 
+def _row_stats(state, out_shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """The rows' final running max and sum [B, Hq, S] (lse = max + log(sum)):
+    what the backward normalizes its recomputed probabilities by
+    (`attention_block_grads`' row_sum)."""
+    m, l, _ = state
+    b, s, hq, _ = out_shape
+    return m.reshape(b, hq, s), l.reshape(b, hq, s)
+
+
 def _finish(state, out_shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
     """Normalized output [B, S, Hq, D] in `dtype` and log-sum-exp [B, Hq, S];
     a row with no visible key gets output 0 and lse NEG."""
@@ -161,9 +170,10 @@ def _finish(state, out_shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Ar
 
 
 def ring_attention(q, k, v, names: tuple[str, ...], *, n: int, causal: bool, scale: float,
-                   layout: str) -> tuple[jax.Array, jax.Array]:
+                   layout: str, row_stats: bool = False):
     """Attention of this rank's queries to the whole ring's keys: (out [B, S,
-    Hq, D] in q's dtype, log-sum-exp [B, Hq, S] fp32).
+    Hq, D] in q's dtype, log-sum-exp [B, Hq, S] fp32), and with `row_stats`
+    also the rows' final running max and sum [B, Hq, S] (`_row_stats`).
 
     n steps of a blockwise online softmax (running max and sum, fp32), the
     K/V block moving r -> r + 1 (`lax.ppermute`) between them, so memory
@@ -187,7 +197,9 @@ def ring_attention(q, k, v, names: tuple[str, ...], *, n: int, causal: bool, sca
 
     state = tuple(make_varying(x, axes) for x in _init_state(q5))
     (kb, vb, state), _ = lax.scan(step, (k, v, state), jnp.arange(n - 1, dtype=jnp.int32))
-    return _finish(update(kb, vb, state, jnp.int32(n - 1)), q.shape, q.dtype)
+    state = update(kb, vb, state, jnp.int32(n - 1))
+    out = _finish(state, q.shape, q.dtype)
+    return (*out, *_row_stats(state, q.shape)) if row_stats else out
 
 
 def attention_block(q, k, v, *, causal: bool, scale: float, q_pos=None, k_pos=None):
@@ -202,27 +214,68 @@ def attention_block(q, k, v, *, causal: bool, scale: float, q_pos=None, k_pos=No
     return _finish(state, q.shape, q.dtype)
 
 
+def _block_probs(q5, do5, lse, row_sum, k, v, q_pos, k_pos, causal: bool, scale: float):
+    """The probabilities p and dp = dout v^T [B, K, G, S, T] of grouped
+    queries and output gradients q5, do5 [B, S, K, G, D] against one K/V
+    block (fp32), p recomputed as the forward formed it: exp(s - lse), or
+    with `row_sum` exp(s - lse) / row_sum, lse then being the rows' final
+    running max (`_row_stats`): the max and the sum apart, as the forward
+    normalized its output, where lse = max + log(sum) rounds log(sum) away
+    at large scores."""
+    b, s, kh, g, _ = q5.shape
+    rows = lambda x: x.astype(jnp.float32).reshape(b, kh, g, s)[..., None]
+    sc, visible = _scores(q5, k, q_pos, k_pos, causal, scale)
+    m = rows(lse)
+    if row_sum is not None:  # a row that saw no key: max -inf, sum 0, p 0
+        m = jnp.where(m == -jnp.inf, 0.0, m)
+    p = jnp.exp(jnp.minimum(sc - m, 0.0))  # p <= 1: the max (or lse) bounds every score
+    if row_sum is not None:
+        total = rows(row_sum)
+        p = p / jnp.where(total > 0, total, 1.0)
+    if causal:
+        p = jnp.where(visible, p, 0.0)
+    dp = jnp.einsum("bskgd,btkd->bkgst", do5, v.astype(jnp.float32),
+                    preferred_element_type=jnp.float32)
+    return p, dp
+
+
+def attention_block_delta(q, dout, lse, k, v, q_pos, k_pos, *, causal: bool, scale: float,
+                          row_sum=None):
+    """rowsum(p * dp) [B, Hq, S] fp32 of the queries q [B, S, Hq, D] and
+    output gradients dout against one K/V block, p and dp as
+    `attention_block_grads` recomputes them. Summed over every block, the
+    delta (less dlse) that gives those block gradients the softmax's own
+    cancellation: where one key takes a row's whole probability, ds = p (dp
+    - delta) is exactly 0, as the true gradient nearly is at large scales,
+    where rowsum(dout * out) differs from that key's dp by a rounding, times
+    the scale."""
+    b, s, hq, _ = q.shape
+    kh = k.shape[2]
+    p, dp = _block_probs(_grouped(q, kh), _grouped(dout, kh), lse, row_sum, k, v, q_pos, k_pos,
+                         causal, scale)
+    return jnp.sum(p * dp, axis=-1).reshape(b, hq, s)
+
+
 def attention_block_grads(q, dout, lse, delta, k, v, q_pos, k_pos, *, causal: bool,
-                          scale: float):
+                          scale: float, row_sum=None):
     """Gradient contributions of one K/V block [B, T, Hkv, D] to the queries
     q [B, S, Hq, D], the probabilities recomputed from the forward's
     log-sum-exp: (dq [B, S, Hq, D], dk, dv [B, T, Hkv, D]), all fp32.
 
-    lse, delta [B, Hq, S] fp32, delta = rowsum(dout * out) - dlse.
-    p = exp(s - lse); dv = p^T dout; dp = dout v^T; ds = p (dp - delta) scale;
-    dq = ds k; dk = ds^T q (summed over each GQA group's query heads).
+    lse, delta [B, Hq, S] fp32, delta = rowsum(dout * out) - dlse, or
+    rowsum(p * dp) over the ring's blocks - dlse (`attention_block_delta`).
+    p = exp(s - lse) (with `row_sum`, lse the rows' running max: exp(s -
+    lse) / row_sum, `_block_probs`); dv = p^T dout; dp = dout v^T; ds = p
+    (dp - delta) scale; dq = ds k; dk = ds^T q (summed over each GQA group's
+    query heads).
     """
     b, s, hq, d = q.shape
     kh = k.shape[2]
     q5, do5 = _grouped(q, kh), _grouped(dout, kh)
-    lse4, delta4 = (x.astype(jnp.float32).reshape(b, kh, hq // kh, s) for x in (lse, delta))
-    kf, vf = k.astype(jnp.float32), v.astype(jnp.float32)
-    sc, visible = _scores(q5, kf, q_pos, k_pos, causal, scale)
-    p = jnp.exp(jnp.minimum(sc - lse4[..., None], 0.0))  # p <= 1: lse bounds every score
-    if causal:
-        p = jnp.where(visible, p, 0.0)
+    delta4 = delta.astype(jnp.float32).reshape(b, kh, hq // kh, s)
+    kf = k.astype(jnp.float32)
+    p, dp = _block_probs(q5, do5, lse, row_sum, kf, v, q_pos, k_pos, causal, scale)
     dv = jnp.einsum("bkgst,bskgd->btkd", p, do5, preferred_element_type=jnp.float32)
-    dp = jnp.einsum("bskgd,btkd->bkgst", do5, vf, preferred_element_type=jnp.float32)
     ds = p * (dp - delta4[..., None]) * scale
     dq = jnp.einsum("bkgst,btkd->bskgd", ds, kf, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bkgst,bskgd->btkd", ds, q5, preferred_element_type=jnp.float32)

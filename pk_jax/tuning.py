@@ -161,14 +161,17 @@ def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bo
     return "kernel_fwd_cudnn_bwd"
 
 
-@contextlib.contextmanager
-def forced(**choices: str) -> Iterator[None]:
+def forced(**choices: str) -> contextlib.AbstractContextManager[None]:
     """For measurements: inside the block, each named choice function of
     this module returns the value given (programs traced inside keep it).
     benchmarks/kernels.py times single_gpu_attention's alternatives so:
 
         with tuning.forced(single_gpu_attention="kernel_fwd_cudnn_bwd"):
             jax.jit(f).lower(...)  # or a first call
+
+    The choices are checked when `forced` is called (a ValueError naming a
+    choice that is not forcible or a value it does not take), with or
+    without the `with`.
     """
     allowed = {"single_gpu_attention": SINGLE_GPU_ATTENTION_CHOICES}
     for name, value in choices.items():
@@ -178,6 +181,13 @@ def forced(**choices: str) -> Iterator[None]:
         if value not in allowed[name]:
             raise ValueError(f"pk_jax.tuning.forced: {name}={value!r}; choose from "
                              f"{allowed[name]}")
+    return _forcing(choices)
+
+
+@contextlib.contextmanager
+def _forcing(choices: dict[str, str]) -> Iterator[None]:
+    """`forced`'s block: the checked choices in _FORCED, the table before
+    it restored on leaving."""
     before = dict(_FORCED)
     _FORCED.update(choices)
     try:

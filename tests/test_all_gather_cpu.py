@@ -195,11 +195,30 @@ def test_empty_shards(mechanism, shape, axis, tiled, want):
 
 
 def test_unbound_axis_name():
+    """An axis the enclosing shard_map lacks, a call outside shard_map and
+    None as the axis name: errors naming the op, the axis and what to do."""
     mesh = cpu_mesh((2,), ("x",))
     f = jax.shard_map(lambda a: pk_jax.all_gather(a, "nope"), mesh=mesh,
                       in_specs=P("x"), out_specs=P("x"))
-    with pytest.raises(NameError, match="nope"):
+    with pytest.raises(NameError, match="pk_jax.all_gather: axis_name 'nope' is not an axis "
+                       "bound here \\(the axes bound here are 'x'\\); call pk_jax.all_gather "
+                       "inside jax.shard_map over a mesh with axis 'nope'"):
         jax.jit(f)(jnp.ones((4, 2)))
+    with pytest.raises(NameError, match="'nope' is not an axis bound here \\(no mesh axis is "
+                       "bound here: the call is not inside jax.shard_map\\); call "
+                       "pk_jax.all_gather inside jax.shard_map over a mesh with axis 'nope'"):
+        pk_jax.all_gather(jnp.ones((4, 2)), "nope")
+    with pytest.raises(TypeError, match="pk_jax.all_gather: axis_name must name a mesh axis "
+                       "\\(a str, or a tuple of them\\), got None; pk_jax.all_gather runs "
+                       "inside jax.shard_map over a mesh with that axis"):
+        pk_jax.all_gather(jnp.ones((4, 2)), None)
+    with pytest.raises(NameError, match="axis_name 'y' is not an axis bound here"):
+        jax.jit(jax.shard_map(lambda a: pk_jax.all_gather(a, ("x", "y")), mesh=mesh,
+                              in_specs=P("x"), out_specs=P()))(jnp.ones((4, 2)))
+    ok = jax.shard_map(lambda a: pk_jax.all_gather(a, ("x",), tiled=True), mesh=mesh,
+                       in_specs=P("x"), out_specs=P(), check_vma=False)
+    x = jnp.arange(8.0).reshape(4, 2)
+    np.testing.assert_array_equal(jax.jit(ok)(x), x)  # a bound axis, as a tuple: gathers
 
 
 def test_forced_xla_mechanism_is_lax(rng):

@@ -115,13 +115,12 @@ def _params(tree):
     return nnx.state(tree, nnx.Param)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("name", list(CASES))
+# Not ("attention", "block"): block scaling needs 128-multiples of the heads, more than
+# this case has (the Flax example's fp8_block preset trains it: test_flax_example_cpu.py).
+@pytest.mark.parametrize("name,recipe", [(name, recipe) for name in CASES for recipe in RECIPES
+                                         if (name, recipe) != ("attention", "block")])
 def test_fp8_layer_values_and_gradients(rng, name, recipe, sharding_mode):
     case = CASES[name]
-    if name == "attention" and recipe == "block":
-        pytest.skip("block scaling needs 128-multiples of the heads (the example's fp8_block "
-                    "preset trains it)")
     apply, state, x = _setup(case, recipe, rng)
     ref = case.reference(_host(state), _host(x))
     y, _ = apply(state, x)

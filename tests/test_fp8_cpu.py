@@ -224,6 +224,76 @@ def test_bad_input_is_refused(rng, call, err, match):
         call(x, w)
 
 
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan"), 0.0, -1.0, 1e39,
+                                 np.float32("inf"), np.array([np.inf])])
+def test_a_host_scale_that_is_not_finite_and_positive_is_refused(rng, bad):
+    """Python and NumPy scales: a ValueError naming the argument (an
+    infinite scale saturates every value and dequantizes to zeros)."""
+    x, w, _ = _inputs(rng, 128, 256, 256)
+    want = "must be a finite number > 0 \\(a float32\\), got "
+    with pytest.raises(ValueError, match="fp8_quantize: scale " + want):
+        pk_jax.fp8_quantize(x, scale=bad)
+    for i, name in enumerate(("x_scale", "w_scale", "dy_scale")):
+        scales = tuple(bad if j == i else 1.0 for j in range(3))
+        with pytest.raises(ValueError, match=f"fp8_dot: scales's {name} " + want):
+            pk_jax.fp8_dot(x, w, "delayed", scales=scales)
+
+
+def test_an_infinite_traced_scale_gives_nan_never_zeros(rng):
+    """A scale in a jax array (traced, or not) that is +-inf: what it scales
+    is NaN (as for a scale of 0 or NaN), not the zeros of a saturated value
+    times factor 1 / inf; the finite scales of the same calls are exact."""
+    x, w, t = _inputs(rng, 128, 256, 256)
+    inf, one = jnp.float32(jnp.inf), jnp.float32(1.0)
+    quant = jax.jit(lambda x, s: pk_jax.fp8_quantize(x, scale=s))
+    for s in (inf, -inf, jnp.float32(0.0), jnp.float32(jnp.nan)):
+        q, _, f, _ = quant(x, s)
+        assert np.isnan(np.asarray(q.astype(jnp.float32) * f)).all(), s
+    q, _, f, _ = quant(x, jnp.float32(448 / 4))
+    assert np.isfinite(np.asarray(q.astype(jnp.float32) * f)).all()
+
+    def grads(scales):
+        loss = lambda x, w, s: jnp.sum(pk_jax.fp8_dot(x, w, "delayed", scales=s)[0]
+                                       .astype(jnp.float32) * t)
+        y = jax.jit(lambda x, w, s: pk_jax.fp8_dot(x, w, "delayed", scales=s)[0])(x, w, scales)
+        return (y, *jax.jit(jax.grad(loss, (0, 1)))(x, w, scales))
+
+    nan = lambda a: np.isnan(np.asarray(a, np.float32)).all()
+    y, dx, dw = grads((inf, one, one))       # x's scale: y and the weight gradient
+    assert nan(y) and nan(dw) and not np.isnan(np.asarray(dx, np.float32)).any()
+    y, dx, dw = grads((one, inf, one))       # w's: y and the input gradient
+    assert nan(y) and nan(dx) and not np.isnan(np.asarray(dw, np.float32)).any()
+    y, dx, dw = grads((one, one, inf))       # dy's: both gradients
+    assert nan(dx) and nan(dw) and not np.isnan(np.asarray(y, np.float32)).any()
+    y = pk_jax.fp8_dot(x, w, "delayed", scales=(inf, one, one))[0]  # eager jax arrays too
+    assert nan(y)
+
+
+def test_bad_dtypes_and_scale_shapes_are_named(rng):
+    x, w, _ = _inputs(rng, 128, 256, 256)
+    with pytest.raises(TypeError, match="pk_jax.fp8_quantize: dtype must be float8_e4m3fn or "
+                       "float8_e5m2, got 'e4m3'"):
+        pk_jax.fp8_quantize(x, dtype="e4m3")
+    with pytest.raises(TypeError, match="pk_jax.fp8_dot: out_dtype must be bfloat16, float16 or "
+                       "float32, got 'nope'"):
+        pk_jax.fp8_dot(x, w, out_dtype="nope")
+    with pytest.raises(TypeError, match="pk_jax.fp8_matmul: out_dtype must be bfloat16 or "
+                       "float32, got 'nope'"):
+        q = x.astype(jnp.float8_e4m3fn)
+        pk_jax.fp8_matmul(q, q, 1.0, 1.0, out_dtype="nope")
+    with pytest.raises(ValueError, match="fp8_quantize: scale must be one float \\(shape \\(\\) "
+                       "or \\(1,\\)\\), got shape \\(3,\\)"):
+        pk_jax.fp8_quantize(x, scale=np.ones(3))
+    with pytest.raises(NameError, match="pk_jax.quantize_activation: axis_name 'x' is not an "
+                       "axis bound here.*inside jax.shard_map over a mesh with axis 'x'"):
+        pk_jax.quantize_activation(x, axis_name="x")
+    # the same arguments, valid, are taken
+    assert pk_jax.fp8_quantize(x, dtype="float8_e5m2")[0].dtype == jnp.float8_e5m2
+    assert pk_jax.fp8_dot(x, w, out_dtype="float32").dtype == jnp.float32
+    q, _, f, _ = pk_jax.fp8_quantize(x, scale=np.ones(1, np.float32) * 100)
+    assert float(f[0]) == pytest.approx(0.01)
+
+
 def test_fp8_matmul_bad_factors(rng):
     a = jnp.zeros((128, 256), jnp.float8_e4m3fn) + jnp.float8_e4m3fn(1)
     with pytest.raises(ValueError, match="scale_a"):

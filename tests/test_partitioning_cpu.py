@@ -457,6 +457,18 @@ def test_bad_preferred_element_type_and_out_sharding_are_named(rng, sharding_mod
     x, w = jnp.ones((4, 3)), jnp.ones((3, 2))
     with pytest.raises(TypeError, match="preferred_element_type must be a dtype.*'bogus'"):
         pk_jax.matmul(x, w, preferred_element_type="bogus")
+    numbers = ("preferred_element_type must be a dtype of numbers \\(bool, integer, floating "
+               "or complex, e.g. jnp.float32\\) or None, got <class 'object'>")
+    with pytest.raises(TypeError, match="pk_jax.matmul: " + numbers):
+        pk_jax.matmul(x, w, preferred_element_type=object)
+    with pytest.raises(TypeError, match="pk_jax.dot_general: " + numbers):
+        pk_jax.dot_general(x, w, (((1,), (0,)), ((), ())), preferred_element_type=object)
+    for spec in ("x", 3):
+        with pytest.raises(TypeError, match="pk_jax.matmul: out_sharding must be a "
+                           "NamedSharding, a PartitionSpec or None, got .* \\((str|int)\\)"):
+            pk_jax.matmul(x, w, out_sharding=spec)
+    assert pk_jax.matmul(x, w, preferred_element_type=jnp.int32).dtype == jnp.int32
+    assert pk_jax.matmul(x, w, preferred_element_type=jnp.bfloat16).dtype == jnp.bfloat16
     mesh = cpu_mesh((2,), ("x",))
     xs = _put(mesh, rng, (4, 3), P("x"))
     f = lambda spec: jax.jit(lambda a, b: pk_jax.matmul(a, b, out_sharding=spec))

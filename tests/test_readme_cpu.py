@@ -1,7 +1,8 @@
 """README.md runs as written: its Python blocks, in order, as one program on
 8 fake CPU devices (the mesh the README builds with jax.make_mesh), and its
-shell commands (the install steps are CI's: .ci/run runs the README's test
-command; GPU-only commands are checked to exist)."""
+shell commands: the quickstart and the Flax block each after its own install
+in a fresh environment, the test command CI's (.ci/run runs it), the wheel
+recipe the compile check's; GPU-only commands are checked to exist."""
 
 from __future__ import annotations
 
@@ -35,20 +36,16 @@ def test_python_blocks_run_in_order():
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+def _block_commands(body: str) -> list[str]:
+    """A shell block's commands, comments left out."""
+    lines = (line.split("#", 1)[0].strip() for line in body.splitlines())
+    return [line for line in lines if line]
+
+
 def _commands():
     for lang, body in BLOCKS:
-        if lang != "bash":
-            continue
-        for line in body.splitlines():
-            line = line.split("#", 1)[0].strip()
-            if line:
-                yield line
-
-
-def test_ci_runs_the_readme_test_command():
-    commands = list(_commands())
-    assert commands[1].endswith("pytest -q tests")
-    assert commands[1] in (ROOT / ".ci" / "run").read_text()
+        if lang == "bash":
+            yield from _block_commands(body)
 
 
 def _segments() -> list[str]:
@@ -56,37 +53,84 @@ def _segments() -> list[str]:
     return sorted({s.strip() for c in _commands() for s in c.split("&&")})
 
 
-@pytest.mark.parametrize("segment", _segments())
-def test_shell_commands(segment):
-    """Each command of the README's shell blocks: install steps and the test
-    suite itself are CI's (above), the wheel build the compile check's; GPU
-    scripts must exist; the rest runs."""
-    words = shlex.split(segment)
-    if words[:3] == ["python3", "-m", "venv"] or words[0] == "." or words[:2] == ["pip", "install"]:
-        pytest.skip("an install step: .ci/run runs it on a clean machine")
-    if words[:2] == ["pytest", "-q"]:
-        pytest.skip("the test suite itself")
-    if words[:3] == ["PK_JAX_BUILD_CUDA=1", "pip", "wheel"] or words[:2] == ["auditwheel", "repair"]:
-        from helpers import compile_check
-        assert words[0] == "auditwheel" or set(compile_check.WHEEL_FLAGS) <= set(words), segment
-        pytest.skip("the wheel build: the compile check builds this wheel and repairs it "
-                    "(test_build_cpu.py::test_wheel_carries_the_kernels)")
-    if words[0].startswith("tools/"):
-        assert os.access(ROOT / words[0], os.X_OK), f"{words[0]} is not an executable script"
-        pytest.skip(f"{words[0]} needs GPUs")
-    assert words[0] == "python", f"a README command this test does not know how to run: {segment}"
-    proc = subprocess.run([sys.executable, *words[1:]], env=_env(), capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for what in PRINTS.get(segment, ()):
-        assert what in proc.stdout, (what, proc.stdout[-4000:])
+COMMANDS = list(_commands())
+# The quickstart (its own fresh environment, install and script) and the
+# Flax block (its own install, then its commands); each runs as a whole in a
+# fresh virtual environment (test_commands_run_after_their_own_install).
+QUICKSTART = [s.strip() for s in COMMANDS[0].split("&&")]
+FLAX_BLOCK = next(_block_commands(body) for lang, body in BLOCKS
+                  if lang == "bash" and "examples/flax_transformer.py" in body)
+# Making and entering the reader's environment: the test makes its own.
+FRESH_ENV = ["python3 -m venv .venv", ". .venv/bin/activate"]
+
+
+def test_ci_runs_the_readme_test_command():
+    assert COMMANDS[1].endswith("pytest -q tests")
+    assert COMMANDS[1] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_command_is_run_or_checked():
+    """Each command of the README's shell blocks is run by a test here (the
+    quickstart and the Flax block), is CI's own (.ci/run runs the test
+    command as written), is the wheel recipe, whose build the compile check
+    runs (PK_JAX_COMPILE_CHECK=wheel: test_build_cpu.py::
+    test_wheel_carries_the_kernels, with the recipe's flags), or is a GPU
+    script (executable; it needs GPUs)."""
+    from helpers import compile_check
+    assert QUICKSTART[:2] == FRESH_ENV and QUICKSTART[-1] == "python examples/quickstart.py"
+    ci = [s.strip() for s in COMMANDS[1].split("&&")]
+    run = set(QUICKSTART) | set(FLAX_BLOCK) | set(ci)
+    for segment in _segments():
+        words = shlex.split(segment)
+        if segment in run:
+            continue
+        if words[:3] == ["PK_JAX_BUILD_CUDA=1", "pip", "wheel"]:
+            assert set(compile_check.WHEEL_FLAGS) <= set(words), segment
+        elif words[:2] == ["auditwheel", "repair"] or words[:2] == ["pip", "install"]:
+            assert "wheel" in segment or "auditwheel" in segment, segment  # the wheel recipe's
+        elif words[0].startswith("tools/"):
+            assert os.access(ROOT / words[0], os.X_OK), f"{words[0]} is not an executable script"
+        else:
+            raise AssertionError(f"a README command no test runs or checks: {segment}")
+
+
+@pytest.mark.parametrize("commands", [QUICKSTART, FLAX_BLOCK], ids=["quickstart", "flax"])
+def test_commands_run_after_their_own_install(tmp_path, commands):
+    """The README's quickstart (`pip install -e .`, then the quickstart) and
+    its Flax block (`pip install -e '.[flax]'`, then the Flax example and the
+    step breakdown), each in a fresh virtual environment holding only what
+    they install (the quickstart's has no flax): the install run as written
+    from the repository, then the commands with that environment's python.
+    Python only (PK_JAX_BUILD_CUDA=0: the kernels are not what this checks,
+    and a GPU machine would compile them for minutes). Each install takes
+    about 20 s from pip's index (CI's own install reaches it), the commands
+    10-20 s, on two cores."""
+    commands = [c for c in commands if c not in FRESH_ENV]
+    assert [c for c in commands if shlex.split(c)[:2] == ["pip", "install"]] == commands[:1]
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    env = {k: v for k, v in _env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["PATH"] = str(venv / "bin") + os.pathsep + env.get("PATH", "")
+    env["PK_JAX_BUILD_CUDA"] = "0"
+    for command in commands:
+        proc = subprocess.run(command, shell=True, env=env, capture_output=True, text=True,
+                              timeout=900, cwd=ROOT)
+        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-4000:])
+        for what in PRINTS.get(command, ()):
+            assert what in proc.stdout, (what, proc.stdout[-4000:])
+    where = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import pk_jax; print(pk_jax.__file__)"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert where.stdout.strip() == str(ROOT / "pk_jax" / "__init__.py"), where  # this checkout
 
 
 # What a command must print besides exiting 0: the quickstart's checks (each
 # asserts inside the script; these lines show that every part ran).
 PRINTS = {"python examples/quickstart.py": ("all_gather matches", "gradient checked",
                                             "tensor-parallel MLP",
-                                            "ring attention over 8 devices")}
+                                            "ring attention over 8 devices"),
+          "python examples/flax_transformer.py --steps 20 --collectives both":
+              ("largest relative loss difference",)}
 
 
 def test_printed_commands_are_in_the_readme():

@@ -13,6 +13,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import pk_jax
 from conftest import cpu_mesh, rel_err
 from pk_jax import reference, tuning
 from pk_jax.ops.ring_attention import ring_attention
@@ -559,6 +560,107 @@ def test_pure_jax_ring_extreme_scales_and_logits(rng, dtype, causal, case):
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=layout)
 
 
+def _grads64(q, k, v, dout, scale, causal):
+    """(dq, dk, dv) of sum(attention(q, k, v) * dout) in float64 (numpy):
+    the true gradients of the float32 inputs; GQA k/v."""
+    q, k, v, do = (np.asarray(a, np.float64) for a in (q, k, v, dout))
+    g = q.shape[2] // k.shape[2]
+    kr, vr = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    s = np.einsum("bshd,bthd->bhst", q, kr) * scale
+    if causal:
+        s = np.where(np.tril(np.ones(s.shape[-2:], bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    dp = np.einsum("bshd,bthd->bhst", do, vr)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True)) * scale
+    groups = lambda x: x.reshape(*k.shape[:3], g, k.shape[3]).sum(3)  # GQA: sum each group
+    return (np.einsum("bhst,bthd->bshd", ds, kr), groups(np.einsum("bhst,bshd->bthd", ds, q)),
+            groups(np.einsum("bhst,bshd->bthd", p, do)))
+
+
+def _grad_errors(f, qkv, dout, want):
+    """Max |error| of each of f's gradients (dq, dk, dv) against `want`
+    (inf where one is NaN)."""
+    got = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * dout), (0, 1, 2)))(*qkv)
+    return [float(np.nan_to_num(np.max(np.abs(np.asarray(a, np.float64) - b)), nan=np.inf))
+            for a, b in zip(got, want)]
+
+
+def _attention_inputs(rng, causal, one_hot):
+    """q [1, 32, 4, 16], k, v [1, 32, 2, 16] (GQA) and an output gradient,
+    normal; with `one_hot`, each query 4 x one (visible) unit key plus a
+    little noise, so that its score leads the others by about 1 or more:
+    from scale 1e4 on, every row's softmax is one-hot in float32 and the
+    true dq and dk vanish (random normal inputs have near-ties there, whose
+    gradients hang on the float32 rounding of the scores, in jax.nn as
+    here)."""
+    normal = lambda *shape: rng.standard_normal(shape)
+    q, k, v = normal(1, 32, 4, 16), normal(1, 32, 2, 16), normal(1, 32, 2, 16)
+    if one_hot:
+        k /= np.linalg.norm(k, axis=-1, keepdims=True)
+        key = np.array([rng.integers(0, (i if causal else 31) + 1) for i in range(32)])
+        q = 4 * np.repeat(k[:, key], 2, axis=2) + 0.01 * normal(1, 32, 4, 16)
+    return [jnp.asarray(a, jnp.float32) for a in (q, k, v, normal(1, 32, 4, 16))]
+
+
+def _as_accurate_as_jax_nn(f, rng, scales, causal, place=lambda a: a):
+    """f's float32 gradients at each scale (f(scale)(q, k, v), on the
+    inputs `place`d) against the float64 ones: never worse than
+    jax.nn.dot_product_attention's (under jit) by more than a factor of 4
+    plus 1e-5 of the largest gradient (two roundings of the same math
+    differ), and finite. From scale 1e4 on the inputs make every row's
+    softmax one-hot: the true dq and dk vanish, jax.nn's are 0 or NaN, and
+    f's must be 0 (before the einsum backward took delta from its own
+    probabilities they were about 2e-6 x scale)."""
+    for scale in scales:
+        q, k, v, dout = _attention_inputs(rng, causal, one_hot=scale >= 1e4)
+        want = _grads64(q, k, v, dout, scale, causal)
+        ours = _grad_errors(f(scale), [place(a) for a in (q, k, v)], dout, want)
+        xla = _grad_errors(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal), (q, k, v), dout, want)
+        for name, e, x, w in zip(("dq", "dk", "dv"), ours, xla, want):
+            bound = 1e-5 * np.max(np.abs(w)) + (4 * x if np.isfinite(x) else 0.0)
+            assert e <= bound, (scale, name, e, x)
+
+
+LARGE_SCALES = (1e4, 1e6, 1e10)
+
+
+@pytest.mark.parametrize("mechanism", ["xla", "auto"])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_at_large_scales_against_float64(rng, mechanism, deterministic, causal):
+    """The pure-JAX ring's backward at scales 1e4..1e10 (a ring of 4, GQA),
+    as accurate as jax.nn's: the probabilities recomputed from the
+    forward's running max and sum, delta from those probabilities."""
+    ring = lambda scale: _sharded(cpu_mesh((4,), ("sp",)), "zigzag" if causal else "contiguous",
+                                  causal=causal, scale=scale, mechanism=mechanism,
+                                  deterministic=deterministic)
+    _as_accurate_as_jax_nn(ring, rng, LARGE_SCALES, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gradients_at_ordinary_scales_and_with_lse_against_float64(rng, causal):
+    """At scales 1 and 100 the same bound (no accuracy traded for the large
+    scales), also with return_lse (whose cotangent delta subtracts) and on a
+    ring of one (the ring, not jax.nn, with return_lse)."""
+    for n in (1, 4):
+        ring = lambda scale: (lambda *x: _sharded(cpu_mesh((n,), ("sp",)), return_lse=True,
+                                                  causal=causal, scale=scale)(*x)[0])
+        _as_accurate_as_jax_nn(ring, rng, (1.0, 100.0) + ((1e6,) if n == 1 else ()), causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dot_product_attention_gradients_at_large_scales(rng, causal):
+    """pk_jax.dot_product_attention under plain jit with the sequence
+    sharded (its ring) at scales 1e4..1e10, as accurate as jax.nn's."""
+    mesh = cpu_mesh((4,), ("sp",))
+    f = lambda scale: (lambda q, k, v: pk_jax.dot_product_attention(q, k, v, causal=causal,
+                                                                    scale=scale))
+    _as_accurate_as_jax_nn(f, rng, LARGE_SCALES, causal,
+                           place=lambda a: jax.device_put(a, NamedSharding(mesh, SEQ)))
+
+
 def test_block_update_of_a_row_that_saw_nothing_yet(rng):
     """A block where every key is masked for a query, merged into an empty
     state, then a visible block with a huge scale: the first leaves max -inf
@@ -669,12 +771,20 @@ def test_single_gpu_attention_table():
     with tuning.forced(single_gpu_attention="kernel"):
         assert choose(96, True, 8192, False) == "kernel"
     assert choose(96, True, 8192, False) == "cudnn"
+    # checked when called, also without `with` (nothing forced then)
+    with pytest.raises(ValueError, match="single_gpu_attention='fastest'; choose from"):
+        tuning.forced(single_gpu_attention="fastest")
+    with pytest.raises(ValueError, match="'all_gather_mechanism' is not a forcible choice"):
+        tuning.forced(all_gather_mechanism="ld_st_ll")
     with pytest.raises(ValueError, match="choose from"):
         with tuning.forced(single_gpu_attention="fastest"):
             pass
-    with pytest.raises(ValueError, match="not a forcible choice"):
-        with tuning.forced(all_gather_mechanism="ld_st_ll"):
-            pass
+    assert choose(96, True, 8192, False) == "cudnn"
+    unused = tuning.forced(single_gpu_attention="kernel")  # valid: forces nothing until entered
+    assert choose(96, True, 8192, False) == "cudnn"
+    with unused:
+        assert choose(96, True, 8192, False) == "kernel"
+    assert choose(96, True, 8192, False) == "cudnn"
 
 
 # ---- the ring of cuDNN blocks (mechanism "cudnn"; fp32 einsum blocks on CPU) -------

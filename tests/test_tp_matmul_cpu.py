@@ -71,6 +71,16 @@ def test_preferred_element_type(rng):
     for fn in (_ag_fn, _rs_fn):
         with pytest.raises(TypeError, match="preferred_element_type must be a dtype.*'bogus'"):
             fn(mesh, preferred_element_type="bogus")(x, w)
+        with pytest.raises(TypeError, match="_scatter|all_gather_matmul: preferred_element_type "
+                           "must be a dtype of numbers \\(bool, integer, floating or complex, "
+                           "e.g. jnp.float32\\) or None, got <class 'object'>"):
+            fn(mesh, preferred_element_type=object)(x, w)
+    # outside shard_map the dtype is named first, then the axis
+    with pytest.raises(TypeError, match="all_gather_matmul: preferred_element_type.*object"):
+        pk_jax.all_gather_matmul(x, w, "tp", preferred_element_type=object)
+    with pytest.raises(NameError, match="pk_jax.all_gather_matmul: axis_name 'tp' is not an "
+                       "axis bound here.*inside jax.shard_map over a mesh with axis 'tp'"):
+        pk_jax.all_gather_matmul(x, w, "tp")
 
 
 def test_mlp_pair_gradients_match_xla(rng):

@@ -180,6 +180,9 @@ def test_fp8_delayed_bad_scales(rng):
         run(fp8="delayed", fp8_scales=(1.0, 1.0))
     with pytest.raises(ValueError, match="fp8_scales's w_scale must be one float"):
         run(fp8="delayed", fp8_scales=(1.0, jnp.ones(2), 1.0))
+    with pytest.raises(ValueError, match="pk_jax.all_gather_matmul: fp8_scales's dy_scale must "
+                       "be a finite number > 0"):
+        run(fp8="delayed", fp8_scales=(1.0, 1.0, float("inf")))
     with pytest.raises(ValueError, match="check_vma"):
         run(check_vma=False, fp8="delayed", fp8_scales=(1.0, 1.0, 1.0))
 

@@ -69,7 +69,7 @@ def all_gather(x: jax.Array, axis_name: str | Sequence[str], *, axis: int = 0,
     if num_blocks is not None:  # the kernels clamp it to the co-resident blocks
         num_blocks = _args.integer("all_gather", "num_blocks", num_blocks, 1, _args.INT32_MAX)
     tiled = _args.boolean("all_gather", "tiled", tiled)
-    names = groups.axis_names(axis_name)
+    names = groups.axis_names(axis_name, "all_gather")
     x = jax.numpy.asarray(x)
     if tiled and x.ndim == 0:
         raise ValueError("pk_jax.all_gather: tiled=True needs an input of rank >= 1")

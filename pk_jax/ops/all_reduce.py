@@ -62,7 +62,7 @@ def _bind(x, cfg_kwargs: dict, mechanism: str, per_rank_bytes: int, names, kind:
     chosen = (tuning.all_reduce_mechanism(kind, per_rank_bytes) if mechanism == "auto"
               else mechanism)
     assert chosen in KERNEL_MECHANISMS, chosen
-    n = lax.axis_size(names)  # first: an unbound axis name is a NameError
+    n = lax.axis_size(names)
     x = make_varying(x, names)
     # Under shard_map's type checks x now varies over every summed axis; unchecked, over none.
     check_vma = set(names) <= varying_axes(x)
@@ -106,7 +106,7 @@ def all_reduce(x: jax.Array, axis_name: str | Sequence[str], *,
       (a pytree of arrays gives the pytree of their sums, as lax.psum).
     """
     mechanism = _check_mechanism("all_reduce", mechanism)
-    names = groups.axis_names(axis_name)
+    names = groups.axis_names(axis_name, "all_reduce")
     return jax.tree.map(lambda leaf: _all_reduce_leaf(leaf, names, mechanism), x)
 
 
@@ -149,7 +149,7 @@ def reduce_scatter(x: jax.Array, axis_name: str | Sequence[str], *, scatter_dime
       their chunks).
     """
     mechanism = _check_mechanism("reduce_scatter", mechanism)
-    names = groups.axis_names(axis_name)
+    names = groups.axis_names(axis_name, "reduce_scatter")
     return jax.tree.map(
         lambda leaf: _reduce_scatter_leaf(leaf, names, scatter_dimension, tiled, mechanism), x)
 

@@ -49,7 +49,7 @@ def all_to_all(x: jax.Array, axis_name: str | Sequence[str], split_axis: int,
     if mechanism not in MECHANISMS:
         raise ValueError(f"pk_jax.all_to_all: mechanism must be one of {MECHANISMS}, got "
                          f"{mechanism!r}")
-    names = groups.axis_names(axis_name)
+    names = groups.axis_names(axis_name, "all_to_all")
     x = jax.numpy.asarray(x)
     if x.ndim == 0:
         raise ValueError("pk_jax.all_to_all: needs an input of rank >= 1")

@@ -36,8 +36,10 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from pk_jax import _args, groups
 from pk_jax._compat import make_varying, sum_to_type_of, varying_axes
 from pk_jax.ops import fp8_primitive as prim
 from pk_jax.ops.all_reduce import all_reduce
@@ -186,7 +188,7 @@ def quantize_activation(x, scaling: str = "tensor", *, margin: float = 0.0,
     if axis_name is None:
         q, _, factor, _ = fp8_quantize(x2, "tensor", prim.E4M3, margin=margin)
         return Fp8Activation(q.reshape(x.shape), factor.reshape(()), "tensor")
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    names = groups.axis_names(axis_name, "quantize_activation")
     amax = jnp.max(jnp.abs(x2.astype(jnp.float32))).reshape(1)
     # typed like an unsharded value: one factor over the axes (the kernel's
     # own factor output is typed like x)
@@ -269,7 +271,10 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
     factors [ceil(R/128), C]) or "blocks" (per 128x128: [ceil(R/128),
     ceil(C/128)]). dtype: float8_e4m3fn or float8_e5m2. rowwise / transposed:
     which copies to return (q [R, C], qt [C, R]). scale: "tensor" only, a
-    given scale (delayed scaling) instead of fp8_max * 2^-margin / amax(x).
+    given scale (delayed scaling) instead of fp8_max * 2^-margin / amax(x):
+    one value (shape () or (1,)); a Python or NumPy one must be a finite
+    number > 0 (ValueError); in a jax array a scale of 0, NaN or +-inf
+    makes q * factor NaN (`given_scale`), never a silent zero.
 
     Returns (q or None, qt or None, factors, amax); amax is amax(|x|) [1]
     for "tensor" (for an amax history), None otherwise. x ~= q * factor.
@@ -282,9 +287,7 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
     if granularity not in prim.GRANULARITY:
         raise ValueError(f"fp8_quantize(granularity={granularity!r}): expected one of "
                          f"{tuple(prim.GRANULARITY)}")
-    dtype = jnp.dtype(dtype)
-    if dtype not in prim.FP8_TYPES:
-        raise TypeError(f"fp8_quantize(dtype={dtype}): float8_e4m3fn or float8_e5m2")
+    dtype = _args.dtype("fp8_quantize", "dtype", dtype, prim.FP8_TYPES)
     if 0 in x.shape:
         raise ValueError(f"fp8_quantize: x is empty, shape {x.shape}")
     if granularity == "cols" and (rowwise or not transposed):
@@ -298,6 +301,8 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
         raise ValueError("fp8_quantize: ask for rowwise and/or transposed")
     if scale is not None and granularity != "tensor":
         raise ValueError("fp8_quantize: a given scale needs granularity='tensor'")
+    if scale is not None:
+        scale = given_scale("fp8_quantize", "scale", scale)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or \
             not math.isfinite(margin) or margin < 0:
         raise ValueError(f"fp8_quantize(margin={margin!r}): a finite number >= 0")
@@ -329,9 +334,7 @@ def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks:
                         f"e5m2; got {ta}, {tb}")
     if scaling not in ("tensor", "block"):
         raise ValueError(f"fp8_matmul(scaling={scaling!r}): 'tensor' or 'block'")
-    out_dtype = jnp.dtype(out_dtype)
-    if out_dtype not in prim.OUT_TYPES:
-        raise TypeError(f"fp8_matmul(out_dtype={out_dtype}): bfloat16 or float32")
+    out_dtype = _args.dtype("fp8_matmul", "out_dtype", out_dtype, prim.OUT_TYPES)
     m, k = a.shape
     n = b.shape[0]
     if 0 in (m, n, k):
@@ -393,16 +396,33 @@ def out_dtype_of(where: str, x, out_dtype):
     bfloat16, float16 or float32 (TypeError naming the argument)."""
     if out_dtype is None:
         return jnp.dtype(jnp.bfloat16) if is_stored(x) else jnp.dtype(x.dtype)
-    dtype = jnp.dtype(out_dtype)
-    if dtype not in prim.IN_TYPES:
-        raise TypeError(f"{where}: out_dtype must be bfloat16, float16 or float32, got {dtype}")
-    return dtype
+    return _args.dtype(where, "out_dtype", out_dtype, prim.IN_TYPES)
+
+
+def given_scale(where: str, arg: str, scale):
+    """A given per-tensor scale (delayed scaling's) as float32 [1]: one
+    value (ValueError naming `arg` otherwise). A Python or NumPy value must
+    be a finite number > 0 (ValueError). In a jax array (traced or not) +-inf
+    becomes NaN: what it scales then is NaN, as with a scale of 0 or NaN,
+    where an infinite scale would saturate every value and dequantize to
+    zeros (factor 1 / inf = 0)."""
+    host = not isinstance(scale, jax.Array)
+    s = np.asarray(scale, np.float64) if host else jnp.asarray(scale, jnp.float32)
+    if s.size != 1:
+        raise ValueError(f"{where}: {arg} must be one float (shape () or (1,)), got shape "
+                         f"{s.shape}")
+    if host and not (np.isfinite(s) and 0 < s <= np.finfo(np.float32).max).all():
+        raise ValueError(f"{where}: {arg} must be a finite number > 0 (a float32), got "
+                         f"{s.reshape(())}")
+    s = jnp.asarray(s, jnp.float32).reshape(1)
+    return jnp.where(jnp.isinf(s), jnp.float32(jnp.nan), s)
 
 
 def checked_scales(where: str, arg: str, recipe: Fp8Recipe, scales):
     """Delayed scaling's (x_scale, w_scale, dy_scale) as three float32 [1]
     (None with the other recipes); a ValueError naming `arg` where they are
-    missing with "delayed", given with another recipe, or not three floats."""
+    missing with "delayed", given with another recipe, or not three floats;
+    each scale as `given_scale` takes it."""
     if (recipe.scaling == "delayed") != (scales is not None):
         raise ValueError(f"{where}: {arg}=(x_scale, w_scale, dy_scale) is required with "
                          f"recipe 'delayed' and only there (recipe {recipe.scaling!r})")
@@ -410,12 +430,8 @@ def checked_scales(where: str, arg: str, recipe: Fp8Recipe, scales):
         return None
     if not isinstance(scales, (tuple, list)) or len(scales) != 3:
         raise ValueError(f"{where}: {arg} must be (x_scale, w_scale, dy_scale), got {scales!r}")
-    out = tuple(jnp.asarray(s, jnp.float32) for s in scales)
-    for name, s in zip(("x_scale", "w_scale", "dy_scale"), out):
-        if s.size != 1:
-            raise ValueError(f"{where}: {arg}'s {name} must be one float (shape () or (1,)), "
-                             f"got shape {s.shape}")
-    return tuple(s.reshape(1) for s in out)
+    return tuple(given_scale(where, f"{arg}'s {name}", s)
+                 for name, s in zip(("x_scale", "w_scale", "dy_scale"), scales))
 
 
 def fp8_dot(x, w, recipe=None, *, scales=None, out_dtype=None):
@@ -429,7 +445,10 @@ def fp8_dot(x, w, recipe=None, *, scales=None, out_dtype=None):
     "block"); None: "current", or the one a stored operand's scaling implies
     ("current" for "tensor", "block" for "block"; another is a ValueError).
     scales: with "delayed" scaling, the scales (x, w, dy) the
-    caller's amax histories give (each a float32 scalar); the result is then
+    caller's amax histories give (each a float32 scalar: a Python or NumPy
+    one must be finite and > 0, a ValueError otherwise; an infinite one in
+    a jax array makes what it scales NaN, as 0 and NaN do, never zeros:
+    `given_scale`); the result is then
     (y, amaxes) with amaxes = (amax(x), amax(w)) of this call, and the
     cotangent of `scales` carries amax(dy) in its last entry (how pk_jax.flax
     records it). Inside shard_map each amax is the maximum over the devices

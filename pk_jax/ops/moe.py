@@ -487,7 +487,7 @@ def moe_dispatch(x: jax.Array, expert_ids: jax.Array, axis_name: str | Sequence[
       local expert (`layout.group_sizes`), zero padded; `layout` is a
       `MoeLayout` for `moe_combine` (and for inspection).
     """
-    names = groups.axis_names(axis_name)
+    names = groups.axis_names(axis_name, "moe_dispatch")
     x = jnp.asarray(x)
     expert_ids = jnp.asarray(expert_ids)
     cfg = _config(x, expert_ids, names, num_experts, capacity, mechanism)

@@ -20,7 +20,8 @@ here, once, at trace time, into one frozen `RingConfig`:
 Gradients: a custom_vjp saving the output and log-sum-exp. The backward is a
 ring (ring_attention_bwd_primitive.py): K/V blocks travel with their partial
 dK/dV and go home at the end, dq stays local, probabilities are recomputed
-from the log-sum-exp, and the summation order is fixed. For the kernel
+from the log-sum-exp (the einsum steps: as the forward formed them, with a
+delta of their own, `_backward`), and the summation order is fixed. For the kernel
 mechanisms (rings of 2 or more, `deterministic=False`, shapes the block
 kernel takes) it is one fused call: the Hopper flash-attention backward
 kernel at every step and pk's copy-engine transport between them. Otherwise
@@ -222,7 +223,7 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
         raise ValueError(f"pk_jax.ring_attention: layout='zigzag' needs an even seq_local "
                          f"(two chunks per rank), got {q.shape[1]}; use "
                          "layout='contiguous' or pad the sequence")
-    names = groups.axis_names(axis_name)
+    names = groups.axis_names(axis_name, "ring_attention")
     chosen = _mechanism(q, k, layout, mechanism)
     n = lax.axis_size(names)
     single = _single_gpu(q, k, n, chosen, mechanism, causal, return_lse, deterministic)
@@ -241,28 +242,47 @@ def _config(q, k, v, axis_name, causal, scale, layout, mechanism, num_comm_ctas,
 
 # ---- forward and the ring backward ---------------------------------------------------
 def _forward(q, k, v, cfg: RingConfig):
+    """(out, lse, the rows' running max, their sum): the last two only from
+    the pure-JAX ring (None elsewhere), for the einsum backward."""
     if cfg.mechanism in KERNEL_MECHANISMS:
-        return tuple(ring_attention_p.bind(q, k, v, cfg=cfg))
+        return (*ring_attention_p.bind(q, k, v, cfg=cfg), None, None)
     if cfg.mechanism == "cudnn":
-        return ring_attention_cudnn.forward(q, k, v, cfg)
+        return (*ring_attention_cudnn.forward(q, k, v, cfg), None, None)
     return reference.ring_attention(q, k, v, cfg.names, n=cfg.n, causal=cfg.causal,
-                                    scale=cfg.scale, layout=cfg.layout)
+                                    scale=cfg.scale, layout=cfg.layout, row_stats=True)
 
 
-def _backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse):
+def _backward(cfg: RingConfig, q, k, v, out, lse, row_max, row_sum, dout, dlse):
     """(dq, dk, dv) from the forward's output and log-sum-exp (`dlse` may be
     None): the fused backward (one pk_ring_attention_bwd call) for
     `cfg.bwd_transport` "pk", else the XLA-collective ring whose steps run
     `cfg.block_grads` (ring_attention_bwd_primitive.py; block_grads "cudnn":
-    the steps of ring_attention_cudnn.py)."""
+    the steps of ring_attention_cudnn.py).
+
+    The einsum steps recompute the probabilities as the forward formed them
+    (the pure-JAX ring's running max and sum, `row_max` and `row_sum`, where
+    it ran; else from the log-sum-exp) and take delta from a first ring pass
+    over the same probabilities (`ring_bwd.ppermute_delta`), so that ds = p
+    (dp - delta) cancels exactly where the softmax is one-hot: at large
+    scales their dq and dk are as accurate as jax.nn.dot_product_attention's
+    (rowsum(dout * out) is off by a rounding, which the scale multiplies).
+    The kernels and cuDNN take rowsum(dout * out)."""
     f32 = jnp.float32
-    # delta' = rowsum(dO * O) - dlse: what the softmax's backward subtracts.
-    delta = jnp.einsum("bshd,bshd->bhs", dout.astype(f32), out.astype(f32))
+    einsum = cfg.block_grads == "einsum"
+    if einsum:
+        m, l = (lse, None) if row_max is None else (row_max, row_sum)
+        delta = ring_bwd.ppermute_delta(cfg, q, dout, m.astype(f32), k, v, l)
+    else:  # rowsum(dO * O)
+        delta = jnp.einsum("bshd,bshd->bhs", dout.astype(f32), out.astype(f32))
+    # delta' = delta - dlse: what the softmax's backward subtracts.
     if dlse is not None:
         delta = delta - dlse.astype(f32)
     lse = lse.astype(f32)
     if cfg.bwd_transport == "pk":
         dq, dk, dv = ring_bwd.fused_backward(cfg, q, dout, lse, delta, k, v)
+    elif einsum:
+        dq, dk, dv = ring_bwd.ppermute_backward(cfg, q, dout, m.astype(f32), delta, k, v,
+                                                row_sum=l)
     else:
         steps = (ring_attention_cudnn.block_grads(cfg, q, out, lse, dout, delta)
                  if cfg.block_grads == "cudnn" else None)
@@ -272,12 +292,12 @@ def _backward(cfg: RingConfig, q, k, v, out, lse, dout, dlse):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _attend(q, k, v, cfg: RingConfig):
-    return _forward(q, k, v, cfg)
+    return _forward(q, k, v, cfg)[:2]
 
 
 def _attend_fwd(q, k, v, cfg: RingConfig):
-    out, lse = _forward(q, k, v, cfg)
-    return (out, lse), (q, k, v, out, lse)
+    out, lse, row_max, row_sum = _forward(q, k, v, cfg)
+    return (out, lse), (q, k, v, out, lse, row_max, row_sum)
 
 
 def _attend_bwd(cfg: RingConfig, res, cotangents):

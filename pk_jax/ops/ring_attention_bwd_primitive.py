@@ -124,22 +124,53 @@ def _ring(cfg: RingConfig, kv, grads: Callable, axes, out_dtype):
 
 
 def ppermute_backward(cfg: RingConfig, q, dout, lse, delta, k, v, *,
-                      grads: Callable | None = None):
+                      grads: Callable | None = None, row_sum=None):
     """(dq fp32, dk, dv of k's dtype): the ring of `_ring` whose steps run
     `grads` (`_ring`'s step function; None: `cfg.block_grads` "kernel" or
-    "einsum") and whose hops are XLA collective-permutes."""
+    "einsum", the einsums' probabilities normalized by `row_sum` where
+    given: `reference.attention_block_grads`) and whose hops are XLA
+    collective-permutes."""
     rank = lax.axis_index(cfg.names)
     if cfg.n == 1 and cfg.block_grads == "kernel" and grads is None:
         # The whole ring is our own block: the kernel's gradients are final.
         return block_bwd.block_bwd(q, dout, lse, delta, k, v, rank, rank, cfg, k.dtype)
     q_pos = reference.positions(rank, cfg.n, q.shape[1], cfg.layout)
     if grads is None:
-        grads = functools.partial(_kernel_or_einsum_grads, cfg, q, dout, lse, delta, rank, q_pos)
+        grads = functools.partial(_kernel_or_einsum_grads, cfg, q, dout, lse, delta, row_sum,
+                                  rank, q_pos)
     dq, dkv = _ring(cfg, jnp.stack([k, v]), grads, reference.ring_axes(cfg.names, q), k.dtype)
     return dq, dkv[0], dkv[1]
 
 
-def _kernel_or_einsum_grads(cfg: RingConfig, q, dout, lse, delta, rank, q_pos, kvb, step):
+def ppermute_delta(cfg: RingConfig, q, dout, lse, k, v, row_sum=None):
+    """rowsum(p * dp) [B, Hq, S] fp32 of this rank's queries over every
+    K/V block of the ring (`reference.attention_block_delta`, p and dp as
+    the einsum block gradients recompute them), in ring order: the einsum
+    backward's first pass, its delta consistent with its block gradients.
+    The K/V blocks travel as in `_ring` (stacked, the next hop in flight
+    while a block computes)."""
+    n, rank = cfg.n, lax.axis_index(cfg.names)
+    q_pos = reference.positions(rank, n, q.shape[1], cfg.layout)
+    hop = lambda x: lax.ppermute(x, cfg.names, reference.ring_perm(n))
+
+    def part(kv, step):
+        k_pos = reference.positions((rank - step) % n, n, kv.shape[2], cfg.layout)
+        return reference.attention_block_delta(q, dout, lse, kv[0], kv[1], q_pos, k_pos,
+                                               causal=cfg.causal, scale=cfg.scale,
+                                               row_sum=row_sum)
+
+    def step(carry, s):
+        kv, delta = carry
+        return (hop(kv), delta + part(kv, s)), None
+
+    kv = jnp.stack([k, v])
+    delta = make_varying(jnp.zeros(lse.shape, jnp.float32), reference.ring_axes(cfg.names, q))
+    (kv, delta), _ = lax.scan(step, (kv, delta), jnp.arange(n - 1, dtype=jnp.int32))
+    return delta + part(kv, jnp.int32(n - 1))
+
+
+def _kernel_or_einsum_grads(cfg: RingConfig, q, dout, lse, delta, row_sum, rank, q_pos, kvb,
+                            step):
     """(dq, dkv) fp32 of this rank's queries against the block (K and V
     stacked) that started on rank - step: the block kernel's or einsums'."""
     k_rank = (rank - step) % cfg.n
@@ -150,7 +181,7 @@ def _kernel_or_einsum_grads(cfg: RingConfig, q, dout, lse, delta, rank, q_pos, k
         k_pos = reference.positions(k_rank, cfg.n, kvb.shape[2], cfg.layout)
         dq_s, dk_s, dv_s = reference.attention_block_grads(
             q, dout, lse, delta, kvb[0], kvb[1], q_pos, k_pos, causal=cfg.causal,
-            scale=cfg.scale)
+            scale=cfg.scale, row_sum=row_sum)
     return dq_s, jnp.stack([dk_s, dv_s])
 
 

@@ -60,7 +60,7 @@ def _validate(op: str, x, w, axis_name, preferred_element_type, mechanism,
             raise TypeError(f"pk_jax.{op}: {name} must be floating point, got {a.dtype}")
     out_dtype = (jnp.dtype(jnp.result_type(x.dtype, w.dtype)) if preferred_element_type is None
                  else _args.dtype(op, "preferred_element_type", preferred_element_type))
-    names = groups.axis_names(axis_name)
+    names = groups.axis_names(axis_name, op)
     n = lax.axis_size(names)
     if mechanism == "xla":
         return TpConfig(names, n, out_dtype, "xla")

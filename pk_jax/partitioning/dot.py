@@ -251,22 +251,29 @@ def _check_dimension_numbers(dimension_numbers) -> None:
                         f"{dimension_numbers!r}")
 
 
-def _check_out_sharding(out_sharding, explicit) -> None:
-    """A PartitionSpec result sharding needs a mesh naming its axes: the
-    operands' (explicit sharding) or the `jax.set_mesh` context's."""
-    if not isinstance(out_sharding, P):
+def _check_out_sharding(op: str, out_sharding, explicit) -> None:
+    """The result sharding: None, a Sharding (e.g. NamedSharding) or a
+    PartitionSpec (TypeError otherwise); a PartitionSpec needs a mesh naming
+    its axes: the operands' (explicit sharding) or the `jax.set_mesh`
+    context's."""
+    if out_sharding is None or isinstance(out_sharding, jax.sharding.Sharding):
         return
+    if not isinstance(out_sharding, P):
+        raise TypeError(f"pk_jax.{op}: out_sharding must be a NamedSharding, a PartitionSpec "
+                        f"or None, got {out_sharding!r} ({type(out_sharding).__name__}); a "
+                        "PartitionSpec names the mesh axes of each result dimension, e.g. "
+                        "PartitionSpec(None, 'x')")
     mesh = explicit if explicit is not None else jax.sharding.get_abstract_mesh()
     names = set(getattr(mesh, "axis_names", ()) or ())
     if not names:
-        raise ValueError(f"pk_jax.dot_general: out_sharding={out_sharding} is a PartitionSpec, "
+        raise ValueError(f"pk_jax.{op}: out_sharding={out_sharding} is a PartitionSpec, "
                          "which needs a mesh to name its axes, and none is set: pass a "
                          "NamedSharding(mesh, spec), or call under `with jax.set_mesh(mesh):`")
     used = [a for e in out_sharding if e is not None
             for a in ((e,) if isinstance(e, str) else tuple(e))]
     unknown = [a for a in used if a not in names]
     if unknown:
-        raise ValueError(f"pk_jax.dot_general: out_sharding={out_sharding} names mesh axes "
+        raise ValueError(f"pk_jax.{op}: out_sharding={out_sharding} names mesh axes "
                          f"{unknown} that the mesh does not have (its axes: {sorted(names)})")
 
 
@@ -317,10 +324,17 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision: An
       The dot_general result. Differentiable (first order) w.r.t. floating
       operands; the backward dots are routed the same way.
     """
-    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     _check_dimension_numbers(dimension_numbers)
+    return _dot_general("dot_general", jnp.asarray(lhs), jnp.asarray(rhs), dimension_numbers,
+                        precision, preferred_element_type, out_sharding)
+
+
+def _dot_general(op: str, lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                 out_sharding) -> jax.Array:
+    """`dot_general` once its dimension numbers are known to be well formed;
+    `op` ("dot_general", "matmul") names the call in errors."""
     if preferred_element_type is not None:
-        preferred_element_type = _args.dtype("dot_general", "preferred_element_type",
+        preferred_element_type = _args.dtype(op, "preferred_element_type",
                                              preferred_element_type)
     # lax's own checks and error messages for shapes, dims and dtypes
     # (on unsharded shapes: the sharding is this op's to decide)
@@ -331,7 +345,7 @@ def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, precision: An
     out_dtype = None if preferred_element_type is None else jnp.dtype(out.dtype)
     mesh = explicit_mesh(lhs, rhs)
     explicit = mesh is not None
-    _check_out_sharding(out_sharding, mesh)
+    _check_out_sharding(op, out_sharding, mesh)
     want = spec_of(out_sharding) if explicit else None
     if lhs.ndim == 0 or rhs.ndim == 0:  # nothing to route
         return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
@@ -372,6 +386,4 @@ def matmul(a: jax.Array, b: jax.Array, *, precision: Any = None,
     else:
         raise ValueError(f"pk_jax.matmul: a batched b needs a with the same batch dims "
                          f"(no broadcasting), got a {a.shape} and b {b.shape}")
-    return dot_general(a, b, dims, precision=precision,
-                       preferred_element_type=preferred_element_type,
-                       out_sharding=out_sharding)
+    return _dot_general("matmul", a, b, dims, precision, preferred_element_type, out_sharding)
