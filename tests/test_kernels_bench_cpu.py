@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py on CPU: the FP8 section's smoke run in slices
+"""benchmarks/kernels.py on CPU: the FP8 sections' smoke runs in slices
 (--part) written as one run's results by --merge, in a copy of benchmarks/
 (the repository's results stay as they are)."""
 
@@ -10,12 +10,18 @@ import subprocess
 import sys
 
 
-def test_part_and_merge_write_one_section(tmp_path):
+def _bench_copy(tmp_path):
+    """(a copy of benchmarks/ in tmp_path, run(*args): kernels.py there)."""
     bench = tmp_path / "benchmarks"
     shutil.copytree(pathlib.Path(__file__).resolve().parents[1] / "benchmarks", bench)
     run = lambda *a: subprocess.run([sys.executable, "kernels.py", *a], cwd=bench,
                                     capture_output=True, text=True, timeout=600,
                                     env=dict(os.environ))
+    return bench, run
+
+
+def test_part_and_merge_write_one_section(tmp_path):
+    bench, run = _bench_copy(tmp_path)
     part = tmp_path / "part.json"
     proc = run("--only", "fp8", "--smoke", "--part", "1/1", "--part-out", str(part))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -38,11 +44,7 @@ def test_fp8_train_rows_land_in_their_own_section(tmp_path):
     recipes, the TP op at world size 1, bf16, XLA's FP8 dot, Flax's FP8 ops)
     checked against bf16's and timed; its rows written to
     kernels_fp8_train.json and its RESULTS.md section, none to kernels_fp8's."""
-    bench = tmp_path / "benchmarks"
-    shutil.copytree(pathlib.Path(__file__).resolve().parents[1] / "benchmarks", bench)
-    run = lambda *a: subprocess.run([sys.executable, "kernels.py", *a], cwd=bench,
-                                    capture_output=True, text=True, timeout=600,
-                                    env=dict(os.environ))
+    bench, run = _bench_copy(tmp_path)
     part = tmp_path / "part.json"
     proc = run("--only", "fp8_train", "--smoke", "--part", "1/1", "--part-out", str(part))
     assert proc.returncode == 0, proc.stdout + proc.stderr
