@@ -586,17 +586,20 @@ def _grad_errors(f, qkv, dout, want):
             for a, b in zip(got, want)]
 
 
-def _attention_inputs(rng, causal, one_hot):
+def _attention_inputs(rng, causal, scale):
     """q [1, 32, 4, 16], k, v [1, 32, 2, 16] (GQA) and an output gradient,
-    normal; with `one_hot`, each query 4 x one (visible) unit key plus a
-    little noise, so that its score leads the others by about 1 or more:
-    from scale 1e4 on, every row's softmax is one-hot in float32 and the
-    true dq and dk vanish (random normal inputs have near-ties there, whose
-    gradients hang on the float32 rounding of the scores, in jax.nn as
-    here)."""
+    normal, q divided by the scale below 1e4 (the scores those of scale 1:
+    at scale 100 random normal inputs already have near-ties, whose
+    gradients hang on the float32 rounding of the scores, in jax.nn as here,
+    so that one run's error against another's is noise); from 1e4 on each
+    query 4 x one (visible) unit key plus a little noise, so that its score
+    leads the others by about 1 or more: every row's softmax is one-hot in
+    float32 and the true dq and dk vanish."""
     normal = lambda *shape: rng.standard_normal(shape)
     q, k, v = normal(1, 32, 4, 16), normal(1, 32, 2, 16), normal(1, 32, 2, 16)
-    if one_hot:
+    if scale < 1e4:
+        q /= scale
+    else:
         k /= np.linalg.norm(k, axis=-1, keepdims=True)
         key = np.array([rng.integers(0, (i if causal else 31) + 1) for i in range(32)])
         q = 4 * np.repeat(k[:, key], 2, axis=2) + 0.01 * normal(1, 32, 4, 16)
@@ -608,12 +611,12 @@ def _as_accurate_as_jax_nn(f, rng, scales, causal, place=lambda a: a):
     inputs `place`d) against the float64 ones: never worse than
     jax.nn.dot_product_attention's (under jit) by more than a factor of 4
     plus 1e-5 of the largest gradient (two roundings of the same math
-    differ), and finite. From scale 1e4 on the inputs make every row's
-    softmax one-hot: the true dq and dk vanish, jax.nn's are 0 or NaN, and
+    differ), and finite (inputs: `_attention_inputs`). From scale 1e4 on
+    every row's softmax is one-hot: the true dq and dk vanish, jax.nn's are 0 or NaN, and
     f's must be 0 (before the einsum backward took delta from its own
     probabilities they were about 2e-6 x scale)."""
     for scale in scales:
-        q, k, v, dout = _attention_inputs(rng, causal, one_hot=scale >= 1e4)
+        q, k, v, dout = _attention_inputs(rng, causal, scale)
         want = _grads64(q, k, v, dout, scale, causal)
         ours = _grad_errors(f(scale), [place(a) for a in (q, k, v)], dout, want)
         xla = _grad_errors(lambda q, k, v: jax.nn.dot_product_attention(
