@@ -275,8 +275,8 @@ def test_block_backward_on_a_failed_device_is_nan():
     mesh = gpu_mesh(2)
     if not runtime.available() or not runtime.extension().has_gemm:
         pytest.skip("pk_jax extension without CUTLASS kernels")
-    from pk_jax.ops.attention_bwd_primitive import block_bwd
-    from pk_jax.ops.ring_attention_primitive import RingConfig
+    from pk_jax.ops.ring_attention.attention_bwd_primitive import block_bwd
+    from pk_jax.ops.ring_attention.primitive import RingConfig
     x, _ = _ints(mesh, 1024)
     with pk_jax.configured(timeout_s=TIMEOUT_S):
         with runtime.testing_skip_post(1):

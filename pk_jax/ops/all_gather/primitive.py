@@ -81,7 +81,7 @@ def gather(x, names: tuple[str, ...], dim: int, tiled: bool, mechanism: str = "a
     """The primitive bound on `x` (a dtype with a kernel; dim already
     normalized), made varying over `names`, with the mechanism resolved for
     this call. pk_jax.all_gather calls it once its arguments are checked, and
-    so does reduce_scatter's transpose (all_reduce_primitive.py)."""
+    so does reduce_scatter's transpose (all_reduce/primitive.py)."""
     rows, row_bytes = layout(x.shape, dim, np.dtype(x.dtype).itemsize)
     chosen = resolve_mechanism(mechanism, rows * row_bytes, row_bytes)
     assert chosen in KERNEL_MECHANISMS, chosen

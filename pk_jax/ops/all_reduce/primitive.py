@@ -21,7 +21,7 @@ from jax.interpreters import ad, mlir
 from pk_jax import reference
 from pk_jax._compat import make_varying
 from pk_jax.ops._lowering import channel_attr, kernel_group
-from pk_jax.ops.all_gather_primitive import gather
+from pk_jax.ops.all_gather.primitive import gather
 
 # The kernel mechanisms and their ids in the FFI attribute `mechanism`
 # (csrc/kernels/all_reduce/all_reduce.h: Mechanism).

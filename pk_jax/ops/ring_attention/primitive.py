@@ -51,7 +51,7 @@ class RingConfig:
       scale: the score scale.
       layout: "contiguous" or "zigzag" (which global tokens a rank holds).
       mechanism: "copy_engine" or "ld_st" (the fused kernel), "cudnn" (the
-        ring of cuDNN blocks, ring_attention_cudnn.py) or "xla" (the
+        ring of cuDNN blocks, cudnn.py) or "xla" (the
         pure-JAX ring), resolved at trace time.
       forced: the user asked for `mechanism` (else "auto" chose it).
       num_comm_ctas: ld_st's communicator CTAs; 0 for the other mechanisms.
