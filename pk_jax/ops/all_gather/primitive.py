@@ -23,9 +23,10 @@ from pk_jax.ops._lowering import channel_attr, kernel_group, spans_processes
 
 ZERO_COPY = ("ld_st_push", "ld_st_pull")  # publish raw buffer addresses
 
-# The kernel mechanisms and their ids in the FFI attribute `mechanism`
-# (csrc/kernels/all_gather/all_gather.h: Mechanism).
-KERNEL_MECHANISMS = {"ld_st_pull": 0, "copy_engine": 1, "ld_st_push": 2, "ld_st_ll": 3}
+# The kernel mechanisms, in the order pk_jax.all_gather lists them (its
+# MECHANISMS: "auto", these, "xla"), and their ids in the FFI attribute
+# `mechanism` (csrc/kernels/all_gather/all_gather.h: Mechanism).
+KERNEL_MECHANISMS = {"ld_st_ll": 3, "ld_st_push": 2, "ld_st_pull": 0, "copy_engine": 1}
 
 
 @dataclasses.dataclass(frozen=True)

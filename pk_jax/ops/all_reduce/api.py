@@ -25,7 +25,7 @@ from pk_jax._compat import make_varying, vary_alike, varying_axes
 from pk_jax._warnings import warn_once
 from pk_jax.ops.all_reduce.primitive import (KERNEL_MECHANISMS, AllReduceConfig, all_reduce_p)
 
-MECHANISMS = ("auto", "one_shot", "two_shot", "copy_engine", "xla")
+MECHANISMS = ("auto", *KERNEL_MECHANISMS, "xla")
 # Earlier spellings, still accepted with a DeprecationWarning.
 DEPRECATED_MECHANISMS = {"ld_st_oneshot": "one_shot"}
 KERNEL_DTYPES = (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16), np.dtype(np.float32),

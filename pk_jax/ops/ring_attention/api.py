@@ -55,7 +55,7 @@ from pk_jax.ops.ring_attention.primitive import (DEFAULT_COMM_CTAS, KERNEL_MECHA
                                                  MAX_COMM_CTAS, RingConfig, kernel_problem,
                                                  ring_attention_p)
 
-MECHANISMS = ("auto", "copy_engine", "ld_st", "xla", "cudnn")
+MECHANISMS = ("auto", *KERNEL_MECHANISMS, "xla", "cudnn")
 LAYOUTS = ("contiguous", "zigzag")
 
 

@@ -33,8 +33,9 @@ DTYPES = (jnp.bfloat16, jnp.float16)
 TILE_Q = 128  # query rows per CTA: kTileQ (csrc/kernels/ring_attention/ring_attention.h)
 MAX_PIECES = 8  # pieces a peer's block is posted in: kMaxPieces
 PIECE_BYTES = 4 << 20  # a peer's block is posted in pieces of about this size
-# The kernel's mechanisms, as the FFI attribute `mechanism` spells them
-# (ring_attention.h, enum Mechanism).
+# The kernel's mechanisms, in the order pk_jax.ring_attention lists them (its
+# MECHANISMS: "auto", these, "xla", "cudnn"), as the FFI attribute `mechanism`
+# spells them (ring_attention.h, enum Mechanism).
 KERNEL_MECHANISMS = {"copy_engine": 0, "ld_st": 1}
 DEFAULT_COMM_CTAS = 16  # ld_st communicator CTAs: kDefaultCommCtas
 MAX_COMM_CTAS = 32      # kMaxCommCtas

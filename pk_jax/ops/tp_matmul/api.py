@@ -28,13 +28,14 @@ from pk_jax.ops.fp8 import api as fp8_ops
 from pk_jax.ops.fp8 import primitive as prim_fp8
 from pk_jax.ops.tp_matmul import fp8 as tp_matmul_fp8
 from pk_jax.ops.fp8.stored import Fp8Activation, is_stored
-from pk_jax.ops.tp_matmul.primitive import (TpConfig, all_gather_matmul_bwd_p,
+from pk_jax.ops.tp_matmul.primitive import (ALL_REDUCE_KERNEL_MECHANISMS, KERNEL_MECHANISMS,
+                                             TpConfig, all_gather_matmul_bwd_p,
                                              all_gather_matmul_p, matmul_all_reduce_p,
                                              matmul_reduce_scatter_bwd_p,
                                              matmul_reduce_scatter_p)
 
-MECHANISMS = ("auto", "chunked", "xla")
-ALL_REDUCE_MECHANISMS = ("auto", "chunked", "one_shot", "xla")
+MECHANISMS = ("auto", *KERNEL_MECHANISMS, "xla")
+ALL_REDUCE_MECHANISMS = ("auto", *ALL_REDUCE_KERNEL_MECHANISMS, "xla")
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 

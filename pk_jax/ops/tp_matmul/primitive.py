@@ -55,6 +55,15 @@ from pk_jax.ops.fp8 import primitive as prim_fp8
 from pk_jax.ops._lowering import channel_attr, kernel_group
 
 
+# The kernels' mechanisms, in the order the ops list them (their MECHANISMS:
+# "auto", these, "xla"): the row-chunked kernels of every TP op, and for
+# matmul_all_reduce also the one-shot kernel (decode-sized M), which the
+# FFI's bool attribute `one_shot` selects (xla_ffi/tp_matmul.cc: each
+# mechanism's value here).
+KERNEL_MECHANISMS = ("chunked",)
+ALL_REDUCE_KERNEL_MECHANISMS = {"chunked": False, "one_shot": True}
+
+
 @dataclasses.dataclass(frozen=True)
 class TpConfig:
     """Static part of one call, validated once (hashable: a custom_vjp static).
@@ -180,7 +189,7 @@ def _ar_cuda(ctx, x, w, *, cfg: TpConfig):
 def _ar_channels(table, cfg: TpConfig, rows: int, cols: int) -> dict:
     """matmul_all_reduce's attributes for an output [rows, cols]: its channel
     (and the gather channel: chunked) and one_shot."""
-    one_shot = cfg.mechanism == "one_shot"
+    one_shot = ALL_REDUCE_KERNEL_MECHANISMS[cfg.mechanism]
     slot_rows = rows if one_shot else rows // cfg.n
     nbytes = _region_bytes(cfg.n, slot_rows, cols, cfg.out_dtype)
     reduce = channel_attr(table, "matmul_all_reduce", cfg.mechanism, nbytes)["channel"]
