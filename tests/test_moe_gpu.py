@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
+from pk_jax.ops.moe import MECHANISMS
 from conftest import gpus, rel_err
 from helpers.gpu_util import poison_allocator
 from test_moe_cpu import _dense, _inputs, _kept_mask, np_local_layout, random_ids
@@ -41,7 +42,7 @@ def _mesh():
     return Mesh(np.array(devices[:n]), ("ep",), axis_types=(AxisType.Explicit,))
 
 
-@pytest.mark.parametrize("mechanism", ["ld_st", "ragged", "xla", "auto"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("k,capacity", [(1, None), (2, None), (8, None), (2, 3)])
 def test_values_and_gradients(rng, mechanism, k, capacity):
     mesh = _mesh()

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import _warnings, tuning
+from pk_jax.ops.ring_attention.primitive import KERNEL_MECHANISMS
 from conftest import gpu_mesh, rel_err
 from helpers.gpu_util import poison_allocator
 
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.gpu
 SEQ = P(None, "sp")
 LSE = P(None, None, "sp")
 # The kernel's mechanisms ("auto" resolves to copy_engine: test_supported_auto_takes_the_kernel).
-MECHANISMS = ["copy_engine", "ld_st"]
+MECHANISMS = list(KERNEL_MECHANISMS)
 FULL_CHECK_MAX_S = 4096  # above: check sampled query rows against the whole sequence
 
 
@@ -319,7 +320,7 @@ def test_unsupported_auto_falls_back(fresh_warnings, dtype, d, _):
     pk_jax.check_errors()
 
 
-@pytest.mark.parametrize("mechanism", ["copy_engine", "ld_st"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("dtype,d,words", UNSUPPORTED)
 def test_unsupported_kernel_mechanism_raises(dtype, d, words, mechanism):
     mesh = gpu_mesh(2, "sp")
@@ -342,7 +343,7 @@ def test_supported_auto_takes_the_kernel(fresh_warnings):
     pk_jax.check_errors()
 
 
-@pytest.mark.parametrize("mechanism", ["copy_engine", "ld_st"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_timeout_raises_and_recovers(mechanism):
     """A peer that never posts its K/V (ld_st: its communicator CTAs push
     but never post): the waiting rank's kernel gives up after the timeout
