@@ -1,5 +1,8 @@
-"""Every constant and enum that Python mirrors from the C++/CUDA headers
-agrees with the headers, and the package has no import cycles."""
+"""Every constant, enum and mechanism list that Python mirrors from the
+C++/CUDA sources agrees with them (and the head dims with the kernels'
+supported()); the op packages keep their layering (primitive modules import
+no op's api, each package re-exports its api) and the package has no import
+cycles."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from pk_jax.ops.grouped_matmul import primitive as grouped_matmul_primitive
 from pk_jax.ops.ring_attention import attention_bwd_primitive
 from pk_jax.ops.ring_attention import bwd_primitive as ring_attention_bwd_primitive
 from pk_jax.ops.ring_attention import primitive as ring_attention_primitive
+from pk_jax.ops.tp_matmul import primitive as tp_matmul_primitive
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -177,6 +181,62 @@ def test_ffi_enums_live_in_the_kernel_headers():
     an enum of its own."""
     for path in sorted((ROOT / "xla_ffi").glob("*.cc")):
         assert not re.search(r"\benum\b", _source(str(path.relative_to(ROOT)))), path.name
+
+
+def _handler_attrs(rel: str) -> dict[str, str]:
+    """Each handler symbol of an xla_ffi file (XLA_FFI_DEFINE_HANDLER_SYMBOL)
+    and the text of its binding (where it calls a binding helper, the
+    helper's body too)."""
+    src = _source(rel)
+    helpers = dict(re.findall(r"auto (\w+)\(\)\s*\{(.*?)\n\}", src, flags=re.S))
+    out = {}
+    for name, binding in re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+),\s*\w+,(.*?)"
+                                    r"\{ffi::Traits", src, flags=re.S):
+        out[name] = binding + "".join(body for h, body in helpers.items() if f"{h}()" in binding)
+    return out
+
+
+def test_matmul_all_reduce_mechanisms_cross_as_one_shot():
+    """matmul_all_reduce's kernel mechanisms cross the FFI as its handlers'
+    (16-bit and FP8) bool attribute `one_shot`, one mechanism per value, the
+    chunked kernel false; the other TP handlers take no mechanism (they run
+    the chunked kernels only)."""
+    handlers = _handler_attrs("xla_ffi/tp_matmul.cc")
+    assert len(handlers) >= 7, sorted(handlers)
+    one_shot = {h for h, b in handlers.items() if re.search(r'Attr<bool>\("one_shot"\)', b)}
+    assert one_shot == {"MatmulAllReduce", "MatmulAllReduceFp8"}
+    assert not [h for h, b in handlers.items() if "mechanism" in b]
+    table = tp_matmul_primitive.ALL_REDUCE_KERNEL_MECHANISMS
+    assert sorted(table.values()) == [False, True]
+    assert tp_matmul_primitive.KERNEL_MECHANISMS == ("chunked",) and table["chunked"] is False
+
+
+def _function_body(rel: str, signature: str) -> str:
+    """The body of the C++ function defined as `signature` in `rel`."""
+    src = _source(rel)
+    start = src.find(signature + " {")
+    assert start >= 0, f"{signature} not found in {rel}"
+    depth = 0
+    for end in range(src.index("{", start), len(src)):
+        depth += {"{": 1, "}": -1}.get(src[end], 0)
+        if depth == 0:
+            return src[start:end + 1]
+    raise AssertionError(f"unbalanced braces after {signature} in {rel}")
+
+
+@pytest.mark.parametrize("python,source,op", [
+    (ring_attention_primitive.HEAD_DIMS, "csrc/kernels/ring_attention/ring_attention.cu", "=="),
+    (ring_attention_primitive.BWD_HEAD_DIMS, "csrc/kernels/attention_bwd/attention_bwd.cu", "!="),
+], ids=["forward", "block_backward"])
+def test_head_dims_match_supported(python, source, op):
+    """The head dims Python sends to an attention kernel (HEAD_DIMS: the
+    fused forward; BWD_HEAD_DIMS: the block backward, and so the fused ring
+    backward) are the ones its supported() takes (`head_dim == D || ...`;
+    `head_dim != D && ...` refused)."""
+    body = _function_body(source, "bool supported(const Params& p)")
+    tests = re.findall(r"head_dim\s*(==|!=|<=|>=|<|>)\s*(\d+)", body)
+    assert tests and {o for o, _ in tests} == {op}, tests
+    assert sorted(int(d) for _, d in tests) == sorted(python)
 
 
 def test_grouped_matmul_constants_match_header():

@@ -27,8 +27,11 @@ from jax.interpreters import mlir
 from pk_jax import reference
 from pk_jax.ops._lowering import channel_attr, kernel_group
 
-HEAD_DIMS = (64, 128, 256)  # the forward kernel's (attention_sm90.cuh: FormTile)
-BWD_HEAD_DIMS = (64, 128)  # the block backward kernel's (attention_bwd.h)
+# The head dims the kernels take: supported() of csrc/kernels/ring_attention/
+# ring_attention.cu (the forward) and of csrc/kernels/attention_bwd/
+# attention_bwd.cu (the block backward, and so the fused ring backward).
+HEAD_DIMS = (64, 128, 256)
+BWD_HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
 TILE_Q = 128  # query rows per CTA: kTileQ (csrc/kernels/ring_attention/ring_attention.h)
 MAX_PIECES = 8  # pieces a peer's block is posted in: kMaxPieces
