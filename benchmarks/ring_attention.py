@@ -65,8 +65,8 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import _channels, tuning
-from pk_jax.ops import ring_attention_bwd_primitive
-from pk_jax.ops.ring_attention_primitive import region_bytes
+from pk_jax.ops.ring_attention import bwd_primitive as ring_attention_bwd_primitive
+from pk_jax.ops.ring_attention.primitive import region_bytes
 from baselines.cudnn_ring import (F32, HI, NEG, TOL_GRAD_L2, TOL_L2, Blocks, RingSpec,
                                   Unavailable, cudnn_blocks, cudnn_ring, einsum_blocks,
                                   first_line, grouped_scores)

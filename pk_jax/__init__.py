@@ -9,11 +9,12 @@ shapes the kernels do not take) they run their pure-lax reference.
 
 Public API: the names exported here (`__all__`), by `pk_jax.flax` and by
 `pk_jax.partitioning`, and `python -m pk_jax.launch`. Not public API, free to
-change between versions: the primitive modules (`pk_jax.ops.*_primitive`:
-primitives, their configs and FFI lowerings) and every module or name that
-starts with an underscore (`pk_jax._channels`, `pk_jax.ops._lowering`,
-`pk_jax.flax._common`, ...; `pk_jax._build_info` is there to be printed when
-diagnosing an install, not imported by programs).
+change between versions: the primitive modules (`pk_jax.ops.<op>.primitive`
+and `pk_jax.ops.<op>.*_primitive`: primitives, their configs and FFI
+lowerings) and every module or name that starts with an underscore
+(`pk_jax._channels`, `pk_jax.ops._lowering`, `pk_jax.flax._common`, ...;
+`pk_jax._build_info` is there to be printed when diagnosing an install, not
+imported by programs).
 """
 
 from pk_jax._compat import check_jax_version
@@ -29,11 +30,11 @@ from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
 from pk_jax.ops.all_to_all import all_to_all
 from pk_jax.ops.fp8 import (Fp8Recipe, fp8_dot, fp8_matmul, fp8_quantize, quantize_activation,
                             quantize_weight)
-from pk_jax.ops.fp8_stored import Fp8Activation, Fp8Weight
+from pk_jax.ops.fp8 import Fp8Activation, Fp8Weight
 from pk_jax.ops.grouped_matmul import grouped_matmul
 from pk_jax.ops.moe import MoeLayout, moe_combine, moe_dispatch
 from pk_jax.ops.ring_attention import ring_attention
-from pk_jax.ops.zigzag import zigzag_shard, zigzag_unshard
+from pk_jax.ops.ring_attention import zigzag_shard, zigzag_unshard
 from pk_jax.ops.tp_matmul import all_gather_matmul, matmul_reduce_scatter
 from pk_jax.ops.tp_matmul import matmul_all_reduce
 from pk_jax.partitioning import dot_general, dot_product_attention, matmul

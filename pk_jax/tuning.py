@@ -47,7 +47,7 @@ RING_ATTENTION_MECHANISM = "copy_engine"
 # The ring attention's mechanism under `auto` where the fused kernel does not
 # take the shapes (head dim 256, or 64/128 off its tiles) but cuDNN's blocks
 # do: "cudnn" (each step one cuDNN flash-attention call, XLA's
-# collective-permutes between the steps; ring_attention_cudnn.py). The
+# collective-permutes between the steps; ops/ring_attention/cudnn.py). The
 # alternative there is the pure-JAX ring of einsums, which ran at 0.09-0.15x
 # the same ring of cuDNN blocks on 2 x H200 (RESULTS.md ring_attention,
 # einsum_ring against cudnn_ring rows, d128). Where the kernel takes the
@@ -58,7 +58,7 @@ RING_ATTENTION_UNFUSED = "cudnn"
 
 # The ring attention backward's transport for the kernel mechanisms: "pk"
 # (one fused call per backward: block kernels, copy-engine pushes and posted
-# flags; ring_attention_bwd_primitive.py) or "xla" (the block kernel per step
+# flags; ops/ring_attention/bwd_primitive.py) or "xla" (the block kernel per step
 # with XLA collective-permutes between the steps, the path before the fused
 # call; kept for comparison and as the fallback). PROVISIONAL: settled by
 # `python benchmarks/ring_attention.py --backward --bwd-transport pk` against

@@ -17,12 +17,13 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
+from pk_jax.ops.all_gather.primitive import KERNEL_MECHANISMS
 from conftest import gpu_mesh
 from helpers.gpu_chains import check_all_gather_chain
 from helpers.gpu_util import as_bits, poison_allocator, put, random_bits
 
 pytestmark = pytest.mark.gpu
-MECHANISMS = ["ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine"]
+MECHANISMS = list(KERNEL_MECHANISMS)
 LL_MAX = 16 << 10  # ld_st_ll: whole 4-byte words, up to this many bytes per rank
 
 

@@ -22,12 +22,13 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
+from pk_jax.ops.all_reduce.primitive import KERNEL_MECHANISMS
 from helpers.all_reduce_checks import bits, exact_reduce_scatter, exact_sum, random_operand
 from conftest import gpu_mesh
 from helpers.gpu_util import poison_allocator
 
 pytestmark = pytest.mark.gpu
-MECHANISMS = ["one_shot", "two_shot", "copy_engine", "auto"]
+MECHANISMS = [*KERNEL_MECHANISMS, "auto"]
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32]
 
 
@@ -104,7 +105,7 @@ def test_world_size_one_graph_replays_on_fresh_buffers(rng):
     """The same compiled program on new inputs (CUDA graph updates: 1-D copies only)."""
     _needs_kernels()
     mesh = gpu_mesh(1)
-    for mechanism in ("two_shot", "copy_engine", "one_shot"):
+    for mechanism in KERNEL_MECHANISMS:
         f = _sm(mesh, lambda a, m=mechanism: pk_jax.all_reduce(a * 2, "x", mechanism=m) + 1)
         for _ in range(4):
             host = random_operand(rng, (64, 33), jnp.float32)

@@ -31,8 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import reference, runtime, tuning
-from pk_jax.ops.attention_bwd_primitive import block_bwd, kernel_problem
-from pk_jax.ops.ring_attention_primitive import RingConfig
+from pk_jax.ops.ring_attention.attention_bwd_primitive import block_bwd, kernel_problem
+from pk_jax.ops.ring_attention.primitive import RingConfig
 from conftest import gpu_mesh
 from helpers.gpu_util import poison_allocator
 

@@ -18,9 +18,9 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from pk_jax import _channels, reference, runtime, tuning
 from pk_jax._warnings import PkJaxFallbackWarning
-from pk_jax.ops.attention_bwd_primitive import block_bwd, kernel_problem
-from pk_jax.ops import ring_attention_bwd_primitive as ring_bwd
-from pk_jax.ops.ring_attention_primitive import RingConfig
+from pk_jax.ops.ring_attention.attention_bwd_primitive import block_bwd, kernel_problem
+from pk_jax.ops.ring_attention import bwd_primitive as ring_bwd
+from pk_jax.ops.ring_attention.primitive import RingConfig
 from conftest import cpu_mesh, ffi_attr
 
 

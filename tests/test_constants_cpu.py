@@ -1,18 +1,28 @@
-"""Every constant and enum that Python mirrors from the C++/CUDA headers
-agrees with the headers, and the package has no import cycles."""
+"""Every constant, enum and mechanism list that Python mirrors from the
+C++/CUDA sources agrees with them (and the head dims with the kernels'
+supported()); the op packages keep their layering (primitive modules import
+no op's api, each package re-exports its api) and the package has no import
+cycles."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import re
+import types
 
 import pytest
 
 from pk_jax import runtime
-from pk_jax.ops import (fp8_primitive, all_gather_primitive, all_reduce_primitive, attention_bwd_primitive,
-                        grouped_matmul_primitive, ring_attention_bwd_primitive,
-                        ring_attention_primitive)
+from pk_jax.ops.all_gather import primitive as all_gather_primitive
+from pk_jax.ops.all_reduce import primitive as all_reduce_primitive
+from pk_jax.ops.fp8 import primitive as fp8_primitive
+from pk_jax.ops.grouped_matmul import primitive as grouped_matmul_primitive
+from pk_jax.ops.ring_attention import attention_bwd_primitive
+from pk_jax.ops.ring_attention import bwd_primitive as ring_attention_bwd_primitive
+from pk_jax.ops.ring_attention import primitive as ring_attention_primitive
+from pk_jax.ops.tp_matmul import primitive as tp_matmul_primitive
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -173,6 +183,62 @@ def test_ffi_enums_live_in_the_kernel_headers():
         assert not re.search(r"\benum\b", _source(str(path.relative_to(ROOT)))), path.name
 
 
+def _handler_attrs(rel: str) -> dict[str, str]:
+    """Each handler symbol of an xla_ffi file (XLA_FFI_DEFINE_HANDLER_SYMBOL)
+    and the text of its binding (where it calls a binding helper, the
+    helper's body too)."""
+    src = _source(rel)
+    helpers = dict(re.findall(r"auto (\w+)\(\)\s*\{(.*?)\n\}", src, flags=re.S))
+    out = {}
+    for name, binding in re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+),\s*\w+,(.*?)"
+                                    r"\{ffi::Traits", src, flags=re.S):
+        out[name] = binding + "".join(body for h, body in helpers.items() if f"{h}()" in binding)
+    return out
+
+
+def test_matmul_all_reduce_mechanisms_cross_as_one_shot():
+    """matmul_all_reduce's kernel mechanisms cross the FFI as its handlers'
+    (16-bit and FP8) bool attribute `one_shot`, one mechanism per value, the
+    chunked kernel false; the other TP handlers take no mechanism (they run
+    the chunked kernels only)."""
+    handlers = _handler_attrs("xla_ffi/tp_matmul.cc")
+    assert len(handlers) >= 7, sorted(handlers)
+    one_shot = {h for h, b in handlers.items() if re.search(r'Attr<bool>\("one_shot"\)', b)}
+    assert one_shot == {"MatmulAllReduce", "MatmulAllReduceFp8"}
+    assert not [h for h, b in handlers.items() if "mechanism" in b]
+    table = tp_matmul_primitive.ALL_REDUCE_KERNEL_MECHANISMS
+    assert sorted(table.values()) == [False, True]
+    assert tp_matmul_primitive.KERNEL_MECHANISMS == ("chunked",) and table["chunked"] is False
+
+
+def _function_body(rel: str, signature: str) -> str:
+    """The body of the C++ function defined as `signature` in `rel`."""
+    src = _source(rel)
+    start = src.find(signature + " {")
+    assert start >= 0, f"{signature} not found in {rel}"
+    depth = 0
+    for end in range(src.index("{", start), len(src)):
+        depth += {"{": 1, "}": -1}.get(src[end], 0)
+        if depth == 0:
+            return src[start:end + 1]
+    raise AssertionError(f"unbalanced braces after {signature} in {rel}")
+
+
+@pytest.mark.parametrize("python,source,op", [
+    (ring_attention_primitive.HEAD_DIMS, "csrc/kernels/ring_attention/ring_attention.cu", "=="),
+    (ring_attention_primitive.BWD_HEAD_DIMS, "csrc/kernels/attention_bwd/attention_bwd.cu", "!="),
+], ids=["forward", "block_backward"])
+def test_head_dims_match_supported(python, source, op):
+    """The head dims Python sends to an attention kernel (HEAD_DIMS: the
+    fused forward; BWD_HEAD_DIMS: the block backward, and so the fused ring
+    backward) are the ones its supported() takes (`head_dim == D || ...`;
+    `head_dim != D && ...` refused)."""
+    body = _function_body(source, "bool supported(const Params& p)")
+    tests = re.findall(r"head_dim\s*(==|!=|<=|>=|<|>)\s*(\d+)", body)
+    assert tests and {o for o, _ in tests} == {op}, tests
+    assert sorted(int(d) for _, d in tests) == sorted(python)
+
+
 def test_grouped_matmul_constants_match_header():
     consts = cxx_constants(GROUPED)
     prim = grouped_matmul_primitive
@@ -205,12 +271,20 @@ def _imports(path: pathlib.Path, package: str) -> set[str]:
                 out |= {f"{base}.{a.name}" for a in node.names}
         elif isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith(package)}
-    return out
+    # Importing a.b.c runs a/__init__ and a/b/__init__ first (an op package's
+    # __init__ imports its api.py): those are imports too.
+    return out | {i.rsplit(".", k)[0] for i in out for k in range(1, i.count(".") + 1)
+                  if i.rsplit(".", k)[0].startswith(package)}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    """Every module of pk_jax by dotted name (a package by its own name)."""
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+            for p in (ROOT / "pk_jax").rglob("*.py")}
 
 
 def test_no_import_cycles():
-    files = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (ROOT / "pk_jax").rglob("*.py")}
+    files = _modules()
     graph = {m: {i for i in _imports(p, "pk_jax") if i in files and i != m}
              for m, p in files.items()}
     # A package's __init__ importing its submodules is not a cycle of modules:
@@ -233,10 +307,57 @@ def test_no_import_cycles():
             visit(m, [])
 
 
+def _is_primitive_module(name: str) -> bool:
+    last = name.rsplit(".", 1)[1]
+    return last == "primitive" or last.endswith("_primitive")
+
+
+OPS = ROOT / "pk_jax" / "ops"
+PRIMITIVE_MODULES = sorted([*OPS.glob("*/primitive.py"), *OPS.glob("*/*_primitive.py")])
+
+
 def test_primitive_modules_import_no_op_module():
-    """A primitive module (ops/*_primitive.py) builds on primitives and the
-    lowering helpers, never on a public op module (ops/<op>.py)."""
-    for path in sorted((ROOT / "pk_jax" / "ops").glob("*_primitive.py")):
-        ops = {i.split(".")[2] for i in _imports(path, "pk_jax.ops") if i.count(".") >= 2}
-        public = {m for m in ops if not m.startswith("_") and not m.endswith("_primitive")}
-        assert not public, f"{path.name} imports {sorted(public)}"
+    """A primitive module (ops/<op>/primitive.py, ops/<op>/*_primitive.py)
+    builds on primitive modules and the lowering helpers, never on an op's
+    functions (ops/<op>/api.py and the modules beside it, or the names an op
+    package re-exports)."""
+    assert PRIMITIVE_MODULES
+    modules = _modules()
+    packages = {m for m, p in modules.items() if p.name == "__init__.py"}
+    for path in PRIMITIVE_MODULES:
+        bad = set()
+        for i in _imports(path, "pk_jax.ops"):
+            parent = i.rsplit(".", 1)[0]
+            if i in packages or i == "pk_jax.ops._lowering":
+                continue  # a package holding a primitive module; the lowering helpers
+            if i in modules:
+                if not _is_primitive_module(i):
+                    bad.add(i)
+            elif parent in packages:
+                bad.add(i)  # a name an op package re-exports from its api.py
+            # else a name of an imported module, checked as that module
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def _public_names(path: pathlib.Path) -> set[str]:
+    """The names a module defines at its top level without an underscore."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("package", sorted(p.parent.name for p in OPS.glob("*/__init__.py")))
+def test_op_package_reexports_its_api(package):
+    """Every op package (ops/<op>/) has an api.py whose public names its
+    __init__ re-exports (`__all__`), so `pk_jax.ops.<op>.<name>` reaches them."""
+    mod = importlib.import_module(f"pk_jax.ops.{package}")
+    api = _public_names(OPS / package / "api.py")
+    assert api and api <= set(mod.__all__), sorted(api - set(mod.__all__))
+    for name in mod.__all__:
+        assert not isinstance(getattr(mod, name), types.ModuleType), name

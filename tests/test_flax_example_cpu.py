@@ -69,7 +69,7 @@ def test_gpu_preset_takes_the_fused_kernels():
     on a 2-GPU (sp=1, tp=2) or (sp=2, tp=1) mesh, so its benchmark measures
     the kernels rather than fallbacks."""
     import jax.numpy as jnp
-    from pk_jax.ops.ring_attention_primitive import kernel_problem
+    from pk_jax.ops.ring_attention.primitive import kernel_problem
     cfg = example.PRESETS["gpu"]
     assert cfg.dtype == "bfloat16"
     for sp, tp in ((1, 2), (2, 1)):

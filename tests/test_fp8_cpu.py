@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from conftest import cpu_mesh, rel_err
-from pk_jax.ops import fp8_primitive as prim
+from pk_jax.ops.fp8 import primitive as prim
 
 FWD_TOL, GRAD_TOL = 0.06, 0.10
 

@@ -15,7 +15,7 @@ import pytest
 import pk_jax
 from conftest import gpu_mesh, rel_err
 from helpers.gpu_util import poison_allocator
-from pk_jax.ops import fp8_primitive as prim
+from pk_jax.ops.fp8 import primitive as prim
 
 pytestmark = pytest.mark.gpu
 
@@ -176,7 +176,7 @@ def test_tp_fp8_sequences_on_one_gpu(rng, op, monkeypatch):
     operands (one rank: the sequence's GEMM), forward and dx: the bits of
     the composed path (quantize, then pk's FP8 GEMM), poisoned outputs."""
     from jax.sharding import PartitionSpec as P
-    from pk_jax.ops import tp_matmul_fp8
+    from pk_jax.ops.tp_matmul import fp8 as tp_matmul_fp8
     mesh = gpu_mesh(1, "tp")
     fn = getattr(pk_jax, op)
     m, k, n = 1024, 768, 1536

@@ -23,6 +23,7 @@ import pk_jax
 from pk_jax.ops.all_gather import MECHANISMS as AG_MECHANISMS
 from pk_jax.ops.ring_attention import LAYOUTS as RING_LAYOUTS
 from pk_jax.ops.ring_attention import MECHANISMS as RING_MECHANISMS
+from pk_jax.ops.ring_attention.primitive import KERNEL_MECHANISMS as RING_KERNEL_MECHANISMS
 from pk_jax.ops.tp_matmul import MECHANISMS as TP_MECHANISMS
 from conftest import cpu_mesh
 
@@ -186,7 +187,7 @@ def test_ring_attention_random_calls(seed, cuda_lowering):
             errors.add(TypeError)
         if hq % hkv or (layout == "zigzag" and s % 2):
             errors.add(ValueError)
-        if mechanism in ("copy_engine", "ld_st") and s and (
+        if mechanism in RING_KERNEL_MECHANISMS and s and (
                 dtype not in (jnp.bfloat16, jnp.float16) or d not in (64, 128)
                 or s % (256 if layout == "zigzag" else 128)):
             errors.add(ValueError)

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from conftest import cpu_mesh, ffi_attr, rel_err
 from helpers.grouped_matmul_cases import CASES, dense, dense_grads, inputs
-from pk_jax.ops import grouped_matmul_primitive as prim
+from pk_jax.ops.grouped_matmul import primitive as prim
 
 
 @pytest.mark.parametrize("m,k,n,sizes", CASES)

@@ -476,7 +476,7 @@ def test_row_primitives_reference(rng):
     """The one-device primitives' semantics (their CPU lowering) against
     numpy: indices out of range give zeros (gather) or nothing (sum), the
     scale is each slot's, the sum is weighted in fp32."""
-    from pk_jax.ops.moe_primitive import scatter_rows, weighted_sum
+    from pk_jax.ops.moe.primitive import scatter_rows, weighted_sum
     src = rng.standard_normal((5, 6)).astype(np.float32)
     row_slot = np.array([3, -1, 9, 0, 14, 15, 7], np.int32)   # slots of 5 tokens x 3; 15: out
     dest = np.full(15, -1, np.int32)
@@ -507,7 +507,7 @@ def test_counts_and_ranks_every_path(rng, s, monkeypatch):
     its key's slots (the pairwise compare of small calls, or the sort of
     large ones), against a numpy count, on both sides of the sizes that pick
     between them."""
-    from pk_jax.ops import moe_primitive as mp
+    from pk_jax.ops.moe import primitive as mp
     e = 9
     key = rng.integers(0, e + 1, size=s).astype(np.int32)
     seen = np.zeros(e + 1, np.int64)
@@ -554,7 +554,7 @@ def test_one_device_auto_is_the_local_gathers(rng, sharding_mode, capacity):
 
 # ---- the one-device layout primitive (pk_moe_layout) --------------------------------
 def np_local_layout(ids, e, capacity, num_rows):
-    """moe_primitive.local_layout in numpy, slot by slot: (dest_row, src_slot,
+    """ops/moe/primitive.py's local_layout in numpy, slot by slot: (dest_row, src_slot,
     group_sizes, num_dropped, num_invalid)."""
     ids = np.asarray(ids).reshape(-1)
     valid = (ids >= 0) & (ids < e)
@@ -597,7 +597,7 @@ def test_layout_primitive_reference(rng, s, e, capacity, dtype):
     CUDA beyond the kernel's bounds) against numpy on fresh random ids:
     invalid ids (negative, >= E, beyond 2^32), capacity drops, E not a power
     of two, the pairwise and the sorted ranks, narrow and 64-bit ids."""
-    from pk_jax.ops.moe_primitive import local_layout
+    from pk_jax.ops.moe.primitive import local_layout
     with jax.enable_x64(np.dtype(dtype).itemsize == 8):
         ids = random_ids(rng, s, e, dtype)
         cap = None if capacity is None else min(capacity, s)
@@ -660,9 +660,9 @@ def test_local_layout_lowers_to_the_kernel(cuda_lowering):
 @pytest.mark.parametrize("what", ["slots", "experts", "rows", "uint32", "int64"])
 def test_local_layout_kernel_bounds(cuda_lowering, what):
     """On CUDA the layout kernel takes int32 and int64 ids; calls beyond its
-    bounds (slots, experts, rows: moe_primitive.LAYOUT_MAX_*) or with ids it
+    bounds (slots, experts, rows: moe/primitive.py's LAYOUT_MAX_*) or with ids it
     does not read lower to the XLA layout."""
-    from pk_jax.ops import moe_primitive as mp
+    from pk_jax.ops.moe import primitive as mp
     mesh = cpu_mesh((1,), ("ep",))
     t, e, capacity, dtype = 64, 8, None, jnp.int32
     if what == "slots":

@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
+from pk_jax.ops.moe import MECHANISMS
 from conftest import gpus, rel_err
 from helpers.gpu_util import poison_allocator
 from test_moe_cpu import _dense, _inputs, _kept_mask, np_local_layout, random_ids
@@ -41,7 +42,7 @@ def _mesh():
     return Mesh(np.array(devices[:n]), ("ep",), axis_types=(AxisType.Explicit,))
 
 
-@pytest.mark.parametrize("mechanism", ["ld_st", "ragged", "xla", "auto"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("k,capacity", [(1, None), (2, None), (8, None), (2, 3)])
 def test_values_and_gradients(rng, mechanism, k, capacity):
     mesh = _mesh()
@@ -81,14 +82,14 @@ def test_values_and_gradients(rng, mechanism, k, capacity):
 @pytest.mark.parametrize("cols", [7168, 36, 5])   # 16-byte vectors; narrower rows
 def test_one_device_row_kernels_match_reference(rng, dtype, cols):
     """pk_moe_scatter_rows and pk_moe_weighted_sum on the GPU against their
-    XLA references (moe_primitive.py) on fresh random rows and a random
+    XLA references (ops/moe/primitive.py) on fresh random rows and a random
     partial layout (slots without a row, rows without a slot, indices out of
     range), outputs poisoned beforehand: the scatter bit for bit, the fp32
     sum to rounding."""
     mesh = _mesh()
     if not runtime.available():
         pytest.skip(f"pk_jax extension unavailable: {runtime.extension_error()}")
-    from pk_jax.ops import moe_primitive as mp
+    from pk_jax.ops.moe import primitive as mp
     t, k, rows = 96, 3, 200
     src = jnp.asarray(rng.standard_normal((t, cols)), dtype)
     y = jnp.asarray(rng.standard_normal((rows, cols)), dtype)
@@ -120,7 +121,7 @@ def test_one_device_row_kernels_match_reference(rng, dtype, cols):
 
 def _layout_fns(e, capacity, rows):
     """(the layout primitive, its XLA reference), each jitted for the GPU."""
-    from pk_jax.ops import moe_primitive as mp
+    from pk_jax.ops.moe import primitive as mp
     return (jax.jit(lambda ids: mp.local_layout(ids, e, capacity, rows)),
             jax.jit(lambda ids: mp.reference_layout(ids, num_experts=e, capacity=(
                 -1 if capacity is None else capacity), num_rows=rows)))
@@ -161,7 +162,7 @@ def test_layout_above_the_bound_is_xla(rng, capped):
     _mesh()
     if not runtime.available():
         pytest.skip(f"pk_jax extension unavailable: {runtime.extension_error()}")
-    from pk_jax.ops import moe_primitive as mp
+    from pk_jax.ops.moe import primitive as mp
     s, e = mp.LAYOUT_MAX_SLOTS + 1, 8
     capacity = s // 16 if capped else None
     rows = s if capacity is None else e * capacity

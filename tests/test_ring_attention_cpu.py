@@ -17,7 +17,7 @@ import pk_jax
 from conftest import cpu_mesh, rel_err
 from pk_jax import reference, tuning
 from pk_jax.ops.ring_attention import ring_attention
-from pk_jax.ops.zigzag import zigzag_shard, zigzag_unshard
+from pk_jax.ops.ring_attention.zigzag import zigzag_shard, zigzag_unshard
 
 SEQ = P(None, "sp")
 
@@ -725,7 +725,7 @@ def test_one_device_auto_runs_the_measured_choice(monkeypatch, rng, choice, caus
     cuDNN's attention is stood in for by XLA's, its backward steps by the
     ring's einsum steps (CPU)."""
     from pk_jax import _compat
-    from pk_jax.ops import ring_attention_cudnn
+    from pk_jax.ops.ring_attention import cudnn as ring_attention_cudnn
     whole, steps = [], []
 
     def fake(q, k, v, *, scale, is_causal):
@@ -814,7 +814,7 @@ def _cudnn_ring_case(rng, n, layout, causal, return_lse):
                                       (3, "zigzag"), (4, "zigzag")])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cudnn_ring(rng, n, layout, causal):
-    """Every block case of ring_attention_cudnn.py (own block, an earlier
+    """Every block case of ops/ring_attention/cudnn.py (own block, an earlier
     rank's, a later rank's; whole blocks and zigzag halves) in the forward
     and in the backward's cuDNN-style block gradients (return_lse=False)."""
     _cudnn_ring_case(rng, n, layout, causal, return_lse=False)
@@ -837,7 +837,7 @@ def test_cudnn_ring_block_grads(monkeypatch, chosen, deterministic, return_lse, 
     and 128): cuDNN's backward under the cudnn ring and under the forward
     kernel where cuDNN's blocks run, einsums where they do not."""
     from pk_jax import _compat
-    from pk_jax.ops import ring_attention as ra
+    from pk_jax.ops.ring_attention import api as ra
     q = jax.ShapeDtypeStruct((1, 256, 4, 256), jnp.bfloat16)
     monkeypatch.setattr(_compat, "cudnn_blocks_available", lambda: True)
     assert ra._block_grads(q, q, "zigzag", chosen, deterministic, return_lse) == want

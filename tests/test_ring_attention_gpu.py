@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import _warnings, tuning
+from pk_jax.ops.ring_attention.primitive import KERNEL_MECHANISMS
 from conftest import gpu_mesh, rel_err
 from helpers.gpu_util import poison_allocator
 
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.gpu
 SEQ = P(None, "sp")
 LSE = P(None, None, "sp")
 # The kernel's mechanisms ("auto" resolves to copy_engine: test_supported_auto_takes_the_kernel).
-MECHANISMS = ["copy_engine", "ld_st"]
+MECHANISMS = list(KERNEL_MECHANISMS)
 FULL_CHECK_MAX_S = 4096  # above: check sampled query rows against the whole sequence
 
 
@@ -230,7 +231,7 @@ def test_sequence_lengths(mechanism, causal, layout, b, s_local, hq, hkv):
     (True, "contiguous", 1, 1024, 6, 3, 128),
 ])
 def test_small_pieces(monkeypatch, causal, layout, b, s_local, hq, hkv, d):
-    from pk_jax.ops import ring_attention_primitive as prim
+    from pk_jax.ops.ring_attention import primitive as prim
     monkeypatch.setattr(prim, "PIECE_BYTES", 1024)  # always the most pieces
     _run_and_check(2, "copy_engine", causal, layout, b, s_local, hq, hkv, d, jnp.bfloat16,
                    f"small pieces, causal={causal} {layout} b={b} hkv={hkv} d={d}")
@@ -319,7 +320,7 @@ def test_unsupported_auto_falls_back(fresh_warnings, dtype, d, _):
     pk_jax.check_errors()
 
 
-@pytest.mark.parametrize("mechanism", ["copy_engine", "ld_st"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 @pytest.mark.parametrize("dtype,d,words", UNSUPPORTED)
 def test_unsupported_kernel_mechanism_raises(dtype, d, words, mechanism):
     mesh = gpu_mesh(2, "sp")
@@ -342,7 +343,7 @@ def test_supported_auto_takes_the_kernel(fresh_warnings):
     pk_jax.check_errors()
 
 
-@pytest.mark.parametrize("mechanism", ["copy_engine", "ld_st"])
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_timeout_raises_and_recovers(mechanism):
     """A peer that never posts its K/V (ld_st: its communicator CTAs push
     but never post): the waiting rank's kernel gives up after the timeout
@@ -523,7 +524,7 @@ def test_head_dim_256_grads(n, mechanism, causal, layout, dtype):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("case", ["own", "earlier", "later"])
 def test_cudnn_blocks_with_the_ring_statistics(d, case):
-    """The cuDNN calls of each ring step (ring_attention_cudnn._block_fwd and
+    """The cuDNN calls of each ring step (ops/ring_attention/cudnn.py: _block_fwd and
     _block_bwd, as the ring shapes them) on one GPU against fp32 einsums:
     the forward's log-sum-exp, and the backward fed statistics over more keys
     than the block (those of the whole ring), which must give the block's
@@ -531,7 +532,7 @@ def test_cudnn_blocks_with_the_ring_statistics(d, case):
     calls; this checks them where only one GPU is present. The lowered
     program must hold cuDNN's custom call (not the einsum branch)."""
     from pk_jax import reference
-    from pk_jax.ops import ring_attention_cudnn as rc
+    from pk_jax.ops.ring_attention import cudnn as rc
     gpu_mesh(1, "sp")  # skips without a GPU
     seed = _seed()
     t, s = {"own": (512, 512), "earlier": (512, 256), "later": (256, 512)}[case]

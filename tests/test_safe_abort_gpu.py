@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
+from pk_jax.ops.ring_attention.primitive import KERNEL_MECHANISMS as RING_MECHANISMS
 from conftest import gpu_mesh
 
 pytestmark = pytest.mark.gpu
@@ -243,7 +244,7 @@ def test_matmul_reduce_scatter_timeout_poisons_its_output():
     _expect_errors(r"matmul_reduce_scatter.*peer rank 1")
 
 
-@pytest.mark.parametrize("mechanism", ["copy_engine", "ld_st"])
+@pytest.mark.parametrize("mechanism", list(RING_MECHANISMS))
 def test_ring_attention_timeout_poisons_out_and_lse(mechanism):
     """Rank 0 waits for rank 1's K/V in vain: all of rank 0's output and
     log-sum-exp is NaN (not only the tiles whose waits failed); rank 1,
@@ -275,8 +276,8 @@ def test_block_backward_on_a_failed_device_is_nan():
     mesh = gpu_mesh(2)
     if not runtime.available() or not runtime.extension().has_gemm:
         pytest.skip("pk_jax extension without CUTLASS kernels")
-    from pk_jax.ops.attention_bwd_primitive import block_bwd
-    from pk_jax.ops.ring_attention_primitive import RingConfig
+    from pk_jax.ops.ring_attention.attention_bwd_primitive import block_bwd
+    from pk_jax.ops.ring_attention.primitive import RingConfig
     x, _ = _ints(mesh, 1024)
     with pk_jax.configured(timeout_s=TIMEOUT_S):
         with runtime.testing_skip_post(1):

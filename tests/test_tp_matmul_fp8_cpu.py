@@ -201,7 +201,7 @@ def test_fp8_sequences_are_the_composed_numerics(rng, op, monkeypatch, sharding_
     the bits of the collectives and GEMMs composed one after the other (the
     path block factors take), values and gradients; a float32 result (and
     block factors) keep the composed path."""
-    from pk_jax.ops import tp_matmul_fp8
+    from pk_jax.ops.tp_matmul import fp8 as tp_matmul_fp8
     fn, xs, ws, outs, xshape, wshape = _OPS[op]
     mesh = cpu_mesh((2, 2), ("sp", "tp"))
     x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime
+from pk_jax.ops.tp_matmul.primitive import ALL_REDUCE_KERNEL_MECHANISMS
 from conftest import gpu_mesh, rel_err
 from helpers.gpu_chains import check_tp_chain
 from helpers.gpu_util import as_bits, poison_allocator
@@ -279,7 +280,7 @@ AR_SHAPES = [(16, 1024, 1024), (256, 512, 2048), (1024, 1024, 512), (512, 256, 2
 
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("mechanism", ["chunked", "one_shot", "auto"])
+@pytest.mark.parametrize("mechanism", [*ALL_REDUCE_KERNEL_MECHANISMS, "auto"])
 @pytest.mark.parametrize("m,k,n_cols", AR_SHAPES)
 def test_matmul_all_reduce(rng, n, dtype, mechanism, m, k, n_cols):
     """Close to the fp32 product (as XLA's dot + psum is), and the same bits
@@ -306,7 +307,7 @@ def test_matmul_all_reduce_fp32_output(rng):
     x = _put(mesh, jnp.asarray(rng.standard_normal((512, 512)), jnp.bfloat16), P(None, "x"))
     w = _put(mesh, jnp.asarray(rng.standard_normal((512, 256)) / 22, jnp.bfloat16), P("x"))
     exact = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
-    for mechanism in ("chunked", "one_shot"):
+    for mechanism in ALL_REDUCE_KERNEL_MECHANISMS:
         out = _ar(mesh, mechanism, preferred_element_type=jnp.float32)(x, w)
         assert out.dtype == jnp.float32
         assert rel_err(out, exact) < 1e-5, mechanism  # only the inputs' rounding is left
@@ -314,7 +315,7 @@ def test_matmul_all_reduce_fp32_output(rng):
 
 
 @pytest.mark.parametrize("n", [1, 2])
-@pytest.mark.parametrize("mechanism", ["chunked", "one_shot"])
+@pytest.mark.parametrize("mechanism", list(ALL_REDUCE_KERNEL_MECHANISMS))
 def test_matmul_all_reduce_gradients(rng, n, mechanism):
     """jax.grad against lax.psum(x @ w)'s, in fp32 and bf16."""
     mesh = gpu_mesh(n)
@@ -335,7 +336,7 @@ def test_matmul_all_reduce_gradients(rng, n, mechanism):
     pk_jax.check_errors()
 
 
-@pytest.mark.parametrize("mechanism", ["chunked", "one_shot"])
+@pytest.mark.parametrize("mechanism", list(ALL_REDUCE_KERNEL_MECHANISMS))
 def test_matmul_all_reduce_in_scan(rng, mechanism):
     """200 calls in a lax.scan, each on the previous result (a decode loop)."""
     mesh = gpu_mesh(2)
@@ -358,7 +359,7 @@ def test_matmul_all_reduce_in_scan(rng, mechanism):
     pk_jax.check_errors()
 
 
-@pytest.mark.parametrize("mechanism", ["chunked", "one_shot"])
+@pytest.mark.parametrize("mechanism", list(ALL_REDUCE_KERNEL_MECHANISMS))
 def test_matmul_all_reduce_timeout_raises_and_poisons(mechanism):
     """A rank that never posts: the peer's wait gives up, its output is NaN
     (never plausible numbers), the error names the op and the peer, and once

@@ -66,7 +66,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pk_jax.flax._common import SPEC_KEY
-from pk_jax.ops import fp8 as fp8_ops
+from pk_jax.ops.fp8 import api as fp8_ops
 from pk_jax.ops.fp8 import Fp8Recipe
 
 

@@ -17,10 +17,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+from pk_jax.ops.all_reduce.primitive import KERNEL_MECHANISMS
 from helpers.multiprocess_util import peer_never_posts
 
 DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32)
-MECHANISMS = ("one_shot", "two_shot", "copy_engine", "auto")
+MECHANISMS = (*KERNEL_MECHANISMS, "auto")
 
 
 def random_operand(rng, shape, dtype) -> np.ndarray:

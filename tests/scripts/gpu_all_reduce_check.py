@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from helpers.all_reduce_checks import check_fresh_buffers, run_multiprocess_checks  # noqa: E402
+from pk_jax.ops.all_reduce.primitive import KERNEL_MECHANISMS  # noqa: E402
 from helpers.multiprocess_util import check, local, two_process_setup  # noqa: E402
 
 
@@ -35,7 +36,7 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["graphs"]:  # run with XLA_FLAGS=--xla_gpu_graph_min_graph_size=1
         from jax.sharding import AxisType, Mesh
         mesh = Mesh(np.array(jax.devices()[:2]), ("x",), axis_types=(AxisType.Auto,))
-        for m in ("one_shot", "two_shot", "copy_engine"):
+        for m in KERNEL_MECHANISMS:
             check_fresh_buffers(mesh, m)
             print(f"OK fresh buffers {m} on {mesh.devices.size} GPU(s)", flush=True)
         print("GRAPHS_OK", flush=True)

@@ -8,11 +8,12 @@ import sys
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: helpers, conftest
 
 from conftest import gpu_mesh  # noqa: E402
+from pk_jax.ops.all_gather.primitive import KERNEL_MECHANISMS  # noqa: E402
 from helpers.gpu_chains import check_all_gather_chain, check_tp_chain  # noqa: E402
 
 if __name__ == "__main__":
     mesh = gpu_mesh(2)
-    for mech in ("ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine"):
+    for mech in KERNEL_MECHANISMS:
         check_all_gather_chain(mesh, mech, 200)
     check_tp_chain(mesh)
     print("SUBPROCESS_OK")

@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
 from pk_jax import runtime  # noqa: E402
+from pk_jax.ops.ring_attention.primitive import KERNEL_MECHANISMS as RING_MECHANISMS  # noqa: E402
 from helpers.all_reduce_checks import run_multiprocess_checks  # noqa: E402
 from helpers.multiprocess_util import (check, local, peer_never_posts, rel,  # noqa: E402
                                        ring_inputs, ring_vjp, two_process_setup)
@@ -106,7 +107,7 @@ def main() -> None:
         for causal in (True, False):
             with jax.default_device(cpu):
                 want = np.asarray(jax.nn.dot_product_attention(qb, kb, vb, is_causal=causal))
-            for mechanism in ("copy_engine", "ld_st"):
+            for mechanism in RING_MECHANISMS:
                 ring = sm(lambda q, k, v, m=mechanism, c=causal: pk_jax.ring_attention(
                     q, k, v, "x", causal=c, mechanism=m), (P(None, "x"),) * 3, P(None, "x"))
                 idx, got = local(ring(*seq))

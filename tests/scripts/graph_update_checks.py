@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
+from pk_jax.ops.all_reduce.primitive import KERNEL_MECHANISMS as ALL_REDUCE_MECHANISMS  # noqa: E402
 from conftest import gpu_mesh, rel_err  # noqa: E402
 from helpers.gpu_util import command_buffer_targets  # noqa: E402
 
@@ -161,7 +162,7 @@ if __name__ == "__main__":
               ("matmul_all_reduce one_shot", lambda: check_matmul_all_reduce(mesh, "one_shot"))]
     from helpers.all_reduce_checks import check_fresh_buffers
     checks += [(f"all_reduce {m}", lambda m=m: check_fresh_buffers(mesh, m))
-               for m in ("one_shot", "two_shot", "copy_engine")]
+               for m in ALL_REDUCE_MECHANISMS]
     failed = []
     for name, run in checks:
         try:

@@ -15,7 +15,7 @@
 
 namespace pk::all_gather {
 
-// Values of the FFI attribute "mechanism" (pk_jax/ops/all_gather_primitive.py:
+// Values of the FFI attribute "mechanism" (pk_jax/ops/all_gather/primitive.py:
 // KERNEL_MECHANISMS).
 enum Mechanism : int32_t { kLdStPull = 0, kCopyEngine = 1, kLdStPush = 2, kLdStLl = 3 };
 

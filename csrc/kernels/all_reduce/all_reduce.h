@@ -34,7 +34,7 @@ namespace pk::all_reduce {
 enum class Elem : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2, kS32 = 3 };
 inline size_t elem_bytes(Elem t) { return t == Elem::kF32 || t == Elem::kS32 ? 4 : 2; }
 
-// Values of the FFI attribute "mechanism" (pk_jax/ops/all_reduce_primitive.py).
+// Values of the FFI attribute "mechanism" (pk_jax/ops/all_reduce/primitive.py).
 enum Mechanism : int32_t {
   kOneShot = 0,  // every rank pushes x into every peer's region, each reduces all of it
   kTwoShot = 1,      // ld/st pushes: reduce-scatter into the owners, then all-gather

@@ -106,7 +106,7 @@ struct SumParams {
 // exclusive_cumsum(kept)[key] + q[i] for a valid slot with q[i] < kept[key],
 // else -1; src_slot[p] = the slot whose dest_row is p, -1 on the rows past
 // sum(kept); num_dropped = valid slots without a row, num_invalid = invalid
-// slots. The kernel's bounds (pk_jax/ops/moe_primitive.py: beyond them the
+// slots. The kernel's bounds (pk_jax/ops/moe/primitive.py: beyond them the
 // layout runs as XLA ops): slots <= kLayoutMaxSlots, experts in [1,
 // kLayoutMaxExperts], rows <= kLayoutMaxRows.
 constexpr uint64_t kLayoutMaxSlots = uint64_t(1) << 16;

@@ -1,7 +1,7 @@
 // MoE layout on one device (pk_jax.moe_dispatch on an expert axis of one
 // GPU): expert_ids -> each slot's row, each row's slot, the experts' group
 // sizes and the dropped / invalid tallies, in one launch of one thread block
-// (kernels/moe/moe.h states the result; pk_jax/ops/moe_primitive.py's XLA
+// (kernels/moe/moe.h states the result; pk_jax/ops/moe/primitive.py's XLA
 // reference computes the same bit for bit, and runs beyond the bounds).
 //
 // Each of the block's 32 warps owns a contiguous segment of the slots, so

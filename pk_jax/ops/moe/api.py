@@ -39,7 +39,7 @@ combine's output is differentiable in the router weights.
 
 Mechanisms ("auto": pk_jax/tuning.py: on one device "local", where nothing
 crosses devices: the layout computed by one kernel (`pk_moe_layout`, one
-thread block, up to moe_primitive.LAYOUT_MAX_SLOTS slots and
+thread block, up to primitive.LAYOUT_MAX_SLOTS slots and
 LAYOUT_MAX_EXPERTS experts; beyond, XLA's ops), dispatch's rows written
 from their tokens by one kernel (`pk_moe_scatter_rows`, each token read
 once for its k rows) and combine's weighted sum of each token's rows read
@@ -81,7 +81,7 @@ from pk_jax import groups, tuning
 from pk_jax._args import INT32_MAX
 from pk_jax._compat import make_varying
 from pk_jax.ops.all_gather import all_gather as _pk_all_gather
-from pk_jax.ops.moe_primitive import (ExchangeConfig, counts_and_ranks, expand_mask,
+from pk_jax.ops.moe.primitive import (ExchangeConfig, counts_and_ranks, expand_mask,
                                       exclusive_cumsum, kept_rows, local_layout, moe_exchange_p,
                                       scatter_rows, slot_keys, slot_rows, slot_tallies,
                                       weighted_slots, weighted_sum)
@@ -235,7 +235,7 @@ def segment_of(positions: jax.Array, ends: jax.Array) -> jax.Array:
 def _local_layout(expert_ids: jax.Array, cfg: MoeConfig) -> MoeLayout:
     """The layout on an axis of one device (mechanism "local"): the slots'
     rows, the rows' slots, the group sizes and the tallies from the layout
-    primitive (one kernel on CUDA within its bounds, moe_primitive.py); the
+    primitive (one kernel on CUDA within its bounds, primitive.py); the
     exchanges' fields follow from them, as _layout's formulas give them for
     n = 1 (one source and destination; the kept rows are [0, sum(group_sizes))
     exactly, so a row is used where it has a slot)."""
@@ -349,7 +349,7 @@ def _exchange(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int = 1) -> j
 
 
 def _kernel_exchange(x: jax.Array, lay: MoeLayout, to_rows: bool, repeat: int) -> jax.Array:
-    """pk's exchange primitive (moe_primitive.py), routed by the slots' (rank,
+    """pk's exchange primitive (primitive.py), routed by the slots' (rank,
     row) and the rows' source rank alone."""
     cfg = lay.cfg
     row = lay.dest_row.reshape(-1)

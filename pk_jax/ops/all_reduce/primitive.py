@@ -21,10 +21,11 @@ from jax.interpreters import ad, mlir
 from pk_jax import reference
 from pk_jax._compat import make_varying
 from pk_jax.ops._lowering import channel_attr, kernel_group
-from pk_jax.ops.all_gather_primitive import gather
+from pk_jax.ops.all_gather.primitive import gather
 
-# The kernel mechanisms and their ids in the FFI attribute `mechanism`
-# (csrc/kernels/all_reduce/all_reduce.h: Mechanism).
+# The kernel mechanisms, in the order pk_jax.all_reduce lists them (its
+# MECHANISMS: "auto", these, "xla"), and their ids in the FFI attribute
+# `mechanism` (csrc/kernels/all_reduce/all_reduce.h: Mechanism).
 KERNEL_MECHANISMS = {"one_shot": 0, "two_shot": 1, "copy_engine": 2}
 # FFI attribute `kind` (all_reduce.h: Kind).
 KINDS = {"all_reduce": 0, "reduce_scatter": 1}

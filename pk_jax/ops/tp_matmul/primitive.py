@@ -20,7 +20,7 @@ dx in cfg.out_dtype, dw in w's dtype, both accumulated in fp32. The operands
 must vary over the same mesh axes (the callers pvary them).
 
 The three forwards on FP8 operands with per-tensor factors (the fp8= paths of
-pk_jax/ops/tp_matmul_fp8.py; the same host sequences, x's rows travel as FP8):
+pk_jax/ops/tp_matmul/fp8.py; the same host sequences, x's rows travel as FP8):
 `pk_all_gather_matmul_fp8`, `pk_matmul_reduce_scatter_fp8`,
 `pk_matmul_all_reduce_fp8`: x [rows, K] FP8, w^T [N, K] FP8 (K-major),
 scale_x [1], scale_w [1] -> as the 16-bit ops, in cfg.out_dtype (bfloat16).
@@ -35,7 +35,7 @@ Lowering: on CUDA with the extension built with CUTLASS and a kernel
 mechanism ("chunked"; matmul_all_reduce also "one_shot"), the FFI kernels of
 xla_ffi/tp_matmul.cc;
 anywhere else the reference (pk_jax/reference.py). Differentiation lives one
-level up (pk_jax/ops/tp_matmul.py, custom_vjp).
+level up (pk_jax/ops/tp_matmul/api.py, custom_vjp).
 """
 
 from __future__ import annotations
@@ -51,8 +51,17 @@ from jax.interpreters import mlir
 
 from pk_jax import reference
 from pk_jax._compat import drop_varying
-from pk_jax.ops import fp8_primitive as prim_fp8
+from pk_jax.ops.fp8 import primitive as prim_fp8
 from pk_jax.ops._lowering import channel_attr, kernel_group
+
+
+# The kernels' mechanisms, in the order the ops list them (their MECHANISMS:
+# "auto", these, "xla"): the row-chunked kernels of every TP op, and for
+# matmul_all_reduce also the one-shot kernel (decode-sized M), which the
+# FFI's bool attribute `one_shot` selects (xla_ffi/tp_matmul.cc: each
+# mechanism's value here).
+KERNEL_MECHANISMS = ("chunked",)
+ALL_REDUCE_KERNEL_MECHANISMS = {"chunked": False, "one_shot": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +189,7 @@ def _ar_cuda(ctx, x, w, *, cfg: TpConfig):
 def _ar_channels(table, cfg: TpConfig, rows: int, cols: int) -> dict:
     """matmul_all_reduce's attributes for an output [rows, cols]: its channel
     (and the gather channel: chunked) and one_shot."""
-    one_shot = cfg.mechanism == "one_shot"
+    one_shot = ALL_REDUCE_KERNEL_MECHANISMS[cfg.mechanism]
     slot_rows = rows if one_shot else rows // cfg.n
     nbytes = _region_bytes(cfg.n, slot_rows, cols, cfg.out_dtype)
     reduce = channel_attr(table, "matmul_all_reduce", cfg.mechanism, nbytes)["channel"]

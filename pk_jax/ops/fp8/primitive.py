@@ -1,5 +1,5 @@
 """The primitives of pk_jax's FP8 op (internal; the public functions are in
-pk_jax/ops/fp8.py): quantization and the scaled FP8 GEMM, each one kernel
+pk_jax/ops/fp8/api.py): quantization and the scaled FP8 GEMM, each one kernel
 call on CUDA (csrc/kernels/fp8, csrc/kernels/gemm) and its reference (the same
 numerics in jax.numpy) everywhere else.
 

@@ -3,7 +3,7 @@
 
 Validation and the mechanism happen here, once, at trace time: dtypes with
 no kernel and mechanism="xla" call lax; everything else binds the primitive
-(all_reduce_primitive.py) with one frozen config, which lowers to the kernels
+(primitive.py) with one frozen config, which lowers to the kernels
 on CUDA and to lax on every other platform.
 
 Every rank gets bitwise identical results: each element is summed over ranks
@@ -23,9 +23,9 @@ from jax import lax
 from pk_jax import _args, groups, reference, runtime, tuning
 from pk_jax._compat import make_varying, vary_alike, varying_axes
 from pk_jax._warnings import warn_once
-from pk_jax.ops.all_reduce_primitive import (KERNEL_MECHANISMS, AllReduceConfig, all_reduce_p)
+from pk_jax.ops.all_reduce.primitive import (KERNEL_MECHANISMS, AllReduceConfig, all_reduce_p)
 
-MECHANISMS = ("auto", "one_shot", "two_shot", "copy_engine", "xla")
+MECHANISMS = ("auto", *KERNEL_MECHANISMS, "xla")
 # Earlier spellings, still accepted with a DeprecationWarning.
 DEPRECATED_MECHANISMS = {"ld_st_oneshot": "one_shot"}
 KERNEL_DTYPES = (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16), np.dtype(np.float32),

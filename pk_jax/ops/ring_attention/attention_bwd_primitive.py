@@ -34,7 +34,7 @@ from jax.interpreters import mlir
 from pk_jax import reference
 from pk_jax._compat import vary_alike
 from pk_jax.ops._lowering import kernels_missing
-from pk_jax.ops.ring_attention_primitive import BWD_HEAD_DIMS, RingConfig, operand_problem
+from pk_jax.ops.ring_attention.primitive import BWD_HEAD_DIMS, RingConfig, operand_problem
 
 attention_block_bwd_p = Primitive("pk_attention_block_bwd")
 attention_block_bwd_p.multiple_results = True

@@ -23,9 +23,10 @@ from pk_jax.ops._lowering import channel_attr, kernel_group, spans_processes
 
 ZERO_COPY = ("ld_st_push", "ld_st_pull")  # publish raw buffer addresses
 
-# The kernel mechanisms and their ids in the FFI attribute `mechanism`
-# (csrc/kernels/all_gather/all_gather.h: Mechanism).
-KERNEL_MECHANISMS = {"ld_st_pull": 0, "copy_engine": 1, "ld_st_push": 2, "ld_st_ll": 3}
+# The kernel mechanisms, in the order pk_jax.all_gather lists them (its
+# MECHANISMS: "auto", these, "xla"), and their ids in the FFI attribute
+# `mechanism` (csrc/kernels/all_gather/all_gather.h: Mechanism).
+KERNEL_MECHANISMS = {"ld_st_ll": 3, "ld_st_push": 2, "ld_st_pull": 0, "copy_engine": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ def gather(x, names: tuple[str, ...], dim: int, tiled: bool, mechanism: str = "a
     """The primitive bound on `x` (a dtype with a kernel; dim already
     normalized), made varying over `names`, with the mechanism resolved for
     this call. pk_jax.all_gather calls it once its arguments are checked, and
-    so does reduce_scatter's transpose (all_reduce_primitive.py)."""
+    so does reduce_scatter's transpose (all_reduce/primitive.py)."""
     rows, row_bytes = layout(x.shape, dim, np.dtype(x.dtype).itemsize)
     chosen = resolve_mechanism(mechanism, rows * row_bytes, row_bytes)
     assert chosen in KERNEL_MECHANISMS, chosen

@@ -27,14 +27,18 @@ from jax.interpreters import mlir
 from pk_jax import reference
 from pk_jax.ops._lowering import channel_attr, kernel_group
 
-HEAD_DIMS = (64, 128, 256)  # the forward kernel's (attention_sm90.cuh: FormTile)
-BWD_HEAD_DIMS = (64, 128)  # the block backward kernel's (attention_bwd.h)
+# The head dims the kernels take: supported() of csrc/kernels/ring_attention/
+# ring_attention.cu (the forward) and of csrc/kernels/attention_bwd/
+# attention_bwd.cu (the block backward, and so the fused ring backward).
+HEAD_DIMS = (64, 128, 256)
+BWD_HEAD_DIMS = (64, 128)
 DTYPES = (jnp.bfloat16, jnp.float16)
 TILE_Q = 128  # query rows per CTA: kTileQ (csrc/kernels/ring_attention/ring_attention.h)
 MAX_PIECES = 8  # pieces a peer's block is posted in: kMaxPieces
 PIECE_BYTES = 4 << 20  # a peer's block is posted in pieces of about this size
-# The kernel's mechanisms, as the FFI attribute `mechanism` spells them
-# (ring_attention.h, enum Mechanism).
+# The kernel's mechanisms, in the order pk_jax.ring_attention lists them (its
+# MECHANISMS: "auto", these, "xla", "cudnn"), as the FFI attribute `mechanism`
+# spells them (ring_attention.h, enum Mechanism).
 KERNEL_MECHANISMS = {"copy_engine": 0, "ld_st": 1}
 DEFAULT_COMM_CTAS = 16  # ld_st communicator CTAs: kDefaultCommCtas
 MAX_COMM_CTAS = 32      # kMaxCommCtas
@@ -51,7 +55,7 @@ class RingConfig:
       scale: the score scale.
       layout: "contiguous" or "zigzag" (which global tokens a rank holds).
       mechanism: "copy_engine" or "ld_st" (the fused kernel), "cudnn" (the
-        ring of cuDNN blocks, ring_attention_cudnn.py) or "xla" (the
+        ring of cuDNN blocks, cudnn.py) or "xla" (the
         pure-JAX ring), resolved at trace time.
       forced: the user asked for `mechanism` (else "auto" chose it).
       num_comm_ctas: ld_st's communicator CTAs; 0 for the other mechanisms.

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pk_jax.ops import fp8_primitive as prim
+from pk_jax.ops.fp8 import primitive as prim
 
 SCALINGS = ("tensor", "block")
 # The recipe an Fp8Weight's activations and gradients are quantized by.

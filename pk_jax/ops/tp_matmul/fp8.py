@@ -4,7 +4,7 @@ matmul_all_reduce).
 
 Each op quantizes its operands with pk's quantization kernel, moves the
 quantized rows and their factors with pk's collectives (half the bytes of
-bf16) and runs pk's scaled FP8 GEMMs (pk_jax/ops/fp8.py), forward and both
+bf16) and runs pk's scaled FP8 GEMMs (pk_jax/ops/fp8/), forward and both
 gradients; sums (reduce-scatter, all-reduce) travel and add in the output
 dtype with fp32 accumulation. Per-tensor factors of a gathered operand are
 shared by the whole axis: the scale comes from the axis-wide amax (a pmax of
@@ -12,7 +12,7 @@ one float), so the gathered rows form one FP8 operand with one factor.
 Block factors travel with their rows.
 
 With per-tensor factors and a bfloat16 result the FP8 GEMMs run inside the
-bf16 ops' host sequences (tp_matmul_primitive's *_fp8 primitives): the
+bf16 ops' host sequences (primitive.py's *_fp8 primitives): the
 quantized rows feed the chunk GEMMs as the copy engines land them
 (all_gather_matmul), the partial products go straight to their owners
 (matmul_reduce_scatter, matmul_all_reduce), and each backward's dx runs the
@@ -24,7 +24,7 @@ one after the other.
 A stored operand (`Fp8Weight`, `Fp8Activation`: each rank's shard as
 stored) enters the GEMMs as it is; its cotangent is zero. An activation that
 all_gather_matmul gathers with one tensor factor needs that factor to be the
-same on every rank (tp_matmul.py checks its type).
+same on every rank (api.py checks its type).
 
 Delayed scaling: the caller's scales (x, w, dy) quantize the operands; each
 op returns (y, (amax(x), amax(w))) and carries amax(dy) as the cotangent of
@@ -45,10 +45,10 @@ import numpy as np
 
 from pk_jax import tuning
 from pk_jax._compat import make_varying, sum_to_type_of
-from pk_jax.ops import fp8 as fp8_ops
+from pk_jax.ops.fp8 import api as fp8_ops
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
-from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_fp8_p,
+from pk_jax.ops.tp_matmul.primitive import (TpConfig, all_gather_matmul_fp8_p,
                                             matmul_all_reduce_fp8_p,
                                             matmul_reduce_scatter_fp8_p)
 
@@ -138,7 +138,7 @@ def _fused(recipe: Recipe, out_dtype) -> bool:
 
 
 def _sequence(prim, names, n: int, out_dtype, mechanism: str, a, b, fa, fb):
-    """One FP8 host sequence (tp_matmul_primitive's *_fp8 primitives) on a
+    """One FP8 host sequence (primitive.py's *_fp8 primitives) on a
     [rows, K] and b [N, K] with their per-tensor factors; the operands vary
     over the axis as the primitives require."""
     operands = (make_varying(t, tuple(names)) for t in (a, b, fa, fb))

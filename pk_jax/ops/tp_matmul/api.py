@@ -24,17 +24,18 @@ from jax import lax
 from pk_jax import _args, groups, reference, runtime, tuning
 from pk_jax._compat import make_varying, sum_to_type_of, vary_alike, varying_axes
 from pk_jax._warnings import warn_once
-from pk_jax.ops import fp8 as fp8_ops
-from pk_jax.ops import fp8_primitive as prim_fp8
-from pk_jax.ops import tp_matmul_fp8
-from pk_jax.ops.fp8_stored import Fp8Activation, is_stored
-from pk_jax.ops.tp_matmul_primitive import (TpConfig, all_gather_matmul_bwd_p,
+from pk_jax.ops.fp8 import api as fp8_ops
+from pk_jax.ops.fp8 import primitive as prim_fp8
+from pk_jax.ops.tp_matmul import fp8 as tp_matmul_fp8
+from pk_jax.ops.fp8.stored import Fp8Activation, is_stored
+from pk_jax.ops.tp_matmul.primitive import (ALL_REDUCE_KERNEL_MECHANISMS, KERNEL_MECHANISMS,
+                                             TpConfig, all_gather_matmul_bwd_p,
                                              all_gather_matmul_p, matmul_all_reduce_p,
                                              matmul_reduce_scatter_bwd_p,
                                              matmul_reduce_scatter_p)
 
-MECHANISMS = ("auto", "chunked", "xla")
-ALL_REDUCE_MECHANISMS = ("auto", "chunked", "one_shot", "xla")
+MECHANISMS = ("auto", *KERNEL_MECHANISMS, "xla")
+ALL_REDUCE_MECHANISMS = ("auto", *ALL_REDUCE_KERNEL_MECHANISMS, "xla")
 _KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -225,7 +226,7 @@ _ar.defvjp(_ar_forward, _ar_backward)
 # ---- FP8 --------------------------------------------------------------------------
 def _fp8_call(op: str, impl, x, w, axis_name, fp8, fp8_scales, preferred_element_type,
               mechanism, rows_per_rank):
-    """The FP8 path of `op` (pk_jax/ops/tp_matmul_fp8.py) on x [rows, K] (leading
+    """The FP8 path of `op` (pk_jax/ops/tp_matmul/fp8.py) on x [rows, K] (leading
     dims flattened by the caller's reshape) or an Fp8Activation, and w [K, N]
     or an Fp8Weight: (out, amaxes or None, cfg)."""
     if fp8 is None and not (is_stored(x) or is_stored(w)):

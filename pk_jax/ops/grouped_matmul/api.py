@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pk_jax import _args
-from pk_jax.ops import grouped_matmul_primitive as prim
+from pk_jax.ops.grouped_matmul import primitive as prim
 
 MECHANISMS = ("auto", "kernel", "xla")
 

@@ -14,7 +14,7 @@ with each K/V block travelling r -> r + 1 together with its partial dK/dV
 
 `ppermute_backward`: the steps are `cfg.block_grads` (the block kernel
 primitive, einsums, or the step function the caller passes: cuDNN's
-backward, ring_attention_cudnn.py), the hops `lax.ppermute`s between them
+backward, cudnn.py), the hops `lax.ppermute`s between them
 (K and V stacked, one collective per hop). A ring of one is one block call writing
 dk and dv in k's dtype: nothing to stack, sum or cast.
 
@@ -47,9 +47,9 @@ from pk_jax import reference
 from pk_jax._compat import make_varying, vary_alike
 from pk_jax._warnings import warn_once
 from pk_jax.errors import PkJaxError
-from pk_jax.ops import attention_bwd_primitive as block_bwd
+from pk_jax.ops.ring_attention import attention_bwd_primitive as block_bwd
 from pk_jax.ops._lowering import channel_attr, kernel_group
-from pk_jax.ops.ring_attention_primitive import RingConfig, block_layout
+from pk_jax.ops.ring_attention.primitive import RingConfig, block_layout
 
 STAMP_BYTES = 512  # kStampBytes (csrc/kernels/ring_attention_bwd/ring_attention_bwd.h)
 

@@ -2,7 +2,7 @@
 
 Validation happens here, once, at trace time: dtypes with no kernel and
 mechanism="xla" call `lax.all_gather`; everything else goes to
-all_gather_primitive.gather, which resolves the mechanism and binds the
+primitive.gather, which resolves the mechanism and binds the
 primitive with one frozen config, lowered to the kernel on CUDA and to
 `lax.all_gather` on every other platform.
 """
@@ -18,9 +18,9 @@ from jax import lax
 from pk_jax import _args, groups, reference, runtime
 from pk_jax._compat import vary_alike
 from pk_jax._warnings import warn_once
-from pk_jax.ops.all_gather_primitive import gather
+from pk_jax.ops.all_gather.primitive import KERNEL_MECHANISMS, gather
 
-MECHANISMS = ("auto", "ld_st_ll", "ld_st_push", "ld_st_pull", "copy_engine", "xla")
+MECHANISMS = ("auto", *KERNEL_MECHANISMS, "xla")
 _KERNEL_ITEMSIZES = (1, 2, 4, 8)
 
 

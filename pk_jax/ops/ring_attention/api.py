@@ -7,9 +7,9 @@ masks use global token positions, computed from the rank and the layout
 
 Validation, the mechanism and the backward's block gradients are decided
 here, once, at trace time, into one frozen `RingConfig`:
-  * "copy_engine" / "ld_st": the fused forward kernel (ring_attention_primitive.py);
+  * "copy_engine" / "ld_st": the fused forward kernel (primitive.py);
   * "cudnn": a ring of cuDNN flash-attention blocks with XLA's
-    collective-permutes between them (ring_attention_cudnn.py);
+    collective-permutes between them (cudnn.py);
   * "xla": the pure-JAX ring (pk_jax/reference.py);
   * "auto": the kernel mechanism of pk_jax/tuning.py where the kernel takes
     the shapes, else "cudnn" where cuDNN's blocks take them and run here,
@@ -18,7 +18,7 @@ here, once, at trace time, into one frozen `RingConfig`:
     cuDNN's whole attention, the kernel with its block backward, or the
     kernel's forward with cuDNN's backward (`_single_gpu`).
 Gradients: a custom_vjp saving the output and log-sum-exp. The backward is a
-ring (ring_attention_bwd_primitive.py): K/V blocks travel with their partial
+ring (bwd_primitive.py): K/V blocks travel with their partial
 dK/dV and go home at the end, dq stays local, probabilities are recomputed
 from the log-sum-exp (the einsum steps: as the forward formed them, with a
 delta of their own, `_backward`), and the summation order is fixed. For the kernel
@@ -48,14 +48,14 @@ from pk_jax import _args, groups, reference, runtime, tuning
 from pk_jax import _compat
 from pk_jax._compat import make_varying, xla_attention
 from pk_jax._warnings import warn_once
-from pk_jax.ops import attention_bwd_primitive as block_bwd
-from pk_jax.ops import ring_attention_bwd_primitive as ring_bwd
-from pk_jax.ops import ring_attention_cudnn
-from pk_jax.ops.ring_attention_primitive import (DEFAULT_COMM_CTAS, KERNEL_MECHANISMS,
+from pk_jax.ops.ring_attention import attention_bwd_primitive as block_bwd
+from pk_jax.ops.ring_attention import bwd_primitive as ring_bwd
+from pk_jax.ops.ring_attention import cudnn as ring_attention_cudnn
+from pk_jax.ops.ring_attention.primitive import (DEFAULT_COMM_CTAS, KERNEL_MECHANISMS,
                                                  MAX_COMM_CTAS, RingConfig, kernel_problem,
                                                  ring_attention_p)
 
-MECHANISMS = ("auto", "copy_engine", "ld_st", "xla", "cudnn")
+MECHANISMS = ("auto", *KERNEL_MECHANISMS, "xla", "cudnn")
 LAYOUTS = ("contiguous", "zigzag")
 
 
@@ -153,7 +153,7 @@ def _mechanism(q, k, layout: str, mechanism: str) -> str:
 
 
 def _cudnn_blocks_take(q) -> bool:
-    """Whether cuDNN's blocks (ring_attention_cudnn.py) take q's dtype and
+    """Whether cuDNN's blocks (cudnn.py) take q's dtype and
     head dim and can run here."""
     return _compat.cudnn_operand_problem(q) is None and _compat.cudnn_blocks_available()
 
@@ -256,8 +256,8 @@ def _backward(cfg: RingConfig, q, k, v, out, lse, row_max, row_sum, dout, dlse):
     """(dq, dk, dv) from the forward's output and log-sum-exp (`dlse` may be
     None): the fused backward (one pk_ring_attention_bwd call) for
     `cfg.bwd_transport` "pk", else the XLA-collective ring whose steps run
-    `cfg.block_grads` (ring_attention_bwd_primitive.py; block_grads "cudnn":
-    the steps of ring_attention_cudnn.py).
+    `cfg.block_grads` (bwd_primitive.py; block_grads "cudnn":
+    the steps of cudnn.py).
 
     The einsum steps recompute the probabilities as the forward formed them
     (the pure-JAX ring's running max and sum, `row_max` and `row_sum`, where

@@ -23,7 +23,7 @@ its cotangent is zero.
 
 On CUDA GPUs with the extension built the quantization and the GEMMs are
 pk_jax kernels (csrc/kernels/fp8, csrc/kernels/gemm); elsewhere the same
-numerics in jax.numpy (`pk_jax/ops/fp8_primitive.py`), so results agree
+numerics in jax.numpy (`pk_jax/ops/fp8/primitive.py`), so results agree
 across platforms up to the order of the fp32 sums.
 """
 
@@ -41,9 +41,9 @@ from jax import lax
 
 from pk_jax import _args, groups
 from pk_jax._compat import make_varying, sum_to_type_of, varying_axes
-from pk_jax.ops import fp8_primitive as prim
+from pk_jax.ops.fp8 import primitive as prim
 from pk_jax.ops.all_reduce import all_reduce
-from pk_jax.ops.fp8_stored import RECIPE_OF, Fp8Activation, Fp8Weight, is_stored
+from pk_jax.ops.fp8.stored import RECIPE_OF, Fp8Activation, Fp8Weight, is_stored
 
 _RECIPES = ("current", "delayed", "block")
 

@@ -13,13 +13,13 @@ padding). Two directions (`ExchangeConfig.to_slots`):
   * rows -> slots (combine): src [R, ...] -> out [S, ...], zeros for slots
     without a row.
 The routing arrays stay on the device. Dispatch and combine are the two
-directions; pk_jax/ops/moe.py pairs them as each other's transposes
+directions; pk_jax/ops/moe/api.py pairs them as each other's transposes
 (custom_vjp), so the primitive has no AD rules. Lowering: on CUDA with the
 extension built, the FFI kernel of xla_ffi/moe.cc; elsewhere (and where the
 kernel cannot run on the axis under "auto") a dense `lax.all_to_all` of
 [n, R] blocks.
 
-On one device (no collective; moe.py pairs them in its custom_vjps):
+On one device (no collective; api.py pairs them in its custom_vjps):
   * `pk_moe_scatter_rows`: (src [S, H], dest [S * repeat] int32, row_slot
     [R] int32, scale [S * repeat] float32 or [0]) -> [R, H]: row r = scale[i]
     * src[i // repeat] for its slot i = row_slot[r], zeros where i is outside

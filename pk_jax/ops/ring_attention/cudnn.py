@@ -23,7 +23,7 @@ our own):
   * zigzag, an earlier rank's block (chunks src < r, 2n-1-src > 2n-1-r): all
     our rows see its first chunk and none its second; a later rank's block:
     only our second chunk sees it, both of its chunks.
-Backward (`block_grads`, the steps of ring_attention_bwd_primitive's ring):
+Backward (`block_grads`, the steps of bwd_primitive.py's ring):
 the same cases through cuDNN's backward fed the ring's output and
 log-sum-exp, which makes each call's gradients that block's share. cuDNN
 derives rowsum(dO * O) from the output, so these block gradients serve
@@ -42,7 +42,7 @@ from jax import lax
 
 from pk_jax import _compat, reference
 from pk_jax._compat import make_varying
-from pk_jax.ops.ring_attention_primitive import RingConfig
+from pk_jax.ops.ring_attention.primitive import RingConfig
 
 F32 = jnp.float32
 
@@ -141,7 +141,7 @@ def forward(q, k, v, cfg: RingConfig):
     return acc.astype(q.dtype), lse
 
 
-# ---- backward: the steps of ring_attention_bwd_primitive's ring --------------------
+# ---- backward: the steps of bwd_primitive.py's ring --------------------------------
 def block_grads(cfg: RingConfig, q, out, lse, dout, delta) -> Callable:
     """grads(kv [2, B, T, Hkv, D], step) -> (dq [B, S, Hq, D], dkv [2, B, T,
     Hkv, D]), fp32: the gradients of this rank's queries against the block
