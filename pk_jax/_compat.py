@@ -77,6 +77,25 @@ def drop_varying(aval, names: tuple[str, ...]):
     return aval
 
 
+def result_aval(aval, shape: tuple, dtype=None, **kwargs):
+    """The type of a primitive's result of `shape` (and `dtype`) derived from
+    its operand's `aval` (its varying axes, mesh and memory space). Where the
+    rank changes, the result's sharding spec gets one unsharded entry per
+    dimension (jax >= 0.11 checks the spec's length against the rank; these
+    results are per-device arrays, replicated or inside shard_map)."""
+    shape = tuple(shape)
+    sharding = getattr(aval, "sharding", None)
+    if "sharding" not in kwargs and sharding is not None and len(shape) != len(aval.shape):
+        spec = getattr(sharding, "spec", None)
+        if spec is not None and any(p is not None for p in spec):
+            raise ValueError(f"a result of rank {len(shape)} from an operand sharded as {spec}: "
+                             "pk_jax's primitives take per-device (unsharded) operands")
+        if spec is not None:
+            kwargs["sharding"] = sharding.update(spec=jax.sharding.PartitionSpec(
+                *([None] * len(shape))))
+    return aval.update(shape=shape, dtype=dtype, **kwargs)
+
+
 def bound_axis_names() -> tuple | None:
     """The axis names bound where this runs, in a trace (a shard_map's mesh
     axes, vmap's axis_name), or None where this jax does not tell."""

@@ -163,6 +163,24 @@ def test_fp8_dot_inside_shard_map(rng, sharding_mode):
     np.testing.assert_array_equal(np.asarray(y, np.float32), want)  # per-shard scales
 
 
+def test_plain_jit_on_sharded_operands_types_its_results(rng, sharding_mode):
+    """Plain jit on operands sharded over a mesh (no shard_map): the
+    quantizer's results of another rank than x (the one-element amax) carry
+    a sharding spec as long as their rank (jax 0.11 refuses any other), and
+    fp8_dot's values equal the one-device call's."""
+    x, w, _ = _inputs(rng, 8 * 32, 128, 128)
+    mesh = cpu_mesh((8,), ("x",))
+    xs = jax.device_put(x, NamedSharding(mesh, P("x")))
+    q, _, factors, amax = jax.jit(lambda x: pk_jax.fp8_quantize(x, "tensor"))(xs)
+    for a in (q, factors, amax):
+        spec = jax.typeof(a).sharding.spec
+        assert len(spec) in (0, a.ndim), (a.shape, spec)
+    assert float(amax[0]) == float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    y = jax.jit(lambda x, w: pk_jax.fp8_dot(x, w, "current"))(xs, w)
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(pk_jax.fp8_dot(x, w, "current"), np.float32))
+
+
 def test_delayed_scaling_inside_shard_map(rng, sharding_mode):
     """Replicated scales, rows sharded: the amaxes (and dy's, the scales'
     cotangent) are the maxima over every device, replicated like the scales."""

@@ -18,7 +18,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from pk_jax import reference, runtime, tuning
-from pk_jax._compat import make_varying
+from pk_jax._compat import make_varying, result_aval
 from pk_jax.ops._lowering import channel_attr, kernel_group, spans_processes
 
 ZERO_COPY = ("ld_st_push", "ld_st_pull")  # publish raw buffer addresses
@@ -97,7 +97,7 @@ def _abstract_eval(x, *, cfg: AllGatherConfig):
         out[cfg.dim] *= cfg.n
     else:
         out.insert(cfg.dim, cfg.n)
-    return x.update(shape=tuple(out))
+    return result_aval(x, tuple(out))
 
 
 def _transpose(ct, x, *, cfg: AllGatherConfig):

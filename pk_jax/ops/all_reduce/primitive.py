@@ -19,7 +19,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, mlir
 
 from pk_jax import reference
-from pk_jax._compat import make_varying
+from pk_jax._compat import make_varying, result_aval
 from pk_jax.ops._lowering import channel_attr, kernel_group
 from pk_jax.ops.all_gather.primitive import gather
 
@@ -105,7 +105,7 @@ def _abstract_eval(x, *, cfg: AllReduceConfig):
         out[d] //= cfg.n
     else:
         del out[d]
-    return x.update(shape=tuple(out))
+    return result_aval(x, tuple(out))
 
 
 def varying_axes_of(aval) -> frozenset:

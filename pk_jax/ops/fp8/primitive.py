@@ -34,7 +34,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
-from pk_jax._compat import vary_alike
+from pk_jax._compat import result_aval, vary_alike
 from pk_jax.ops._lowering import def_eager_impl, kernels_missing
 
 quantize_p = Primitive("pk_fp8_quantize")
@@ -184,20 +184,16 @@ def unsharded(a):
     return a
 
 
-def _result(x, shape, dtype):
-    return x.update(shape=shape, dtype=dtype)
-
-
 def _quantize_abstract(x, s, *, granularity, dtype, rowwise, transposed, given_scale, margin):
     r, c = x.shape
-    fp8 = lambda shape: _result(x, shape, dtype)
-    f32 = lambda shape: _result(x, shape, jnp.dtype(jnp.float32))
+    fp8 = lambda shape: result_aval(x, shape, dtype)
+    f32 = lambda shape: result_aval(x, shape, jnp.dtype(jnp.float32))
     return [fp8((r, c) if rowwise else (0, 0)), fp8((c, r) if transposed else (0, 0)),
             f32(factors_shape(granularity, r, c)), f32((1,) if granularity == "tensor" else (0,))]
 
 
 def _matmul_abstract(a, b, sa, sb, *, scaling, b_row_blocks, out_dtype):
-    return _result(a, (a.shape[0], b.shape[0]), out_dtype)
+    return result_aval(a, (a.shape[0], b.shape[0]), out_dtype)
 
 
 def _quantize_reference_lowering(ctx, x, s, **params):

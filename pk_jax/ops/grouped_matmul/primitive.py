@@ -30,7 +30,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pk_jax._compat import vary_alike
+from pk_jax._compat import result_aval, vary_alike
 from pk_jax.ops._lowering import kernels_missing
 
 grouped_matmul_p = Primitive("pk_grouped_matmul")
@@ -128,7 +128,7 @@ def _out_shape(a, b, groups: int, kind: str):
 
 
 def _abstract(a, b, group_sizes, *, kind: str, forced: bool, out_dtype):
-    return a.update(shape=_out_shape(a, b, group_sizes.shape[0], kind), dtype=out_dtype)
+    return result_aval(a, _out_shape(a, b, group_sizes.shape[0], kind), dtype=out_dtype)
 
 
 def _reference_lowering(ctx, a, b, group_sizes, *, kind: str, forced: bool = False,

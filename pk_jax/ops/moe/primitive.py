@@ -54,6 +54,7 @@ from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from pk_jax._compat import result_aval
 from pk_jax.ops._lowering import channel_attr, def_eager_impl, kernel_group, kernels_missing
 
 
@@ -74,7 +75,7 @@ moe_exchange_p = Primitive("pk_moe_exchange")
 
 def _abstract_eval(src, slot_peer, slot_row, row_src, *, cfg: ExchangeConfig):
     rows = slot_peer.shape[0] if cfg.to_slots else row_src.shape[0]
-    return src.update(shape=(rows,) + src.shape[1:])
+    return result_aval(src, (rows,) + src.shape[1:])
 
 
 def expand_mask(mask: jax.Array, like: jax.Array) -> jax.Array:
@@ -161,11 +162,11 @@ def weighted_sum(src: jax.Array, index: jax.Array, weight: jax.Array | None,
 
 
 def _scatter_abstract(src, dest, row_slot, scale, *, repeat: int, scaled: bool):
-    return src.update(shape=(row_slot.shape[0],) + src.shape[1:])
+    return result_aval(src, (row_slot.shape[0],) + src.shape[1:])
 
 
 def _sum_abstract(src, index, weight, *, tokens: int, weighted: bool):
-    return src.update(shape=(tokens,) + src.shape[1:])
+    return result_aval(src, (tokens,) + src.shape[1:])
 
 
 def reference_scatter_rows(src, dest, row_slot, scale, *, repeat: int, scaled: bool):
@@ -285,7 +286,7 @@ def local_layout(expert_ids: jax.Array, num_experts: int, capacity: int | None,
 
 
 def _layout_abstract(ids, *, num_experts: int, capacity: int, num_rows: int):
-    out = lambda *shape: ids.update(shape=shape, dtype=jnp.int32, weak_type=False)
+    out = lambda *shape: result_aval(ids, shape, dtype=jnp.int32, weak_type=False)
     return out(ids.shape[0]), out(num_rows), out(num_experts), out(), out()
 
 

@@ -44,7 +44,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import reference
-from pk_jax._compat import make_varying, vary_alike
+from pk_jax._compat import make_varying, result_aval, vary_alike
 from pk_jax._warnings import warn_once
 from pk_jax.errors import PkJaxError
 from pk_jax.ops.ring_attention import attention_bwd_primitive as block_bwd
@@ -201,7 +201,7 @@ def fused_backward(cfg: RingConfig, q, dout, lse, delta, k, v):
 
 def _abstract(q, dout, lse, delta, k, v, ranks, *, cfg: RingConfig):
     return (q.update(dtype=jnp.float32), k.update(), v.update(),
-            k.update(shape=(scratch_bytes(k.shape),), dtype=jnp.uint8))
+            result_aval(k, (scratch_bytes(k.shape),), dtype=jnp.uint8))
 
 
 def _reference(ctx, q, dout, lse, delta, k, v, ranks, *, cfg: RingConfig):

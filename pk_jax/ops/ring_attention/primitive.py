@@ -25,6 +25,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import reference
+from pk_jax._compat import result_aval
 from pk_jax.ops._lowering import channel_attr, kernel_group
 
 # The head dims the kernels take: supported() of csrc/kernels/ring_attention/
@@ -134,7 +135,7 @@ ring_attention_p.multiple_results = True
 
 def _abstract(q, k, v, *, cfg: RingConfig):
     b, s, hq, _ = q.shape
-    return q.update(), q.update(shape=(b, hq, s), dtype=jnp.float32)
+    return q.update(), result_aval(q, (b, hq, s), dtype=jnp.float32)
 
 
 def _reference(ctx, q, k, v, *, cfg: RingConfig):

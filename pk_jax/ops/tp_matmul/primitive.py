@@ -50,7 +50,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from pk_jax import reference
-from pk_jax._compat import drop_varying
+from pk_jax._compat import drop_varying, result_aval
 from pk_jax.ops.fp8 import primitive as prim_fp8
 from pk_jax.ops._lowering import channel_attr, kernel_group
 
@@ -108,8 +108,8 @@ def _region_bytes(n: int, rows: int, cols: int, dtype) -> int:
 def _ag_abstract(x, w, *, cfg: TpConfig, return_gathered: bool, transpose_w: bool):
     m, k = x.shape
     rows = cfg.n * m if return_gathered else 0
-    return (x.update(shape=(cfg.n * m, _n_cols(w, transpose_w)), dtype=cfg.out_dtype),
-            x.update(shape=(rows, k)))
+    return (result_aval(x, (cfg.n * m, _n_cols(w, transpose_w)), dtype=cfg.out_dtype),
+            result_aval(x, (rows, k)))
 
 
 def _ag_reference(ctx, x, w, *, cfg: TpConfig, return_gathered: bool, transpose_w: bool):
@@ -142,7 +142,7 @@ def _ag_cuda(ctx, x, w, *, cfg: TpConfig, return_gathered: bool, transpose_w: bo
 
 # ---- matmul_reduce_scatter --------------------------------------------------------
 def _rs_abstract(x, w, *, cfg: TpConfig, transpose_w: bool):
-    return x.update(shape=(x.shape[0] // cfg.n, _n_cols(w, transpose_w)), dtype=cfg.out_dtype)
+    return result_aval(x, (x.shape[0] // cfg.n, _n_cols(w, transpose_w)), dtype=cfg.out_dtype)
 
 
 def _rs_reference(ctx, x, w, *, cfg: TpConfig, transpose_w: bool):
@@ -166,7 +166,7 @@ def _rs_cuda(ctx, x, w, *, cfg: TpConfig, transpose_w: bool):
 
 # ---- matmul_all_reduce ------------------------------------------------------------
 def _ar_abstract(x, w, *, cfg: TpConfig):
-    return drop_varying(x.update(shape=(x.shape[0], w.shape[1]), dtype=cfg.out_dtype), cfg.names)
+    return drop_varying(result_aval(x, (x.shape[0], w.shape[1]), dtype=cfg.out_dtype), cfg.names)
 
 
 def _ar_reference(ctx, x, w, *, cfg: TpConfig):
@@ -220,8 +220,8 @@ def _bwd_cuda(ctx, operands, *, cfg: TpConfig, op: str, sequence: str, slot, ffi
 
 def _ag_bwd_abstract(dy, w, gathered, *, cfg: TpConfig):
     k = w.shape[0]
-    return (dy.update(shape=(dy.shape[0] // cfg.n, k), dtype=cfg.out_dtype),
-            dy.update(shape=w.shape, dtype=w.dtype))
+    return (result_aval(dy, (dy.shape[0] // cfg.n, k), dtype=cfg.out_dtype),
+            result_aval(dy, w.shape, dtype=w.dtype))
 
 
 def _ag_bwd_reference(ctx, dy, w, gathered, *, cfg: TpConfig):
@@ -243,8 +243,8 @@ def _ag_bwd_cuda(ctx, dy, w, gathered, *, cfg: TpConfig):
 
 
 def _rs_bwd_abstract(dy, w, x, *, cfg: TpConfig):
-    return (dy.update(shape=(cfg.n * dy.shape[0], w.shape[0]), dtype=cfg.out_dtype),
-            dy.update(shape=w.shape, dtype=w.dtype))
+    return (result_aval(dy, (cfg.n * dy.shape[0], w.shape[0]), dtype=cfg.out_dtype),
+            result_aval(dy, w.shape, dtype=w.dtype))
 
 
 def _rs_bwd_reference(ctx, dy, w, x, *, cfg: TpConfig):
@@ -277,7 +277,7 @@ def _fp8_product(a, wt, sx, sw, cfg: TpConfig):
 
 
 def _ag_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig):
-    return x.update(shape=(cfg.n * x.shape[0], wt.shape[0]), dtype=cfg.out_dtype)
+    return result_aval(x, (cfg.n * x.shape[0], wt.shape[0]), dtype=cfg.out_dtype)
 
 
 def _ag_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig):
@@ -297,7 +297,7 @@ def _ag_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig):
 
 
 def _rs_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig):
-    return x.update(shape=(x.shape[0] // cfg.n, wt.shape[0]), dtype=cfg.out_dtype)
+    return result_aval(x, (x.shape[0] // cfg.n, wt.shape[0]), dtype=cfg.out_dtype)
 
 
 def _rs_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig):
@@ -318,7 +318,7 @@ def _rs_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig):
 
 
 def _ar_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig):
-    return drop_varying(x.update(shape=(x.shape[0], wt.shape[0]), dtype=cfg.out_dtype),
+    return drop_varying(result_aval(x, (x.shape[0], wt.shape[0]), dtype=cfg.out_dtype),
                         cfg.names)
 
 
