@@ -75,6 +75,7 @@ BWD = "csrc/kernels/attention_bwd/attention_bwd.h"
 RING_BWD = "csrc/kernels/ring_attention_bwd/ring_attention_bwd.h"
 FP8 = "csrc/kernels/fp8/fp8.h"
 GEMM = "csrc/kernels/gemm/gemm.h"
+TP_MATMUL = "csrc/kernels/tp_matmul/tp_matmul.h"
 
 
 @pytest.mark.parametrize("python,header,name", [
@@ -160,6 +161,8 @@ FFI_ENUMS = [
      {"all_reduce": "kAllReduce", "reduce_scatter": "kReduceScatter"}),
     (ring_attention_primitive.KERNEL_MECHANISMS, RING, "Mechanism",
      {"copy_engine": "kCopyEngine", "ld_st": "kLdSt"}),
+    (tp_matmul_primitive.ALL_REDUCE_KERNEL_MECHANISMS, TP_MATMUL, "AllReduceMechanism",
+     {"chunked": "kChunked", "one_shot": "kOneShot"}),
     (grouped_matmul_primitive.KINDS, GROUPED, "Kind",
      {"forward": "kForward", "lhs_grad": "kLhsGrad", "rhs_grad": "kRhsGrad"}),
     (fp8_primitive.GRANULARITY, FP8, "Granularity",
@@ -196,19 +199,49 @@ def _handler_attrs(rel: str) -> dict[str, str]:
     return out
 
 
-def test_matmul_all_reduce_mechanisms_cross_as_one_shot():
+def test_ffi_enums_are_int32_enum_classes():
+    """Each enum an FFI attribute carries is an `enum class <name> : int32_t`
+    (the handlers bind the attribute as int32_t and convert once)."""
+    for _, header, enum, _ in FFI_ENUMS:
+        assert re.search(rf"enum\s+class\s+{enum}\s*:\s*int32_t\s*\{{", _source(header)), \
+            f"{enum} in {header}"
+
+
+def test_every_mechanism_enum_is_checked():
+    """Every mechanism enum of a kernel header (`enum ... <Name>Mechanism`)
+    is one of FFI_ENUMS, so Python's list is checked against it."""
+    declared = set()
+    for path in sorted((ROOT / "csrc" / "kernels").glob("*/*.h")):
+        rel = str(path.relative_to(ROOT))
+        declared |= {(rel, e) for e in re.findall(r"enum\s+(?:class\s+)?(\w*Mechanism)\b",
+                                                  _source(rel))}
+    assert declared and declared <= {(h, e) for _, h, e, _ in FFI_ENUMS}, declared
+
+
+def test_mechanism_attributes_are_int32():
+    """Every handler's `mechanism` attribute is an int32 (an FFI_ENUMS enum's
+    value), never a bool or an int64."""
+    found = 0
+    for path in sorted((ROOT / "xla_ffi").glob("*.cc")):
+        for kind in re.findall(r'Attr<(\w+)>\("mechanism"\)', _source(str(path.relative_to(ROOT)))):
+            assert kind == "int32_t", path.name
+            found += 1
+    assert found >= 5  # all_gather, all_reduce, ring_attention, matmul_all_reduce (+ FP8)
+
+
+def test_matmul_all_reduce_mechanisms_cross_as_mechanism():
     """matmul_all_reduce's kernel mechanisms cross the FFI as its handlers'
-    (16-bit and FP8) bool attribute `one_shot`, one mechanism per value, the
-    chunked kernel false; the other TP handlers take no mechanism (they run
-    the chunked kernels only)."""
+    (16-bit and FP8) int32 attribute `mechanism` (tp_matmul.h:
+    AllReduceMechanism, checked in FFI_ENUMS); the other TP handlers take no
+    mechanism (they run the chunked kernels only)."""
     handlers = _handler_attrs("xla_ffi/tp_matmul.cc")
     assert len(handlers) >= 7, sorted(handlers)
-    one_shot = {h for h, b in handlers.items() if re.search(r'Attr<bool>\("one_shot"\)', b)}
-    assert one_shot == {"MatmulAllReduce", "MatmulAllReduceFp8"}
-    assert not [h for h, b in handlers.items() if "mechanism" in b]
-    table = tp_matmul_primitive.ALL_REDUCE_KERNEL_MECHANISMS
-    assert sorted(table.values()) == [False, True]
-    assert tp_matmul_primitive.KERNEL_MECHANISMS == ("chunked",) and table["chunked"] is False
+    with_mechanism = {h for h, b in handlers.items()
+                      if re.search(r'Attr<int32_t>\("mechanism"\)', b)}
+    assert with_mechanism == {"MatmulAllReduce", "MatmulAllReduceFp8"}
+    assert not [h for h, b in handlers.items() if "one_shot" in b]
+    assert tp_matmul_primitive.KERNEL_MECHANISMS == ("chunked",)
+    assert list(tp_matmul_primitive.ALL_REDUCE_KERNEL_MECHANISMS) == ["chunked", "one_shot"]
 
 
 def _function_body(rel: str, signature: str) -> str:

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from conftest import cpu_mesh, ffi_attr, rel_err
 from pk_jax import tuning
+from pk_jax.ops.tp_matmul import primitive as tp_primitive
 from pk_jax.partitioning import record_routes
 
 TOL = {jnp.float32: 1e-6, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
@@ -205,7 +206,8 @@ def test_lowering_is_one_kernel_call(cuda_lowering, rows, one_shot):
     hlo = _lowered(mesh, fwd, [(rows, 256), (256, 512)], [P(None, "tp"), P("tp", None)])
     call, = _ar_calls(hlo)
     assert "stablehlo.all_reduce" not in hlo
-    assert re.search(r"one_shot = (true|false)", call).group(1) == str(one_shot).lower()
+    mechanism = tp_primitive.ALL_REDUCE_KERNEL_MECHANISMS["one_shot" if one_shot else "chunked"]
+    assert re.search(r"mechanism = (\d+) : i32", call).group(1) == str(mechanism)
     ch, gather = _channel(call, "channel"), _channel(call, "gather_channel")
     assert ffi_attr(ch, "group_size") == "2" and ffi_attr(ch, "group_ids") == "dense<[0, 1]>"
     slot_rows = rows if one_shot else rows // 2

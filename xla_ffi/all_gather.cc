@@ -34,8 +34,11 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi_common::ChannelAttrs channel,
                          int64_t rows, int64_t row_bytes, int32_t mechanism,
                          int32_t num_blocks) {
+  if (!all_gather::is_mechanism(mechanism))
+    return ffi_common::invalid_argument(kOp, "unknown mechanism id " + std::to_string(mechanism));
+  const auto m = static_cast<all_gather::Mechanism>(mechanism);
   // Only the copy engine stages data: n blocks of x (group_size is checked first).
-  const size_t needed = mechanism == all_gather::kCopyEngine
+  const size_t needed = m == all_gather::Mechanism::kCopyEngine
                             ? all_gather::copy_engine_bytes(int(channel.group_size), x.size_bytes())
                             : 0;
   ffi_common::GroupContext ctx;
@@ -44,9 +47,9 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       e.failure())
     return e;
   const ffi_common::Group& g = ctx.group;
-  if (mechanism == all_gather::kLdStPull || mechanism == all_gather::kLdStPush)
+  if (m == all_gather::Mechanism::kLdStPull || m == all_gather::Mechanism::kLdStPush)
     if (ffi::Error e = ffi_common::require_one_process(
-            kOp, g, mechanism == all_gather::kLdStPush ? "ld_st_push" : "ld_st_pull");
+            kOp, g, m == all_gather::Mechanism::kLdStPush ? "ld_st_push" : "ld_st_pull");
         e.failure())
       return e;
   uint64_t block = 0;  // rows * row_bytes, overflow-checked
@@ -56,6 +59,7 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
     return ffi_common::invalid_argument(kOp, "buffer sizes do not match the lowered layout");
 
   all_gather::Params p;
+  p.mechanism = m;
   p.src = x.untyped_data();
   p.dst = out->untyped_data();
   p.rows = uint64_t(rows);
@@ -73,22 +77,13 @@ ffi::Error AllGatherImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   p.stream = stream;
 
   if (x.size_bytes() == 0) return ffi::Error::Success();
-  cudaError_t err;
-  if (mechanism == all_gather::kCopyEngine) {
-    err = all_gather::launch_copy_engine(p);
-  } else if (mechanism == all_gather::kLdStLl) {
-    if (!all_gather::ll_supports(p))
-      return ffi_common::invalid_argument(
-          kOp, "mechanism 'ld_st_ll' takes up to " + std::to_string(kLlMaxBytes) +
-                   " bytes per rank in whole 4-byte words, on one of the first " +
-                   std::to_string(kLlChannels) + " channels");
-    err = all_gather::launch_ll(p);
-  } else if (mechanism == all_gather::kLdStPull || mechanism == all_gather::kLdStPush) {
-    err = all_gather::launch_ld_st(p, mechanism == all_gather::kLdStPush);
-  } else {
-    return ffi_common::invalid_argument(kOp, "unknown mechanism id " + std::to_string(mechanism));
-  }
-  if (err != cudaSuccess) return ffi_common::cuda_error(kOp, "kernel launch", err);
+  if (!all_gather::supported(p))  // only ld_st_ll has bounds
+    return ffi_common::invalid_argument(
+        kOp, "mechanism 'ld_st_ll' takes up to " + std::to_string(kLlMaxBytes) +
+                 " bytes per rank in whole 4-byte words, on one of the first " +
+                 std::to_string(kLlChannels) + " channels");
+  if (cudaError_t err = all_gather::run(p); err != cudaSuccess)
+    return ffi_common::cuda_error(kOp, "kernel launch", err);
   return ffi::Error::Success();
 }
 

@@ -30,13 +30,13 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                          ffi::Result<ffi::AnyBuffer> out, ffi_common::ChannelAttrs channel,
                          ffi_common::ChannelAttrs channel2, int32_t kind, int32_t mechanism,
                          int64_t rows, int64_t stride, int64_t chunk) {
-  const char* op = kind == all_reduce::kReduceScatter ? "reduce_scatter" : "all_reduce";
-  const int32_t op_id = kind == all_reduce::kReduceScatter ? kOpReduceScatter : kOpAllReduce;
+  const bool scatter = kind == int32_t(all_reduce::Kind::kReduceScatter);
+  const char* op = scatter ? "reduce_scatter" : "all_reduce";
+  const int32_t op_id = scatter ? kOpReduceScatter : kOpAllReduce;
   // Everything is validated before the first enqueue.
-  if (kind != all_reduce::kAllReduce && kind != all_reduce::kReduceScatter)
+  if (!all_reduce::is_kind(kind))
     return ffi_common::invalid_argument(op, "unknown kind " + std::to_string(kind));
-  if (mechanism != all_reduce::kOneShot && mechanism != all_reduce::kTwoShot &&
-      mechanism != all_reduce::kCopyEngine)
+  if (!all_reduce::is_mechanism(mechanism))
     return ffi_common::invalid_argument(op, "unknown mechanism id " + std::to_string(mechanism));
   all_reduce::Elem elem;
   if (!elem_of(x.element_type(), &elem) || out->element_type() != x.element_type())
@@ -58,7 +58,6 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       !mul_ok(slot, es, &slot_bytes) || !mul_ok(slot_bytes, uint64_t(n), &n_slots) ||
       !mul_ok(in_bytes, uint64_t(n), &all_in_bytes))
     return ffi_common::invalid_argument(op, "sizes overflow 64 bits");
-  const bool scatter = kind == all_reduce::kReduceScatter;
   const uint64_t out_bytes = scatter ? slot_bytes : in_bytes;
   if (in_bytes != x.size_bytes() || out_bytes != out->size_bytes() || cover < geo.stride ||
       (scatter && cover != geo.stride) || (!scatter && geo.rows > 1))
@@ -72,8 +71,9 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
       e.failure())
     return e;
   all_reduce::Params p;
+  p.mechanism = m;
   const size_t second = all_reduce::phase2_bytes(m, k, geo, elem);
-  if (second > 0 || (!scatter && m != all_reduce::kOneShot)) {
+  if (second > 0 || (!scatter && m != all_reduce::Mechanism::kOneShot)) {
     if (channel2.group_size != n || channel2.slot == channel.slot)
       return ffi_common::invalid_argument(op, "the second channel does not match the first");
     ffi_common::GroupContext ctx2;
@@ -97,7 +97,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
   p.stream = stream;
 
   if (x.size_bytes() == 0) return ffi::Error::Success();
-  if (cudaError_t err = all_reduce::launch(p, m); err != cudaSuccess)
+  if (cudaError_t err = all_reduce::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(op, "enqueue", err);
   return ffi::Error::Success();
 }

@@ -81,9 +81,10 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   p.scale = given_scale ? scale.typed_data() : nullptr;
   p.amax = tensor ? amax->typed_data() : nullptr;
   p.margin = margin;
+  p.stream = stream;
   if (fp8::check(p) != cudaSuccess)
     return invalid("unsupported combination of granularity and outputs (the Python checks missed it)");
-  if (cudaError_t err = fp8::launch(p, stream); err != cudaSuccess)
+  if (cudaError_t err = fp8::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "launch", err);
   return ffi::Error::Success();
 }

@@ -64,7 +64,7 @@ ffi::Error MoeExchangeImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
   p.skip_post = ctx.skip_post;
   p.poison = kPoison;
   p.stream = stream;
-  if (cudaError_t err = moe::launch_exchange(p); err != cudaSuccess)
+  if (cudaError_t err = moe::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "exchange launch", err);
   return ffi::Error::Success();
 }
@@ -103,7 +103,7 @@ ffi::Error MoeScatterRowsImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyB
   p.rows = uint64_t(out->dimensions()[0]);
   p.cols = uint64_t(out->dimensions()[1]);
   p.stream = stream;
-  if (cudaError_t err = moe::launch_scatter_rows(p); err != cudaSuccess)
+  if (cudaError_t err = moe::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "scatter_rows launch", err);
   return ffi::Error::Success();
 }
@@ -130,7 +130,7 @@ ffi::Error MoeWeightedSumImpl(cudaStream_t stream, ffi::AnyBuffer src, ffi::AnyB
   p.k = tokens == 0 ? 1 : slots / tokens;
   p.cols = uint64_t(out->dimensions()[1]);
   p.stream = stream;
-  if (cudaError_t err = moe::launch_weighted_sum(p); err != cudaSuccess)
+  if (cudaError_t err = moe::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "weighted_sum launch", err);
   return ffi::Error::Success();
 }
@@ -169,7 +169,7 @@ ffi::Error MoeLayoutImpl(cudaStream_t stream, ffi::AnyBuffer expert_ids,
   p.experts = int32_t(experts);
   p.capacity = capacity;
   p.stream = stream;
-  if (cudaError_t err = moe::launch_layout(p); err != cudaSuccess)
+  if (cudaError_t err = moe::run(p); err != cudaSuccess)
     return ffi_common::cuda_error(kOp, "layout launch", err);
   return ffi::Error::Success();
 }

@@ -25,7 +25,7 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
                              ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::Buffer<ffi::F32>> lse,
                              ffi_common::ChannelAttrs channel, float scale, bool causal,
-                             bool zigzag, int64_t pieces, int64_t mechanism,
+                             bool zigzag, int64_t pieces, int32_t mechanism,
                              int64_t num_comm_ctas) {
   // With peers, the region holds n - 1 peer blocks of K and of V (ring_attention.h).
   const size_t needed =
@@ -70,9 +70,9 @@ ffi::Error RingAttentionImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.geo = ring_attention::Geometry{g.rank, g.n, int(qd[1]), zigzag, causal};
   p.pieces = int(pieces);
   p.skip_post = ctx.skip_post;
-  if (mechanism == int64_t(ring_attention::Mechanism::kCopyEngine)) {
+  if (mechanism == int32_t(ring_attention::Mechanism::kCopyEngine)) {
     p.mechanism = ring_attention::Mechanism::kCopyEngine;
-  } else if (mechanism == int64_t(ring_attention::Mechanism::kLdSt)) {
+  } else if (mechanism == int32_t(ring_attention::Mechanism::kLdSt)) {
     if (num_comm_ctas < 1 || num_comm_ctas > ring_attention::kMaxCommCtas)
       return invalid("num_comm_ctas must be 1.." + std::to_string(ring_attention::kMaxCommCtas) +
                      ", got " + std::to_string(num_comm_ctas));
@@ -111,7 +111,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("causal")
         .Attr<bool>("zigzag")
         .Attr<int64_t>("pieces")
-        .Attr<int64_t>("mechanism")                   // 0: copy_engine, 1: ld_st
+        .Attr<int32_t>("mechanism")                   // ring_attention::Mechanism
         .Attr<int64_t>("num_comm_ctas"),              // ld_st: communicator CTAs
     {ffi::Traits::kCmdBufferCompatible});
 

@@ -142,7 +142,8 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   if (gathered != nullptr && gathered->size_bytes() != size_t(p.n) * x.size_bytes())
     return ffi_common::invalid_argument(op, "expected gathered [n * m, K]");
   p.gathered = gathered != nullptr ? gathered->untyped_data() : nullptr;
-  return launched(op, tp_matmul::all_gather_matmul(p));
+  p.op = tp_matmul::Op::kAllGatherMatmul;
+  return launched(op, tp_matmul::run(p));
 }
 
 ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
@@ -181,7 +182,8 @@ ffi::Error MatmulReduceScatterBwdImpl(cudaStream_t stream, int32_t ordinal, ffi:
       e.failure())
     return e;
   if (ffi::Error e = read_weight_grad(kOp, x, *dw, dy, &p); e.failure()) return e;
-  return launched(kOp, tp_matmul::all_gather_matmul(p));
+  p.op = tp_matmul::Op::kAllGatherMatmul;
+  return launched(kOp, tp_matmul::run(p));
 }
 
 // matmul_reduce_scatter's call (the forward, or with act/dw the backward of
@@ -220,7 +222,8 @@ ffi::Error matmul_reduce_scatter(cudaStream_t stream, int32_t ordinal, ffi::AnyB
     return e;
   if (ffi::Error e = read_matmul_reduce_scatter(op, x, w, out, w_transposed, &p); e.failure())
     return e;
-  return launched(op, tp_matmul::matmul_reduce_scatter(p));
+  p.op = tp_matmul::Op::kMatmulReduceScatter;
+  return launched(op, tp_matmul::run(p));
 }
 
 ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
@@ -255,15 +258,20 @@ ffi::Error AllGatherMatmulBwdImpl(cudaStream_t stream, int32_t ordinal, ffi::Any
       e.failure())
     return e;
   if (ffi::Error e = read_weight_grad(kOp, gathered, *dw, dy, &p); e.failure()) return e;
-  return launched(kOp, tp_matmul::matmul_reduce_scatter(p));
+  p.op = tp_matmul::Op::kMatmulReduceScatter;
+  return launched(kOp, tp_matmul::run(p));
 }
 
 // 16-bit operands (w [K, N]), or FP8 with their factors (w [N, K]).
 ffi::Error matmul_all_reduce(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                              ffi::AnyBuffer w, const Fp8Factors* fp8, ffi::AnyBuffer out,
                              const ffi_common::ChannelAttrs& channel,
-                             const ffi_common::ChannelAttrs& gather_channel, bool one_shot) {
+                             const ffi_common::ChannelAttrs& gather_channel, int32_t mechanism) {
   const char* kOp = fp8 ? "matmul_all_reduce (fp8)" : "matmul_all_reduce";
+  if (!tp_matmul::is_all_reduce_mechanism(mechanism))
+    return ffi_common::invalid_argument(kOp, "unknown mechanism id " + std::to_string(mechanism));
+  const auto m = static_cast<tp_matmul::AllReduceMechanism>(mechanism);
+  const bool one_shot = m == tp_matmul::AllReduceMechanism::kOneShot;
   // With peers: chunked, each region holds one reduced chunk per rank
   // ([M / n, N] each: out's bytes in all); one_shot, one partial [M, N] per
   // rank (tp_matmul.h).
@@ -283,7 +291,8 @@ ffi::Error matmul_all_reduce(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
              "one_shot");
   if (out.size_bytes() != size_t(xd[0]) * p.n_cols * gemm::itemsize(p.out_type))
     return ffi_common::invalid_argument(kOp, "expected out [M, N]");
-  p.one_shot = one_shot;
+  p.op = tp_matmul::Op::kMatmulAllReduce;
+  p.mechanism = m;
   p.m = one_shot ? xd[0] : xd[0] / p.n;
   p.k = xd[1];
   if (p.n > 1 && !one_shot) {  // the reduced chunks travel on their own channel
@@ -297,25 +306,25 @@ ffi::Error matmul_all_reduce(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
     for (int q = 0; q < p.n; ++q) p.gather_region[q] = gather.regions[q];
     p.gather_ch = gather.channel;
   }
-  return launched(kOp, tp_matmul::matmul_all_reduce(p));
+  return launched(kOp, tp_matmul::run(p));
 }
 
 ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> out,
                                ffi_common::ChannelAttrs channel,
-                               ffi_common::ChannelAttrs gather_channel, bool one_shot) {
+                               ffi_common::ChannelAttrs gather_channel, int32_t mechanism) {
   return matmul_all_reduce(stream, ordinal, x, w, nullptr, *out, channel, gather_channel,
-                           one_shot);
+                           mechanism);
 }
 
 ffi::Error MatmulAllReduceFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                   ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
                                   ffi_common::ChannelAttrs channel,
-                                  ffi_common::ChannelAttrs gather_channel, bool one_shot) {
+                                  ffi_common::ChannelAttrs gather_channel, int32_t mechanism) {
   const Fp8Factors fp8{scale_x, scale_w};
   return matmul_all_reduce(stream, ordinal, x, w, &fp8, *out, channel, gather_channel,
-                           one_shot);
+                           mechanism);
 }
 
 }  // namespace
@@ -330,7 +339,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()                             // out: the sum [M, N]
         .Attr<ffi_common::ChannelAttrs>("channel")         // partial products
         .Attr<ffi_common::ChannelAttrs>("gather_channel")  // reduced chunks (chunked)
-        .Attr<bool>("one_shot"),                           // decode-sized M
+        .Attr<int32_t>("mechanism"),                       // tp_matmul::AllReduceMechanism
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -410,7 +419,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulReduceScatterFp8, MatmulReduceScatterFp8Impl
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulAllReduceFp8, MatmulAllReduceFp8Impl,
                               fp8_forward_binding()
                                   .Attr<ffi_common::ChannelAttrs>("gather_channel")
-                                  .Attr<bool>("one_shot"),
+                                  .Attr<int32_t>("mechanism"),  // AllReduceMechanism
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

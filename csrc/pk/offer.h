@@ -110,7 +110,7 @@ PK_OFFER_HD bool same_layout(uint64_t rows, uint64_t row_bytes, uint64_t peer_ro
 }
 
 // LL header word: an LL block has at most kLlMaxBytes / 4 = 4096 words, so
-// rows and words per row both fit 16 bits (ll_supports() bounds them).
+// rows and words per row both fit 16 bits (all_gather::supported() bounds them).
 PK_OFFER_HD uint32_t ll_layout(uint64_t rows, uint64_t row_words) {
   return uint32_t(rows << 16) | uint32_t(row_words & 0xffffu);
 }

@@ -172,6 +172,7 @@ int main(int argc, char** argv) {
       p.qt = c.transposed ? qt : nullptr;
       p.factors = factors;
       p.amax = amax;
+      p.stream = s;
       const int64_t count = c.g == Granularity::kTensor ? 1
                             : c.g == Granularity::kRows ? ((cols + kB - 1) / kB) * rows
                             : c.g == Granularity::kCols ? ((rows + kB - 1) / kB) * cols
@@ -209,7 +210,7 @@ int main(int argc, char** argv) {
       check(cudaMemsetAsync(factors, 0xFF, nf * 4, s), "poison");
       if (!c.rowwise) check(cudaMemsetAsync(q, 0, n, s), "unused");
       if (!c.transposed) check(cudaMemsetAsync(qt, 0, n, s), "unused");
-      check(pk::fp8::launch(p, s), "quantize");
+      check(pk::fp8::run(p), "quantize");
       check(cudaStreamSynchronize(s), "quantize");
       bool ok = (!c.rowwise || same(q, rq, n)) && (!c.transposed || same(qt, rqt, n)) &&
                 same(factors, rfactors, count * 4);
@@ -225,7 +226,7 @@ int main(int argc, char** argv) {
       float ms = 0.f;
       for (int rep = 0; rep < 2; ++rep) {
         check(cudaEventRecord(e0, s), "record");
-        for (int i = 0; i < 20; ++i) check(pk::fp8::launch(p, s), "quantize");
+        for (int i = 0; i < 20; ++i) check(pk::fp8::run(p), "quantize");
         check(cudaEventRecord(e1, s), "record");
         check(cudaEventSynchronize(e1), "sync");
         check(cudaEventElapsedTime(&ms, e0, e1), "elapsed");

@@ -55,7 +55,7 @@ cudaError_t enqueue(const Params& p) {
 
 }  // namespace
 
-cudaError_t launch_copy_engine(const Params& p) {
+cudaError_t run_copy_engine(const Params& p) {
   const signals::Outputs out(p.dst, uint64_t(p.ch.n) * p.rows * p.row_bytes, p.poison);
   return signals::finish_after(enqueue(p), p.ch, out, p.stream);
 }

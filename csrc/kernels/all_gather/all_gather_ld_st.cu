@@ -237,7 +237,7 @@ cudaError_t find_limits(int device, GridLimits* out) {
   return cudaSuccess;
 }
 
-// Filled per device by load_kernels (so launches query nothing); a device
+// Filled per device by load_ld_st_kernels (so launches query nothing); a device
 // beyond the table is queried at each launch (neither call synchronizes).
 constexpr int kCachedDevices = 64;
 std::atomic<int> g_sms[kCachedDevices];
@@ -254,9 +254,7 @@ cudaError_t grid_limits(int device, GridLimits* out) {
 
 }  // namespace
 
-cudaError_t load_ll_kernel();  // all_gather_ll.cu
-
-cudaError_t launch_ld_st(const Params& p, bool push) {
+cudaError_t run_ld_st(const Params& p, bool push) {
   LdStArgs a{};
   a.src = p.src;
   a.dst = p.dst;
@@ -280,9 +278,8 @@ cudaError_t launch_ld_st(const Params& p, bool push) {
   });
 }
 
-cudaError_t load_kernels() {
+cudaError_t load_ld_st_kernels() {
   for (const void* k : kKernels) PK_CUDA_TRY(preload_kernel(k));
-  PK_CUDA_TRY(load_ll_kernel());
   int device = 0;
   PK_CUDA_TRY(cudaGetDevice(&device));
   GridLimits lim;

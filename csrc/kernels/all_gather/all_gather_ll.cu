@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kThreads) all_gather_ll_kernel(
 
 }  // namespace
 
-cudaError_t launch_ll(const Params& p) {
+cudaError_t run_ll(const Params& p) {
   LlArgs a{};
   a.src = static_cast<const uint32_t*>(p.src);
   a.dst = static_cast<uint32_t*>(p.dst);
@@ -154,7 +154,7 @@ cudaError_t launch_ll(const Params& p) {
   return cudaGetLastError();
 }
 
-cudaError_t load_ll_kernel() {
+cudaError_t load_ll_kernels() {
   cudaFuncAttributes attr;
   return cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(all_gather_ll_kernel));
 }

@@ -2,7 +2,7 @@
 // caller's stream, rank r of n, epoch e of each channel (all_reduce.h has the
 // layout and the summation order).
 //
-// One-shot (kOneShot, all_reduce): one kernel, one_shot.cu.
+// One-shot (Mechanism::kOneShot, all_reduce): one kernel, one_shot.cu.
 // Two-shot (kTwoShot: SM pushes, kCopyEngine: copy-engine pushes):
 //   phase 1, channel 1, region: n packed chunk slots. wait_credit; push
 //     chunk q of x into slot r of peer q's region, for every peer q; post;
@@ -27,7 +27,9 @@ namespace pk::all_reduce {
 
 namespace {
 
-bool one_shot(Mechanism m, Kind k) { return m == kOneShot && k == kAllReduce; }
+bool one_shot(Mechanism m, Kind k) {
+  return m == Mechanism::kOneShot && k == Kind::kAllReduce;
+}
 
 const char* at(const void* base, uint64_t elems, size_t esize) {
   return static_cast<const char*>(base) + elems * esize;
@@ -82,7 +84,7 @@ cudaError_t enqueue_reduce_scatter(const Params& p, bool engine) {
     a.src[q] = q == r ? at(p.src, g.off(r), es) : at(p.region[r], q * slot, es);
     a.src_stride[q] = q == r ? g.stride : g.len(r);
   }
-  const bool scatter = p.kind == kReduceScatter;
+  const bool scatter = p.kind == Kind::kReduceScatter;
   a.dst = scatter ? p.dst : at(p.dst, g.off(r), es);
   a.dst_stride = scatter ? g.len(r) : g.stride;
   a.rows = g.rows;
@@ -117,8 +119,8 @@ cudaError_t enqueue_all_gather(const Params& p, bool engine) {
 }
 
 uint64_t result_bytes(const Params& p) {
-  const uint64_t elems = p.kind == kReduceScatter ? p.geo.rows * p.geo.len(p.ch.rank)
-                                                  : p.geo.rows * p.geo.stride;
+  const uint64_t elems = p.kind == Kind::kReduceScatter ? p.geo.rows * p.geo.len(p.ch.rank)
+                                                        : p.geo.rows * p.geo.stride;
   return elems * elem_bytes(p.elem);
 }
 
@@ -130,23 +132,26 @@ size_t phase1_bytes(Mechanism m, Kind k, const Geometry& g, Elem t) {
 }
 
 size_t phase2_bytes(Mechanism m, Kind k, const Geometry& g, Elem t) {
-  if (one_shot(m, k) || k != kAllReduce) return 0;
+  if (one_shot(m, k) || k != Kind::kAllReduce) return 0;
   return size_t(g.n) * g.chunk * elem_bytes(t);
 }
 
-cudaError_t launch(const Params& p, Mechanism m) {
-  if (one_shot(m, p.kind)) return launch_one_shot(p);  // one kernel: nothing enqueued before
+cudaError_t run(const Params& p) {
+  if (!is_mechanism(int32_t(p.mechanism)) || !is_kind(int32_t(p.kind)))
+    return cudaErrorInvalidValue;  // nothing enqueued
+  // One kernel: nothing enqueued before it.
+  if (one_shot(p.mechanism, p.kind)) return launch_one_shot(p);
   const signals::Outputs out(p.dst, result_bytes(p), p.poison);
-  const bool engine = m == kCopyEngine;
+  const bool engine = p.mechanism == Mechanism::kCopyEngine;
   cudaError_t err = enqueue_reduce_scatter(p, engine);
   if (err != cudaSuccess) {
     signals::finish(p.ch, out, p.stream, /*aborted=*/true);  // best effort
-    if (p.kind == kAllReduce)
+    if (p.kind == Kind::kAllReduce)
       signals::finish(p.ch2, out, p.stream, /*aborted=*/true);  // keep channel 2 in step
     return err;
   }
   PK_CUDA_TRY(signals::finish(p.ch, out, p.stream));
-  if (p.kind != kAllReduce) return cudaSuccess;
+  if (p.kind != Kind::kAllReduce) return cudaSuccess;
   return signals::finish_after(enqueue_all_gather(p, engine), p.ch2, out, p.stream);
 }
 

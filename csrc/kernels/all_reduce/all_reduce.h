@@ -1,4 +1,5 @@
-// all_reduce / reduce_scatter kernels: host-side launch interface.
+// all_reduce / reduce_scatter kernels: host-side interface (run: one call of
+// any mechanism).
 //
 // Layout. The input x holds `rows` rows of `stride` elements. Chunk c (the
 // part rank c reduces in the two-shot schedules, and the part of
@@ -35,13 +36,19 @@ enum class Elem : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2, kS32 = 3 };
 inline size_t elem_bytes(Elem t) { return t == Elem::kF32 || t == Elem::kS32 ? 4 : 2; }
 
 // Values of the FFI attribute "mechanism" (pk_jax/ops/all_reduce/primitive.py).
-enum Mechanism : int32_t {
-  kOneShot = 0,  // every rank pushes x into every peer's region, each reduces all of it
-  kTwoShot = 1,      // ld/st pushes: reduce-scatter into the owners, then all-gather
-  kCopyEngine = 2,   // the same two phases with copy-engine pushes
+enum class Mechanism : int32_t {
+  kOneShot = 0,     // every rank pushes x into every peer's region, each reduces all of it
+  kTwoShot = 1,     // ld/st pushes: reduce-scatter into the owners, then all-gather
+  kCopyEngine = 2,  // the same two phases with copy-engine pushes
 };
+inline bool is_mechanism(int32_t v) {
+  return v >= int32_t(Mechanism::kOneShot) && v <= int32_t(Mechanism::kCopyEngine);
+}
 // Values of the FFI attribute "kind".
-enum Kind : int32_t { kAllReduce = 0, kReduceScatter = 1 };
+enum class Kind : int32_t { kAllReduce = 0, kReduceScatter = 1 };
+inline bool is_kind(int32_t v) {
+  return v == int32_t(Kind::kAllReduce) || v == int32_t(Kind::kReduceScatter);
+}
 
 struct Geometry {
   uint64_t rows = 0;
@@ -62,10 +69,11 @@ struct Geometry {
 };
 
 struct Params {
+  Mechanism mechanism = Mechanism::kTwoShot;
   const void* src = nullptr;  // x (XLA buffer)
   void* dst = nullptr;        // the result (XLA buffer)
   Elem elem = Elem::kF32;
-  Kind kind = kAllReduce;
+  Kind kind = Kind::kAllReduce;
   Geometry geo;
   Channel ch{};               // phase 1 (every mechanism)
   Channel ch2{};              // phase 2: the all-gather of the two-shot all_reduce
@@ -82,11 +90,12 @@ struct Params {
 size_t phase1_bytes(Mechanism m, Kind k, const Geometry& g, Elem t);
 size_t phase2_bytes(Mechanism m, Kind k, const Geometry& g, Elem t);
 
-// The whole call on p.stream: every mechanism is a stream-ordered sequence of
-// pushes (ld/st kernel or copy engine), the signal kernels of pk/signals.h
-// and the reduction kernel. A CUDA error from an enqueue finishes the call as
-// aborted (result poisoned, epochs in step) and is returned.
-cudaError_t launch(const Params& p, Mechanism m);
+// The whole call on p.stream, by p.mechanism: the fused one-shot kernel
+// (kOneShot with kAllReduce), else a stream-ordered sequence of pushes (ld/st
+// kernel or copy engine), the signal kernels of pk/signals.h and the
+// reduction kernel. A CUDA error from an enqueue finishes the call as aborted
+// (result poisoned, epochs in step) and is returned.
+cudaError_t run(const Params& p);
 
 // ---- the data kernels (reduce.cu, copy_jobs.cu) ----------------------------
 // out[i][j] = sum over q = 0..n-1 of src[q][i * src_stride[q] + j], for rows

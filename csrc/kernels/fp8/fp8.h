@@ -53,13 +53,14 @@ struct Quantize {
   const float* scale = nullptr;
   float* amax = nullptr;        // kTensor: [1], required
   float margin = 0.0f;          // scale = max_finite * 2^-margin / amax (kTensor, current)
+  cudaStream_t stream = nullptr;  // every kernel of the call
 };
 
-// What launch() would refuse, without launching.
+// What run() would refuse, without launching.
 cudaError_t check(const Quantize& p);
-// Every kernel of the call on `stream` (kTensor without a scale: an amax
+// Every kernel of the call on p.stream (kTensor without a scale: an amax
 // reduction, then the conversion).
-cudaError_t launch(const Quantize& p, cudaStream_t stream);
+cudaError_t run(const Quantize& p);
 // Load the kernels on the current device (no lazy loading later).
 cudaError_t load_kernels();
 

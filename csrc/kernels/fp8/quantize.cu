@@ -20,7 +20,7 @@
 // 128-byte rows of qt). Matrices whose rows are not multiples of 16 or columns
 // of 8, or whose buffers are not aligned to the vectors, take the same roles
 // with one element per access and bounds on each.
-// Entry point: pk::fp8::launch.
+// Entry point: pk::fp8::run.
 #include "kernels/fp8/fp8.h"
 
 #include <cuda_bf16.h>
@@ -425,12 +425,12 @@ cudaError_t check(const Quantize& p) {
   return cudaErrorInvalidValue;
 }
 
-cudaError_t launch(const Quantize& p, cudaStream_t stream) {
+cudaError_t run(const Quantize& p) {
   PK_CUDA_TRY(check(p));
   switch (p.in) {
-    case DType::kBF16: return launch_in<__nv_bfloat16>(p, stream);
-    case DType::kF16: return launch_in<__half>(p, stream);
-    default: return launch_in<float>(p, stream);
+    case DType::kBF16: return launch_in<__nv_bfloat16>(p, p.stream);
+    case DType::kF16: return launch_in<__half>(p, p.stream);
+    default: return launch_in<float>(p, p.stream);
   }
 }
 

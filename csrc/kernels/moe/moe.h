@@ -1,5 +1,7 @@
-// MoE token exchange (pk_jax.moe_dispatch / moe_combine): host-side launch
-// interface.
+// MoE token exchange (pk_jax.moe_dispatch / moe_combine) and the one-device
+// kernels of the layout's rows: host-side interface, one run() overload per
+// job (its params type): the exchange (Params), scatter_rows
+// (ScatterParams), weighted_sum (SumParams), layout (LayoutParams).
 //
 // The routing, on the device (no host ever sees a size), in slot terms:
 // slot i (token i / repeat's copy i % repeat, where tokens are repeated) has
@@ -55,10 +57,11 @@ inline size_t staging_bytes(uint64_t rows, uint64_t row_bytes) {
   return size_t(rows) * size_t(row_bytes);
 }
 
-// Credit wait, the copies into staging (kToRows: the peers' regions;
-// kToSlots: our own), posts, bounded waits for every peer's post, the copies
-// out of staging into dst, finish (done flags, poison on failure, epoch).
-cudaError_t launch_exchange(const Params& p);
+// The exchange (moe_exchange.cu), on p.stream: credit wait, the copies into
+// staging (kToRows: the peers' regions; kToSlots: our own), posts, bounded
+// waits for every peer's post, the copies out of staging into dst, finish
+// (done flags, poison on failure, epoch).
+cudaError_t run(const Params& p);
 
 // ---- one device (moe_local.cu): the layout's rows moved on this GPU alone ----
 // scatter_rows: out [rows] row dest[i] = scale[i] * src row i / repeat for
@@ -128,9 +131,12 @@ struct LayoutParams {
   cudaStream_t stream = nullptr;
 };
 
-cudaError_t launch_scatter_rows(const ScatterParams& p);
-cudaError_t launch_weighted_sum(const SumParams& p);
-cudaError_t launch_layout(const LayoutParams& p);  // cudaErrorInvalidValue beyond the bounds
+// The one-device kernels, on p.stream: scatter_rows and weighted_sum
+// (moe_local.cu), layout (moe_layout.cu; cudaErrorInvalidValue beyond the
+// bounds).
+cudaError_t run(const ScatterParams& p);
+cudaError_t run(const SumParams& p);
+cudaError_t run(const LayoutParams& p);
 
 // Load the exchange kernels on the current device (no lazy load while a peer
 // spins), and the one-device kernels.

@@ -190,7 +190,7 @@ cudaError_t enqueue(const Params& p) {
 
 }  // namespace
 
-cudaError_t launch_exchange(const Params& p) {
+cudaError_t run(const Params& p) {
   const uint64_t out_rows = p.dir == Direction::kToRows ? p.rows : p.slots;
   const signals::Outputs out(p.dst, out_rows * p.row_bytes, p.poison);
   return signals::finish_after(enqueue(p), p.ch, out, p.stream);

@@ -219,7 +219,7 @@ cudaError_t launch(const LayoutParams& p) {
 
 }  // namespace
 
-cudaError_t launch_layout(const LayoutParams& p) {
+cudaError_t run(const LayoutParams& p) {
   if (p.slots > kLayoutMaxSlots || p.rows > kLayoutMaxRows || p.experts < 1 ||
       p.experts > kLayoutMaxExperts)
     return cudaErrorInvalidValue;

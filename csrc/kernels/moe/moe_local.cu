@@ -216,7 +216,7 @@ bool wide(uint64_t cols, const void* a, const void* b) {
 
 }  // namespace
 
-cudaError_t launch_scatter_rows(const ScatterParams& p) {
+cudaError_t run(const ScatterParams& p) {
   if (p.src_rows + p.rows == 0 || p.cols == 0) return cudaSuccess;
   return with_type(p.type, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -235,7 +235,7 @@ cudaError_t launch_scatter_rows(const ScatterParams& p) {
   });
 }
 
-cudaError_t launch_weighted_sum(const SumParams& p) {
+cudaError_t run(const SumParams& p) {
   if (p.tokens == 0 || p.cols == 0) return cudaSuccess;
   return with_type(p.type, [&](auto tag) {
     using T = typename decltype(tag)::type;

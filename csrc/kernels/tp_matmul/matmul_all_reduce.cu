@@ -1,7 +1,7 @@
 // matmul_all_reduce (see tp_matmul.h): out = psum(x @ w), the same bits on
-// every rank. Two host sequences.
+// every rank. Two host sequences, by p.mechanism (AllReduceMechanism).
 //
-// chunked, for call epoch e on rank r, m = M / n rows per chunk; chunk q is
+// chunked (kChunked), for call epoch e on rank r, m = M / n rows per chunk; chunk q is
 // reduced by rank q alone, in one fixed order:
 //   main stream:
 //     credit (ch): every peer finished summing what we wrote into its region.
@@ -26,7 +26,7 @@
 //     if one of our waits gave up).
 //   end: join the side stream, finish gather_ch (outputs poisoned if
 //     anything failed).
-// one_shot (decode-sized M; ch only, region: n slots of [M, N]): GEMM x @ w
+// one_shot (kOneShot; decode-sized M; ch only, region: n slots of [M, N]): GEMM x @ w
 //   -> slot r of our region; credit; for each peer q: copy engine slot r ->
 //   slot r of q's region, post q; one launch waits for every peer and sums
 //   the n slots in rank order (fp32) -> out; finish.
@@ -43,6 +43,8 @@
 namespace pk::tp_matmul {
 namespace {
 
+bool is_one_shot(const Params& p) { return p.mechanism == AllReduceMechanism::kOneShot; }
+
 // ---- launch config ---------------------------------------------------------
 // Pieces of our reduced chunk (n = 2): each at least kMinPieceRows rows, so
 // that its GEMM still fills the GPU; at most kMaxPieces. The last piece's
@@ -51,7 +53,7 @@ constexpr int64_t kMinPieceRows = 1024;
 constexpr int64_t kMaxPieces = 4;
 
 int64_t pieces(const Params& p) {
-  if (p.one_shot || p.n != 2) return 1;
+  if (is_one_shot(p) || p.n != 2) return 1;
   return std::clamp<int64_t>(p.m / kMinPieceRows, 1, kMaxPieces);
 }
 
@@ -63,10 +65,10 @@ char* slot(char* region, const Params& p, int q) { return region + size_t(q) * s
 
 // Rows of the output: chunk q (chunked), or all of it (one_shot).
 char* out_rows(const Params& p, int q) {
-  return static_cast<char*>(p.out) + (p.one_shot ? 0 : size_t(q) * slot_bytes(p));
+  return static_cast<char*>(p.out) + (is_one_shot(p) ? 0 : size_t(q) * slot_bytes(p));
 }
 
-size_t out_bytes(const Params& p) { return p.one_shot ? slot_bytes(p) : p.n * slot_bytes(p); }
+size_t out_bytes(const Params& p) { return is_one_shot(p) ? slot_bytes(p) : p.n * slot_bytes(p); }
 
 // Piece j of a chunk: its first row and row count.
 void piece(const Params& p, int64_t j, int64_t* first, int64_t* rows) {
@@ -81,7 +83,7 @@ void piece(const Params& p, int64_t j, int64_t* first, int64_t* rows) {
 //   chunked: q's rows into q's region for the peers nearest first, then our
 //   chunk: n = 2 its pieces (+ the peer's partial) -> out; n > 2 -> our slot.
 bool problem(const Params& p, int i, gemm::Problem* g) {
-  if (p.n == 1 || p.one_shot) {
+  if (p.n == 1 || is_one_shot(p)) {
     if (i > 0) return false;
     *g = x_rows_gemm(p, 0, p.m, p.n == 1 ? p.out : slot(p.region[p.rank], p, p.rank));
     return true;
@@ -202,7 +204,7 @@ cudaError_t matmul_all_reduce(const Params& p) {
   for (int i = 0; problem(p, i, &g); ++i) PK_CUDA_TRY(gemm::check(g, p.gemm_dev));
   const signals::Outputs out(p.out, out_bytes(p));
   cudaStream_t s = p.stream;
-  if (p.n == 1 || p.one_shot) {
+  if (p.n == 1 || is_one_shot(p)) {
     problem(p, 0, &g);
     return signals::finish_after(p.n == 1 ? gemm::run(g, p.gemm_dev, s) : one_shot(p), p.ch,
                                  out, s);

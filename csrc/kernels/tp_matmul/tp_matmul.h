@@ -11,6 +11,7 @@
 //   their GEMM adds the peer's slot in its epilogue and writes our shard;
 //   with more, it fills our slot and a sum of the n slots follows.
 // matmul_all_reduce: out[M, N] = sum_q (x_q @ w_q), the same bits on every rank
+//   (Params::mechanism)
 //   chunked: matmul_reduce_scatter's sequence reduces our chunk of rows (its
 //   owner, in one fixed order), in row pieces with two ranks; as each piece
 //   lands the side stream's copy engine pushes it into every peer's gather
@@ -53,7 +54,20 @@
 
 namespace pk::tp_matmul {
 
+// The op whose sequence run() enqueues: the three share Params (each file's
+// sequence reads the members it needs).
+enum class Op : int32_t { kAllGatherMatmul = 0, kMatmulReduceScatter = 1, kMatmulAllReduce = 2 };
+
+// matmul_all_reduce's sequences: values of its FFI attribute "mechanism"
+// (pk_jax/ops/tp_matmul/primitive.py: ALL_REDUCE_KERNEL_MECHANISMS). The
+// other ops run the chunked sequences only and take no mechanism.
+enum class AllReduceMechanism : int32_t { kChunked = 0, kOneShot = 1 };
+inline bool is_all_reduce_mechanism(int32_t v) {
+  return v == int32_t(AllReduceMechanism::kChunked) || v == int32_t(AllReduceMechanism::kOneShot);
+}
+
 struct Params {
+  Op op = Op::kAllGatherMatmul;
   const void* x = nullptr;
   const void* w = nullptr;   // [K, N] row-major, or [N, K] if w_transposed
   bool w_transposed = false; // the backward passes' w^T, without a copy
@@ -76,13 +90,13 @@ struct Params {
   // block, x [m, K] for all_gather_matmul, the output shard [m, N] for
   // matmul_reduce_scatter (with n = 2 our own slot stays unused).
   char* region[kMaxRanks] = {};
-  // matmul_all_reduce: the reduced chunks travel on a second channel (its
-  // own epochs and posts), one slot of [m, N] per rank in its region; with
-  // one_shot, m = all the rows, each rank's partial product staged in
+  // matmul_all_reduce: kChunked: the reduced chunks travel on a second
+  // channel (its own epochs and posts), one slot of [m, N] per rank in its
+  // region; kOneShot: m = all the rows, each rank's partial product staged in
   // `region` and no second channel.
+  AllReduceMechanism mechanism = AllReduceMechanism::kChunked;
   Channel gather_ch{};
   char* gather_region[kMaxRanks] = {};
-  bool one_shot = false;
   // Backward passes: the weight gradient dw [n_cols, k] (input type) of the
   // forward's activations `act` [n * m, n_cols]; null: none.
   void* dw = nullptr;
@@ -158,9 +172,15 @@ inline signals::PostLayout out_rows_layout(const Params& p) {
   return {uint64_t(p.m), uint64_t(p.n_cols) * gemm::itemsize(p.out_type)};
 }
 
+// The whole call of op p.op (tp_matmul.cu): its sequence below.
+// cudaErrorInvalidValue, with nothing enqueued, for an unknown op or
+// matmul_all_reduce mechanism.
+cudaError_t run(const Params& p);
+
+// ---- the sequences, one file each (<op>.cu), for run() --------------------
 cudaError_t all_gather_matmul(const Params& p);
 cudaError_t matmul_reduce_scatter(const Params& p);
-cudaError_t matmul_all_reduce(const Params& p);
+cudaError_t matmul_all_reduce(const Params& p);  // by p.mechanism
 
 // out = the sum over q < p.n of the slots (p.m x p.n_cols of the output type
 // each, back to back from `slots`), accumulated in fp32 in rank order; with

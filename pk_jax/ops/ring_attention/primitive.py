@@ -162,7 +162,7 @@ def _cuda(ctx, q, k, v, *, cfg: RingConfig):
     return jax.ffi.ffi_lowering("pk_ring_attention")(
         ctx, q, k, v, scale=np.float32(cfg.scale), causal=bool(cfg.causal),
         zigzag=cfg.layout == "zigzag", pieces=np.int64(n_pieces),
-        mechanism=np.int64(KERNEL_MECHANISMS[cfg.mechanism]),
+        mechanism=np.int32(KERNEL_MECHANISMS[cfg.mechanism]),
         num_comm_ctas=np.int64(cfg.num_comm_ctas), **attr)
 
 

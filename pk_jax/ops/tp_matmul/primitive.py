@@ -56,12 +56,12 @@ from pk_jax.ops._lowering import channel_attr, kernel_group
 
 
 # The kernels' mechanisms, in the order the ops list them (their MECHANISMS:
-# "auto", these, "xla"): the row-chunked kernels of every TP op, and for
-# matmul_all_reduce also the one-shot kernel (decode-sized M), which the
-# FFI's bool attribute `one_shot` selects (xla_ffi/tp_matmul.cc: each
-# mechanism's value here).
-KERNEL_MECHANISMS = ("chunked",)
-ALL_REDUCE_KERNEL_MECHANISMS = {"chunked": False, "one_shot": True}
+# "auto", these, "xla"): matmul_all_reduce's, the row-chunked kernels and the
+# one-shot kernel (decode-sized M), with their ids in its FFI attribute
+# `mechanism` (csrc/kernels/tp_matmul/tp_matmul.h: AllReduceMechanism); the
+# other TP ops run the chunked kernels only (no mechanism attribute).
+ALL_REDUCE_KERNEL_MECHANISMS = {"chunked": 0, "one_shot": 1}
+KERNEL_MECHANISMS = tuple(m for m in ALL_REDUCE_KERNEL_MECHANISMS if m != "one_shot")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,14 +188,15 @@ def _ar_cuda(ctx, x, w, *, cfg: TpConfig):
 
 def _ar_channels(table, cfg: TpConfig, rows: int, cols: int) -> dict:
     """matmul_all_reduce's attributes for an output [rows, cols]: its channel
-    (and the gather channel: chunked) and one_shot."""
-    one_shot = ALL_REDUCE_KERNEL_MECHANISMS[cfg.mechanism]
+    (and the gather channel: chunked) and mechanism."""
+    one_shot = cfg.mechanism == "one_shot"
     slot_rows = rows if one_shot else rows // cfg.n
     nbytes = _region_bytes(cfg.n, slot_rows, cols, cfg.out_dtype)
     reduce = channel_attr(table, "matmul_all_reduce", cfg.mechanism, nbytes)["channel"]
     gather = reduce if one_shot else channel_attr(table, "matmul_all_reduce", "gather",
                                                   nbytes)["channel"]
-    return dict(channel=reduce, gather_channel=gather, one_shot=one_shot)
+    return dict(channel=reduce, gather_channel=gather,
+                mechanism=np.int32(ALL_REDUCE_KERNEL_MECHANISMS[cfg.mechanism]))
 
 
 # ---- the backward passes: dx and dw in one call ------------------------------------
