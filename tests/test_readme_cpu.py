@@ -94,33 +94,39 @@ def test_every_command_is_run_or_checked():
             raise AssertionError(f"a README command no test runs or checks: {segment}")
 
 
-@pytest.mark.parametrize("commands", [QUICKSTART, FLAX_BLOCK], ids=["quickstart", "flax"])
-def test_commands_run_after_their_own_install(tmp_path, commands):
+def test_commands_run_after_their_own_install(tmp_path):
     """The README's quickstart (`pip install -e .`, then the quickstart) and
-    its Flax block (`pip install -e '.[flax]'`, then the Flax example and the
-    step breakdown), each in a fresh virtual environment holding only what
-    they install (the quickstart's has no flax): the install run as written
-    from the repository, then the commands with that environment's python.
-    Python only (PK_JAX_BUILD_CUDA=0: the kernels are not what this checks,
-    and a GPU machine would compile them for minutes). Each install takes
-    about 20 s from pip's index (CI's own install reaches it), the commands
-    10-20 s, on two cores."""
-    commands = [c for c in commands if c not in FRESH_ENV]
-    assert [c for c in commands if shlex.split(c)[:2] == ["pip", "install"]] == commands[:1]
+    then its Flax block (`pip install -e '.[flax]'`, then the Flax example and
+    the step breakdown), in the order a reader meets them, in one fresh
+    virtual environment: each install run as written from the repository,
+    then its commands with that environment's python. The quickstart runs
+    with its own install only (flax is checked absent there); the Flax
+    block's install holds the quickstart's, so the environment after it is
+    what `pip install -e '.[flax]'` alone gives. Python only
+    (PK_JAX_BUILD_CUDA=0: the kernels are not what this checks, and a GPU
+    machine would compile them for minutes). Each install takes about 20 s
+    from pip's index (CI's own install reaches it), the commands 10-20 s, on
+    two cores."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     env = {k: v for k, v in _env().items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env["PATH"] = str(venv / "bin") + os.pathsep + env.get("PATH", "")
     env["PK_JAX_BUILD_CUDA"] = "0"
-    for command in commands:
-        proc = subprocess.run(command, shell=True, env=env, capture_output=True, text=True,
-                              timeout=900, cwd=ROOT)
-        assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-4000:])
-        for what in PRINTS.get(command, ()):
-            assert what in proc.stdout, (what, proc.stdout[-4000:])
-    where = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import pk_jax; print(pk_jax.__file__)"], env=env,
-                           capture_output=True, text=True, timeout=300)
+    python = lambda code: subprocess.run([str(venv / "bin" / "python"), "-c", code], env=env,
+                                         capture_output=True, text=True, timeout=300)
+    for block in (QUICKSTART, FLAX_BLOCK):
+        commands = [c for c in block if c not in FRESH_ENV]
+        assert [c for c in commands if shlex.split(c)[:2] == ["pip", "install"]] == commands[:1]
+        if block is FLAX_BLOCK:
+            absent = python("import flax")
+            assert absent.returncode != 0, "the quickstart's install alone brought flax"
+        for command in commands:
+            proc = subprocess.run(command, shell=True, env=env, capture_output=True, text=True,
+                                  timeout=900, cwd=ROOT)
+            assert proc.returncode == 0, (command, proc.stdout[-2000:], proc.stderr[-4000:])
+            for what in PRINTS.get(command, ()):
+                assert what in proc.stdout, (what, proc.stdout[-4000:])
+    where = python("import pk_jax; print(pk_jax.__file__)")
     assert where.stdout.strip() == str(ROOT / "pk_jax" / "__init__.py"), where  # this checkout
 
 
