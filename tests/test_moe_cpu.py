@@ -3,6 +3,7 @@ values and gradients against a dense reference (every token through its
 top-k experts), the layout metadata, uneven routing, capacity drops,
 out-of-range ids and input checks, on Auto and Explicit meshes."""
 
+import functools
 import re
 
 import jax
@@ -74,6 +75,7 @@ def test_all_to_all_errors():
 
 
 # ---- dispatch / combine -----------------------------------------------------------
+@functools.partial(jax.jit, static_argnums=4)  # one compile, not one per eager op
 def _dense(x, ids, w, wts, num_experts):
     """Every token through its top-k experts (linear experts W[e]), weighted;
     out-of-range ids contribute nothing."""
@@ -119,10 +121,10 @@ def _values_and_grads(f, args, x, ids, w, wts, e, tol):
     ref = _dense(x, ids, w, wts, e)
     assert rel_err(out, ref) < tol
     cot = jnp.asarray(np.random.default_rng().standard_normal(ref.shape), ref.dtype)
-    g = jax.grad(lambda a, b, c: jnp.sum(f(a, args[1], b, c) * cot), argnums=(0, 1, 2))(
-        args[0], args[2], args[3])
-    g_ref = jax.grad(lambda a, b, c: jnp.sum(_dense(a, ids, b, c, e) * cot),
-                     argnums=(0, 1, 2))(x, w, wts)
+    g = jax.jit(jax.grad(lambda a, b, c: jnp.sum(f(a, args[1], b, c) * cot),
+                         argnums=(0, 1, 2)))(args[0], args[2], args[3])
+    g_ref = jax.jit(jax.grad(lambda a, b, c: jnp.sum(_dense(a, ids, b, c, e) * cot),
+                             argnums=(0, 1, 2)))(x, w, wts)
     for name, a, b in zip(("x", "weights", "experts"), g, g_ref):
         if np.linalg.norm(np.asarray(b, np.float64)) == 0:
             assert np.linalg.norm(np.asarray(a, np.float64)) == 0, name
