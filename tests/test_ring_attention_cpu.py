@@ -578,12 +578,21 @@ def _grads64(q, k, v, dout, scale, causal):
             groups(np.einsum("bhst,bshd->bthd", p, do)))
 
 
-def _grad_errors(f, qkv, dout, want):
-    """Max |error| of each of f's gradients (dq, dk, dv) against `want`
+def _grad_errors(got, want):
+    """Max |error| of each gradient of `got` (dq, dk, dv) against `want`
     (inf where one is NaN)."""
-    got = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * dout), (0, 1, 2)))(*qkv)
     return [float(np.nan_to_num(np.max(np.abs(np.asarray(a, np.float64) - b)), nan=np.inf))
             for a, b in zip(got, want)]
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "causal"))
+def _jax_nn_grads(q, k, v, dout, *, scale, causal):
+    """jax.nn.dot_product_attention's (dq, dk, dv) of sum(out * dout) under
+    jit: one compile per scale and mask, shared by every test that bounds
+    its error by jax.nn's."""
+    loss = lambda q, k, v: jnp.sum(
+        jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal) * dout)
+    return jax.grad(loss, (0, 1, 2))(q, k, v)
 
 
 def _attention_inputs(rng, causal, scale):
@@ -618,9 +627,10 @@ def _as_accurate_as_jax_nn(f, rng, scales, causal, place=lambda a: a):
     for scale in scales:
         q, k, v, dout = _attention_inputs(rng, causal, scale)
         want = _grads64(q, k, v, dout, scale, causal)
-        ours = _grad_errors(f(scale), [place(a) for a in (q, k, v)], dout, want)
-        xla = _grad_errors(lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=causal), (q, k, v), dout, want)
+        ring = f(scale)
+        ours = _grad_errors(jax.jit(jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v) * dout),
+                                             (0, 1, 2)))(*(place(a) for a in (q, k, v))), want)
+        xla = _grad_errors(_jax_nn_grads(q, k, v, dout, scale=scale, causal=causal), want)
         for name, e, x, w in zip(("dq", "dk", "dv"), ours, xla, want):
             bound = 1e-5 * np.max(np.abs(w)) + (4 * x if np.isfinite(x) else 0.0)
             assert e <= bound, (scale, name, e, x)
