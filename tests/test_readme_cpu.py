@@ -1,7 +1,7 @@
 """README.md runs as written: its Python blocks, in order, as one program on
 8 fake CPU devices (the mesh the README builds with jax.make_mesh), and its
-shell commands: the quickstart and the Flax block each after its own install
-in a fresh environment, the test command CI's (.ci/run runs it), the wheel
+shell commands: the quickstart and then the Flax block, each after its own
+install, in one fresh environment, the test command CI's (.ci/run runs it), the wheel
 recipe the compile check's; GPU-only commands are checked to exist."""
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ def _segments() -> list[str]:
 
 
 COMMANDS = list(_commands())
-# The quickstart (its own fresh environment, install and script) and the
-# Flax block (its own install, then its commands); each runs as a whole in a
-# fresh virtual environment (test_commands_run_after_their_own_install).
+# The quickstart (a fresh environment, its install and script) and then the
+# Flax block (its own install, then its commands), in the reader's order in
+# one fresh virtual environment (test_commands_run_after_their_own_install).
 QUICKSTART = [s.strip() for s in COMMANDS[0].split("&&")]
 FLAX_BLOCK = next(_block_commands(body) for lang, body in BLOCKS
                   if lang == "bash" and "examples/flax_transformer.py" in body)
