@@ -362,7 +362,8 @@ int grid_for(int64_t work, int per_block, int cap) {
 }
 
 template <typename T, __nv_fp8_interpretation_t kFormat>
-cudaError_t launch_typed(const Quantize& p, cudaStream_t stream) {
+cudaError_t launch_typed(const Quantize& p) {
+  const cudaStream_t stream = p.stream;
   const float fp8_max = max_finite(p.out);
   if (p.granularity == Granularity::kTensor) {
     PK_CUDA_TRY(cudaMemsetAsync(p.amax, 0, sizeof(float), stream));
@@ -386,9 +387,8 @@ cudaError_t launch_typed(const Quantize& p, cudaStream_t stream) {
 }
 
 template <typename T>
-cudaError_t launch_in(const Quantize& p, cudaStream_t stream) {
-  return p.out == DType::kE4M3 ? launch_typed<T, __NV_E4M3>(p, stream)
-                               : launch_typed<T, __NV_E5M2>(p, stream);
+cudaError_t launch_in(const Quantize& p) {
+  return p.out == DType::kE4M3 ? launch_typed<T, __NV_E4M3>(p) : launch_typed<T, __NV_E5M2>(p);
 }
 
 template <typename T, __nv_fp8_interpretation_t kFormat>
@@ -428,9 +428,9 @@ cudaError_t check(const Quantize& p) {
 cudaError_t run(const Quantize& p) {
   PK_CUDA_TRY(check(p));
   switch (p.in) {
-    case DType::kBF16: return launch_in<__nv_bfloat16>(p, p.stream);
-    case DType::kF16: return launch_in<__half>(p, p.stream);
-    default: return launch_in<float>(p, p.stream);
+    case DType::kBF16: return launch_in<__nv_bfloat16>(p);
+    case DType::kF16: return launch_in<__half>(p);
+    default: return launch_in<float>(p);
   }
 }
 
