@@ -60,6 +60,7 @@ import pathlib
 import re
 import statistics
 import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -474,46 +475,62 @@ def _flax_fp8_steps(w):
     return steps
 
 
-def fp8_train(table: Table, shapes, rounds: int, smoke: bool) -> None:
-    xla_fp8 = _xla_fp8_current_dot()
+def fp8_train_inputs(m: int, k: int, n: int):
+    """Fresh x [m, k], w [k, n] (unit-variance outputs) and dy [m, n], bf16."""
+    keys = _fresh_keys(3)
+    x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+    w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * k ** -0.5
+    dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
+    return x, w, dy
+
+
+def fp8_train_steps(x, w, dy) -> dict[str, Callable]:
+    """Every implementation of the fp8_train section: {name: jitted step(x, w,
+    dy) -> (y, dx, dw)}. Delayed scaling gets the scales an amax history of
+    earlier steps would give (this step's amaxes)."""
+    fmax = {d: float(jnp.finfo(d).max) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2)}
+    scales = tuple(jnp.float32(fmax[d]) / jnp.max(jnp.abs(a.astype(jnp.float32)))
+                   for a, d in ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn),
+                                (dy, jnp.float8_e5m2)))
     mesh = one_axis_mesh(jax.devices()[:1], "x")
+
+    def step_of(f):
+        def step(x, w, dy):
+            y, vjp = jax.vjp(f, x, w)
+            return (y, *vjp(dy))
+        return jax.jit(step)
+
+    def delayed(x, w, dy):
+        (y, _), vjp = jax.vjp(lambda x, w, s: pk_jax.fp8_dot(x, w, "delayed", scales=s),
+                              x, w, scales)
+        dx, dw, _ = vjp((dy, (jnp.zeros(1, jnp.float32),) * 2))
+        return y, dx, dw
+    tp = {f"pk_tp_fp8_{r}": step_of(jax.shard_map(
+        lambda x, w, r=r: pk_jax.all_gather_matmul(x, w, "x", fp8=r), mesh=mesh,
+        in_specs=(P("x"), P()), out_specs=P("x"))) for r in ("current", "block")}
+    return {
+        "pk_fp8_current": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current")),
+        "pk_fp8_delayed": jax.jit(delayed),
+        "pk_fp8_block": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "block")),
+        **tp,
+        "xla_bf16": step_of(lambda x, w: x @ w),
+        "xla_fp8_current": step_of(_xla_fp8_current_dot()),
+        **_flax_fp8_steps(w),
+    }
+
+
+def fp8_train(table: Table, shapes, rounds: int, smoke: bool) -> None:
     for m, k, n in shapes:
-        keys = _fresh_keys(3)
-        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-        w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * k ** -0.5
-        dy = jax.random.normal(keys[2], (m, n), jnp.bfloat16)
-        fmax = {d: float(jnp.finfo(d).max) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2)}
-        # delayed scaling's scales, as an amax history of earlier steps would give them
-        scales = tuple(jnp.float32(fmax[d]) / jnp.max(jnp.abs(a.astype(jnp.float32)))
-                       for a, d in ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn),
-                                    (dy, jnp.float8_e5m2)))
-
-        def step_of(f):
-            def step(x, w, dy):
-                y, vjp = jax.vjp(f, x, w)
-                return (y, *vjp(dy))
-            return jax.jit(step)
-
-        def delayed(x, w, dy):
-            (y, _), vjp = jax.vjp(lambda x, w, s: pk_jax.fp8_dot(x, w, "delayed", scales=s),
-                                  x, w, scales)
-            dx, dw, _ = vjp((dy, (jnp.zeros(1, jnp.float32),) * 2))
-            return y, dx, dw
-        tp = {f"pk_tp_fp8_{r}": step_of(jax.shard_map(
-            lambda x, w, r=r: pk_jax.all_gather_matmul(x, w, "x", fp8=r), mesh=mesh,
-            in_specs=(P("x"), P()), out_specs=P("x"))) for r in ("current", "block")}
-        steps = {
-            "pk_fp8_current": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current")),
-            "pk_fp8_delayed": jax.jit(delayed),
-            "pk_fp8_block": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "block")),
-            **tp,
-            "xla_bf16": step_of(lambda x, w: x @ w),
-            "xla_fp8_current": step_of(xla_fp8),
-            **_flax_fp8_steps(w),
-        }
-        outs = {name: jax.block_until_ready(f(x, w, dy)) for name, f in steps.items()}
-        fns = {name: (lambda f=f: f(x, w, dy)) for name, f in steps.items()}
+        x, w, dy = fp8_train_inputs(m, k, n)
+        steps = fp8_train_steps(x, w, dy)
         case = f"{m}x{k}x{n}"
+        outs = {}
+        for name, f in steps.items():  # the first call compiles: its time, for the log
+            t0 = time.perf_counter()
+            outs[name] = jax.block_until_ready(f(x, w, dy))
+            print(f"-- fp8_train {case} {name}: first call {time.perf_counter() - t0:.1f} s",
+                  flush=True)
+        fns = {name: (lambda f=f: f(x, w, dy)) for name, f in steps.items()}
         for name, got in outs.items():  # y, dx, dw against the bf16 step's
             for what, g, r, tol in zip(("y", "dx", "dw"), got, outs["xla_bf16"],
                                        (5e-2, 1e-1, 1e-1)):
