@@ -13,7 +13,7 @@
 #include "kernels/gemm/gemm_fp8_sm90.cuh"
 
 #ifndef PK_SWEEP_INDEX
-#error "compile with -DPK_SWEEP_INDEX=<0..27>"
+#error "compile with -DPK_SWEEP_INDEX=<0..30>"
 #endif
 
 namespace {
@@ -87,7 +87,10 @@ using Configs = std::tuple<
     Entry<Wgrad<Sm90Tiles<Shape<_128, _192, _128>, Shape<_1, _2, _1>, Coop, CoopEpi>>, 4>,
     Entry<Dgrad<pk::gemm::Fp8PromotedTiles>, 3, 8>,
     Entry<Dgrad<Sm90Tiles<Shape<_64, _192, _128>, Shape<_2, _1, _1>, PingPong, PingPongEpi>>, 3>,
-    Entry<Wgrad<pk::gemm::Fp8PromotedTiles>, 4, 8>>;
+    Entry<Wgrad<pk::gemm::Fp8PromotedTiles>, 4, 8>,
+    Entry<Wgrad<Sm90Tiles<Shape<_64, _192, _128>, Shape<_2, _1, _1>, PingPong, PingPongEpi>>, 4>,
+    Entry<Dgrad<Sm90Tiles<Shape<_64, _192, _128>, Shape<_2, _1, _1>, PingPong, PingPongEpi>>, 3, 8>,
+    Entry<Wgrad<Sm90Tiles<Shape<_64, _192, _128>, Shape<_2, _1, _1>, PingPong, PingPongEpi>>, 4, 8>>;
 constexpr const char* kNames[] = {
     "bf16 128x256x64 c2x1 coop (ops)", "bf16 128x256x64 c1x2 coop",
     "bf16 256x128x64 c1x2 coop",       "bf16 256x128x64 c2x1 coop",
@@ -105,7 +108,10 @@ constexpr const char* kNames[] = {
     "wgrad 128x192x128 c1x2 coop promoted",
     "dgrad 128x192x128 c2x1 coop promoted every 256 of K",
     "dgrad 64x192x128 c2x1 pingpong promoted",
-    "wgrad 128x192x128 c2x1 coop promoted every 256 of K"};
+    "wgrad 128x192x128 c2x1 coop promoted every 256 of K",
+    "wgrad 64x192x128 c2x1 pingpong promoted",
+    "dgrad 64x192x128 c2x1 pingpong promoted every 256 of K",
+    "wgrad 64x192x128 c2x1 pingpong promoted every 256 of K"};
 static_assert(std::tuple_size_v<Configs> == std::size(kNames));
 static_assert(PK_SWEEP_INDEX >= 0 && PK_SWEEP_INDEX < std::tuple_size_v<Configs>,
               "PK_SWEEP_INDEX out of range");

@@ -56,6 +56,9 @@ PK_SWEEP_DECLARE(24)
 PK_SWEEP_DECLARE(25)
 PK_SWEEP_DECLARE(26)
 PK_SWEEP_DECLARE(27)
+PK_SWEEP_DECLARE(28)
+PK_SWEEP_DECLARE(29)
+PK_SWEEP_DECLARE(30)
 
 namespace {
 
@@ -80,7 +83,8 @@ const Config kConfigs[] = {PK_SWEEP_ENTRY(0),  PK_SWEEP_ENTRY(1),  PK_SWEEP_ENTR
                            PK_SWEEP_ENTRY(18), PK_SWEEP_ENTRY(19), PK_SWEEP_ENTRY(20),
                            PK_SWEEP_ENTRY(21), PK_SWEEP_ENTRY(22), PK_SWEEP_ENTRY(23),
                            PK_SWEEP_ENTRY(24), PK_SWEEP_ENTRY(25), PK_SWEEP_ENTRY(26),
-                           PK_SWEEP_ENTRY(27)};  // config.cu's 28
+                           PK_SWEEP_ENTRY(27), PK_SWEEP_ENTRY(28), PK_SWEEP_ENTRY(29),
+                           PK_SWEEP_ENTRY(30)};  // config.cu's 31
 constexpr const char* kKindNames[] = {"bf16", "fp8 tensor", "fp8 block", "fp8 dgrad",
                                       "fp8 wgrad"};
 constexpr int kKinds = int(sizeof(kKindNames) / sizeof(kKindNames[0]));
