@@ -245,12 +245,20 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8
         if (lane < kVecsPerRow) smem.col_max[warp][cv * kVec + j] = cm;
       }
     }
-    m = lanes_max<32>(m);
-    if (lane == 0) smem.warp_max[warp] = m;
-    __syncthreads();
+    // The tile's amax (block factors; delayed scaling's running amax): over
+    // the block through shared memory. Rows need none: their warps never
+    // wait for one another (no barrier in the tile).
+    const bool block_amax = g == Granularity::kBlocks || (g == Granularity::kTensor && p.scale);
     float tile_amax = 0.0f;
+    if (block_amax) {
+      m = lanes_max<32>(m);
+      if (lane == 0) smem.warp_max[warp] = m;
+    }
+    if (block_amax || g == Granularity::kCols) __syncthreads();  // kCols: col_max
+    if (block_amax) {
 #pragma unroll
-    for (int w = 0; w < kThreads / 32; ++w) tile_amax = max_nan(tile_amax, smem.warp_max[w]);
+      for (int w = 0; w < kThreads / 32; ++w) tile_amax = max_nan(tile_amax, smem.warp_max[w]);
+    }
     if constexpr (g == Granularity::kCols) {  // thread t < 128: column t's scale and factor
       if (t < kBlock) {
         float cm = 0.0f;
@@ -334,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8
         }
       }
     }
-    __syncthreads();  // shared memory is rewritten next iteration
+    if (g != Granularity::kRows) __syncthreads();  // shared memory is rewritten next iteration
   }
 }
 
