@@ -216,6 +216,29 @@ def test_fp8_matmul_reference_block_layouts(rng):
     assert rel_err(got, a @ b.T) < FWD_TOL
 
 
+# whole tiles in 1, 2, 4 groups; groups of 100 rows (not whole tiles) with a partial
+# column tile
+@pytest.mark.parametrize("shape,groups", [((512, 384), 1), ((512, 384), 2), ((512, 384), 4),
+                                          ((300, 200), 3)])
+def test_quantize_row_groups(rng, shape, groups):
+    """fp8_quantize(x, "rows", row_groups=g): q as without groups, factors
+    [g * ceil(C/128), R / g] whose group i (rows i * ceil(C/128)..) is the
+    factors of quantizing group i's rows alone; group_rows and ungroup_rows
+    map the plain layout to this one and back."""
+    r, c = shape
+    x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.1, 10), jnp.bfloat16)
+    q, _, f, _ = pk_jax.fp8_quantize(x, "rows", row_groups=groups)
+    plain_q, _, plain, _ = pk_jax.fp8_quantize(x, "rows")
+    kb, gm = prim.blocks(c), r // groups
+    assert f.shape == (groups * kb, gm)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(plain_q, np.float32))
+    for i in range(groups):
+        _, _, alone, _ = pk_jax.fp8_quantize(x[i * gm:(i + 1) * gm], "rows")
+        np.testing.assert_array_equal(np.asarray(f[i * kb:(i + 1) * kb]), np.asarray(alone))
+    np.testing.assert_array_equal(np.asarray(prim.ungroup_rows(f, groups)), np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(prim.group_rows(plain, groups)), np.asarray(f))
+
+
 @pytest.mark.parametrize("call,err,match", [
     (lambda x, w: pk_jax.fp8_dot(x, w, "nope"), ValueError, "scaling"),
     (lambda x, w: pk_jax.fp8_dot(x, w, 3), TypeError, "recipe"),
@@ -234,6 +257,11 @@ def test_fp8_matmul_reference_block_layouts(rng):
     (lambda x, w: pk_jax.fp8_quantize(x, "tensor", margin=float("nan")), ValueError,
      "margin"),
     (lambda x, w: pk_jax.fp8_quantize(x[None], "tensor"), ValueError, "2-D"),
+    (lambda x, w: pk_jax.fp8_quantize(x, "rows", row_groups=3), ValueError,
+     "row_groups=3.*dividing the rows of x \\(128\\)"),
+    (lambda x, w: pk_jax.fp8_quantize(x, "rows", row_groups=0), ValueError, "row_groups=0"),
+    (lambda x, w: pk_jax.fp8_quantize(x, "blocks", row_groups=2), ValueError,
+     "needs granularity='rows'"),
     (lambda x, w: pk_jax.fp8_matmul(x, w, 1.0, 1.0), TypeError, "float8"),
 ])
 def test_bad_input_is_refused(rng, call, err, match):

@@ -1,9 +1,12 @@
-"""pk_jax's FP8 kernels on one GPU against their references (the same
+"""pk_jax's FP8 kernels on GPUs (one unless said) against their references (the same
 numerics in jax.numpy, run by XLA on the host's CPU, whose float32 division
 is IEEE's as the kernel's is; XLA:GPU divides approximately): quantization
 bit for bit, the
 scaled GEMMs within fp32-summation-order tolerance, fp8_dot's values and
-gradients against float32 matmuls (test_fp8_cpu.py states the tolerances).
+gradients against float32 matmuls (test_fp8_cpu.py states the tolerances),
+the TP ops' FP8 host sequences (one GPU: the composed path's bits; block
+factors on 2 and 4 GPUs: the dequantized operands' products,
+helpers/fp8_refs.py).
 Fresh random inputs each run; the allocator is poisoned before each kernel
 call, so an element a kernel leaves unwritten shows as a mismatch."""
 
@@ -49,6 +52,28 @@ def test_quantize_bitwise(rng, granularity, shape, in_dtype, dtype):
     poison_allocator(mesh, 4 * x.size)
     got = jax.jit(lambda x: prim.quantize(x, **{k: v for k, v in kw.items()
                                                 if k != "given_scale"}))(x)
+    for name, g, w in zip(("q", "qt", "factors", "amax"), got, want):
+        assert g.shape == w.shape, name
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
+
+
+# row groups: whole tiles (vector accesses), groups of 100 rows with a partial column
+# tile (scalar accesses)
+@pytest.mark.parametrize("shape,groups", [((1024, 4096), 2), ((1024, 4096), 4), ((300, 200), 3)])
+def test_quantize_row_groups_bitwise(rng, shape, groups):
+    """granularity "rows" with row_groups: q and the grouped factors
+    ([groups * C/128, R / groups]) bit for bit against the reference."""
+    mesh = gpu_mesh(1)
+    x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.01, 100), jnp.bfloat16)
+    kw = dict(granularity="rows", dtype=jnp.dtype(jnp.float8_e4m3fn), rowwise=True,
+              transposed=False, margin=0.0, row_groups=groups)
+    f = jax.jit(lambda x: prim.quantize(x, **kw))
+    assert "pk_fp8_quantize" in f.lower(x).as_text()  # the kernel, not a fallback
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        want = jax.jit(lambda x: prim.quantize_reference(
+            x, jnp.ones((1,), jnp.float32), given_scale=False, **kw))(np.asarray(x))
+    poison_allocator(mesh, 4 * x.size)
+    got = f(x)
     for name, g, w in zip(("q", "qt", "factors", "amax"), got, want):
         assert g.shape == w.shape, name
         np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
@@ -169,12 +194,15 @@ def test_fp8_dot_stored_weight(rng, scaling, recipe):
     assert rel_err(y8, np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL
 
 
+@pytest.mark.parametrize("recipe", ["current", "block"])
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
                                 "matmul_all_reduce"])
-def test_tp_fp8_sequences_on_one_gpu(rng, op, monkeypatch):
-    """fp8="current" with bf16 results runs the TP host sequences on FP8
-    operands (one rank: the sequence's GEMM), forward and dx: the bits of
-    the composed path (quantize, then pk's FP8 GEMM), poisoned outputs."""
+def test_tp_fp8_sequences_on_one_gpu(rng, op, recipe, monkeypatch):
+    """fp8="current" or "block" with bf16 results runs the TP host sequences
+    on FP8 operands (one rank: the sequence's GEMM; block: with x's factors
+    [K/128, M] as one row group), forward and dx: the bits of the composed
+    path (quantize, then pk's FP8 GEMM), poisoned outputs; block: also
+    within bfloat16 rounding of the dequantized operands' products."""
     from jax.sharding import PartitionSpec as P
     from pk_jax.ops.tp_matmul import fp8 as tp_matmul_fp8
     mesh = gpu_mesh(1, "tp")
@@ -186,7 +214,7 @@ def test_tp_fp8_sequences_on_one_gpu(rng, op, monkeypatch):
 
     def run(sequence: bool):
         # traced afresh (no jit cache across the monkeypatch)
-        f = jax.shard_map(lambda x, w: fn(x, w, "tp", fp8="current"), mesh=mesh,
+        f = jax.shard_map(lambda x, w: fn(x, w, "tp", fp8=recipe), mesh=mesh,
                           in_specs=(P("tp"), P(None, "tp")), out_specs=P("tp"))
         loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * t)
         assert (f"pk_{op}_fp8" in jax.jit(f).lower(x, w).as_text()) == sequence
@@ -199,6 +227,66 @@ def test_tp_fp8_sequences_on_one_gpu(rng, op, monkeypatch):
     for got, want in zip(fused, composed):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert rel_err(fused[0], np.asarray(x, np.float32) @ np.asarray(w, np.float32)) < FWD_TOL
+    if recipe == "block":  # dy: the bf16 y's cotangent, t in bf16
+        for name, got, ref in zip(("y", "dx", "dw"), fused,
+                                  _block_refs(x, w, t.astype(jnp.bfloat16))):
+            assert rel_err(got, ref) < 1e-2, name
+
+
+def _block_refs(x, w, dy):
+    """helpers/fp8_refs.py's (y, dx, dw) of fp8="block", on the host's CPU."""
+    from helpers.fp8_refs import block_products
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        return block_products(*(np.asarray(a) for a in (x, w, dy)))
+
+
+# (op, rows): rows of x per rank (all_gather_matmul, matmul_reduce_scatter's
+# output) or in all (matmul_all_reduce: 2048 chunked, its row groups of 2048 / n;
+# 128 one_shot, one group)
+_BLOCK_TP = [("all_gather_matmul", 512), ("matmul_reduce_scatter", 512),
+             ("matmul_all_reduce", 2048), ("matmul_all_reduce", 128)]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("op,rows", _BLOCK_TP)
+def test_tp_fp8_block_sequences_across_gpus(rng, op, rows, n):
+    """fp8="block" on n GPUs runs the host sequences with block factors
+    (all_gather_matmul's rows travel with their factors; the row chunks of
+    matmul_reduce_scatter, matmul_all_reduce and all_gather_matmul's dx
+    read theirs): forward and gradients against the float32 products of
+    the dequantized operands (helpers/fp8_refs.py) within bfloat16 rounding,
+    poisoned outputs, fresh random inputs, two calls (the channels' next
+    epoch)."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+    mesh = gpu_mesh(n, "tp")
+    k, cols = n * 256, n * 384  # K and N of the whole product, 256 / 384 a rank
+    xs, ws, outs, xshape = {
+        "all_gather_matmul": (P("tp"), P(None, "tp"), P(None, "tp"), (n * rows, 512)),
+        "matmul_reduce_scatter": (P(None, "tp"), P("tp", None), P("tp"), (n * rows, k)),
+        "matmul_all_reduce": (P(None, "tp"), P("tp", None), P(), (rows, k))}[op]
+    wshape = (xshape[1], cols if op == "all_gather_matmul" else 768)
+    fn = getattr(pk_jax, op)
+    x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(wshape[0]), jnp.bfloat16)
+    t = jnp.asarray(rng.standard_normal((xshape[0], wshape[1])), jnp.bfloat16)
+    f = jax.shard_map(lambda x, w: fn(x, w, "tp", fp8="block"), mesh=mesh, in_specs=(xs, ws),
+                      out_specs=outs)
+    loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * t.astype(jnp.float32))
+    args = (jax.device_put(x, NamedSharding(mesh, xs)), jax.device_put(w, NamedSharding(mesh, ws)))
+    grad = jax.jit(jax.grad(loss, (0, 1)))
+    assert f"pk_{op}_fp8" in jax.jit(f).lower(*args).as_text()
+    if op != "matmul_all_reduce":  # dx: the other op's sequence
+        other = "matmul_reduce_scatter" if op == "all_gather_matmul" else "all_gather_matmul"
+        assert f"pk_{other}_fp8" in grad.lower(*args).as_text()
+    refs = _block_refs(x, w, t)
+    for _ in range(2):
+        poison_allocator(mesh, 8 * x.size + 8 * t.size)
+        got = (jax.jit(f)(*args), *grad(*args))
+        for name, g, ref in zip(("y", "dx", "dw"), got, refs):
+            assert g.dtype == jnp.bfloat16 and g.shape == ref.shape, name
+            assert rel_err(g, ref) < 1e-2, name
+    pk_jax.check_errors()
 
 
 @pytest.mark.parametrize("scaling,recipe", [("tensor", "current"), ("block", "block")])

@@ -194,18 +194,22 @@ def test_mlp_pair_forward_and_backward_use_only_kernels(cuda_lowering):
     assert "stablehlo.dot_general" in lowered(grad, "xla")
 
 
-def test_fp8_tp_mlp_runs_the_host_sequences(cuda_lowering):
-    """fp8="current" (bf16 results): the TP MLP's forward is one FP8 host
-    sequence per op with FP8 operands and their factors, each backward's dx
-    the other op's sequence; no XLA all-gather or reduce-scatter is left
-    (the FP8 copies for the weight gradients travel by pk's all_gather)."""
+@pytest.mark.parametrize("recipe", ["current", "block"])
+def test_fp8_tp_mlp_runs_the_host_sequences(cuda_lowering, recipe):
+    """fp8="current" or "block" (bf16 results): the TP MLP's forward is one
+    FP8 host sequence per op with FP8 operands and their factors (the
+    scaling attribute gemm.h's Scaling; block factors of the rows that
+    matmul_reduce_scatter's sequence splits in its two row chunks, [2 *
+    K/128, m]), each backward's dx the other op's sequence; no XLA
+    all-gather or reduce-scatter is left (the FP8 copies for the weight
+    gradients travel by pk's all_gather)."""
     mesh = cpu_mesh((2,), ("tp",))
     specs = (P("tp"), P(None, "tp"), P("tp", None))
 
     def loss(x, w1, w2):
         def body(x, w1, w2):
-            h = pk_jax.all_gather_matmul(x, w1, "tp", fp8="current")
-            return pk_jax.matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", fp8="current")
+            h = pk_jax.all_gather_matmul(x, w1, "tp", fp8=recipe)
+            return pk_jax.matmul_reduce_scatter(jax.nn.gelu(h), w2, "tp", fp8=recipe)
         f = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("tp"))
         return jnp.sum(f(x, w1, w2).astype(jnp.float32) ** 2)
 
@@ -223,6 +227,13 @@ def test_fp8_tp_mlp_runs_the_host_sequences(cuda_lowering):
         types = re.findall(r"tensor<[^>]*>", operands)
         assert len(types) == 4 and all("f8E" in t for t in types[:2]), (name, types)
         assert all(t.endswith("xf32>") for t in types[2:]), (name, types)
+        if recipe == "current":
+            assert types[2] == types[3] == "tensor<1xf32>", (name, types)
+    scalings = re.findall(r"custom_call @pk_\w+_fp8\(.*?scaling = (\d+)", hlo)
+    assert scalings == ["2" if recipe == "block" else "1"] * 4, scalings
+    if recipe == "block":  # x [256, 256] per rank, its factors in two chunks of 128 rows
+        rs = [ops for c, ops in calls if c == "pk_matmul_reduce_scatter_fp8"]
+        assert all(re.findall(r"tensor<[^>]*>", ops)[2] == "tensor<4x128xf32>" for ops in rs)
 
 
 def _ring_calls(hlo):

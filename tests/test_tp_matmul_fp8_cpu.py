@@ -1,7 +1,9 @@
 """The FP8 paths of the tensor-parallel matmuls (fp8= recipes) on 8 fake CPU
 devices, Auto and Explicit meshes: values and gradients against float32
-references, with test_fp8_cpu.py's tolerances, and the errors for shapes the
-FP8 path does not take."""
+references, with test_fp8_cpu.py's tolerances (block factors in the host
+sequences: also against the products of the dequantized operands,
+helpers/fp8_refs.py), and the errors for shapes the FP8 path does not
+take."""
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from conftest import cpu_mesh, rel_err
+from helpers.fp8_refs import block_products
 
 FWD_TOL, GRAD_TOL = 0.06, 0.10
 N = 2
@@ -187,7 +190,7 @@ def test_fp8_delayed_bad_scales(rng):
         run(check_vma=False, fp8="delayed", fp8_scales=(1.0, 1.0, 1.0))
 
 
-# ---- the FP8 host sequences (per-tensor factors, bfloat16 results) ---------------------
+# ---- the FP8 host sequences (bfloat16 results) -----------------------------------------
 _SEQUENCES = {"all_gather_matmul": ("pk_all_gather_matmul_fp8", "pk_matmul_reduce_scatter_fp8"),
               "matmul_reduce_scatter": ("pk_matmul_reduce_scatter_fp8",
                                         "pk_all_gather_matmul_fp8"),
@@ -199,8 +202,8 @@ def test_fp8_sequences_are_the_composed_numerics(rng, op, monkeypatch, sharding_
     """Per-tensor FP8 with a bfloat16 result runs the host sequences'
     primitives (forward, and the other op's as dx); their references give
     the bits of the collectives and GEMMs composed one after the other (the
-    path block factors take), values and gradients; a float32 result (and
-    block factors) keep the composed path."""
+    path a float32 result takes), values and gradients; a float32 result
+    keeps the composed path (block factors: test_fp8_block_sequences)."""
     from pk_jax.ops.tp_matmul import fp8 as tp_matmul_fp8
     fn, xs, ws, outs, xshape, wshape = _OPS[op]
     mesh = cpu_mesh((2, 2), ("sp", "tp"))
@@ -222,7 +225,6 @@ def test_fp8_sequences_are_the_composed_numerics(rng, op, monkeypatch, sharding_
     # a float32 y: the forward composed (dx, of x's bfloat16, still a sequence)
     assert fwd not in run(preferred_element_type=jnp.float32)[1]
     sequences = lambda text: [s for s in _SEQUENCES[op] if s and s in text]
-    assert not tp_matmul_fp8._fused(pk_jax.Fp8Recipe("block"), jnp.bfloat16)
     monkeypatch.setattr(tp_matmul_fp8, "_fused", lambda *a: False)
     composed, text = run()
     assert not sequences(text)
@@ -230,3 +232,91 @@ def test_fp8_sequences_are_the_composed_numerics(rng, op, monkeypatch, sharding_
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     f32 = lambda a: np.asarray(a, np.float32)
     assert rel_err(fused[0], f32(x) @ f32(w)) < FWD_TOL
+
+
+# ---- block factors in the host sequences ----------------------------------------------
+def _block_case(op: str, n: int, rows: int):
+    """(fn, specs (x, w, out), x shape, w shape) of one TP op on n ranks of
+    "tp" with block-sized shards (multiples of 128): `rows` rows of x per
+    rank (all_gather_matmul, matmul_reduce_scatter's output) or in all
+    (matmul_all_reduce)."""
+    return {"all_gather_matmul": (pk_jax.all_gather_matmul, (P("tp"), P(None, "tp"),
+                                                             P(None, "tp")),
+                                  (n * rows, 256), (256, n * 128)),
+            "matmul_reduce_scatter": (pk_jax.matmul_reduce_scatter,
+                                      (P(None, "tp"), P("tp", None), P("tp")),
+                                      (n * rows, n * 128), (n * 128, 256)),
+            "matmul_all_reduce": (pk_jax.matmul_all_reduce, (P(None, "tp"), P("tp", None), P()),
+                                  (rows, n * 128), (n * 128, 256))}[op]
+
+
+# (op, n, rows): matmul_all_reduce at 512 rows chunked (row groups of 512 / n),
+# at 128 one_shot (one group)
+_BLOCK_CASES = [(op, n, rows) for n in (2, 4) for op, rows in
+                (("all_gather_matmul", 128), ("matmul_reduce_scatter", 128),
+                 ("matmul_reduce_scatter", 256), ("matmul_all_reduce", 512),
+                 ("matmul_all_reduce", 128))]
+
+
+@pytest.mark.parametrize("op,n,rows", _BLOCK_CASES)
+def test_fp8_block_sequences(rng, op, n, rows, monkeypatch):
+    """fp8="block" with a bfloat16 result runs the host sequences'
+    primitives (forward, and the other op's as dx) with the operands' block
+    factors in the sequences' row chunks: values and gradients against the
+    float32 products of the dequantized operands (each quantized as a whole:
+    the shards' blocks are the whole's), within bfloat16 rounding; the bits
+    of the composed collectives and GEMMs; and against the unquantized
+    float32 products within the FP8 bounds. Fresh random inputs."""
+    from pk_jax.ops.tp_matmul import fp8 as tp_matmul_fp8
+    fn, (xs, ws, outs), xshape, wshape = _block_case(op, n, rows)
+    mesh = cpu_mesh((n,), ("tp",))
+    x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(wshape[0]), jnp.bfloat16)
+    # dy arrives in bf16 (loss's cotangent of the bf16 y)
+    t = jnp.asarray(rng.standard_normal((xshape[0], wshape[1])), jnp.bfloat16)
+
+    def run():
+        f = jax.shard_map(lambda x, w: fn(x, w, "tp", fp8="block"), mesh=mesh,
+                          in_specs=(xs, ws), out_specs=outs)
+        loss = lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) * t.astype(jnp.float32))
+        args = (_put(mesh, x, xs), _put(mesh, w, ws))
+        text = str(jax.make_jaxpr(jax.grad(loss, (0, 1)))(*args))
+        return (jax.jit(f)(*args), *jax.jit(jax.grad(loss, (0, 1)))(*args)), text
+
+    fused, text = run()
+    fwd, bwd = _SEQUENCES[op]
+    assert fwd in text and (bwd is None or bwd in text)
+    f32 = lambda a: np.asarray(a, np.float32)
+    for name, got, ref in zip(("y", "dx", "dw"), fused, block_products(x, w, t)):
+        assert got.dtype == jnp.bfloat16 and got.shape == ref.shape, name
+        assert rel_err(got, ref) < 1e-2, name
+    assert rel_err(fused[0], f32(x) @ f32(w)) < FWD_TOL
+    assert rel_err(fused[1], f32(t) @ f32(w).T) < GRAD_TOL
+    assert rel_err(fused[2], f32(x).T @ f32(t)) < GRAD_TOL
+    monkeypatch.setattr(tp_matmul_fp8, "_fused", lambda *a: False)
+    composed, text = run()
+    assert fwd not in text and (bwd is None or bwd not in text)
+    for got, ref in zip(fused, composed):
+        np.testing.assert_array_equal(f32(got), f32(ref))
+
+
+@pytest.mark.parametrize("op,n,rows", [c for c in _BLOCK_CASES if c[1] == 2])
+def test_fp8_block_sequences_take_stored_activations(rng, op, n, rows):
+    """A stored block Fp8Activation (its factors [rows, K/128] as stored)
+    enters the sequences in their row chunks: the bits of quantizing x
+    inside the call."""
+    fn, (xs, ws, outs), xshape, wshape = _block_case(op, n, rows)
+    mesh = cpu_mesh((n,), ("tp",))
+    x = jnp.asarray(rng.standard_normal(xshape), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(wshape) / np.sqrt(wshape[0]), jnp.bfloat16)
+
+    def run(stored: bool):
+        body = ((lambda x, w: fn(pk_jax.quantize_activation(x, "block"), w, "tp")) if stored
+                else (lambda x, w: fn(x, w, "tp", fp8="block")))
+        f = jax.shard_map(body, mesh=mesh, in_specs=(xs, ws), out_specs=outs)
+        args = (_put(mesh, x, xs), _put(mesh, w, ws))
+        assert _SEQUENCES[op][0] in str(jax.make_jaxpr(f)(*args))
+        return jax.jit(f)(*args)
+
+    np.testing.assert_array_equal(np.asarray(run(True), np.float32),
+                                  np.asarray(run(False), np.float32))

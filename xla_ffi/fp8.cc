@@ -7,8 +7,10 @@
 //     given_scale: delayed scaling's scale).
 //   Results: q [R, C] (e4m3 or e5m2; [0, 0] when not asked for), qt [C, R]
 //     (the transposed copy; [0, 0] when not asked for), factors (f32, fp8.h's
-//     layout of the granularity), amax [1] f32 (kTensor; [0] otherwise).
-//   Attributes: granularity (fp8.h: Granularity), given_scale, margin.
+//     layout of the granularity; kRows [row_groups * ceil(C / 128), R /
+//     row_groups]), amax [1] f32 (kTensor; [0] otherwise).
+//   Attributes: granularity (fp8.h: Granularity), given_scale, margin,
+//     row_groups (kRows' row groups, fp8.h; 1 otherwise).
 // pk_fp8_matmul
 //   Operands: a [M, K], b [N, K] (FP8, K-major both), scale_a, scale_b (f32,
 //     gemm.h: Scaling's layouts).
@@ -40,7 +42,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
                         ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
                         ffi::Result<ffi::Buffer<ffi::F32>> factors,
                         ffi::Result<ffi::Buffer<ffi::F32>> amax, int32_t granularity,
-                        bool given_scale, float margin) {
+                        bool given_scale, float margin, int32_t row_groups) {
   constexpr const char* kOp = "fp8_quantize";
   auto invalid = [](const std::string& what) { return ffi_common::invalid_argument(kOp, what); };
   fp8::Quantize p;
@@ -53,6 +55,11 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (granularity < 0 || granularity > 3)
     return invalid("granularity is 0 (tensor), 1 (rows), 2 (cols) or 3 (blocks)");
   p.granularity = fp8::Granularity(granularity);
+  const bool rows_granularity = p.granularity == fp8::Granularity::kRows;
+  if (row_groups < 1 || (row_groups > 1 && !rows_granularity) || p.rows % row_groups != 0)
+    return invalid("row_groups must be 1, or with rows granularity a divisor of R (got " +
+                   std::to_string(row_groups) + " for R = " + std::to_string(p.rows) + ")");
+  p.row_groups = row_groups;
   const bool rowwise = q->element_count() > 0, transposed = qt->element_count() > 0;
   const ffi::DataType out_type = rowwise ? q->element_type() : qt->element_type();
   if (!to_dtype(out_type, &p.out) || !is_fp8(p.out) ||
@@ -64,7 +71,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   int64_t want = 1;
   switch (p.granularity) {
     case fp8::Granularity::kTensor: want = 1; break;
-    case fp8::Granularity::kRows: want = blocks(p.cols) * p.rows; break;
+    case fp8::Granularity::kRows: want = blocks(p.cols) * p.rows; break;  // any row_groups
     case fp8::Granularity::kCols: want = blocks(p.rows) * p.cols; break;
     case fp8::Granularity::kBlocks: want = blocks(p.rows) * blocks(p.cols); break;
   }
@@ -147,7 +154,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::Buffer<ffi::F32>>()         // amax [1] or [0]
         .Attr<int32_t>("granularity")         // fp8.h: Granularity
         .Attr<bool>("given_scale")
-        .Attr<float>("margin"),
+        .Attr<float>("margin")
+        .Attr<int32_t>("row_groups"),         // kRows: fp8.h's row groups
     {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -2,7 +2,7 @@
 // pk_jax.matmul_all_reduce, and the backward passes of the first two (dx and
 // dw in one call: the other op's sequence with the weight gradient's GEMM
 // placed where it would wait); the three forward sequences on FP8 operands
-// with per-tensor factors (the *_fp8 targets: fp8= of the TP ops).
+// with per-tensor or block factors (the *_fp8 targets: fp8= of the TP ops).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -17,13 +17,18 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// The factors of FP8 operands (the *_fp8 targets): one float32 each.
+// 128-blocks of an extent (block factors: per 1x128 of x, per 128x128 of w).
+int64_t blocks(int64_t extent) { return (extent + gemm::kBlockK - 1) / gemm::kBlockK; }
+
+// The factors of FP8 operands (the *_fp8 targets) and their scaling, the
+// attribute `scaling` (gemm.h: Scaling, kTensor or kBlock).
 struct Fp8Factors {
   ffi::AnyBuffer x, w;
+  int32_t scaling;
 };
 
 // Operand types: x and w of one 16-bit type; or, with factors, both FP8
-// (not both e5m2), each with its factor.
+// (not both e5m2; e4m3 both with block factors) and the scaling.
 ffi::Error read_types(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer out,
                       const Fp8Factors* fp8, tp_matmul::Params* p) {
   using ffi_common::to_dtype;
@@ -37,9 +42,49 @@ ffi::Error read_types(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::A
   }
   if (!gemm::is_fp8(p->in) || !gemm::is_fp8(p->in_w))
     return ffi_common::invalid_argument(op, "the FP8 target takes FP8 x and w");
-  for (ffi::AnyBuffer f : {fp8->x, fp8->w})
-    if (f.element_type() != ffi::DataType::F32 || f.element_count() != 1)
+  if (fp8->scaling != int32_t(gemm::Scaling::kTensor) &&
+      fp8->scaling != int32_t(gemm::Scaling::kBlock))
+    return ffi_common::invalid_argument(
+        op, "scaling is 1 (tensor) or 2 (block), got " + std::to_string(fp8->scaling));
+  p->scaling = gemm::Scaling(fp8->scaling);
+  if (tp_matmul::block_scaled(*p) && (p->in != DType::kE4M3 || p->in_w != DType::kE4M3))
+    return ffi_common::invalid_argument(op, "block factors take float8_e4m3fn x and w");
+  return ffi::Error::Success();
+}
+
+// The dimensions of a factor buffer, as text for the errors.
+std::string dims_text(ffi::AnyBuffer f) {
+  std::string text = "[";
+  for (int64_t d : f.dimensions()) text += (text.size() > 1 ? ", " : "") + std::to_string(d);
+  return text + "]";
+}
+
+// The factors of FP8 operands, once the shapes are read (p->k, p->n_cols):
+// float32, one each (kTensor), or block factors: x's `x_rows` rows per 1x128
+// in `groups` row groups [groups * ceil(K / 128), x_rows / groups] (the rows
+// of each of the sequence's GEMMs: tp_matmul.h, Params::scale_x), w's per
+// 128x128 [ceil(K / 128), ceil(N / 128)]. Nothing without FP8 operands.
+ffi::Error read_factors(const char* op, const Fp8Factors* fp8, int64_t x_rows, int64_t groups,
+                        tp_matmul::Params* p) {
+  if (fp8 == nullptr) return ffi::Error::Success();
+  if (fp8->x.element_type() != ffi::DataType::F32 || fp8->w.element_type() != ffi::DataType::F32)
+    return ffi_common::invalid_argument(op, "the factors must be float32");
+  if (!tp_matmul::block_scaled(*p)) {
+    if (fp8->x.element_count() != 1 || fp8->w.element_count() != 1)
       return ffi_common::invalid_argument(op, "expected one float32 factor per operand");
+  } else {
+    const int64_t kb = blocks(p->k);
+    const bool x_ok = x_rows % groups == 0 &&
+                      ffi_common::same_dims(fp8->x.dimensions(), {groups * kb, x_rows / groups});
+    const bool w_ok = ffi_common::same_dims(fp8->w.dimensions(), {kb, blocks(p->n_cols)});
+    if (!x_ok || !w_ok)
+      return ffi_common::invalid_argument(
+          op, "expected block factors x [" + std::to_string(groups * kb) + ", " +
+                  std::to_string(x_rows / groups) + "] (per 1x128, " + std::to_string(groups) +
+                  " row groups) and w [" + std::to_string(kb) + ", " +
+                  std::to_string(blocks(p->n_cols)) + "] (per 128x128), got " +
+                  dims_text(fp8->x) + " and " + dims_text(fp8->w));
+  }
   p->scale_x = static_cast<const float*>(fp8->x.untyped_data());
   p->scale_w = static_cast<const float*>(fp8->w.untyped_data());
   return ffi::Error::Success();
@@ -120,9 +165,16 @@ ffi::Error read_all_gather_matmul(const char* op, ffi::AnyBuffer x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-// With peers, the region holds every rank's x (tp_matmul.h).
-size_t all_gather_matmul_region(const ffi_common::ChannelAttrs& channel, ffi::AnyBuffer x) {
-  return channel.group_size > 1 ? size_t(channel.group_size) * x.size_bytes() : 0;
+// With peers, the region holds every rank's x, each followed by its block
+// factors ([ceil(K / 128), m] float32, with block FP8 factors; tp_matmul.h).
+size_t all_gather_matmul_region(const ffi_common::ChannelAttrs& channel, ffi::AnyBuffer x,
+                                const Fp8Factors* fp8 = nullptr) {
+  if (channel.group_size <= 1) return 0;
+  const auto xd = x.dimensions();
+  size_t slot = x.size_bytes();
+  if (fp8 != nullptr && fp8->scaling == int32_t(gemm::Scaling::kBlock) && xd.size() == 2)
+    slot += size_t(xd[0]) * size_t(blocks(xd[1])) * sizeof(float);
+  return size_t(channel.group_size) * slot;
 }
 
 // The forward (16-bit operands, or FP8 with their factors); gathered: null,
@@ -134,11 +186,12 @@ ffi::Error all_gather_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   const char* op = fp8 ? "all_gather_matmul (fp8)" : "all_gather_matmul";
   tp_matmul::Params p;
   if (ffi::Error e = prepare(op, kOpAllGatherMatmul, stream, ordinal, x, w, out, channel,
-                             all_gather_matmul_region(channel, x), &p, fp8);
+                             all_gather_matmul_region(channel, x, fp8), &p, fp8);
       e.failure())
     return e;
   if (ffi::Error e = read_all_gather_matmul(op, x, w, out, w_transposed, &p); e.failure())
     return e;
+  if (ffi::Error e = read_factors(op, fp8, p.m, 1, &p); e.failure()) return e;
   if (gathered != nullptr && gathered->size_bytes() != size_t(p.n) * x.size_bytes())
     return ffi_common::invalid_argument(op, "expected gathered [n * m, K]");
   p.gathered = gathered != nullptr ? gathered->untyped_data() : nullptr;
@@ -159,8 +212,8 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
 ffi::Error AllGatherMatmulFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                   ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
-                                  ffi_common::ChannelAttrs channel) {
-  const Fp8Factors fp8{scale_x, scale_w};
+                                  ffi_common::ChannelAttrs channel, int32_t scaling) {
+  const Fp8Factors fp8{scale_x, scale_w, scaling};
   return all_gather_matmul(stream, ordinal, x, w, &fp8, *out, nullptr, channel,
                            /*w_transposed=*/true);
 }
@@ -222,6 +275,8 @@ ffi::Error matmul_reduce_scatter(cudaStream_t stream, int32_t ordinal, ffi::AnyB
     return e;
   if (ffi::Error e = read_matmul_reduce_scatter(op, x, w, out, w_transposed, &p); e.failure())
     return e;
+  // one GEMM per chunk of m rows
+  if (ffi::Error e = read_factors(op, fp8, int64_t(p.n) * p.m, p.n, &p); e.failure()) return e;
   p.op = tp_matmul::Op::kMatmulReduceScatter;
   return launched(op, tp_matmul::run(p));
 }
@@ -235,8 +290,8 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::An
 ffi::Error MatmulReduceScatterFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                       ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                       ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
-                                      ffi_common::ChannelAttrs channel) {
-  const Fp8Factors fp8{scale_x, scale_w};
+                                      ffi_common::ChannelAttrs channel, int32_t scaling) {
+  const Fp8Factors fp8{scale_x, scale_w, scaling};
   return matmul_reduce_scatter(stream, ordinal, x, w, &fp8, *out, channel,
                                /*w_transposed=*/true);
 }
@@ -295,6 +350,9 @@ ffi::Error matmul_all_reduce(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffe
   p.mechanism = m;
   p.m = one_shot ? xd[0] : xd[0] / p.n;
   p.k = xd[1];
+  // chunked: one GEMM per chunk of m rows; one_shot: one of all rows
+  if (ffi::Error e = read_factors(kOp, fp8, xd[0], one_shot ? 1 : p.n, &p); e.failure())
+    return e;
   if (p.n > 1 && !one_shot) {  // the reduced chunks travel on their own channel
     ffi_common::GroupContext gather;
     if (ffi::Error e = ffi_common::make_group_context(kOp, kOpMatmulAllReduce, ordinal,
@@ -320,9 +378,9 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
 ffi::Error MatmulAllReduceFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                   ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
-                                  ffi_common::ChannelAttrs channel,
+                                  ffi_common::ChannelAttrs channel, int32_t scaling,
                                   ffi_common::ChannelAttrs gather_channel, int32_t mechanism) {
-  const Fp8Factors fp8{scale_x, scale_w};
+  const Fp8Factors fp8{scale_x, scale_w, scaling};
   return matmul_all_reduce(stream, ordinal, x, w, &fp8, *out, channel, gather_channel,
                            mechanism);
 }
@@ -394,8 +452,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<bool>("w_transposed"),                // w holds w^T
     {ffi::Traits::kCmdBufferCompatible});
 
-// The FP8 forwards: x and w FP8 (w [N, K], K-major), one float32 factor each;
-// then the output and the ops' attributes.
+// The FP8 forwards: x and w FP8 (w [N, K], K-major) with their float32
+// factors (read_factors: one each, or block factors); then the output and
+// the ops' attributes.
 namespace {
 auto fp8_forward_binding() {
   return ffi::Ffi::Bind()
@@ -403,10 +462,11 @@ auto fp8_forward_binding() {
       .Ctx<ffi::DeviceOrdinal>()
       .Arg<ffi::AnyBuffer>()   // x: [rows, K] FP8 (all_gather_matmul: this rank's rows)
       .Arg<ffi::AnyBuffer>()   // w^T: [N, K] FP8
-      .Arg<ffi::AnyBuffer>()   // x's factor [1]
-      .Arg<ffi::AnyBuffer>()   // w's factor [1]
+      .Arg<ffi::AnyBuffer>()   // x's factors: [1], or per 1x128 in row groups
+      .Arg<ffi::AnyBuffer>()   // w's factors: [1], or per 128x128 [K/128, N/128]
       .Ret<ffi::AnyBuffer>()   // out: as the 16-bit op's
-      .Attr<ffi_common::ChannelAttrs>("channel");
+      .Attr<ffi_common::ChannelAttrs>("channel")
+      .Attr<int32_t>("scaling");  // gemm.h: Scaling (kTensor or kBlock)
 }
 }  // namespace
 

@@ -34,6 +34,7 @@ import pk_jax  # noqa: E402
 from pk_jax import runtime  # noqa: E402
 from pk_jax.ops.ring_attention.primitive import KERNEL_MECHANISMS as RING_MECHANISMS  # noqa: E402
 from helpers.all_reduce_checks import run_multiprocess_checks  # noqa: E402
+from helpers.fp8_refs import block_products  # noqa: E402
 from helpers.multiprocess_util import (check, local, peer_never_posts, rel,  # noqa: E402
                                        ring_inputs, ring_vjp, two_process_setup)
 
@@ -95,6 +96,7 @@ def main() -> None:
 
     _matmul_all_reduce(mesh, put, cpu, rng, sm, bf)
     _fp8_mlp(mesh, put, cpu, rng, bf)
+    _fp8_block_sequences(mesh, put, cpu, rng, bf)
 
     # Ring attention (both kernel mechanisms, both masks: the peers' blocks
     # are walked whole without one; head dims 128 and 256, whose 80-key tiles
@@ -129,8 +131,7 @@ def main() -> None:
 def _fp8_mlp(mesh, put, cpu, rng, bf):
     """The tensor-parallel MLP with fp8= (every recipe the TP ops take):
     forward and gradients against float32 on the host, with the FP8
-    tolerances of tests/test_fp8_cpu.py (two FP8 GEMMs deep: twice them),
-    and matmul_all_reduce(fp8=) giving the same bits on both processes."""
+    tolerances of tests/test_fp8_cpu.py (two FP8 GEMMs deep: twice them)."""
     d, f_, m = 256, 512, 256
     x = rng.standard_normal((2 * m, d)).astype(np.float32)
     w1 = (rng.standard_normal((d, f_)) / np.sqrt(d)).astype(np.float32)
@@ -243,6 +244,63 @@ def _ring_grads_timeout(mesh, put, cpu, rng, bf):
         shard, = gr.addressable_shards
         check(rel(np.asarray(shard.data, np.float32), np.asarray(r)[shard.index]) < 3e-2,
               f"after the reset the fused backward's {name} is right")
+
+
+def _fp8_block_sequences(mesh, put, cpu, rng, bf):
+    """Each TP op with fp8="block" across the processes runs its FP8 host
+    sequence with block factors (all_gather_matmul's rows travel to the
+    peer with their factors; the row chunks of matmul_reduce_scatter,
+    chunked matmul_all_reduce and all_gather_matmul's dx read theirs):
+    `_fp8_block_case` each."""
+    ar = (P(None, "x"), P("x", None))
+    cases = (  # name, op, in_specs, out_spec, x shape, w shape, its sequences
+        ("all_gather_matmul", pk_jax.all_gather_matmul, (P("x"), P(None, "x")), P(None, "x"),
+         (2 * 256, 512), (512, 2 * 384), ("all_gather_matmul", "matmul_reduce_scatter")),
+        ("matmul_reduce_scatter", pk_jax.matmul_reduce_scatter, ar, P("x"), (2 * 256, 2 * 256),
+         (2 * 256, 768), ("matmul_reduce_scatter", "all_gather_matmul")),
+        ("matmul_all_reduce chunked", pk_jax.matmul_all_reduce, ar, P(), (1024, 2 * 256),
+         (2 * 256, 768), ("matmul_all_reduce",)),
+        ("matmul_all_reduce one_shot", pk_jax.matmul_all_reduce, ar, P(), (128, 2 * 256),
+         (2 * 256, 768), ("matmul_all_reduce",)))
+    for case in cases:
+        _fp8_block_case(mesh, put, cpu, rng, bf, *case)
+    pk_jax.check_errors()
+
+
+def _fp8_block_case(mesh, put, cpu, rng, bf, name, fn, in_specs, out_spec, xshape, wshape,
+                    sequences):
+    """One op with fp8="block": the forward and dx run `sequences`; forward
+    and gradients (twice: the epochs advance) against the float32 products
+    of the dequantized operands (tests/helpers/fp8_refs.py) within bfloat16
+    rounding; matmul_all_reduce's result the same bits on both processes."""
+    x = rng.standard_normal(xshape).astype(np.float32)
+    w = (rng.standard_normal(wshape) / np.sqrt(wshape[0])).astype(np.float32)
+    cot = rng.standard_normal((xshape[0], wshape[1])).astype(np.float32)
+    with jax.default_device(cpu):
+        refs = block_products(*(np.asarray(bf(a), np.float32) for a in (x, w, cot)))
+    # checked types: psum's transpose (matmul_all_reduce) gives every rank the whole dy
+    f = jax.shard_map(lambda a, b: fn(a, b, "x", fp8="block"), mesh=mesh, in_specs=in_specs,
+                      out_specs=out_spec)
+    args = [put(bf(a), s) for a, s in zip((x, w), in_specs)]
+    c = put(bf(cot), out_spec)
+    vjp = jax.jit(lambda c, *a: jax.vjp(f, *a)[1](c))
+    text = jax.jit(f).lower(*args).as_text() + vjp.lower(c, *args).as_text()
+    check(all(f"@pk_{s}_fp8(" in text for s in sequences),
+          f"FP8 (block) {name}: forward and dx run the host sequences")
+    for _ in range(2):  # repeated calls: the epochs advance
+        outs = (jax.jit(f)(*args), *vjp(c, *args))
+    for what, out, ref in zip(("y", "dx", "dw"), outs, refs):
+        shard, = out.addressable_shards
+        check(rel(np.asarray(shard.data, np.float32), ref[shard.index]) < 1e-2,
+              f"FP8 (block) {name} {what} across processes, against the dequantized "
+              "operands' product")
+    if fn is pk_jax.matmul_all_reduce:
+        both = jax.shard_map(lambda a, b: pk_jax.all_gather(fn(a, b, "x", fp8="block")[None],
+                                                            "x", tiled=True),
+                             mesh=mesh, in_specs=in_specs, out_specs=P("x"), check_vma=False)
+        _, got = local(jax.jit(both)(*args))  # both ranks' copies
+        check(np.array_equal(got[0].view(np.uint16), got[1].view(np.uint16)),
+              f"FP8 (block) {name}: both ranks hold the same bits")
 
 
 def _matmul_all_reduce(mesh, put, cpu, rng, sm, bf):

@@ -9,7 +9,11 @@
 //     also returns amax(x) for the history.
 //   kRows: one factor per 1x128 along the columns of each row (DeepSeek-V3's
 //     activations): factors [ceil(cols / 128), rows] (row-contiguous: the
-//     GEMM's A factors when the columns are the contraction).
+//     GEMM's A factors when the columns are the contraction). With
+//     row_groups = g > 1 the rows form g groups of rows / g consecutive rows,
+//     each group's factors [ceil(cols / 128), rows / g] contiguous, the
+//     groups back to back ([g * ceil(cols / 128), rows / g]): the A factors
+//     of a GEMM on one group (the TP host sequences' row chunks).
 //   kCols: one factor per 128x1 along the rows of each column, written with
 //     the transposed output only (the weight gradient reads x^T with its
 //     contraction, the rows, contiguous): factors [ceil(rows / 128), cols].
@@ -48,6 +52,7 @@ struct Quantize {
   void* q = nullptr;            // [rows, cols] of `out`, or null
   void* qt = nullptr;           // [cols, rows] of `out`, or null
   float* factors = nullptr;     // the dequantization factors (layouts above)
+  int64_t row_groups = 1;       // kRows: the row groups of the factors (above); else 1
   // kTensor: the scale to use (delayed scaling), or null to derive it from
   // this matrix's amax (current scaling); amax receives amax(x) either way.
   const float* scale = nullptr;

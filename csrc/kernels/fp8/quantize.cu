@@ -278,10 +278,13 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8
     // Factors.
     if (g == Granularity::kBlocks && t == 0) p.factors[tr * tiles_c + tc] = 1.0f / block_scale;
     if (g == Granularity::kRows && cv == 0) {
+      const int64_t group_rows = rows / p.row_groups;  // fp8.h: kRows' row groups
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
         const int64_t r = r0 + lr + i * kRowStep;
-        if (r < rows) p.factors[tc * rows + r] = 1.0f / row_scale[i];
+        if (r < rows)
+          p.factors[(r / group_rows) * (tiles_c * group_rows) + tc * group_rows +
+                    r % group_rows] = 1.0f / row_scale[i];
       }
     }
     // Convert: the row-wise copy to global memory, the transposed copy's bytes
@@ -424,6 +427,10 @@ cudaError_t check(const Quantize& p) {
   if (!in || !out || !p.x || !p.factors || p.rows <= 0 || p.cols <= 0 || p.rows >= limit ||
       p.cols >= limit)
     return cudaErrorInvalidValue;
+  const bool groups = p.row_groups == 1 ||
+                      (p.granularity == Granularity::kRows && p.row_groups > 1 &&
+                       p.rows % p.row_groups == 0);
+  if (!groups) return cudaErrorInvalidValue;
   switch (p.granularity) {
     case Granularity::kTensor: return p.amax && (p.q || p.qt) ? cudaSuccess : cudaErrorInvalidValue;
     case Granularity::kRows: return p.q && !p.qt ? cudaSuccess : cudaErrorInvalidValue;

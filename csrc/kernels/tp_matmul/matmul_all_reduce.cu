@@ -9,11 +9,11 @@
 //             output in slot r of q's ch region (the epilogue's stores cross
 //             NVLink), then post q.
 //     credit (gather_ch): every peer finished copying out our last chunk.
-//     local:  n = 2: wait the peer; our chunk in P row pieces, each a GEMM
-//             x[piece] @ w + the peer's partial (the epilogue's C, fp32) ->
-//             out. n > 2: GEMM -> slot r of our ch region, then one launch
-//             that waits for every peer and sums the n slots in rank order
-//             (fp32) -> out; one piece.
+//     local:  n = 2: wait the peer; our chunk in P row pieces (one with
+//             block factors), each a GEMM x[piece] @ w + the peer's partial
+//             (the epilogue's C, fp32) -> out. n > 2: GEMM -> slot r of our
+//             ch region, then one launch that waits for every peer and sums
+//             the n slots in rank order (fp32) -> out; one piece.
 //             After each piece the side stream forks off (below).
 //     finish ch: done[r] = e to every peer; out poisoned if the call failed.
 //     gather: for each peer q, in the order their pushes reach us: wait
@@ -48,12 +48,14 @@ bool is_one_shot(const Params& p) { return p.mechanism == AllReduceMechanism::kO
 // ---- launch config ---------------------------------------------------------
 // Pieces of our reduced chunk (n = 2): each at least kMinPieceRows rows, so
 // that its GEMM still fills the GPU; at most kMaxPieces. The last piece's
-// push is what stays exposed. Provisional (not yet measured).
+// push is what stays exposed. Provisional (not yet measured). With block
+// factors one piece: a GEMM reads its rows' factors contiguous, and a
+// piece's are a slice of each row of the chunk's [ceil(k / 128), m].
 constexpr int64_t kMinPieceRows = 1024;
 constexpr int64_t kMaxPieces = 4;
 
 int64_t pieces(const Params& p) {
-  if (is_one_shot(p) || p.n != 2) return 1;
+  if (is_one_shot(p) || p.n != 2 || block_scaled(p)) return 1;
   return std::clamp<int64_t>(p.m / kMinPieceRows, 1, kMaxPieces);
 }
 

@@ -31,11 +31,19 @@
 //   GEMMs of the landed rows; our own rows are copied into our own slot by
 //   the side stream, so our region holds all the rows and the dW GEMM reads
 //   them there.
-// FP8 (Params::in e4m3 or e5m2): the same sequences on FP8 operands with one
-// dequantization factor each (per-tensor scaling, the GEMMs' epilogue scales;
-// kernels/gemm: gemm.h), w given transposed [N, K] (K-major, as the FP8
-// tensor cores read it); x's rows travel as FP8 (all_gather_matmul), the
-// partial products in the output type. No weight gradient in the same call.
+// FP8 (Params::in e4m3 or e5m2): the same sequences on FP8 operands with
+// their dequantization factors (Params::scaling; kernels/gemm: gemm.h's
+// Scaling), w given transposed [N, K] (K-major, as the FP8 tensor cores read
+// it); x's rows travel as FP8 (all_gather_matmul), the partial products in
+// the output type. Per-tensor (kTensor): one factor each, the GEMMs'
+// epilogue scales. Block (kBlock, e4m3): w's per 128x128, the same for every
+// GEMM; x's per 1x128, each GEMM of a group of x's rows reading the group's
+// factors [ceil(K / 128), rows] contiguous (Params::scale_x): x's factors
+// come in the row groups of the sequence's GEMMs, and all_gather_matmul's
+// rows travel with their factors, after them in the same slot (one post per
+// slot, its layout counting both). Chunked matmul_all_reduce then reduces
+// its chunk in one piece (a piece's factors are not contiguous). No weight
+// gradient in the same call.
 // All: every GEMM of the call is checked (gemm::check) before anything is
 // enqueued, and the call always ends in signals::finish (also with one rank,
 // and after a CUDA error from an enqueue, as aborted): the outputs of a call
@@ -78,17 +86,25 @@ struct Params {
   int64_t n_cols = 0;        // N
   gemm::DType in = gemm::DType::kBF16;
   gemm::DType out_type = gemm::DType::kBF16;
-  // FP8 (in e4m3 or e5m2): w's type and the factors of x and w (one float
-  // each, on the device).
+  // FP8 (in e4m3 or e5m2): w's type, the scaling (kTensor or kBlock) and
+  // the factors of x and w on the device. kTensor: one float each. kBlock:
+  // w's per 128x128 [ceil(k / 128), ceil(n_cols / 128)]; x's per 1x128 in
+  // the row groups of the sequence's GEMMs, each group of g consecutive rows
+  // [ceil(k / 128), g] contiguous, the groups back to back (g = m: each
+  // chunk of m rows; one_shot and one rank: g = all rows; all_gather_matmul:
+  // x is one group), so the group at row `first` starts at scale_x + first *
+  // ceil(k / 128) (x_factors).
   gemm::DType in_w = gemm::DType::kE4M3;
+  gemm::Scaling scaling = gemm::Scaling::kNone;
   const float* scale_x = nullptr;
   const float* scale_w = nullptr;
   int rank = 0;
   int n = 1;
   Channel ch{};
   // The channel's data region on every rank (n > 1): n slots of one rank's
-  // block, x [m, K] for all_gather_matmul, the output shard [m, N] for
-  // matmul_reduce_scatter (with n = 2 our own slot stays unused).
+  // block, x [m, K] for all_gather_matmul (kBlock: followed by its factors
+  // [ceil(K / 128), m]), the output shard [m, N] for matmul_reduce_scatter
+  // (with n = 2 our own slot stays unused).
   char* region[kMaxRanks] = {};
   // matmul_all_reduce: kChunked: the reduced chunks travel on a second
   // channel (its own epochs and posts), one slot of [m, N] per rank in its
@@ -109,11 +125,29 @@ struct Params {
   cudaEvent_t join = nullptr;
 };
 
-// The GEMM of `rows` rows at `a` [rows, k] (input type) @ w, + `add`
-// [rows, n_cols] of the output type (the epilogue's C) when given, -> dst
-// [rows, n_cols] of the output type.
-inline gemm::Problem rows_gemm(const Params& p, const void* a, int64_t rows, void* dst,
-                               const void* add = nullptr) {
+// FP8 operands with block factors (Params::scaling).
+inline bool block_scaled(const Params& p) { return p.scaling == gemm::Scaling::kBlock; }
+
+// How many 1x128 factors one row of x has with kBlock: ceil(k / 128).
+inline int64_t k_blocks(const Params& p) { return (p.k + gemm::kBlockK - 1) / gemm::kBlockK; }
+
+// The bytes of the block factors of `rows` rows of x (0 unless kBlock).
+inline size_t x_factor_bytes(const Params& p, int64_t rows) {
+  return block_scaled(p) ? size_t(rows) * size_t(k_blocks(p)) * sizeof(float) : 0;
+}
+
+// The factors of the GEMM's A at x's row `first` (a row group's first row
+// with kBlock: Params::scale_x), or the one factor of x (kTensor).
+inline const float* x_factors(const Params& p, int64_t first) {
+  return block_scaled(p) ? p.scale_x + first * k_blocks(p) : p.scale_x;
+}
+
+// The GEMM of `rows` rows at `a` [rows, k] (input type; FP8: with their
+// factors `a_factors`, gemm.h's Scaling) @ w, + `add` [rows, n_cols] of the
+// output type (the epilogue's C) when given, -> dst [rows, n_cols] of the
+// output type.
+inline gemm::Problem rows_gemm(const Params& p, const void* a, const float* a_factors,
+                               int64_t rows, void* dst, const void* add = nullptr) {
   gemm::Problem g;
   g.m = rows;
   g.n = p.n_cols;
@@ -127,19 +161,20 @@ inline gemm::Problem rows_gemm(const Params& p, const void* a, int64_t rows, voi
   g.out = p.out_type;
   if (gemm::is_fp8(p.in)) {
     g.in_b = p.in_w;
-    g.scaling = gemm::Scaling::kTensor;
-    g.scale_a = p.scale_x;
+    g.scaling = p.scaling;
+    g.scale_a = a_factors;
     g.scale_b = p.scale_w;
   }
   return g;
 }
 
-// x[first, first + rows) @ w (+ add) -> dst.
+// x[first, first + rows) @ w (+ add) -> dst; kBlock: rows one row group of
+// x's factors, first its first row.
 inline gemm::Problem x_rows_gemm(const Params& p, int64_t first, int64_t rows, void* dst,
                                  const void* add = nullptr) {
   return rows_gemm(p, static_cast<const char*>(p.x) + size_t(first) * size_t(p.k) *
                                                           gemm::itemsize(p.in),
-                   rows, dst, add);
+                   x_factors(p, first), rows, dst, add);
 }
 
 // The weight gradient's GEMM (p.dw set): dw = p.act^T @ rows, rows
@@ -162,11 +197,11 @@ inline size_t weight_grad_bytes(const Params& p) {
   return p.dw ? size_t(p.n_cols) * size_t(p.k) * gemm::itemsize(p.in) : 0;
 }
 
-// What the sequences' posts carry (signals::PostLayout): x's rows
-// (all_gather_matmul) or rows of the output type (the others' partial
-// products and reduced chunks).
+// What the sequences' posts carry (signals::PostLayout): x's rows, each with
+// its block factors (all_gather_matmul), or rows of the output type (the
+// others' partial products and reduced chunks).
 inline signals::PostLayout x_rows_layout(const Params& p) {
-  return {uint64_t(p.m), uint64_t(p.k) * gemm::itemsize(p.in)};
+  return {uint64_t(p.m), uint64_t(p.k) * gemm::itemsize(p.in) + x_factor_bytes(p, 1)};
 }
 inline signals::PostLayout out_rows_layout(const Params& p) {
   return {uint64_t(p.m), uint64_t(p.n_cols) * gemm::itemsize(p.out_type)};

@@ -199,14 +199,16 @@ def quantize_activation(x, scaling: str = "tensor", *, margin: float = 0.0,
 
 
 def activation_operands(x, recipe: Fp8Recipe, dtype=None, *, rowwise: bool = True,
-                        transposed: bool = False, scale=None):
+                        transposed: bool = False, scale=None, row_groups: int = 1):
     """The FP8 GEMM operands of x [M, K] (an activation, or an output
     gradient with dtype=recipe.bwd_dtype): (q [M, K], qt [K, M], the factors
     of q, of qt, amax), each None where not asked for. x quantized by the
     recipe (tensor factors from `scale` when given; amax(x) returned), or an
     `Fp8Activation` as stored: a tensor factor serves both copies; block
     factors per 1x128 serve q, and qt's per 128x1 come from requantizing the
-    stored values (one more rounding, the weight gradient's operand)."""
+    stored values (one more rounding, the weight gradient's operand). Block
+    factors of q come in `row_groups` row groups (`fp8_quantize`'s layout:
+    for GEMMs on row chunks)."""
     if isinstance(x, Fp8Activation):
         data, f = jnp.asarray(x.data), jnp.asarray(x.factors, jnp.float32)
         if x.scaling == "tensor":
@@ -216,12 +218,13 @@ def activation_operands(x, recipe: Fp8Recipe, dtype=None, *, rowwise: bool = Tru
         if transposed:
             _, qt, fqt, _ = fp8_quantize(x.dequantize(), "cols", prim.E4M3, rowwise=False,
                                          transposed=True)
-        return (data if rowwise else None, qt, f.T if rowwise else None, fqt, None)
+        fq = prim.group_rows(f.T, row_groups) if rowwise else None
+        return (data if rowwise else None, qt, fq, fqt, None)
     dtype = recipe.fwd_dtype if dtype is None else dtype
     if recipe.scaling == "block":
         q = fq = qt = fqt = None
         if rowwise:
-            q, _, fq, _ = fp8_quantize(x, "rows", dtype)
+            q, _, fq, _ = fp8_quantize(x, "rows", dtype, row_groups=row_groups)
         if transposed:
             _, qt, fqt, _ = fp8_quantize(x, "cols", dtype, rowwise=False, transposed=True)
         return q, qt, fq, fqt, None
@@ -263,7 +266,7 @@ def max_to_type_of(amax, like, names=()):
 
 def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
                  rowwise: bool = True, transposed: bool = False, scale=None,
-                 margin: float = 0.0):
+                 margin: float = 0.0, row_groups: int = 1):
     """Quantize a 2-D array x [R, C] to FP8 with its dequantization factors.
 
     granularity: "tensor" (one factor), "rows" (per 1x128 along C: factors
@@ -275,6 +278,11 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
     one value (shape () or (1,)); a Python or NumPy one must be a finite
     number > 0 (ValueError); in a jax array a scale of 0, NaN or +-inf
     makes q * factor NaN (`given_scale`), never a silent zero.
+    row_groups: "rows" only, g dividing R: the factors of each group of R / g
+    consecutive rows contiguous, [g * ceil(C/128), R / g] with group i's
+    [ceil(C/128), R / g] at rows i * ceil(C/128).. (what a GEMM on one
+    group's rows reads as its A factors; the tensor-parallel matmuls' row
+    chunks); 1: the plain [ceil(C/128), R].
 
     Returns (q or None, qt or None, factors, amax); amax is amax(|x|) [1]
     for "tensor" (for an amax history), None otherwise. x ~= q * factor.
@@ -306,11 +314,24 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or \
             not math.isfinite(margin) or margin < 0:
         raise ValueError(f"fp8_quantize(margin={margin!r}): a finite number >= 0")
+    _check_row_groups(row_groups, granularity, x.shape[0])
     q, qt, factors, amax = prim.quantize(prim.unsharded(x), granularity=granularity, dtype=dtype,
                                          rowwise=rowwise, transposed=transposed, scale=scale,
-                                         margin=margin)
+                                         margin=margin, row_groups=row_groups)
     return (q if rowwise else None, qt if transposed else None, factors,
             amax if granularity == "tensor" else None)
+
+
+def _check_row_groups(row_groups, granularity: str, rows: int) -> None:
+    """fp8_quantize's row_groups: an int >= 1 dividing the rows, above 1 only
+    with "rows" granularity (ValueError)."""
+    if isinstance(row_groups, bool) or not isinstance(row_groups, (int, np.integer)) or \
+            row_groups < 1 or rows % row_groups:
+        raise ValueError(f"fp8_quantize(row_groups={row_groups!r}): an int >= 1 dividing the "
+                         f"rows of x ({rows})")
+    if row_groups > 1 and granularity != "rows":
+        raise ValueError(f"fp8_quantize(row_groups={row_groups}): needs granularity='rows' "
+                         f"(got {granularity!r})")
 
 
 def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks: bool = False,

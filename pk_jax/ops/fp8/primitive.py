@@ -9,7 +9,10 @@ numerics in jax.numpy) everywhere else.
     tensor  one factor ([1]); the scale is fp8_max * 2^-margin / amax(x)
             (current scaling) or the `scale` operand (given_scale: delayed
             scaling); amax = amax(x)
-    rows    a factor per 1x128 along C: factors [ceil(C / 128), R]
+    rows    a factor per 1x128 along C: factors [ceil(C / 128), R]; with
+            row_groups = g the rows in g groups of R / g consecutive rows,
+            each group's [ceil(C / 128), R / g] in turn: [g * ceil(C / 128),
+            R / g] (`group_rows`; g = 1: the plain layout)
     cols    a factor per 128x1 along R, transposed copy only: [ceil(R / 128), C]
     blocks  a factor per 128x128 block: [ceil(R / 128), ceil(C / 128)]
 
@@ -59,9 +62,26 @@ def blocks(extent: int) -> int:
     return -(-extent // BLOCK)
 
 
-def factors_shape(granularity: str, rows: int, cols: int) -> tuple[int, ...]:
-    return {"tensor": (1,), "rows": (blocks(cols), rows), "cols": (blocks(rows), cols),
-            "blocks": (blocks(rows), blocks(cols))}[granularity]
+def factors_shape(granularity: str, rows: int, cols: int, row_groups: int = 1
+                  ) -> tuple[int, ...]:
+    return {"tensor": (1,), "rows": (row_groups * blocks(cols), rows // row_groups),
+            "cols": (blocks(rows), cols), "blocks": (blocks(rows), blocks(cols))}[granularity]
+
+
+def group_rows(factors, groups: int):
+    """Row factors [Kb, R] (per 1x128) in `groups` row groups: [groups * Kb,
+    R / groups], group g's [Kb, R / groups] (the factors of its rows) at rows
+    g * Kb.. (csrc/kernels/fp8/fp8.h: kRows' row groups)."""
+    kb, r = factors.shape
+    return factors.reshape(kb, groups, r // groups).transpose(1, 0, 2).reshape(
+        groups * kb, r // groups)
+
+
+def ungroup_rows(factors, groups: int):
+    """`group_rows`' inverse: [groups * Kb, R / groups] -> [Kb, R]."""
+    gkb, gr = factors.shape
+    return factors.reshape(groups, gkb // groups, gr).transpose(1, 0, 2).reshape(
+        gkb // groups, groups * gr)
 
 
 # --- reference numerics (what the kernels compute) --------------------------
@@ -102,7 +122,7 @@ def _expand(per_block, granularity: str, rows: int, cols: int):
 
 
 def quantize_reference(x, scale, *, granularity: str, dtype, rowwise: bool, transposed: bool,
-                       given_scale: bool, margin: float):
+                       given_scale: bool, margin: float, row_groups: int = 1):
     """What pk_fp8_quantize computes (any platform)."""
     dtype = jnp.dtype(dtype)
     fp8_max = FP8_MAX[dtype]
@@ -118,6 +138,8 @@ def quantize_reference(x, scale, *, granularity: str, dtype, rowwise: bool, tran
     else:
         per_block = _scale_of(_blocked_amax(xf, granularity), fp8_max)
         factors = jnp.float32(1) / per_block
+        if row_groups > 1:
+            factors = group_rows(factors, row_groups)
         full = _expand(per_block, granularity, r, c)
         amax = jnp.zeros((0,), jnp.float32)
     q = _convert(xf * full, dtype)
@@ -154,7 +176,7 @@ def matmul_reference(a, b, scale_a, scale_b, *, scaling: str, b_row_blocks: bool
 # --- binding ----------------------------------------------------------------
 
 def quantize(x, *, granularity: str, dtype, rowwise: bool, transposed: bool, scale=None,
-             margin: float = 0.0):
+             margin: float = 0.0, row_groups: int = 1):
     """(q, qt, factors, amax) of x [R, C] (the module docstring); the caller
     validated the arguments."""
     given = scale is not None
@@ -162,7 +184,8 @@ def quantize(x, *, granularity: str, dtype, rowwise: bool, transposed: bool, sca
     x, s = vary_alike(x, s)
     return quantize_p.bind(x, s, granularity=granularity, dtype=jnp.dtype(dtype),
                            rowwise=bool(rowwise), transposed=bool(transposed),
-                           given_scale=given, margin=float(margin))
+                           given_scale=given, margin=float(margin),
+                           row_groups=int(row_groups))
 
 
 def matmul(a, b, scale_a, scale_b, *, scaling: str, b_row_blocks: bool = False, out_dtype):
@@ -184,12 +207,14 @@ def unsharded(a):
     return a
 
 
-def _quantize_abstract(x, s, *, granularity, dtype, rowwise, transposed, given_scale, margin):
+def _quantize_abstract(x, s, *, granularity, dtype, rowwise, transposed, given_scale, margin,
+                       row_groups):
     r, c = x.shape
     fp8 = lambda shape: result_aval(x, shape, dtype)
     f32 = lambda shape: result_aval(x, shape, jnp.dtype(jnp.float32))
     return [fp8((r, c) if rowwise else (0, 0)), fp8((c, r) if transposed else (0, 0)),
-            f32(factors_shape(granularity, r, c)), f32((1,) if granularity == "tensor" else (0,))]
+            f32(factors_shape(granularity, r, c, row_groups)),
+            f32((1,) if granularity == "tensor" else (0,))]
 
 
 def _matmul_abstract(a, b, sa, sb, *, scaling, b_row_blocks, out_dtype):
@@ -211,7 +236,8 @@ def _quantize_cuda(ctx, x, s, **params):
         return _quantize_reference_lowering(ctx, x, s, **params)
     return jax.ffi.ffi_lowering("pk_fp8_quantize")(
         ctx, x, s, granularity=np.int32(GRANULARITY[params["granularity"]]),
-        given_scale=params["given_scale"], margin=np.float32(params["margin"]))
+        given_scale=params["given_scale"], margin=np.float32(params["margin"]),
+        row_groups=np.int32(params["row_groups"]))
 
 
 def _matmul_cuda(ctx, a, b, sa, sb, *, scaling, b_row_blocks, out_dtype):

@@ -11,15 +11,19 @@ shared by the whole axis: the scale comes from the axis-wide amax (a pmax of
 one float), so the gathered rows form one FP8 operand with one factor.
 Block factors travel with their rows.
 
-With per-tensor factors and a bfloat16 result the FP8 GEMMs run inside the
-bf16 ops' host sequences (primitive.py's *_fp8 primitives): the
-quantized rows feed the chunk GEMMs as the copy engines land them
-(all_gather_matmul), the partial products go straight to their owners
+With a bfloat16 result the FP8 GEMMs run inside the bf16 ops' host
+sequences (primitive.py's *_fp8 primitives), per-tensor and block factors
+alike: the quantized rows feed the chunk GEMMs as the copy engines land them
+(all_gather_matmul; block factors travel in the same slot, after their
+rows), the partial products go straight to their owners
 (matmul_reduce_scatter, matmul_all_reduce), and each backward's dx runs the
 other op's sequence; the weight gradients are local FP8 GEMMs on the FP8
-copies gathered along the tokens. Block factors (a row chunk's factors are
-not contiguous) and other output types compose the collectives and GEMMs
-one after the other.
+copies gathered along the tokens. A sequence's GEMM of a chunk of rows reads
+the chunk's block factors [K/128, m] contiguous, so an operand whose rows a
+sequence splits into n chunks (x in matmul_reduce_scatter and chunked
+matmul_all_reduce, dy in all_gather_matmul's backward) is quantized with
+its factors in n row groups ([n * K/128, m]: fp8_quantize's row_groups).
+Other output types compose the collectives and GEMMs one after the other.
 
 A stored operand (`Fp8Weight`, `Fp8Activation`: each rank's shard as
 stored) enters the GEMMs as it is; its cotangent is zero. An activation that
@@ -49,7 +53,7 @@ from pk_jax.ops.fp8 import api as fp8_ops
 from pk_jax.ops.all_gather import all_gather
 from pk_jax.ops.all_reduce import all_reduce, reduce_scatter
 from pk_jax.ops.tp_matmul.primitive import (TpConfig, all_gather_matmul_fp8_p,
-                                            matmul_all_reduce_fp8_p,
+                                            fp8_row_groups, matmul_all_reduce_fp8_p,
                                             matmul_reduce_scatter_fp8_p)
 
 Recipe = fp8_ops.Fp8Recipe
@@ -93,67 +97,88 @@ def _out(dtype):
 
 
 def _quantize_rows_sharded(x, names, n: int, recipe: Recipe, dtype, *, rowwise=True,
-                           transposed=False, scale=None):
+                           transposed=False, scale=None, row_groups: int = 1):
     """Quantize this rank's rows of an operand gathered along its rows:
     (q, qt, factors of q, factors of qt, amax) as `fp8.activation_operands`
     gives them, tensor factors from the given scale (delayed scaling) or the
-    axis-wide amax (an `Fp8Activation` as stored). amax: this rank's amax(x)
-    with per-tensor factors (what delayed scaling records), else None."""
+    axis-wide amax (an `Fp8Activation` as stored); block factors of q in
+    `row_groups` row groups. amax: this rank's amax(x) with per-tensor
+    factors (what delayed scaling records), else None."""
     if recipe.scaling != "block" and scale is None and not fp8_ops.is_stored(x):
         scale = _axis_scale(x, names, n, dtype, recipe.margin)
     return fp8_ops.activation_operands(x, recipe, dtype, rowwise=rowwise,
-                                       transposed=transposed, scale=scale)
+                                       transposed=transposed, scale=scale,
+                                       row_groups=row_groups)
+
+
+def _scaling(recipe: Recipe) -> str:
+    """The GEMMs' scaling of the recipe's factors: "block" or "tensor"."""
+    return "block" if recipe.scaling == "block" else "tensor"
 
 
 def _gemm(a, b, fa, fb, recipe: Recipe, out_dtype, b_row_blocks=False):
-    scaling = "block" if recipe.scaling == "block" else "tensor"
-    return fp8_ops.fp8_matmul(a, b, fa, fb, scaling=scaling, b_row_blocks=b_row_blocks,
+    return fp8_ops.fp8_matmul(a, b, fa, fb, scaling=_scaling(recipe), b_row_blocks=b_row_blocks,
                               out_dtype=_out(out_dtype)).astype(out_dtype)
 
 
-def _quantize_local(a, recipe: Recipe, dtype, *, rowwise=True, transposed=False, scale=None):
-    """A rank-local operand (no axis-wide scale): as `_quantize_rows_sharded`."""
+def _quantize_local(a, recipe: Recipe, dtype, *, rowwise=True, transposed=False, scale=None,
+                    row_groups: int = 1):
+    """A rank-local operand (no axis-wide scale): as `_quantize_rows_sharded`,
+    block factors of the row-wise copy in `row_groups` row groups (the row
+    chunks of a host sequence's GEMMs)."""
     return _quantize_rows_sharded(a, (), 1, recipe, dtype, rowwise=rowwise,
-                                  transposed=transposed, scale=scale)
+                                  transposed=transposed, scale=scale, row_groups=row_groups)
+
+
+def _gather_transposed(qt, fqt, names, n: int, recipe: Recipe):
+    """The transposed copy of an operand quantized by `_quantize_rows_sharded`
+    gathered along its rows (axis 1) with its factors: block ones [rows/128,
+    K] along axis 0; a per-tensor factor is already the axis's."""
+    return (_gather(qt, names, n, axis=1),
+            _gather(fqt, names, n, axis=0) if recipe.scaling == "block" else fqt)
 
 
 def _gather_rows(q, qt, fq, fqt, amax, names, n: int, recipe: Recipe):
     """An operand quantized by `_quantize_rows_sharded`, gathered along its
-    rows: the row-wise copy (axis 0), the transposed copy (axis 1) and, with
-    block factors, their factors ([K/128, rows] along axis 1, [rows/128, K]
-    along axis 0); a per-tensor factor is already the axis's. amax stays
-    this rank's."""
-    block = recipe.scaling == "block"
-    return (_gather(q, names, n), _gather(qt, names, n, axis=1),
-            _gather(fq, names, n, axis=1) if block else fq,
-            _gather(fqt, names, n, axis=0) if block else fqt, amax)
+    rows: the row-wise copy (axis 0) with its block factors ([K/128, rows]
+    along axis 1), and the transposed copy (`_gather_transposed`). amax
+    stays this rank's."""
+    qt, fqt = _gather_transposed(qt, fqt, names, n, recipe)
+    return (_gather(q, names, n), qt,
+            _gather(fq, names, n, axis=1) if recipe.scaling == "block" else fq, fqt, amax)
 
 
 def _fused(recipe: Recipe, out_dtype) -> bool:
     """Whether the FP8 GEMMs run inside the TP host sequences (the bf16 ops'
-    overlap, on FP8 operands): per-tensor factors (block factors of a row
-    chunk are not contiguous) and a bfloat16 result (the sequences' GEMM
-    epilogues add the peers' partials in it)."""
-    return recipe.scaling != "block" and jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16)
+    overlap, on FP8 operands): with a bfloat16 result (the sequences' GEMM
+    epilogues add the peers' partials in it), per-tensor or block factors."""
+    return jnp.dtype(out_dtype) == jnp.dtype(jnp.bfloat16)
 
 
-def _sequence(prim, names, n: int, out_dtype, mechanism: str, a, b, fa, fb):
+def _row_groups(prim, recipe: Recipe, n: int, mechanism: str, fused: bool) -> int:
+    """The row groups of an operand's block factors as the sequence of `prim`
+    reads them where it runs (`fp8_row_groups`); 1 where it does not."""
+    return fp8_row_groups(prim, n, mechanism) if fused and recipe.scaling == "block" else 1
+
+
+def _sequence(prim, names, n: int, out_dtype, mechanism: str, recipe: Recipe, a, b, fa, fb):
     """One FP8 host sequence (primitive.py's *_fp8 primitives) on a
-    [rows, K] and b [N, K] with their per-tensor factors; the operands vary
-    over the axis as the primitives require."""
+    [rows, K] and b [N, K] with their factors (block: a's in the sequence's
+    row groups, `_row_groups`); the operands vary over the axis as the
+    primitives require."""
     operands = (make_varying(t, tuple(names)) for t in (a, b, fa, fb))
     cfg = TpConfig(tuple(names), n, np.dtype(out_dtype), mechanism)
-    return prim.bind(*operands, cfg=cfg)
+    return prim.bind(*operands, cfg=cfg, scaling=_scaling(recipe))
 
 
-def _local_operands(x, w, sx, sw, recipe: Recipe, residuals: bool):
+def _local_operands(x, w, sx, sw, recipe: Recipe, residuals: bool, row_groups: int = 1):
     """This rank's FP8 operands of x @ w (x [M, K_local]): (q, w^T, their
-    factors), the backward's residuals (x^T and w quantized, with their
-    factors, where `residuals` asks and a gradient reads them) and the local
-    amaxes of x and w."""
+    factors: x's block ones in `row_groups` row groups), the backward's
+    residuals (x^T and w quantized, with their factors, where `residuals`
+    asks and a gradient reads them) and the local amaxes of x and w."""
     xt_copy, w_copy = fp8_ops.residual_copies(x, w, residuals)
     q, qt, fq, fqt, ax = _quantize_local(x, recipe, recipe.fwd_dtype, transposed=xt_copy,
-                                         scale=sx)
+                                         scale=sx, row_groups=row_groups)
     wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw, dgrad=w_copy)
     return (q, wt, fq, fw_fwd), (qt, fqt, wq, fw_bwd, fp8_ops.marker(x),
                                  fp8_ops.marker(w)), (ax, aw)
@@ -220,10 +245,10 @@ def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype, residuals):
     q, qt, fq, fqt, ax = _quantize_rows_sharded(x, names, n, recipe, recipe.fwd_dtype,
                                                 transposed=xt_copy, scale=sx)
     wq, wt, fw_fwd, fw_bwd, aw = fp8_ops.weight_operands(w, recipe, sw, dgrad=w_copy)
-    if _fused(recipe, out_dtype):  # the rows gathered in FP8 inside the sequence
-        y = _sequence(all_gather_matmul_fp8_p, names, n, out_dtype, "chunked", q, wt, fq,
-                      fw_fwd)
-        qt = _gather(qt, names, n, axis=1)
+    if _fused(recipe, out_dtype):  # the rows (and block factors) gathered inside the sequence
+        y = _sequence(all_gather_matmul_fp8_p, names, n, out_dtype, "chunked", recipe, q, wt,
+                      fq, fw_fwd)
+        qt, fqt = _gather_transposed(qt, fqt, names, n, recipe)
     else:
         q, qt, fq, fqt, ax = _gather_rows(q, qt, fq, fqt, ax, names, n, recipe)
         y = _gemm(q, wt, fq, fw_fwd, recipe, out_dtype)
@@ -233,14 +258,18 @@ def _ag_fwd(x, w, sx, sw, names, n, recipe, out_dtype, residuals):
 
 def _ag_bwd(names, n, recipe, out_dtype, res, dy, sdy):
     # dy [n m, N_local] is local to this rank's column shard; dy w^T [n m, K]
-    # is reduce-scattered to this rank's rows
+    # is reduce-scattered to this rank's rows (matmul_reduce_scatter's
+    # sequence where it runs: dy's block factors in its n row chunks)
+    fused = res[4] is not None and _fused(recipe, res[4].dtype)
+    groups = _row_groups(matmul_reduce_scatter_fp8_p, recipe, n, "chunked", fused)
+
     def dx_of(a, b, fa, fb, dtype):
-        if _fused(recipe, dtype):
-            return _sequence(matmul_reduce_scatter_fp8_p, names, n, dtype, "chunked", a, b, fa,
-                             fb)
+        if fused:
+            return _sequence(matmul_reduce_scatter_fp8_p, names, n, dtype, "chunked", recipe,
+                             a, b, fa, fb)
         return _scatter(_gemm(a, b, fa, fb, recipe, dtype), names, n)
-    return _grads(_quantize_local(dy, recipe, recipe.bwd_dtype, scale=sdy, **_needs(res)),
-                  res, recipe, dx_of)
+    return _grads(_quantize_local(dy, recipe, recipe.bwd_dtype, scale=sdy, row_groups=groups,
+                                  **_needs(res)), res, recipe, dx_of)
 
 
 all_gather_matmul = _op(_ag_fwd, _ag_bwd, """all_gather(x, tiled) @ w with FP8 GEMMs: x
@@ -249,9 +278,11 @@ all_gather_matmul = _op(_ag_fwd, _ag_bwd, """all_gather(x, tiled) @ w with FP8 G
 
 # ---- matmul_reduce_scatter ---------------------------------------------------------
 def _rs_fwd(x, w, sx, sw, names, n, recipe, out_dtype, residuals):
-    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe, residuals)
-    if _fused(recipe, out_dtype):
-        return _sequence(matmul_reduce_scatter_fp8_p, names, n, out_dtype, "chunked",
+    fused = _fused(recipe, out_dtype)
+    groups = _row_groups(matmul_reduce_scatter_fp8_p, recipe, n, "chunked", fused)
+    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe, residuals, groups)
+    if fused:
+        return _sequence(matmul_reduce_scatter_fp8_p, names, n, out_dtype, "chunked", recipe,
                          *operands), res, amaxes
     return _scatter(_gemm(*operands, recipe, out_dtype), names, n), res, amaxes
 
@@ -264,8 +295,10 @@ def _rs_bwd(names, n, recipe, out_dtype, res, dy, sdy):
                                                    scale=sdy, **_needs(res))
     if res[4] is not None and _fused(recipe, res[4].dtype):
         def dx_of(a, b, fa, fb, dtype):
-            return _sequence(all_gather_matmul_fp8_p, names, n, dtype, "chunked", a, b, fa, fb)
-        return _grads((dq, _gather(dt, names, n, axis=1), fdq, fdt, ady), res, recipe, dx_of)
+            return _sequence(all_gather_matmul_fp8_p, names, n, dtype, "chunked", recipe, a, b,
+                             fa, fb)
+        dt, fdt = _gather_transposed(dt, fdt, names, n, recipe)
+        return _grads((dq, dt, fdq, fdt, ady), res, recipe, dx_of)
     return _grads(_gather_rows(dq, dt, fdq, fdt, ady, names, n, recipe), res, recipe)
 
 
@@ -275,10 +308,12 @@ matmul_reduce_scatter = _op(_rs_fwd, _rs_bwd, """psum_scatter(x @ w, tiled) with
 
 # ---- matmul_all_reduce -------------------------------------------------------------
 def _ar_fwd(x, w, sx, sw, names, n, recipe, out_dtype, residuals):
-    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe, residuals)
-    if _fused(recipe, out_dtype):
-        mechanism = tuning.matmul_all_reduce_mechanism(x.shape[0], n)
-        return _sequence(matmul_all_reduce_fp8_p, names, n, out_dtype, mechanism,
+    fused = _fused(recipe, out_dtype)
+    mechanism = tuning.matmul_all_reduce_mechanism(x.shape[0], n)
+    groups = _row_groups(matmul_all_reduce_fp8_p, recipe, n, mechanism, fused)
+    operands, res, amaxes = _local_operands(x, w, sx, sw, recipe, residuals, groups)
+    if fused:
+        return _sequence(matmul_all_reduce_fp8_p, names, n, out_dtype, mechanism, recipe,
                          *operands), res, amaxes
     # also at n = 1: psum's invariant type
     return all_reduce(_gemm(*operands, recipe, out_dtype), names), res, amaxes

@@ -19,17 +19,22 @@ the forward's [K, N], read transposed in place):
 dx in cfg.out_dtype, dw in w's dtype, both accumulated in fp32. The operands
 must vary over the same mesh axes (the callers pvary them).
 
-The three forwards on FP8 operands with per-tensor factors (the fp8= paths of
+The three forwards on FP8 operands (the fp8= paths of
 pk_jax/ops/tp_matmul/fp8.py; the same host sequences, x's rows travel as FP8):
 `pk_all_gather_matmul_fp8`, `pk_matmul_reduce_scatter_fp8`,
 `pk_matmul_all_reduce_fp8`: x [rows, K] FP8, w^T [N, K] FP8 (K-major),
-scale_x [1], scale_w [1] -> as the 16-bit ops, in cfg.out_dtype (bfloat16).
+scale_x, scale_w -> as the 16-bit ops, in cfg.out_dtype (bfloat16). By the
+parameter `scaling`: "tensor", one factor each ([1]); "block" (e4m3
+operands), w's per 128x128 [ceil(K/128), ceil(N/128)] and x's per 1x128 in
+the row groups of its GEMMs (`fp8_row_groups`: [g * ceil(K/128), rows / g],
+fp8_quantize's row_groups layout); all_gather_matmul's x factors
+[ceil(K/128), m] travel with the rows.
 
 Parameters: the op's frozen `TpConfig`, and `transpose_w` (w is given as
 [N, K] and the product is x @ w^T: the backward passes multiply by the
 forward's weight transposed, and the kernels read it in place as a K-major
 operand instead of XLA materializing w^T); all_gather_matmul also
-`return_gathered`.
+`return_gathered`; the FP8 forwards `scaling`.
 
 Lowering: on CUDA with the extension built with CUTLASS and a kernel
 mechanism ("chunked"; matmul_all_reduce also "one_shot"), the FFI kernels of
@@ -98,10 +103,11 @@ def _n_cols(w, transpose_w: bool) -> int:
     return w.shape[0] if transpose_w else w.shape[1]
 
 
-def _region_bytes(n: int, rows: int, cols: int, dtype) -> int:
-    """n slots of one rank's block (tp_matmul.h: ag_matmul_region_bytes,
-    matmul_rs_region_bytes); nothing on one rank."""
-    return n * rows * cols * np.dtype(dtype).itemsize if n > 1 else 0
+def _region_bytes(n: int, rows: int, cols: int, dtype, extra: int = 0) -> int:
+    """n slots of one rank's block [rows, cols] and `extra` bytes (the block
+    factors that travel with FP8 rows) (tp_matmul.h: Params::region);
+    nothing on one rank."""
+    return n * (rows * cols * np.dtype(dtype).itemsize + extra) if n > 1 else 0
 
 
 # ---- all_gather_matmul ----------------------------------------------------------
@@ -271,70 +277,110 @@ matmul_reduce_scatter_fp8_p = Primitive("pk_matmul_reduce_scatter_fp8")
 matmul_all_reduce_fp8_p = Primitive("pk_matmul_all_reduce_fp8")
 
 
-def _fp8_product(a, wt, sx, sw, cfg: TpConfig):
-    """a @ wt^T scaled by both factors (what pk_fp8_matmul computes)."""
-    return prim_fp8.matmul_reference(a, wt, sx, sw, scaling="tensor", b_row_blocks=False,
+def fp8_row_groups(prim, n: int, mechanism: str) -> int:
+    """The row groups of x's block factors in the FP8 sequence of `prim` (one
+    GEMM per group of x's rows, which reads the group's factors
+    [ceil(K/128), rows] contiguous: fp8_quantize's row_groups): n, the
+    row chunks, for matmul_reduce_scatter and chunked matmul_all_reduce; 1
+    for one_shot (one GEMM of all rows) and all_gather_matmul (this rank's
+    rows travel with their factors)."""
+    chunked = prim is matmul_reduce_scatter_fp8_p or (
+        prim is matmul_all_reduce_fp8_p and mechanism != "one_shot")
+    return n if chunked else 1
+
+
+def _x_factor_bytes(scaling: str, rows: int, k: int) -> int:
+    """The bytes of the block factors of `rows` rows of x (0 per-tensor)."""
+    return 4 * rows * prim_fp8.blocks(k) if scaling == "block" else 0
+
+
+def _fp8_product(a, wt, sx, sw, cfg: TpConfig, scaling: str, groups: int = 1):
+    """a @ wt^T scaled by the factors (what the sequences' GEMMs compute):
+    per-tensor, or block factors with a's in `groups` row groups."""
+    if scaling == "block":
+        sx = prim_fp8.ungroup_rows(sx, groups)
+    return prim_fp8.matmul_reference(a, wt, sx, sw, scaling=scaling, b_row_blocks=False,
                                      out_dtype=cfg.out_dtype)
 
 
-def _ag_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig):
+def _fp8_call(lowering, ctx, x, wt, sx, sw, scaling: str, attr: dict):
+    """An FP8 sequence's FFI call (`lowering`, its jax.ffi.ffi_lowering):
+    the operands, the op's channel attributes and the scaling (gemm.h:
+    Scaling)."""
+    return lowering(ctx, x, wt, sx, sw, scaling=np.int32(prim_fp8.SCALING[scaling]), **attr)
+
+
+def _ag_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     return result_aval(x, (cfg.n * x.shape[0], wt.shape[0]), dtype=cfg.out_dtype)
 
 
-def _ag_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+def _ag_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     def fn(x, wt, sx, sw):
-        return _fp8_product(reference.all_gather(x, cfg.names, tiled=True), wt, sx, sw, cfg)
+        if scaling == "block":  # [ceil(K/128), m] each: gathered along the rows
+            sx = reference.all_gather(sx, cfg.names, axis=1, tiled=True)
+        return _fp8_product(reference.all_gather(x, cfg.names, tiled=True), wt, sx, sw, cfg,
+                            scaling)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x, wt, sx, sw)
 
 
-def _ag_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+def _ag_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+    """A slot holds one rank's rows and, with block factors, their factors
+    after them (tp_matmul.h)."""
     table = _group(ctx, "all_gather_matmul", cfg)
     if table is None:
-        return _ag_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg)
+        return _ag_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling)
     m, k = ctx.avals_in[0].shape
-    attr = channel_attr(table, "all_gather_matmul", None,
-                        _region_bytes(cfg.n, m, k, ctx.avals_in[0].dtype))
-    return jax.ffi.ffi_lowering("pk_all_gather_matmul_fp8")(ctx, x, wt, sx, sw, **attr)
+    nbytes = _region_bytes(cfg.n, m, k, ctx.avals_in[0].dtype, _x_factor_bytes(scaling, m, k))
+    attr = channel_attr(table, "all_gather_matmul", None, nbytes)
+    return _fp8_call(jax.ffi.ffi_lowering("pk_all_gather_matmul_fp8"), ctx, x, wt, sx, sw,
+                     scaling, attr)
 
 
-def _rs_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig):
+def _rs_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     return result_aval(x, (x.shape[0] // cfg.n, wt.shape[0]), dtype=cfg.out_dtype)
 
 
-def _rs_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+def _rs_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+    groups = fp8_row_groups(matmul_reduce_scatter_fp8_p, cfg.n, cfg.mechanism)
+
     def fn(x, wt, sx, sw):
-        return reference.reduce_scatter(_fp8_product(x, wt, sx, sw, cfg), cfg.names,
-                                        tiled=True)
+        return reference.reduce_scatter(_fp8_product(x, wt, sx, sw, cfg, scaling, groups),
+                                        cfg.names, tiled=True)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x, wt, sx, sw)
 
 
-def _rs_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+def _rs_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     table = _group(ctx, "matmul_reduce_scatter", cfg)
     if table is None:
-        return _rs_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg)
+        return _rs_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling)
     rows, cols = ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0]
     attr = channel_attr(table, "matmul_reduce_scatter", None,
                         _region_bytes(cfg.n, rows // cfg.n, cols, cfg.out_dtype))
-    return jax.ffi.ffi_lowering("pk_matmul_reduce_scatter_fp8")(ctx, x, wt, sx, sw, **attr)
+    return _fp8_call(jax.ffi.ffi_lowering("pk_matmul_reduce_scatter_fp8"), ctx, x, wt, sx, sw,
+                     scaling, attr)
 
 
-def _ar_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig):
+def _ar_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     return drop_varying(result_aval(x, (x.shape[0], wt.shape[0]), dtype=cfg.out_dtype),
                         cfg.names)
 
 
-def _ar_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+def _ar_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+    groups = fp8_row_groups(matmul_all_reduce_fp8_p, cfg.n, cfg.mechanism)
+
     def fn(x, wt, sx, sw):
-        return reference.all_reduce(_fp8_product(x, wt, sx, sw, cfg), cfg.names)
+        return reference.all_reduce(_fp8_product(x, wt, sx, sw, cfg, scaling, groups),
+                                    cfg.names)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x, wt, sx, sw)
 
 
-def _ar_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig):
+def _ar_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     table = _group(ctx, "matmul_all_reduce", cfg)
     if table is None:
-        return _ar_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg)
+        return _ar_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling)
     attr = _ar_channels(table, cfg, ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0])
-    return jax.ffi.ffi_lowering("pk_matmul_all_reduce_fp8")(ctx, x, wt, sx, sw, **attr)
+    return _fp8_call(jax.ffi.ffi_lowering("pk_matmul_all_reduce_fp8"), ctx, x, wt, sx, sw,
+                     scaling, attr)
 
 
 def _register(prim, abstract, reference_lowering, cuda_lowering):
