@@ -1,11 +1,13 @@
 """The command-buffer check of the GPU tests against real XLA output.
 
-`helpers.gpu_util.command_buffer_targets` reads which custom calls XLA put
-into command buffers (CUDA graphs) from a compiled module's text; the replay
-test (test_safe_abort_gpu.py) and the graph-update tests
-(tests/scripts/graph_update_checks.py, helpers/all_reduce_checks.py) assert
-their premise with it, and on CPU it has met only hand-written HLO
-(test_lowering_cpu.py). Here a real pk call is compiled by XLA for the GPU,
+`helpers.gpu_util.captured` reads which custom calls XLA put into command
+buffers (CUDA graphs) when it compiles a module: outlined `command_buffer`
+computations in the module's text, or (jax 0.11's XLA, which forms them
+from the thunk sequence and outlines nothing) kCommandBuffer thunks in the
+thunk sequence it dumps; the replay test (test_safe_abort_gpu.py) and the
+graph-update tests (tests/scripts/graph_update_checks.py,
+helpers/all_reduce_checks.py) assert their premise with it. On CPU it reads
+hand-written HLO and a real H100 dump (test_lowering_cpu.py). Here a real pk call is compiled by XLA for the GPU,
 once with every custom call in a command buffer and once with command
 buffers off (tests/scripts/command_buffer_check.py, a process each): the
 check must find the call in the first module and not in the second, which

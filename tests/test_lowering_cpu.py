@@ -389,3 +389,28 @@ def test_command_buffer_targets_reads_the_outlined_computations():
         "}"])
     assert command_buffer_targets(hlo) == {"pk_all_gather", "pk_all_reduce"}
     assert command_buffer_targets(hlo.replace("command_buffer", "fused_computation")) == set()
+
+
+def test_dumped_command_buffers_read_real_xla_output(tmp_path):
+    """The check for XLA versions that form command buffers from the thunk
+    sequence (jax 0.11: no `command_buffer` computation in the module's
+    text), on what XLA dumped for a pk_fp8_quantize call compiled for an H100
+    with --xla_gpu_graph_min_graph_size=1 (tests/data/xla_gpu_command_buffer:
+    the thunk sequence, its metadata, the compiled module's text): one
+    kCommandBuffer holding the call; with that thunk gone (the call at top
+    level, as with command buffers off) none, and the call not captured."""
+    import pathlib
+    import shutil
+
+    from helpers.gpu_util import command_buffer_targets, dumped_command_buffers
+    data = pathlib.Path(__file__).parent / "data" / "xla_gpu_command_buffer"
+    text = (data / "compiled.txt").read_text()
+    assert command_buffer_targets(text) == set()  # nothing outlined in the HLO
+    assert dumped_command_buffers(data, text) == (1, {"pk_fp8_quantize"})
+    for f in data.glob("module_*"):
+        shutil.copy(f, tmp_path / f.name)
+    seq = next(tmp_path.glob("*.thunk_sequence_after_thunk_passes.txt"))
+    lines = seq.read_text().splitlines()
+    assert lines[0].startswith("000: kCommandBuffer")
+    seq.write_text("\n".join(line.strip() for line in lines[1:]) + "\n")
+    assert dumped_command_buffers(tmp_path, text) == (0, set())

@@ -307,7 +307,7 @@ _REPLAY = textwrap.dedent("""
     import pk_jax
     from pk_jax import runtime
     from conftest import gpu_mesh
-    from helpers.gpu_util import command_buffer_targets
+    from helpers.gpu_util import captured
 
     mesh = gpu_mesh(2)
     f = lambda: jax.jit(jax.shard_map(
@@ -318,8 +318,8 @@ _REPLAY = textwrap.dedent("""
     good = f()
     # The premise: XLA put the custom call into a command buffer, so a replay
     # runs the recorded kernel without calling the handler.
-    captured = command_buffer_targets(good.lower(x).compile().as_text())
-    assert "pk_all_gather" in captured, f"not in a command buffer: {captured}"
+    targets = captured(good.lower(x)).targets
+    assert "pk_all_gather" in targets, f"not in a command buffer: {sorted(targets)}"
     for _ in range(3):  # recorded, then replayed
         np.testing.assert_array_equal(np.asarray(good(x)), np.concatenate([host, host]))
     with pk_jax.configured(timeout_s=0.2):

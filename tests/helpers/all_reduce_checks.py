@@ -147,15 +147,15 @@ def check_fresh_buffers(mesh, mechanism: str, calls: int = 3) -> None:
         lambda a: (pk_jax.all_reduce(a, "x", mechanism=mechanism),
                    pk_jax.reduce_scatter(a, "x", scatter_dimension=1, mechanism=mechanism)),
         mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x")), check_vma=False))
-    from helpers.gpu_util import command_buffer_targets
+    from helpers.gpu_util import captured
     rng = np.random.default_rng()
     kept = []  # every result stays alive: no call gets the previous call's buffers back
     for i in range(calls):
         shards = [random_operand(rng, (3, 64 * n), jnp.bfloat16) for _ in range(n)]
         x = jax.device_put(np.concatenate(shards), NamedSharding(mesh, P("x")))
         if i == 0:  # the premise: the calls are in a command buffer (a graph to update)
-            captured = command_buffer_targets(f.lower(x).compile().as_text())
-            assert "pk_all_reduce" in captured, f"not in a command buffer: {sorted(captured)}"
+            targets = captured(f.lower(x)).targets
+            assert "pk_all_reduce" in targets, f"not in a command buffer: {sorted(targets)}"
         total, part = f(x)
         kept.append((x, total, part))
         want_part = np.concatenate([exact_reduce_scatter(shards, r, 1, True, n)

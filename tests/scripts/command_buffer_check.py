@@ -1,6 +1,8 @@
 """One pk_jax call compiled and run on real GPUs, and what
-`helpers.gpu_util.command_buffer_targets` (the check the replay and
-graph-update GPU tests rely on) reads in its compiled module. Run by
+`helpers.gpu_util.captured` (the check the replay and graph-update GPU tests
+rely on) reads of its compiled module: outlined `command_buffer`
+computations in its text, or kCommandBuffer thunks in the thunk sequence
+XLA dumps (the form of jax 0.11's XLA). Run by
 tests/test_command_buffer_gpu.py twice per case: with XLA putting every
 custom call into a command buffer (--xla_gpu_graph_min_graph_size=1) and
 with command buffers off (--xla_gpu_enable_command_buffer=).
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import re
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/: helpers
@@ -31,11 +32,11 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
-from helpers.gpu_util import command_buffer_targets  # noqa: E402
+from helpers.gpu_util import captured  # noqa: E402
 
 
 def fp8_quantize():
-    """(compiled, run) of a tensor-scaled e4m3 quantization of x [256, 512]."""
+    """(target, lowered, run) of a tensor-scaled e4m3 quantization of x [256, 512]."""
     x = jax.device_put(np.random.default_rng().standard_normal((256, 512), np.float32),
                        jax.devices("gpu")[0])
     f = jax.jit(lambda x: pk_jax.fp8_quantize(x, "tensor"))
@@ -45,11 +46,11 @@ def fp8_quantize():
         deq = np.asarray(q.astype(jnp.float32)) * np.asarray(factor)[0]
         want = np.asarray(x)
         return bool(np.linalg.norm(deq - want) / np.linalg.norm(want) < 0.06)
-    return "pk_fp8_quantize", f.lower(x).compile(), run
+    return "pk_fp8_quantize", f.lower(x), run
 
 
 def all_gather():
-    """(compiled, run) of a tiled ld_st_push gather of 4096 int32 per GPU."""
+    """(target, lowered, run) of a tiled ld_st_push gather of 4096 int32 per GPU."""
     mesh = Mesh(np.array(jax.devices("gpu")[:2]), ("x",))
     host = np.arange(2 * 4096, dtype=np.int32)
     x = jax.device_put(host, NamedSharding(mesh, P("x")))
@@ -57,18 +58,17 @@ def all_gather():
         lambda a: pk_jax.all_gather(a, "x", mechanism="ld_st_push", tiled=True),
         mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
     run = lambda: bool(np.array_equal(np.asarray(f(x)), np.concatenate([host, host])))
-    return "pk_all_gather", f.lower(x).compile(), run
+    return "pk_all_gather", f.lower(x), run
 
 
 if __name__ == "__main__":
     case, out = sys.argv[1], pathlib.Path(sys.argv[2])
-    target, compiled, run = {"fp8_quantize": fp8_quantize, "all_gather": all_gather}[case]()
-    text = compiled.as_text()
-    out.write_text(text)
-    result = {"target": target, "captured": sorted(command_buffer_targets(text)),
-              "occurrences": text.count(f'custom_call_target="{target}"'),
-              "command_buffers": len(re.findall(r"^(?:ENTRY )?%?command_buffer[\w.\-]* \(",
-                                                text, re.M)),
+    target, lowered, run = {"fp8_quantize": fp8_quantize, "all_gather": all_gather}[case]()
+    found = captured(lowered)
+    out.write_text(found.text)
+    result = {"target": target, "captured": sorted(found.targets),
+              "occurrences": found.text.count(f'custom_call_target="{target}"'),
+              "command_buffers": found.count,
               "values_ok": all(run() for _ in range(3))}  # recorded, then replayed
     pk_jax.check_errors()
     print("RESULT " + json.dumps(result), flush=True)

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import pk_jax  # noqa: E402
 from pk_jax.ops.all_reduce.primitive import KERNEL_MECHANISMS as ALL_REDUCE_MECHANISMS  # noqa: E402
 from conftest import gpu_mesh, rel_err  # noqa: E402
-from helpers.gpu_util import command_buffer_targets  # noqa: E402
+from helpers.gpu_util import captured  # noqa: E402
 
 CALLS = 3
 SEQ = P(None, "sp")
@@ -29,9 +29,9 @@ def assert_captured(f, args, targets, what):
     """The premise of every case: XLA put each of the op's custom calls
     (`targets`) into a command buffer of f's compiled module (else a new
     call runs the handler and there is no graph to update)."""
-    captured = command_buffer_targets(f.lower(*args).compile().as_text())
-    missing = set(targets) - captured
-    assert not missing, f"{what}: {sorted(missing)} not in a command buffer ({sorted(captured)})"
+    found = captured(f.lower(*args)).targets
+    missing = set(targets) - found
+    assert not missing, f"{what}: {sorted(missing)} not in a command buffer ({sorted(found)})"
 
 
 def _fresh_calls(f, draw, check, what, targets):
