@@ -10,6 +10,7 @@ GPUs (if present) a 2-rank one. Two processes sharing one GPU:
 tests/scripts/gpu_multiprocess_check.py. Skipped without GPUs.
 """
 
+import os
 import pathlib
 import re
 import subprocess
@@ -211,10 +212,20 @@ def test_ld_st_takes_the_kernel():
     assert "pk_moe_exchange" in text
 
 
+def _child_env() -> dict:
+    """A child process's environment: its XLA takes GPU memory as it needs it
+    (this process holds most of the GPU; a child preallocating the rest left
+    nothing for NCCL and pk's workspaces: out of memory on an H100)."""
+    env = dict(os.environ)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    return env
+
+
 def test_example_trains_on_gpu():
     _mesh()
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "moe.py"), "--steps", "12",
-                           "--ep", "1"], capture_output=True, text=True, timeout=300)
+                           "--ep", "1"], env=_child_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step time: pk" in proc.stdout, proc.stdout
 
@@ -222,6 +233,6 @@ def test_example_trains_on_gpu():
 def test_benchmark_smoke():
     _mesh()
     proc = subprocess.run([sys.executable, "moe.py", "--smoke"], cwd=ROOT / "benchmarks",
-                          capture_output=True, text=True, timeout=300)
+                          env=_child_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "moe_layer_fwd_bwd" in proc.stdout, proc.stdout
