@@ -17,9 +17,6 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// 128-blocks of an extent (block factors: per 1x128 of x, per 128x128 of w).
-int64_t blocks(int64_t extent) { return (extent + gemm::kBlockK - 1) / gemm::kBlockK; }
-
 // The factors of FP8 operands (the *_fp8 targets) and their scaling, the
 // attribute `scaling` (gemm.h: Scaling, kTensor or kBlock).
 struct Fp8Factors {
@@ -73,16 +70,16 @@ ffi::Error read_factors(const char* op, const Fp8Factors* fp8, int64_t x_rows, i
     if (fp8->x.element_count() != 1 || fp8->w.element_count() != 1)
       return ffi_common::invalid_argument(op, "expected one float32 factor per operand");
   } else {
-    const int64_t kb = blocks(p->k);
+    const int64_t kb = gemm::scale_blocks(p->k), nb = gemm::scale_blocks(p->n_cols);
     const bool x_ok = x_rows % groups == 0 &&
                       ffi_common::same_dims(fp8->x.dimensions(), {groups * kb, x_rows / groups});
-    const bool w_ok = ffi_common::same_dims(fp8->w.dimensions(), {kb, blocks(p->n_cols)});
+    const bool w_ok = ffi_common::same_dims(fp8->w.dimensions(), {kb, nb});
     if (!x_ok || !w_ok)
       return ffi_common::invalid_argument(
           op, "expected block factors x [" + std::to_string(groups * kb) + ", " +
                   std::to_string(x_rows / groups) + "] (per 1x128, " + std::to_string(groups) +
                   " row groups) and w [" + std::to_string(kb) + ", " +
-                  std::to_string(blocks(p->n_cols)) + "] (per 128x128), got " +
+                  std::to_string(nb) + "] (per 128x128), got " +
                   dims_text(fp8->x) + " and " + dims_text(fp8->w));
   }
   p->scale_x = static_cast<const float*>(fp8->x.untyped_data());
@@ -173,7 +170,7 @@ size_t all_gather_matmul_region(const ffi_common::ChannelAttrs& channel, ffi::An
   const auto xd = x.dimensions();
   size_t slot = x.size_bytes();
   if (fp8 != nullptr && fp8->scaling == int32_t(gemm::Scaling::kBlock) && xd.size() == 2)
-    slot += size_t(xd[0]) * size_t(blocks(xd[1])) * sizeof(float);
+    slot += size_t(xd[0]) * size_t(gemm::scale_blocks(xd[1])) * sizeof(float);
   return size_t(channel.group_size) * slot;
 }
 

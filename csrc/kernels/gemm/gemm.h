@@ -43,6 +43,9 @@ enum class Scaling : int32_t { kNone = 0, kTensor = 1, kBlock = 2 };
 
 constexpr int kBlockK = 128;  // kBlock's K extent of a scale (and N's for B)
 
+// kBlock's scales along an extent of K (or of N for B): ceil(extent / kBlockK).
+constexpr int64_t scale_blocks(int64_t extent) { return (extent + kBlockK - 1) / kBlockK; }
+
 struct Problem {
   int64_t m = 0, n = 0, k = 0;
   const void* a = nullptr;  // [m, k] row-major, or [k, m] row-major if a_transposed

@@ -129,7 +129,7 @@ struct Params {
 inline bool block_scaled(const Params& p) { return p.scaling == gemm::Scaling::kBlock; }
 
 // How many 1x128 factors one row of x has with kBlock: ceil(k / 128).
-inline int64_t k_blocks(const Params& p) { return (p.k + gemm::kBlockK - 1) / gemm::kBlockK; }
+inline int64_t k_blocks(const Params& p) { return gemm::scale_blocks(p.k); }
 
 // The bytes of the block factors of `rows` rows of x (0 unless kBlock).
 inline size_t x_factor_bytes(const Params& p, int64_t rows) {
