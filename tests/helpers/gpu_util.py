@@ -61,16 +61,23 @@ def command_buffer_targets(hlo_text: str) -> set[str]:
     runs its handler on every call, and is not in the set. XLA versions that
     form command buffers from the thunk sequence instead (jax 0.11's) show
     none here: `captured` reads both."""
-    targets, inside = set(), False
+    return outlined_command_buffers(hlo_text)[1]
+
+
+def outlined_command_buffers(hlo_text: str) -> tuple[int, set[str]]:
+    """The `command_buffer` computations of a compiled module's text: how
+    many, and the custom-call targets inside them (`command_buffer_targets`)."""
+    count, targets, inside = 0, set(), False
     for line in hlo_text.splitlines():
         start = _COMPUTATION.match(line)
         if start:
             inside = start.group(1).split(".")[0] == "command_buffer"
+            count += inside
         elif line.startswith("}"):
             inside = False
         elif inside:
             targets.update(_TARGET.findall(line))
-    return targets
+    return count, targets
 
 
 def thunk_command_buffers(sequence: str) -> tuple[int, set[int]]:
@@ -134,7 +141,7 @@ def captured(lowered) -> CommandBuffers:
     """Compile `lowered` (a jax `Lowered`, under this process's XLA flags) and
     read which custom calls XLA put into command buffers, however this XLA
     forms them: outlined `command_buffer` computations in the module's text
-    (`command_buffer_targets`), or kCommandBuffer thunks in the thunk
+    (`outlined_command_buffers`), or kCommandBuffer thunks in the thunk
     sequence it dumps (`dumped_command_buffers`; the compile dumps to a
     temporary folder through its compiler options)."""
     with tempfile.TemporaryDirectory() as dump:
@@ -142,6 +149,5 @@ def captured(lowered) -> CommandBuffers:
             compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
         text = compiled.as_text()
         count, targets = dumped_command_buffers(dump, text)
-    hlo_count = len(re.findall(r"^(?:ENTRY )?%?command_buffer[\w.\-]* \(", text, re.M))
-    return CommandBuffers(frozenset(targets | command_buffer_targets(text)), count + hlo_count,
-                          text)
+    hlo_count, hlo_targets = outlined_command_buffers(text)
+    return CommandBuffers(frozenset(targets | hlo_targets), count + hlo_count, text)
