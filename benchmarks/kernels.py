@@ -138,18 +138,21 @@ IMPLS = {
              "(cuBLAS).\n\n"),
     "fp8": (
         "`pk_fp8_tensor`: pk_jax.fp8_matmul, e4m3 operands with per-tensor factors (fast "
-        "accumulation); `pk_fp8_block`: 1x128 / 128x128 factors, promoted every 128 of K; "
+        "accumulation), run by cuBLASLt (tuning.fp8_gemm_library); `pk_cutlass_fp8_tensor`: "
+        "the same call with pk's CUTLASS FP8 GEMM; `pk_fp8_block`: 1x128 / 128x128 factors, promoted every 128 of K; "
         "`xla_fp8_*`: XLA's dot on the same FP8 operands and factors, written three ways "
         "(dequantize to float32 or bfloat16 then dot, or the FP8 dot then the factors); "
         "`xla_bf16`: XLA's bf16 dot (cuBLAS) of the unquantized operands. Each recipe's "
         "rows share the baselines. `fp8_gemm_role` rows: the per-tensor GEMM of each operand "
         "pair the training step runs, at the row's M, N, K (fprop e4m3 x e4m3, fast "
-        "accumulation; dgrad e5m2 x e4m3 and wgrad e4m3 x e5m2, promoted every 128 of K), "
+        "accumulation; dgrad e5m2 x e4m3 and wgrad e4m3 x e5m2, fp32 promotion), "
         "against XLA's dot of the same FP8 operands (the three ways) and its bf16 dot.\n\n"),
     "fp8_train": (
         "One layer's training step at M x K x N (forward y = x @ w, then dx and dw; every "
         "implementation returns all three): `pk_fp8_<recipe>`: pk_jax.fp8_dot (current, "
-        "delayed with given scales, block); `pk_tp_fp8_<recipe>`: "
+        "delayed with given scales, block; per-tensor GEMMs by cuBLASLt); "
+        "`pk_cutlass_fp8_<recipe>`: the same with pk's CUTLASS FP8 GEMMs "
+        "(tuning.fp8_gemm_library forced); `pk_tp_fp8_<recipe>`: "
         "all_gather_matmul(fp8=recipe) at world size 1 (the TP ops' FP8 sequences on one "
         "GPU); `xla_bf16`: XLA's bf16 dots (cuBLAS); "
         "`xla_fp8_current`: XLA's FP8 dots (cuBLASLt) under per-tensor current scaling "
@@ -388,13 +391,16 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
             xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor", ta)
             wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor", tb)
             calls[f"pk_fp8_tensor {role}"] = (jax.jit(pk_jax.fp8_matmul), (xq, wq, fx, fw))
+            calls[f"pk_cutlass_fp8_tensor {role}"] = (
+                _lowered_with_cutlass(jax.jit(pk_jax.fp8_matmul), xq, wq, fx, fw),
+                (xq, wq, fx, fw))
             calls.update({f"{name} {role}": (f, (xq, wq, fx.reshape(()), fw.reshape(())))
                           for name, f in xla_fp8.items()})
         fns = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in calls.items()}
         outs = {name: jax.block_until_ready(f()) for name, f in fns.items()}
         case = gemm_case((m, n, k))
         for role in FP8_ROLES:
-            for name in xla_fp8:
+            for name in (*xla_fp8, "pk_cutlass_fp8_tensor"):
                 _close(f"fp8 {role} {case} vs {name}", outs[f"pk_fp8_tensor {role}"],
                        outs[f"{name} {role}"], 1e-2)
         _close(f"fp8 block {case}", outs["pk_fp8_block"], outs["xla_bf16"], 6e-2)
@@ -405,7 +411,9 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
         table.add("fp8_gemm_block", case, {**fields, "dtype": "float8_e4m3fn",
                                            "recipe": "block"}, sub, 2.0 * m * n * k)
         for role, (ta, tb) in FP8_ROLES.items():
-            sub = {"pk_fp8_tensor": times[f"pk_fp8_tensor {role}"], "xla_bf16": times["xla_bf16"],
+            sub = {"pk_fp8_tensor": times[f"pk_fp8_tensor {role}"],
+                   "pk_cutlass_fp8_tensor": times[f"pk_cutlass_fp8_tensor {role}"],
+                   "xla_bf16": times["xla_bf16"],
                    **{name: times[f"{name} {role}"] for name in xla_fp8}}
             table.add("fp8_gemm_tensor", f"{case} {role}",
                       {**fields, "dtype": f"{ta} x {tb}", "recipe": "tensor", "role": role},
@@ -483,6 +491,13 @@ def _flax_fp8_steps(x, w, dy):
     return steps
 
 
+def _lowered_with_cutlass(f, *args):
+    """`f` (jitted) compiled for `args` with pk's CUTLASS kernels running the
+    per-tensor FP8 GEMMs (tuning.fp8_gemm_library forced; cuBLASLt otherwise)."""
+    with tuning.forced(fp8_gemm_library="cutlass"):
+        return f.lower(*args).compile()
+
+
 def fp8_train_inputs(m: int, k: int, n: int):
     """Fresh x [m, k], w [k, n] (unit-variance outputs) and dy [m, n], bf16."""
     keys = _fresh_keys(3)
@@ -516,9 +531,12 @@ def fp8_train_steps(x, w, dy) -> dict[str, Callable]:
     tp = {f"pk_tp_fp8_{r}": step_of(jax.shard_map(
         lambda x, w, r=r: pk_jax.all_gather_matmul(x, w, "x", fp8=r), mesh=mesh,
         in_specs=(P("x"), P()), out_specs=P("x"))) for r in ("current", "block")}
+    current = step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current"))
     return {
-        "pk_fp8_current": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current")),
+        "pk_fp8_current": current,
         "pk_fp8_delayed": jax.jit(delayed),
+        "pk_cutlass_fp8_current": _lowered_with_cutlass(current, x, w, dy),
+        "pk_cutlass_fp8_delayed": _lowered_with_cutlass(jax.jit(delayed), x, w, dy),
         "pk_fp8_block": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "block")),
         **tp,
         "xla_bf16": step_of(lambda x, w: x @ w),

@@ -118,6 +118,29 @@ def single_gpu_gemm() -> str:
     return "xla"
 
 
+FP8_GEMM_LIBRARIES = ("cutlass", "cublaslt")
+
+
+def fp8_gemm_library(scaling: str, cublaslt_loaded: bool) -> str:
+    """Who runs an FP8 GEMM of `scaling` ("tensor" or "block"), in pk_jax's
+    own calls (`fp8_dot`, `fp8_matmul`, the TP ops' FP8 host sequences, the
+    Flax FP8 layers): "cutlass" (pk's CUTLASS kernels) or "cublaslt"
+    (NVIDIA's cuBLASLt, csrc/kernels/gemm/cublaslt.h; `cublaslt_loaded`:
+    the extension was built with its header and found the library).
+
+    Per-tensor scaling runs cuBLASLt where it is loaded: in one layer's
+    training step on one H100 (benchmarks/NOTES.md, 2026-12-06), cuBLASLt's
+    three FP8 GEMMs (forward e4m3 x e4m3, the e5m2 gradient pair) took
+    2.24 ms against the CUTLASS kernels' 2.70 ms at 8192 x 5120 x 13824,
+    and the kernels_fp8 rows compare the two at every shape. Block factors
+    (1x128 and 128x128) run the CUTLASS kernels.
+    """
+    forced = _FORCED.get("fp8_gemm_library")
+    if forced is not None:
+        return forced if scaling == "tensor" else "cutlass"
+    return "cublaslt" if scaling == "tensor" and cublaslt_loaded else "cutlass"
+
+
 SINGLE_GPU_ATTENTION_CHOICES = ("cudnn", "kernel", "kernel_fwd_cudnn_bwd")
 
 # Where a ring of one device runs pk's kernel with its own block backward
@@ -173,7 +196,8 @@ def forced(**choices: str) -> contextlib.AbstractContextManager[None]:
     choice that is not forcible or a value it does not take), with or
     without the `with`.
     """
-    allowed = {"single_gpu_attention": SINGLE_GPU_ATTENTION_CHOICES}
+    allowed = {"single_gpu_attention": SINGLE_GPU_ATTENTION_CHOICES,
+               "fp8_gemm_library": FP8_GEMM_LIBRARIES}
     for name, value in choices.items():
         if name not in allowed:
             raise ValueError(f"pk_jax.tuning.forced: {name!r} is not a forcible choice; "
