@@ -133,11 +133,12 @@ def fp8_gemm_library(scaling: str, cublaslt_loaded: bool) -> str:
     three FP8 GEMMs (forward e4m3 x e4m3, the e5m2 gradient pair) took
     2.24 ms against the CUTLASS kernels' 2.70 ms at 8192 x 5120 x 13824,
     and the kernels_fp8 rows compare the two at every shape. Block factors
-    (1x128 and 128x128) run the CUTLASS kernels.
+    (1x128 and 128x128) run the CUTLASS kernels unless forced (cuBLASLt's
+    block scale modes, measured in kernels_fp8's block rows).
     """
     forced = _FORCED.get("fp8_gemm_library")
     if forced is not None:
-        return forced if scaling == "tensor" else "cutlass"
+        return forced
     return "cublaslt" if scaling == "tensor" and cublaslt_loaded else "cutlass"
 
 

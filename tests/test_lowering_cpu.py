@@ -246,11 +246,11 @@ def test_fp8_tp_mlp_runs_the_host_sequences(cuda_lowering, recipe):
 @pytest.mark.parametrize("scaling,forced,want", [("tensor", None, "1"),
                                                   ("tensor", "cutlass", "0"),
                                                   ("block", None, "0"),
-                                                  ("block", "cublaslt", "0")])
+                                                  ("block", "cublaslt", "1")])
 def test_fp8_matmul_library_attribute(cuda_lowering, scaling, forced, want):
     """pk_fp8_matmul's `library` (gemm.h: Library) is tuning.fp8_gemm_library's
     choice at lowering: cuBLASLt for per-tensor factors where the extension
-    found it, the CUTLASS kernels when forced and for block factors."""
+    found it, else the CUTLASS kernels; each library when forced."""
     a = jax.ShapeDtypeStruct((256, 256), jnp.float8_e4m3fn)
     b = jax.ShapeDtypeStruct((128, 256), jnp.float8_e4m3fn)
     fa, fb = ((jax.ShapeDtypeStruct((1,), jnp.float32),) * 2 if scaling == "tensor" else

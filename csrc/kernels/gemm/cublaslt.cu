@@ -92,8 +92,8 @@ struct Choice {
 };
 
 // What the heuristic's answer depends on.
-using Key = std::tuple<int64_t, int64_t, int64_t, DType, DType, DType, bool, uint32_t, uint32_t,
-                       uint32_t, uint32_t, size_t>;
+using Key = std::tuple<int64_t, int64_t, int64_t, DType, DType, DType, Scaling, bool, bool,
+                       uint32_t, uint32_t, uint32_t, uint32_t, size_t>;
 
 struct PerDevice {
   cublasLtHandle_t handle = nullptr;
@@ -141,10 +141,23 @@ bool describe(const Api* a, const Problem& p, Descriptors* d) {
   if (!to_cuda(p.in_b, &ta) || !to_cuda(p.in, &tb) || !to_cuda(p.out, &tout)) return false;
   d->a = a;
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
-  const int8_t fast = p.in == DType::kE4M3 && p.in_b == DType::kE4M3;
+  const bool block = p.scaling == Scaling::kBlock;
+  const int8_t fast = !block && p.in == DType::kE4M3 && p.in_b == DType::kE4M3;
   const float* scale_a = p.scale_b;  // cuBLASLt's A is gemm's B
   const float* scale_b = p.scale_a;
+  // Block factors: gemm's B per 128x128 (or 1x128 with b_row_blocks), its A
+  // per 1x128, both [ceil(k / 128), outer] outer-contiguous (gemm.h).
+  const int32_t mode_a = !block        ? CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
+                         : p.b_row_blocks ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                          : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  const int32_t mode_b =
+      block ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F : CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
   return a->desc_create(&d->op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+         (!block ||
+          (a->desc_set(d->op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)) ==
+               CUBLAS_STATUS_SUCCESS &&
+           a->desc_set(d->op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)) ==
+               CUBLAS_STATUS_SUCCESS)) &&
          a->desc_set(d->op, CUBLASLT_MATMUL_DESC_TRANSA, &trans_a, sizeof(trans_a)) ==
              CUBLAS_STATUS_SUCCESS &&
          a->desc_set(d->op, CUBLASLT_MATMUL_DESC_TRANSB, &trans_b, sizeof(trans_b)) ==
@@ -166,8 +179,9 @@ bool describe(const Api* a, const Problem& p, Descriptors* d) {
 const void* c_of(const Problem& p) { return p.c != nullptr ? p.c : p.d; }
 
 Key key_of(const Problem& p, const Device& dev) {
-  return Key{p.m, p.n, p.k, p.in, p.in_b, p.out, p.c != nullptr, alignment(p.b), alignment(p.a),
-             alignment(c_of(p)), alignment(p.d), dev.workspace_bytes};
+  return Key{p.m,          p.n,           p.k,          p.in,          p.in_b,
+             p.out,        p.scaling,     p.b_row_blocks, p.c != nullptr, alignment(p.b),
+             alignment(p.a), alignment(c_of(p)), alignment(p.d), dev.workspace_bytes};
 }
 
 Choice ask_heuristic(const Api* a, cublasLtHandle_t handle, const Problem& p, const Device& dev) {
@@ -200,7 +214,7 @@ Choice ask_heuristic(const Api* a, cublasLtHandle_t handle, const Problem& p, co
 // The cached choice for `p` on `dev` (asked once per key); false without one.
 bool choice_for(const Problem& p, const Device& dev, cublasLtHandle_t* handle, Choice* out) {
   const Api* a = api();
-  if (a == nullptr || p.scaling != Scaling::kTensor || !is_fp8(p.in)) return false;
+  if (a == nullptr || p.scaling == Scaling::kNone || !is_fp8(p.in)) return false;
   std::lock_guard<std::mutex> lock(g_mutex);
   auto dev_it = g_devices.find(dev.ordinal);
   if (dev_it == g_devices.end() || dev_it->second.handle == nullptr) return false;

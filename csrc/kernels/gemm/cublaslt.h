@@ -1,4 +1,4 @@
-// The per-tensor FP8 GEMMs through NVIDIA's cuBLASLt (gemm.h: Library::kCublasLt).
+// The FP8 GEMMs through NVIDIA's cuBLASLt (gemm.h: Library::kCublasLt).
 //
 // cuBLASLt is loaded at run time (dlopen: the copy XLA's GPU plugin already
 // loaded, else libcublasLt.so.13 or .12 from the library path), so the
@@ -9,9 +9,11 @@
 // The row-major problem D[m, n] = A[m, k] @ B[n, k]^T maps onto cuBLASLt's
 // column-major "TN" GEMM D^T[n, m] = B[n, k] @ A[m, k]^T: cuBLASLt's A is
 // gemm's B (transposed), its B gemm's A, both K-major as FP8 requires on
-// Hopper. The factors are its A and B scale pointers; an e4m3 x e4m3 product
-// runs fast accumulation, a product with an e5m2 gradient does not (the
-// CUTLASS kernels' recipe); C, when given, is added with beta = 1.
+// Hopper. The factors are its A and B scale pointers (block factors: its
+// 128x128 or 1x128 scale modes, cuBLASLt 12.9 and later on Hopper); a
+// per-tensor e4m3 x e4m3 product runs fast accumulation, a product with an
+// e5m2 gradient or block factors does not (the CUTLASS kernels' recipe); C,
+// when given, is added with beta = 1.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,7 +30,7 @@ cudaError_t load();
 // The loaded library's version (cublasLtGetVersion), 0 when it is not loaded.
 int version();
 
-// Whether a library-chosen kernel takes `p` (a per-tensor FP8 problem that
+// Whether a library-chosen kernel takes `p` (an FP8 problem that
 // gemm::supported accepts) on `dev`: the library is loaded, this device's
 // handle exists and cuBLASLt's heuristic returns a kernel for the problem's
 // shapes, types and pointer alignments within dev's workspace (cached).

@@ -41,10 +41,9 @@ using pk::itemsize;
 //     and scaled every 128 of K. e4m3 operands.
 enum class Scaling : int32_t { kNone = 0, kTensor = 1, kBlock = 2 };
 
-// Which code runs a per-tensor FP8 problem: pk's CUTLASS kernels, or
-// NVIDIA's cuBLASLt (cublaslt.h) where it is loaded and its heuristic takes
-// the problem (else the CUTLASS kernel, the same numerics). Block factors
-// always run the CUTLASS kernels.
+// Which code runs an FP8 problem: pk's CUTLASS kernels, or NVIDIA's
+// cuBLASLt (cublaslt.h) where it is loaded and its heuristic takes the
+// problem (else the CUTLASS kernel, the same numerics).
 enum class Library : int32_t { kCutlass = 0, kCublasLt = 1 };
 
 constexpr int kBlockK = 128;  // kBlock's K extent of a scale (and N's for B)
@@ -68,7 +67,7 @@ struct Problem {
   const float* scale_a = nullptr;
   const float* scale_b = nullptr;
   bool b_row_blocks = false;  // kBlock: B's factors per 1x128 instead of 128x128
-  Library library = Library::kCutlass;  // kTensor: who runs it (Library)
+  Library library = Library::kCutlass;  // FP8: who runs it (Library)
 };
 
 // Where the kernel runs and the scratch it may use (allocated at init).
