@@ -520,10 +520,11 @@ def fp8_train_inputs(m: int, k: int, n: int):
     return x, w, dy
 
 
-def fp8_train_steps(x, w, dy) -> dict[str, Callable]:
+def fp8_train_steps(x, w, dy, flax: bool = True) -> dict[str, Callable]:
     """Every implementation of the fp8_train section: {name: jitted step(x, w,
-    dy) -> (y, dx, dw)}. Delayed scaling gets the scales an amax history of
-    earlier steps would give (this step's amaxes)."""
+    dy) -> (y, dx, dw)}, Flax's FP8 layers unless `flax` is False. Delayed
+    scaling gets the scales an amax history of earlier steps would give
+    (this step's amaxes)."""
     fmax = {d: float(jnp.finfo(d).max) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2)}
     scales = tuple(jnp.float32(fmax[d]) / jnp.max(jnp.abs(a.astype(jnp.float32)))
                    for a, d in ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn),
@@ -554,14 +555,14 @@ def fp8_train_steps(x, w, dy) -> dict[str, Callable]:
         **tp,
         "xla_bf16": step_of(lambda x, w: x @ w),
         "xla_fp8_current": step_of(_xla_fp8_current_dot()),
-        **_flax_fp8_steps(x, w, dy),
+        **(_flax_fp8_steps(x, w, dy) if flax else {}),
     }
 
 
-def fp8_train(table: Table, shapes, rounds: int, smoke: bool) -> None:
+def fp8_train(table: Table, shapes, rounds: int, smoke: bool, flax: bool = True) -> None:
     for m, k, n in shapes:
         x, w, dy = fp8_train_inputs(m, k, n)
-        steps = fp8_train_steps(x, w, dy)
+        steps = fp8_train_steps(x, w, dy, flax)
         case = f"{m}x{k}x{n}"
         outs = {}
         for name, f in steps.items():  # the first call compiles: its time, for the log
@@ -596,6 +597,9 @@ def main() -> int:
                     help="I/N: the I-th of N consecutive slices of each section's cases "
                          "(1-based), its rows written to --part-out for --merge")
     ap.add_argument("--part-out", default="kernels_part.json")
+    ap.add_argument("--no-flax", action="store_true",
+                    help="fp8_train without Flax's FP8 layers (compiling them takes minutes a "
+                         "shape): their rows are absent")
     ap.add_argument("--merge", nargs="*", default=None,
                     help="write the results of the --part runs of these files (in order) "
                          "as one run's, timing nothing")
@@ -630,7 +634,7 @@ def main() -> int:
     if "fp8_train" in only:
         shapes = SMOKE_FP8_TRAIN if args.smoke else cut(FP8_TRAIN_SHAPES,
                                                          lambda c: "x".join(map(str, c)))
-        fp8_train(table, shapes, args.rounds, args.smoke)
+        fp8_train(table, shapes, args.rounds, args.smoke, flax=not args.no_flax)
     pk_jax.check_errors()
     if args.part:
         table.dump(args.part_out)
