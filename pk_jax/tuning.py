@@ -128,18 +128,16 @@ def fp8_gemm_library(scaling: str, cublaslt_loaded: bool) -> str:
     (NVIDIA's cuBLASLt, csrc/kernels/gemm/cublaslt.h; `cublaslt_loaded`:
     the extension was built with its header and found the library).
 
-    Per-tensor scaling runs cuBLASLt where it is loaded: in one layer's
-    training step on one H100 (benchmarks/NOTES.md, 2026-12-06), cuBLASLt's
-    three FP8 GEMMs (forward e4m3 x e4m3, the e5m2 gradient pair) took
-    2.24 ms against the CUTLASS kernels' 2.70 ms at 8192 x 5120 x 13824,
-    and the kernels_fp8 rows compare the two at every shape. Block factors
-    (1x128 and 128x128) run the CUTLASS kernels unless forced (cuBLASLt's
-    block scale modes, measured in kernels_fp8's block rows).
+    Both run cuBLASLt where it is loaded. One H100 (benchmarks/NOTES.md,
+    2026-12-06; kernels_fp8 rows, pk_fp8_* against pk_cutlass_fp8_*):
+    at 8192^3 cuBLASLt's per-tensor GEMMs took 0.918 ms forward and 1.044
+    ms for the e5m2 gradient against the CUTLASS kernels' 1.013 and 1.129,
+    its block-scaled GEMM 0.977 against 1.107 ms.
     """
     forced = _FORCED.get("fp8_gemm_library")
     if forced is not None:
         return forced
-    return "cublaslt" if scaling == "tensor" and cublaslt_loaded else "cutlass"
+    return "cublaslt" if cublaslt_loaded else "cutlass"
 
 
 SINGLE_GPU_ATTENTION_CHOICES = ("cudnn", "kernel", "kernel_fwd_cudnn_bwd")

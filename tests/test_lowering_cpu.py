@@ -232,9 +232,9 @@ def test_fp8_tp_mlp_runs_the_host_sequences(cuda_lowering, recipe):
             assert types[2] == types[3] == "tensor<1xf32>", (name, types)
     scalings = re.findall(r"custom_call @pk_\w+_fp8\(.*?scaling = (\d+)", hlo)
     assert scalings == ["2" if recipe == "block" else "1"] * 4, scalings
-    # Who runs the GEMMs (gemm.h: Library): cuBLASLt (1) for per-tensor
-    # factors where the extension found it, as the fake extension did.
-    want = "0" if recipe == "block" else "1"
+    # Who runs the GEMMs (gemm.h: Library): cuBLASLt (1) where the
+    # extension found it, as the fake extension did.
+    want = "1"
     assert re.findall(r"custom_call @pk_\w+_fp8\(.*?library = (\d+)", hlo) == [want] * 4
     wgrads = re.findall(r"custom_call @pk_fp8_matmul\(.*?library = (\d+)", hlo)
     assert wgrads and set(wgrads) == {want}, wgrads
@@ -245,12 +245,12 @@ def test_fp8_tp_mlp_runs_the_host_sequences(cuda_lowering, recipe):
 
 @pytest.mark.parametrize("scaling,forced,want", [("tensor", None, "1"),
                                                   ("tensor", "cutlass", "0"),
-                                                  ("block", None, "0"),
-                                                  ("block", "cublaslt", "1")])
+                                                  ("block", None, "1"),
+                                                  ("block", "cutlass", "0")])
 def test_fp8_matmul_library_attribute(cuda_lowering, scaling, forced, want):
     """pk_fp8_matmul's `library` (gemm.h: Library) is tuning.fp8_gemm_library's
-    choice at lowering: cuBLASLt for per-tensor factors where the extension
-    found it, else the CUTLASS kernels; each library when forced."""
+    choice at lowering: cuBLASLt where the extension found it (the fake
+    extension did), else the CUTLASS kernels; each library when forced."""
     a = jax.ShapeDtypeStruct((256, 256), jnp.float8_e4m3fn)
     b = jax.ShapeDtypeStruct((128, 256), jnp.float8_e4m3fn)
     fa, fb = ((jax.ShapeDtypeStruct((1,), jnp.float32),) * 2 if scaling == "tensor" else

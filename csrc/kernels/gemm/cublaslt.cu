@@ -2,9 +2,11 @@
 // time, a handle per device, cuBLASLt's heuristic choice cached per problem.
 //
 // Launch config: cuBLASLt's (its heuristic's kernel, within the device's GEMM
-// workspace). Arguments: gemm::Problem mapped to the "TN" column-major GEMM
-// (cublaslt.h). Roles: none of pk's; the library's kernel on the stream.
-// Entry points: load, version, takes, run.
+// workspace less kRepackBytes at its end); repack_blocks: one thread per
+// factor, 256 a block. Arguments: gemm::Problem mapped to the "TN"
+// column-major GEMM (cublaslt.h). Roles: repack_blocks writes gemm's B's
+// 128x128 factors in cuBLASLt's layout into the workspace's end; the
+// library's kernel on the stream. Entry points: load, version, takes, run.
 #include "kernels/gemm/cublaslt.h"
 
 #ifdef PK_HAVE_CUBLASLT
@@ -85,6 +87,41 @@ const Api* api() {
   return loaded;
 }
 
+// ---- the 128x128 factors in cuBLASLt's layout -----------------------------------
+// gemm.h stores B's 128x128 factors [kb, nb] (kb = ceil(k / 128) K-blocks, nb
+// = ceil(n / 128) N-blocks, N-contiguous); cuBLASLt's 128x128 scale mode
+// reads [nb, kb4] K-contiguous with kb4 = kb rounded up to 4 (the padding
+// unread). Written into the last kRepackBytes of the workspace before each
+// such GEMM (same stream: the previous GEMM has read its copy).
+constexpr size_t kRepackBytes = size_t(1) << 20;
+
+int64_t padded_k_blocks(const Problem& p) { return (scale_blocks(p.k) + 3) / 4 * 4; }
+
+bool repacked(const Problem& p) { return p.scaling == Scaling::kBlock && !p.b_row_blocks; }
+
+size_t repack_bytes(const Problem& p) {
+  return repacked(p) ? size_t(scale_blocks(p.n)) * size_t(padded_k_blocks(p)) * sizeof(float) : 0;
+}
+
+// What cuBLASLt may use of the workspace (0 without one).
+size_t library_workspace(const Device& dev) {
+  return dev.workspace != nullptr && dev.workspace_bytes > 2 * kRepackBytes
+             ? dev.workspace_bytes - kRepackBytes
+             : 0;
+}
+
+float* repack_buffer(const Device& dev) {
+  return reinterpret_cast<float*>(static_cast<char*>(dev.workspace) + library_workspace(dev));
+}
+
+__global__ void repack_blocks(const float* __restrict__ src, float* __restrict__ dst, int kb,
+                              int nb, int kb4) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;  // dst index: [nb, kb4]
+  if (i >= nb * kb4) return;
+  const int j = i / kb4, kk = i % kb4;
+  dst[i] = kk < kb ? src[size_t(kk) * nb + j] : 1.0f;
+}
+
 // ---- per device: handle and the heuristic's choices ----------------------------
 struct Choice {
   bool found = false;
@@ -136,17 +173,19 @@ struct Descriptors {
 
 // cuBLASLt's A is p.b ([n, k] row-major: k x n column-major, transposed), its
 // B is p.a ([m, k]: k x m), C and D [m, n] (n x m column-major).
-bool describe(const Api* a, const Problem& p, Descriptors* d) {
+// `b_factors`: gemm's B's factors as cuBLASLt reads them (repacked or p.scale_b).
+bool describe(const Api* a, const Problem& p, const float* b_factors, Descriptors* d) {
   cudaDataType_t ta, tb, tout;
   if (!to_cuda(p.in_b, &ta) || !to_cuda(p.in, &tb) || !to_cuda(p.out, &tout)) return false;
   d->a = a;
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
   const bool block = p.scaling == Scaling::kBlock;
   const int8_t fast = !block && p.in == DType::kE4M3 && p.in_b == DType::kE4M3;
-  const float* scale_a = p.scale_b;  // cuBLASLt's A is gemm's B
+  const float* scale_a = b_factors;  // cuBLASLt's A is gemm's B
   const float* scale_b = p.scale_a;
-  // Block factors: gemm's B per 128x128 (or 1x128 with b_row_blocks), its A
-  // per 1x128, both [ceil(k / 128), outer] outer-contiguous (gemm.h).
+  // Block factors: gemm's A per 1x128 [ceil(k / 128), m] M-contiguous as
+  // gemm.h stores them; B per 1x128 likewise (b_row_blocks) or per 128x128
+  // repacked (above).
   const int32_t mode_a = !block        ? CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F
                          : p.b_row_blocks ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
                                           : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
@@ -181,16 +220,18 @@ const void* c_of(const Problem& p) { return p.c != nullptr ? p.c : p.d; }
 Key key_of(const Problem& p, const Device& dev) {
   return Key{p.m,          p.n,           p.k,          p.in,          p.in_b,
              p.out,        p.scaling,     p.b_row_blocks, p.c != nullptr, alignment(p.b),
-             alignment(p.a), alignment(c_of(p)), alignment(p.d), dev.workspace_bytes};
+             alignment(p.a), alignment(c_of(p)), alignment(p.d), library_workspace(dev)};
 }
 
 Choice ask_heuristic(const Api* a, cublasLtHandle_t handle, const Problem& p, const Device& dev) {
   Choice choice;
   Descriptors d;
-  if (!describe(a, p, &d)) return choice;
+  if (repack_bytes(p) > kRepackBytes || (repacked(p) && library_workspace(dev) == 0) ||
+      !describe(a, p, p.scale_b, &d))
+    return choice;
   cublasLtMatmulPreference_t pref = nullptr;
   if (a->pref_create(&pref) != CUBLAS_STATUS_SUCCESS) return choice;
-  const uint64_t workspace = dev.workspace != nullptr ? dev.workspace_bytes : 0;
+  const uint64_t workspace = library_workspace(dev);
   const uint32_t align[4] = {alignment(p.b), alignment(p.a), alignment(c_of(p)), alignment(p.d)};
   const cublasLtMatmulPreferenceAttributes_t align_attr[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
@@ -257,13 +298,21 @@ cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
   Choice choice;
   if (!choice_for(p, dev, &handle, &choice)) return cudaErrorNotSupported;
   const Api* a = api();
+  const float* b_factors = p.scale_b;
+  if (repacked(p)) {
+    const int kb = int(scale_blocks(p.k)), nb = int(scale_blocks(p.n)),
+              kb4 = int(padded_k_blocks(p));
+    b_factors = repack_buffer(dev);
+    repack_blocks<<<(nb * kb4 + 255) / 256, 256, 0, stream>>>(p.scale_b, repack_buffer(dev), kb,
+                                                              nb, kb4);
+    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  }
   Descriptors d;
-  if (!describe(a, p, &d)) return cudaErrorInvalidValue;
+  if (!describe(a, p, b_factors, &d)) return cudaErrorInvalidValue;
   const float alpha = 1.0f, beta = p.c != nullptr ? 1.0f : 0.0f;
   const cublasStatus_t status =
       a->matmul(handle, d.op, &alpha, p.b, d.la, p.a, d.lb, &beta, c_of(p), d.lcd, p.d, d.lcd,
-                &choice.algo, dev.workspace, dev.workspace != nullptr ? dev.workspace_bytes : 0,
-                stream);
+                &choice.algo, dev.workspace, library_workspace(dev), stream);
   if (status == CUBLAS_STATUS_SUCCESS) return cudaSuccess;
   const cudaError_t err = cudaGetLastError();
   return err != cudaSuccess ? err : cudaErrorInvalidValue;
