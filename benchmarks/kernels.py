@@ -138,18 +138,23 @@ IMPLS = {
              "(cuBLAS).\n\n"),
     "fp8": (
         "`pk_fp8_tensor`: pk_jax.fp8_matmul, e4m3 operands with per-tensor factors (fast "
-        "accumulation); `pk_fp8_block`: 1x128 / 128x128 factors, promoted every 128 of K; "
+        "accumulation), run by cuBLASLt (tuning.fp8_gemm_library); `pk_cutlass_fp8_tensor`: "
+        "the same call with pk's CUTLASS FP8 GEMM; `pk_fp8_block`: 1x128 / 128x128 factors "
+        "(cuBLASLt's block scale modes); `pk_cutlass_fp8_block`: the same with pk's CUTLASS "
+        "kernel, promoted every 128 of K; "
         "`xla_fp8_*`: XLA's dot on the same FP8 operands and factors, written three ways "
         "(dequantize to float32 or bfloat16 then dot, or the FP8 dot then the factors); "
         "`xla_bf16`: XLA's bf16 dot (cuBLAS) of the unquantized operands. Each recipe's "
         "rows share the baselines. `fp8_gemm_role` rows: the per-tensor GEMM of each operand "
         "pair the training step runs, at the row's M, N, K (fprop e4m3 x e4m3, fast "
-        "accumulation; dgrad e5m2 x e4m3 and wgrad e4m3 x e5m2, promoted every 128 of K), "
+        "accumulation; dgrad e5m2 x e4m3 and wgrad e4m3 x e5m2, fp32 promotion), "
         "against XLA's dot of the same FP8 operands (the three ways) and its bf16 dot.\n\n"),
     "fp8_train": (
         "One layer's training step at M x K x N (forward y = x @ w, then dx and dw; every "
         "implementation returns all three): `pk_fp8_<recipe>`: pk_jax.fp8_dot (current, "
-        "delayed with given scales, block); `pk_tp_fp8_<recipe>`: "
+        "delayed with given scales, block; the FP8 GEMMs by cuBLASLt); "
+        "`pk_cutlass_fp8_<recipe>`: the same with pk's CUTLASS FP8 GEMMs "
+        "(tuning.fp8_gemm_library forced); `pk_tp_fp8_<recipe>`: "
         "all_gather_matmul(fp8=recipe) at world size 1 (the TP ops' FP8 sequences on one "
         "GPU); `xla_bf16`: XLA's bf16 dots (cuBLAS); "
         "`xla_fp8_current`: XLA's FP8 dots (cuBLASLt) under per-tensor current scaling "
@@ -379,33 +384,44 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
         xb, _, fxb, _ = pk_jax.fp8_quantize(x, "rows")
         _, wbt, fwb, _ = pk_jax.fp8_quantize(w.T, "blocks", rowwise=False, transposed=True)
         dot_t = lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())))
+        block = jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(a, b, fa, fb, scaling="block"))
         calls = {  # (jitted function, its arguments): operands are arguments, not constants
-            "pk_fp8_block": (jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(
-                a, b, fa, fb, scaling="block")), (xb, wbt, fxb, fwb)),
+            "pk_fp8_block": (block, (xb, wbt, fxb, fwb)),
+            "pk_cutlass_fp8_block": (_lowered_with_cutlass(block, xb, wbt, fxb, fwb),
+                                     (xb, wbt, fxb, fwb)),
             "xla_bf16": (jax.jit(dot_t), (x, w)),
         }
         for role, (ta, tb) in FP8_ROLES.items():  # the same x and w in the role's formats
             xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor", ta)
             wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor", tb)
             calls[f"pk_fp8_tensor {role}"] = (jax.jit(pk_jax.fp8_matmul), (xq, wq, fx, fw))
+            calls[f"pk_cutlass_fp8_tensor {role}"] = (
+                _lowered_with_cutlass(jax.jit(pk_jax.fp8_matmul), xq, wq, fx, fw),
+                (xq, wq, fx, fw))
             calls.update({f"{name} {role}": (f, (xq, wq, fx.reshape(()), fw.reshape(())))
                           for name, f in xla_fp8.items()})
         fns = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in calls.items()}
         outs = {name: jax.block_until_ready(f()) for name, f in fns.items()}
         case = gemm_case((m, n, k))
         for role in FP8_ROLES:
-            for name in xla_fp8:
+            for name in (*xla_fp8, "pk_cutlass_fp8_tensor"):
                 _close(f"fp8 {role} {case} vs {name}", outs[f"pk_fp8_tensor {role}"],
                        outs[f"{name} {role}"], 1e-2)
         _close(f"fp8 block {case}", outs["pk_fp8_block"], outs["xla_bf16"], 6e-2)
+        _close(f"fp8 block {case} CUTLASS", outs["pk_cutlass_fp8_block"], outs["pk_fp8_block"],
+               1e-2)
         times = _time(fns, rounds, smoke)
         fields = {"m": m, "n": n, "k": k}
-        sub = {"pk_fp8_block": times["pk_fp8_block"], "xla_bf16": times["xla_bf16"],
+        sub = {"pk_fp8_block": times["pk_fp8_block"],
+               "pk_cutlass_fp8_block": times["pk_cutlass_fp8_block"],
+               "xla_bf16": times["xla_bf16"],
                **{name: times[f"{name} fprop"] for name in xla_fp8}}
         table.add("fp8_gemm_block", case, {**fields, "dtype": "float8_e4m3fn",
                                            "recipe": "block"}, sub, 2.0 * m * n * k)
         for role, (ta, tb) in FP8_ROLES.items():
-            sub = {"pk_fp8_tensor": times[f"pk_fp8_tensor {role}"], "xla_bf16": times["xla_bf16"],
+            sub = {"pk_fp8_tensor": times[f"pk_fp8_tensor {role}"],
+                   "pk_cutlass_fp8_tensor": times[f"pk_cutlass_fp8_tensor {role}"],
+                   "xla_bf16": times["xla_bf16"],
                    **{name: times[f"{name} {role}"] for name in xla_fp8}}
             table.add("fp8_gemm_tensor", f"{case} {role}",
                       {**fields, "dtype": f"{ta} x {tb}", "recipe": "tensor", "role": role},
@@ -483,6 +499,13 @@ def _flax_fp8_steps(x, w, dy):
     return steps
 
 
+def _lowered_with_cutlass(f, *args):
+    """`f` (jitted) compiled for `args` with pk's CUTLASS kernels running the
+    per-tensor FP8 GEMMs (tuning.fp8_gemm_library forced; cuBLASLt otherwise)."""
+    with tuning.forced(fp8_gemm_library="cutlass"):
+        return f.lower(*args).compile()
+
+
 def fp8_train_inputs(m: int, k: int, n: int):
     """Fresh x [m, k], w [k, n] (unit-variance outputs) and dy [m, n], bf16."""
     keys = _fresh_keys(3)
@@ -492,10 +515,11 @@ def fp8_train_inputs(m: int, k: int, n: int):
     return x, w, dy
 
 
-def fp8_train_steps(x, w, dy) -> dict[str, Callable]:
+def fp8_train_steps(x, w, dy, flax: bool = True) -> dict[str, Callable]:
     """Every implementation of the fp8_train section: {name: jitted step(x, w,
-    dy) -> (y, dx, dw)}. Delayed scaling gets the scales an amax history of
-    earlier steps would give (this step's amaxes)."""
+    dy) -> (y, dx, dw)}, Flax's FP8 layers unless `flax` is False. Delayed
+    scaling gets the scales an amax history of earlier steps would give
+    (this step's amaxes)."""
     fmax = {d: float(jnp.finfo(d).max) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2)}
     scales = tuple(jnp.float32(fmax[d]) / jnp.max(jnp.abs(a.astype(jnp.float32)))
                    for a, d in ((x, jnp.float8_e4m3fn), (w, jnp.float8_e4m3fn),
@@ -516,21 +540,26 @@ def fp8_train_steps(x, w, dy) -> dict[str, Callable]:
     tp = {f"pk_tp_fp8_{r}": step_of(jax.shard_map(
         lambda x, w, r=r: pk_jax.all_gather_matmul(x, w, "x", fp8=r), mesh=mesh,
         in_specs=(P("x"), P()), out_specs=P("x"))) for r in ("current", "block")}
+    current = step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current"))
+    block = step_of(lambda x, w: pk_jax.fp8_dot(x, w, "block"))
     return {
-        "pk_fp8_current": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current")),
+        "pk_fp8_current": current,
         "pk_fp8_delayed": jax.jit(delayed),
-        "pk_fp8_block": step_of(lambda x, w: pk_jax.fp8_dot(x, w, "block")),
+        "pk_cutlass_fp8_current": _lowered_with_cutlass(current, x, w, dy),
+        "pk_cutlass_fp8_delayed": _lowered_with_cutlass(jax.jit(delayed), x, w, dy),
+        "pk_fp8_block": block,
+        "pk_cutlass_fp8_block": _lowered_with_cutlass(block, x, w, dy),
         **tp,
         "xla_bf16": step_of(lambda x, w: x @ w),
         "xla_fp8_current": step_of(_xla_fp8_current_dot()),
-        **_flax_fp8_steps(x, w, dy),
+        **(_flax_fp8_steps(x, w, dy) if flax else {}),
     }
 
 
-def fp8_train(table: Table, shapes, rounds: int, smoke: bool) -> None:
+def fp8_train(table: Table, shapes, rounds: int, smoke: bool, flax: bool = True) -> None:
     for m, k, n in shapes:
         x, w, dy = fp8_train_inputs(m, k, n)
-        steps = fp8_train_steps(x, w, dy)
+        steps = fp8_train_steps(x, w, dy, flax)
         case = f"{m}x{k}x{n}"
         outs = {}
         for name, f in steps.items():  # the first call compiles: its time, for the log
@@ -565,6 +594,9 @@ def main() -> int:
                     help="I/N: the I-th of N consecutive slices of each section's cases "
                          "(1-based), its rows written to --part-out for --merge")
     ap.add_argument("--part-out", default="kernels_part.json")
+    ap.add_argument("--no-flax", action="store_true",
+                    help="fp8_train without Flax's FP8 layers (compiling them takes minutes a "
+                         "shape): their rows are absent")
     ap.add_argument("--merge", nargs="*", default=None,
                     help="write the results of the --part runs of these files (in order) "
                          "as one run's, timing nothing")
@@ -599,7 +631,7 @@ def main() -> int:
     if "fp8_train" in only:
         shapes = SMOKE_FP8_TRAIN if args.smoke else cut(FP8_TRAIN_SHAPES,
                                                          lambda c: "x".join(map(str, c)))
-        fp8_train(table, shapes, args.rounds, args.smoke)
+        fp8_train(table, shapes, args.rounds, args.smoke, flax=not args.no_flax)
     pk_jax.check_errors()
     if args.part:
         table.dump(args.part_out)

@@ -21,8 +21,11 @@ take XLA's collectives (pk_jax/ops/_lowering.py).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
+import importlib.util
 import itertools
+import os
 import threading
 from typing import Any, Hashable, Iterator
 
@@ -131,7 +134,26 @@ def ensure_ready() -> Any:
     return ext
 
 
+def _preload_cublaslt() -> None:
+    """Loads the nvidia-cublas package's cuBLASLt, where one is installed
+    and no copy is loaded yet, so the extension's init finds it by name
+    (csrc/kernels/gemm/cublaslt.h; XLA's GPU plugin usually loaded it
+    already). Nothing happens where there is none: the FP8 GEMMs then run
+    the CUTLASS kernels."""
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations if spec else []):
+        for lib in ("cu13/lib/libcublasLt.so.13", "cublas/lib/libcublasLt.so.12"):
+            path = os.path.join(root, lib)
+            if os.path.exists(path):
+                try:
+                    ctypes.CDLL(path)
+                except OSError:
+                    continue
+                return
+
+
 def _init(ext) -> None:
+    _preload_cublaslt()
     local = gpu_devices()
     several = _cluster.multiprocess()
     for d in local:

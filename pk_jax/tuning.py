@@ -118,6 +118,28 @@ def single_gpu_gemm() -> str:
     return "xla"
 
 
+FP8_GEMM_LIBRARIES = ("cutlass", "cublaslt")
+
+
+def fp8_gemm_library(scaling: str, cublaslt_loaded: bool) -> str:
+    """Who runs an FP8 GEMM of `scaling` ("tensor" or "block"), in pk_jax's
+    own calls (`fp8_dot`, `fp8_matmul`, the TP ops' FP8 host sequences, the
+    Flax FP8 layers): "cutlass" (pk's CUTLASS kernels) or "cublaslt"
+    (NVIDIA's cuBLASLt, csrc/kernels/gemm/cublaslt.h; `cublaslt_loaded`:
+    the extension was built with its header and found the library).
+
+    Both run cuBLASLt where it is loaded. One H100 (benchmarks/NOTES.md,
+    2026-12-06; kernels_fp8 rows, pk_fp8_* against pk_cutlass_fp8_*):
+    at 8192^3 cuBLASLt's per-tensor GEMMs took 0.918 ms forward and 1.044
+    ms for the e5m2 gradient against the CUTLASS kernels' 1.013 and 1.129,
+    its block-scaled GEMM 0.977 against 1.107 ms.
+    """
+    forced = _FORCED.get("fp8_gemm_library")
+    if forced is not None:
+        return forced
+    return "cublaslt" if cublaslt_loaded else "cutlass"
+
+
 SINGLE_GPU_ATTENTION_CHOICES = ("cudnn", "kernel", "kernel_fwd_cudnn_bwd")
 
 # Where a ring of one device runs pk's kernel with its own block backward
@@ -173,7 +195,8 @@ def forced(**choices: str) -> contextlib.AbstractContextManager[None]:
     choice that is not forcible or a value it does not take), with or
     without the `with`.
     """
-    allowed = {"single_gpu_attention": SINGLE_GPU_ATTENTION_CHOICES}
+    allowed = {"single_gpu_attention": SINGLE_GPU_ATTENTION_CHOICES,
+               "fp8_gemm_library": FP8_GEMM_LIBRARIES}
     for name, value in choices.items():
         if name not in allowed:
             raise ValueError(f"pk_jax.tuning.forced: {name!r} is not a forcible choice; "

@@ -154,6 +154,10 @@ class _FakeExtension:
     has_gemm = True
 
     @staticmethod
+    def cublaslt_version():
+        return 130100
+
+    @staticmethod
     def device_info(ordinal):
         return {"pci_bus_id": f"0000:{ordinal:02x}:00.0", "compute_capability": (9, 0),
                 "supported": True}

@@ -169,6 +169,7 @@ FFI_ENUMS = [
      {"tensor": "kTensor", "rows": "kRows", "cols": "kCols", "blocks": "kBlocks"}),
     (fp8_primitive.SCALING, GEMM, "Scaling",
      {"none": "kNone", "tensor": "kTensor", "block": "kBlock"}),
+    (fp8_primitive.LIBRARY, GEMM, "Library", {"cutlass": "kCutlass", "cublaslt": "kCublasLt"}),
 ]
 
 

@@ -17,6 +17,7 @@ import pytest
 
 import pk_jax
 from conftest import gpu_mesh, rel_err
+from pk_jax import runtime, tuning
 from helpers.gpu_util import poison_allocator
 from pk_jax.ops.fp8 import primitive as prim
 
@@ -99,13 +100,26 @@ def test_quantize_given_scale_and_amax(rng, shape, dtype):
         np.testing.assert_array_equal(_bits(g), _bits(w))
 
 
+def test_cublaslt_is_loaded():
+    """The per-tensor FP8 GEMMs can run cuBLASLt: the extension was built with
+    its header and found the library XLA loaded (csrc/kernels/gemm/cublaslt.h)."""
+    gpu_mesh(1)
+    runtime.ensure_ready()
+    version = runtime.extension().cublaslt_version()
+    assert version >= 120000, (f"cuBLASLt version {version}: built without cublasLt.h, or no "
+                               "libcublasLt.so.13/.12 in the process or on the library path")
+
+
 # whole and partial 128x256 (e4m3) and 128x192 (promoted) tiles; a long K
 # (128 promotions)
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (512, 384, 640), (128, 8, 16),
                                    (2048, 6144, 1024), (1000, 520, 4112), (256, 392, 16384)])
 @pytest.mark.parametrize("a_t,b_t", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2")])
 @pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
-def test_matmul_tensor(rng, m, n, k, a_t, b_t, out):
+@pytest.mark.parametrize("library", ["cublaslt", "cutlass"])
+def test_matmul_tensor(rng, m, n, k, a_t, b_t, out, library):
+    """Per-tensor factors, each library (tuning.fp8_gemm_library: cuBLASLt
+    by default, pk's CUTLASS kernels forced)."""
     mesh = gpu_mesh(1)
     types = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
     a = jnp.asarray(rng.standard_normal((m, k)) * 8, types[a_t])
@@ -114,7 +128,10 @@ def test_matmul_tensor(rng, m, n, k, a_t, b_t, out):
     want = prim.matmul_reference(a, b, sa, sb, scaling="tensor", b_row_blocks=False,
                                  out_dtype=jnp.float32)
     poison_allocator(mesh, 4 * m * n)
-    got = jax.jit(lambda *x: pk_jax.fp8_matmul(*x, out_dtype=out))(a, b, sa, sb)
+    f = jax.jit(lambda *x: pk_jax.fp8_matmul(*x, out_dtype=out))
+    with tuning.forced(fp8_gemm_library=library):  # lowered on the first call
+        assert f'library = {prim.LIBRARY[library]}' in f.lower(a, b, sa, sb).as_text()
+        got = f(a, b, sa, sb)
     assert got.dtype == out and np.isfinite(np.asarray(got, np.float32)).all()
     # fp32 sums in another order; e4m3 x e4m3 runs the tensor cores' fast
     # accumulation (about 14 bits kept: DeepSeek-V3 reports up to ~2% per
@@ -126,7 +143,8 @@ def test_matmul_tensor(rng, m, n, k, a_t, b_t, out):
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (512, 384, 640), (132, 256, 128)])
 @pytest.mark.parametrize("row_blocks", [False, True])
 @pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
-def test_matmul_block(rng, m, n, k, row_blocks, out):
+@pytest.mark.parametrize("library", ["cutlass", "cublaslt"])
+def test_matmul_block(rng, m, n, k, row_blocks, out, library):
     if m % 4 or (row_blocks and n % 4):
         pytest.skip("block factors need M (and N with row blocks) multiples of 4")
     mesh = gpu_mesh(1)
@@ -139,8 +157,10 @@ def test_matmul_block(rng, m, n, k, row_blocks, out):
     want = prim.matmul_reference(a, b, sa, sb, scaling="block", b_row_blocks=row_blocks,
                                  out_dtype=jnp.float32)
     poison_allocator(mesh, 4 * m * n)
-    got = jax.jit(lambda *x: pk_jax.fp8_matmul(*x, scaling="block", b_row_blocks=row_blocks,
-                                                out_dtype=out))(a, b, sa, sb)
+    f = jax.jit(lambda *x: pk_jax.fp8_matmul(*x, scaling="block", b_row_blocks=row_blocks,
+                                              out_dtype=out))
+    with tuning.forced(fp8_gemm_library=library):  # lowered on the first call
+        got = f(a, b, sa, sb)
     # float32 out: the per-block products summed in another order
     assert rel_err(got, want) < (3e-3 if out == jnp.bfloat16 else 5e-4)
 

@@ -1,6 +1,7 @@
 """The CUDA lowering, checked on a CPU-only machine by cross-lowering:
 rank tables, channel slots, FFI attributes, and no XLA all-gather left."""
 
+import functools
 import re
 
 import jax
@@ -12,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax import _channels, groups, runtime
+from pk_jax import _channels, groups, runtime, tuning
 from conftest import cpu_mesh, ffi_attr
 
 
@@ -231,9 +232,34 @@ def test_fp8_tp_mlp_runs_the_host_sequences(cuda_lowering, recipe):
             assert types[2] == types[3] == "tensor<1xf32>", (name, types)
     scalings = re.findall(r"custom_call @pk_\w+_fp8\(.*?scaling = (\d+)", hlo)
     assert scalings == ["2" if recipe == "block" else "1"] * 4, scalings
+    # Who runs the GEMMs (gemm.h: Library): cuBLASLt (1) where the
+    # extension found it, as the fake extension did.
+    want = "1"
+    assert re.findall(r"custom_call @pk_\w+_fp8\(.*?library = (\d+)", hlo) == [want] * 4
+    wgrads = re.findall(r"custom_call @pk_fp8_matmul\(.*?library = (\d+)", hlo)
+    assert wgrads and set(wgrads) == {want}, wgrads
     if recipe == "block":  # x [256, 256] per rank, its factors in two chunks of 128 rows
         rs = [ops for c, ops in calls if c == "pk_matmul_reduce_scatter_fp8"]
         assert all(re.findall(r"tensor<[^>]*>", ops)[2] == "tensor<4x128xf32>" for ops in rs)
+
+
+@pytest.mark.parametrize("scaling,forced,want", [("tensor", None, "1"),
+                                                  ("tensor", "cutlass", "0"),
+                                                  ("block", None, "1"),
+                                                  ("block", "cutlass", "0")])
+def test_fp8_matmul_library_attribute(cuda_lowering, scaling, forced, want):
+    """pk_fp8_matmul's `library` (gemm.h: Library) is tuning.fp8_gemm_library's
+    choice at lowering: cuBLASLt where the extension found it (the fake
+    extension did), else the CUTLASS kernels; each library when forced."""
+    a = jax.ShapeDtypeStruct((256, 256), jnp.float8_e4m3fn)
+    b = jax.ShapeDtypeStruct((128, 256), jnp.float8_e4m3fn)
+    fa, fb = ((jax.ShapeDtypeStruct((1,), jnp.float32),) * 2 if scaling == "tensor" else
+              (jax.ShapeDtypeStruct((2, 256), jnp.float32),
+               jax.ShapeDtypeStruct((2, 1), jnp.float32)))
+    f = functools.partial(pk_jax.fp8_matmul, scaling=scaling, out_dtype=jnp.bfloat16)
+    with tuning.forced(**({"fp8_gemm_library": forced} if forced else {})):
+        hlo = jax.jit(f).trace(a, b, fa, fb).lower(lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"custom_call @pk_fp8_matmul\(.*?library = (\d+)", hlo) == [want]
 
 
 def _ring_calls(hlo):

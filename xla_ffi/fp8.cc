@@ -15,7 +15,8 @@
 //   Operands: a [M, K], b [N, K] (FP8, K-major both), scale_a, scale_b (f32,
 //     gemm.h: Scaling's layouts).
 //   Results: out [M, N] bf16 or f32.
-//   Attributes: scaling (gemm.h: Scaling, kTensor or kBlock), b_row_blocks.
+//   Attributes: scaling (gemm.h: Scaling, kTensor or kBlock), b_row_blocks,
+//     library (gemm.h: Library: who runs a per-tensor GEMM).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -98,7 +99,8 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
 
 ffi::Error MatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer b,
                       ffi::Buffer<ffi::F32> scale_a, ffi::Buffer<ffi::F32> scale_b,
-                      ffi::Result<ffi::AnyBuffer> out, int32_t scaling, bool b_row_blocks) {
+                      ffi::Result<ffi::AnyBuffer> out, int32_t scaling, bool b_row_blocks,
+                      int32_t library) {
   constexpr const char* kOp = "fp8_matmul";
   auto invalid = [](const std::string& what) { return ffi_common::invalid_argument(kOp, what); };
   if (!gemm::available()) return ffi_common::built_without_cutlass(kOp);
@@ -119,6 +121,9 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a, ff
     return invalid("scaling is 1 (tensor) or 2 (block)");
   g.scaling = gemm::Scaling(scaling);
   g.b_row_blocks = b_row_blocks;
+  if (library != int32_t(gemm::Library::kCutlass) && library != int32_t(gemm::Library::kCublasLt))
+    return invalid("library is 0 (CUTLASS) or 1 (cuBLASLt)");
+  g.library = gemm::Library(library);
   const int64_t kb = blocks(g.k);
   const bool block = g.scaling == gemm::Scaling::kBlock;
   const int64_t want_a = block ? kb * g.m : 1;
@@ -169,7 +174,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<ffi::Buffer<ffi::F32>>()         // scale_b
         .Ret<ffi::AnyBuffer>()                // out [M, N]
         .Attr<int32_t>("scaling")             // gemm.h: Scaling
-        .Attr<bool>("b_row_blocks"),
+        .Attr<bool>("b_row_blocks")
+        .Attr<int32_t>("library"),            // gemm.h: Library
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

@@ -207,5 +207,8 @@ NB_MODULE(_pk_jax_ext, m) {
   m.attr("ll_max_bytes") = pk::kLlMaxBytes;
   m.attr("ll_channels") = pk::kLlChannels;
   m.attr("has_gemm") = pk::gemm::available();
+  m.def("cublaslt_version", &pk::gemm::cublaslt_version,
+        "cuBLASLt's version where the per-tensor FP8 GEMMs can run it (built with its header, "
+        "the library loaded at the runtime's init), else 0.");
   m.attr("has_attention") = pk::ring_attention::available();
 }

@@ -17,11 +17,13 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-// The factors of FP8 operands (the *_fp8 targets) and their scaling, the
-// attribute `scaling` (gemm.h: Scaling, kTensor or kBlock).
+// The factors of FP8 operands (the *_fp8 targets), their scaling (the
+// attribute `scaling`, gemm.h: Scaling, kTensor or kBlock) and who runs the
+// per-tensor GEMMs (`library`, gemm.h: Library).
 struct Fp8Factors {
   ffi::AnyBuffer x, w;
   int32_t scaling;
+  int32_t library;
 };
 
 // Operand types: x and w of one 16-bit type; or, with factors, both FP8
@@ -44,6 +46,11 @@ ffi::Error read_types(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::A
     return ffi_common::invalid_argument(
         op, "scaling is 1 (tensor) or 2 (block), got " + std::to_string(fp8->scaling));
   p->scaling = gemm::Scaling(fp8->scaling);
+  if (fp8->library != int32_t(gemm::Library::kCutlass) &&
+      fp8->library != int32_t(gemm::Library::kCublasLt))
+    return ffi_common::invalid_argument(
+        op, "library is 0 (CUTLASS) or 1 (cuBLASLt), got " + std::to_string(fp8->library));
+  p->library = gemm::Library(fp8->library);
   if (tp_matmul::block_scaled(*p) && (p->in != DType::kE4M3 || p->in_w != DType::kE4M3))
     return ffi_common::invalid_argument(op, "block factors take float8_e4m3fn x and w");
   return ffi::Error::Success();
@@ -209,8 +216,9 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuf
 ffi::Error AllGatherMatmulFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                   ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                   ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
-                                  ffi_common::ChannelAttrs channel, int32_t scaling) {
-  const Fp8Factors fp8{scale_x, scale_w, scaling};
+                                  ffi_common::ChannelAttrs channel, int32_t scaling,
+                                  int32_t library) {
+  const Fp8Factors fp8{scale_x, scale_w, scaling, library};
   return all_gather_matmul(stream, ordinal, x, w, &fp8, *out, nullptr, channel,
                            /*w_transposed=*/true);
 }
@@ -287,8 +295,9 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int32_t ordinal, ffi::An
 ffi::Error MatmulReduceScatterFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x,
                                       ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                       ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
-                                      ffi_common::ChannelAttrs channel, int32_t scaling) {
-  const Fp8Factors fp8{scale_x, scale_w, scaling};
+                                      ffi_common::ChannelAttrs channel, int32_t scaling,
+                                      int32_t library) {
+  const Fp8Factors fp8{scale_x, scale_w, scaling, library};
   return matmul_reduce_scatter(stream, ordinal, x, w, &fp8, *out, channel,
                                /*w_transposed=*/true);
 }
@@ -376,8 +385,9 @@ ffi::Error MatmulAllReduceFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                   ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
                                   ffi_common::ChannelAttrs channel, int32_t scaling,
+                                  int32_t library,
                                   ffi_common::ChannelAttrs gather_channel, int32_t mechanism) {
-  const Fp8Factors fp8{scale_x, scale_w, scaling};
+  const Fp8Factors fp8{scale_x, scale_w, scaling, library};
   return matmul_all_reduce(stream, ordinal, x, w, &fp8, *out, channel, gather_channel,
                            mechanism);
 }
@@ -463,7 +473,8 @@ auto fp8_forward_binding() {
       .Arg<ffi::AnyBuffer>()   // w's factors: [1], or per 128x128 [K/128, N/128]
       .Ret<ffi::AnyBuffer>()   // out: as the 16-bit op's
       .Attr<ffi_common::ChannelAttrs>("channel")
-      .Attr<int32_t>("scaling");  // gemm.h: Scaling (kTensor or kBlock)
+      .Attr<int32_t>("scaling")   // gemm.h: Scaling (kTensor or kBlock)
+      .Attr<int32_t>("library");  // gemm.h: Library
 }
 }  // namespace
 

@@ -46,6 +46,10 @@ class FakeExtension:
     has_gemm = True
     has_attention = True
 
+    @staticmethod
+    def cublaslt_version():
+        return 0
+
     def __init__(self, errors=()):
         self._init = False
         self.imported: dict[int, tuple[bytes, str]] = {}

@@ -2,6 +2,7 @@
 #include "kernels/gemm/gemm.h"
 
 #include "kernels/common/variants.h"
+#include "kernels/gemm/cublaslt.h"
 #include "kernels/gemm/tile_table.h"
 
 namespace pk::gemm {
@@ -35,8 +36,11 @@ using Fp8Instantiations = variants::Built<
 
 cudaError_t load_kernels() {
   if (cudaError_t err = Instantiations::load(); err != cudaSuccess) return err;
-  return Fp8Instantiations::load();
+  if (cudaError_t err = Fp8Instantiations::load(); err != cudaSuccess) return err;
+  return cublaslt::load();
 }
+
+int cublaslt_version() { return cublaslt::version(); }
 
 bool available() { return variants::kHaveCutlass; }
 
@@ -47,6 +51,7 @@ bool fp8_supported(const Problem& p) {
                      (p.out == DType::kBF16 || p.out == DType::kF32);
   const bool layout = p.b_transposed && !p.a_transposed;
   const bool scales = p.scale_a != nullptr && p.scale_b != nullptr;
+  const bool library = p.library == Library::kCutlass || p.library == Library::kCublasLt;
   bool recipe = false;
   if (p.scaling == Scaling::kTensor) {
     recipe = !p.b_row_blocks;
@@ -55,7 +60,7 @@ bool fp8_supported(const Problem& p) {
              (!p.b_row_blocks || p.n % 4 == 0);
   }
   const int64_t limit = int64_t(1) << 31;
-  return types && layout && scales && recipe && p.m > 0 && p.n > 0 && p.k > 0 &&
+  return types && layout && scales && library && recipe && p.m > 0 && p.n > 0 && p.k > 0 &&
          p.k % 16 == 0 && p.n % 8 == 0 && p.m < limit && p.n < limit && p.k < limit;
 }
 }  // namespace
@@ -83,16 +88,23 @@ namespace {
 Fp8Key fp8_key_of(const Problem& p) {
   return Fp8Key{p.in, p.in_b, p.out, p.scaling, p.b_row_blocks};
 }
+
+// A per-tensor problem cuBLASLt was asked for and takes (Library).
+bool library_runs(const Problem& p, const Device& dev) {
+  return p.library == Library::kCublasLt && cublaslt::takes(p, dev);
+}
 }  // namespace
 
 cudaError_t check(const Problem& p, const Device& dev) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
+  if (is_fp8(p.in) && library_runs(p, dev)) return cudaSuccess;
   if (is_fp8(p.in)) return Fp8Instantiations::check(fp8_key_of(p), p, dev);
   return Instantiations::check(key_of(p), p, dev);
 }
 
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
+  if (is_fp8(p.in) && library_runs(p, dev)) return cublaslt::run(p, dev, stream);
   if (is_fp8(p.in)) return Fp8Instantiations::launch(fp8_key_of(p), p, dev, stream);
   return Instantiations::launch(key_of(p), p, dev, stream);
 }

@@ -41,6 +41,11 @@ using pk::itemsize;
 //     and scaled every 128 of K. e4m3 operands.
 enum class Scaling : int32_t { kNone = 0, kTensor = 1, kBlock = 2 };
 
+// Which code runs an FP8 problem: pk's CUTLASS kernels, or NVIDIA's
+// cuBLASLt (cublaslt.h) where it is loaded and its heuristic takes the
+// problem (else the CUTLASS kernel, the same numerics).
+enum class Library : int32_t { kCutlass = 0, kCublasLt = 1 };
+
 constexpr int kBlockK = 128;  // kBlock's K extent of a scale (and N's for B)
 
 // kBlock's scales along an extent of K (or of N for B): ceil(extent / kBlockK).
@@ -62,6 +67,7 @@ struct Problem {
   const float* scale_a = nullptr;
   const float* scale_b = nullptr;
   bool b_row_blocks = false;  // kBlock: B's factors per 1x128 instead of 128x128
+  Library library = Library::kCutlass;  // FP8: who runs it (Library)
 };
 
 // Where the kernel runs and the scratch it may use (allocated at init).
@@ -83,8 +89,12 @@ bool available();
 // e4m3 operands and m a multiple of 4 (and n with b_row_blocks).
 bool supported(const Problem& p);
 
-// Load every instantiation on the current device (no lazy loading later).
+// Load every instantiation on the current device (no lazy loading later),
+// and cuBLASLt's handle for it where the library is loaded.
 cudaError_t load_kernels();
+
+// cuBLASLt's version (e.g. 130100) where it is loaded, else 0.
+int cublaslt_version();
 
 // Returns cudaErrorNotSupported for unsupported problems, cudaErrorInvalidValue
 // when CUTLASS rejects the arguments or needs more scratch.

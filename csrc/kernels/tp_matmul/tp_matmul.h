@@ -96,6 +96,7 @@ struct Params {
   // ceil(k / 128) (x_factors).
   gemm::DType in_w = gemm::DType::kE4M3;
   gemm::Scaling scaling = gemm::Scaling::kNone;
+  gemm::Library library = gemm::Library::kCutlass;  // kTensor's GEMMs (gemm.h)
   const float* scale_x = nullptr;
   const float* scale_w = nullptr;
   int rank = 0;
@@ -162,6 +163,7 @@ inline gemm::Problem rows_gemm(const Params& p, const void* a, const float* a_fa
   if (gemm::is_fp8(p.in)) {
     g.in_b = p.in_w;
     g.scaling = p.scaling;
+    g.library = p.library;
     g.scale_a = a_factors;
     g.scale_b = p.scale_w;
   }

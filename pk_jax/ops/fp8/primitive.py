@@ -24,7 +24,8 @@ even (NaN stays NaN).
 with the factors (scaling "tensor": one each; "block": a's [ceil(K / 128), M]
 per 1x128, b's [ceil(K / 128), ceil(N / 128)] per 128x128, or with
 b_row_blocks [ceil(K / 128), N] per 1x128), fp32 accumulation, bf16 or fp32
-out.
+out; attribute `library` (gemm.h: Library): who runs a per-tensor GEMM,
+pk's CUTLASS kernel or cuBLASLt (`gemm_library`, tuning.fp8_gemm_library).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import PartitionSpec as P
 
+from pk_jax import runtime, tuning
 from pk_jax._compat import result_aval, vary_alike
 from pk_jax.ops._lowering import def_eager_impl, kernels_missing
 
@@ -48,6 +50,7 @@ matmul_p = Primitive("pk_fp8_matmul")
 # csrc/kernels/gemm/gemm.h (Scaling) (tests/test_constants_cpu.py).
 GRANULARITY = {"tensor": 0, "rows": 1, "cols": 2, "blocks": 3}
 SCALING = {"none": 0, "tensor": 1, "block": 2}  # "none": the bf16/fp16 GEMMs
+LIBRARY = {"cutlass": 0, "cublaslt": 1}  # gemm.h: Library (tuning.fp8_gemm_library)
 BLOCK = 128
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -240,12 +243,20 @@ def _quantize_cuda(ctx, x, s, **params):
         row_groups=np.int32(params["row_groups"]))
 
 
+def gemm_library(scaling: str) -> np.int32:
+    """The FFI attribute `library` of an FP8 GEMM of `scaling` lowered now
+    (tuning.fp8_gemm_library; the kernels are ready)."""
+    loaded = runtime.extension().cublaslt_version() > 0
+    return np.int32(LIBRARY[tuning.fp8_gemm_library(scaling, loaded)])
+
+
 def _matmul_cuda(ctx, a, b, sa, sb, *, scaling, b_row_blocks, out_dtype):
     if kernels_missing("fp8_matmul", need_cutlass=True):
         return _matmul_reference_lowering(ctx, a, b, sa, sb, scaling=scaling,
                                           b_row_blocks=b_row_blocks, out_dtype=out_dtype)
     return jax.ffi.ffi_lowering("pk_fp8_matmul")(
-        ctx, a, b, sa, sb, scaling=np.int32(SCALING[scaling]), b_row_blocks=b_row_blocks)
+        ctx, a, b, sa, sb, scaling=np.int32(SCALING[scaling]), b_row_blocks=b_row_blocks,
+        library=gemm_library(scaling))
 
 
 def_eager_impl(quantize_p)

@@ -307,7 +307,8 @@ def _fp8_call(lowering, ctx, x, wt, sx, sw, scaling: str, attr: dict):
     """An FP8 sequence's FFI call (`lowering`, its jax.ffi.ffi_lowering):
     the operands, the op's channel attributes and the scaling (gemm.h:
     Scaling)."""
-    return lowering(ctx, x, wt, sx, sw, scaling=np.int32(prim_fp8.SCALING[scaling]), **attr)
+    return lowering(ctx, x, wt, sx, sw, scaling=np.int32(prim_fp8.SCALING[scaling]),
+                    library=prim_fp8.gemm_library(scaling), **attr)
 
 
 def _ag_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
