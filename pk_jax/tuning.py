@@ -129,10 +129,12 @@ def fp8_gemm_library(scaling: str, cublaslt_loaded: bool) -> str:
     the extension was built with its header and found the library).
 
     Both run cuBLASLt where it is loaded. One H100 (benchmarks/NOTES.md,
-    2026-12-06; kernels_fp8 rows, pk_fp8_* against pk_cutlass_fp8_*):
-    at 8192^3 cuBLASLt's per-tensor GEMMs took 0.918 ms forward and 1.044
-    ms for the e5m2 gradient against the CUTLASS kernels' 1.013 and 1.129,
-    its block-scaled GEMM 0.977 against 1.107 ms.
+    2026-12-06; RESULTS.md's kernels_fp8_h100 and kernels_fp8_train, the
+    pk_fp8_* rows against pk_cutlass_fp8_*): at 8192^3 cuBLASLt's
+    per-tensor GEMMs took 0.918 ms forward and 1.044 ms for the e5m2
+    gradient against the CUTLASS kernels' 1.013 and 1.129, its block-scaled
+    GEMM 0.977 against 1.107 ms; fp8_dot's training step was level with
+    either (-5% to +6% per shape), the TP ops' FP8 step faster with it.
     """
     forced = _FORCED.get("fp8_gemm_library")
     if forced is not None:
