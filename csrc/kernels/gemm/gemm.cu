@@ -89,7 +89,7 @@ Fp8Key fp8_key_of(const Problem& p) {
   return Fp8Key{p.in, p.in_b, p.out, p.scaling, p.b_row_blocks};
 }
 
-// A per-tensor problem cuBLASLt was asked for and takes (Library).
+// An FP8 problem cuBLASLt was asked for and takes (Library).
 bool library_runs(const Problem& p, const Device& dev) {
   return p.library == Library::kCublasLt && cublaslt::takes(p, dev);
 }

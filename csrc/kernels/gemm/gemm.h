@@ -13,6 +13,7 @@
 // with the dequantization factors sa, sb of a Scaling recipe, fp32
 // accumulation, bf16 or fp32 output. Hopper's FP8 wgmma reads both operands
 // K-major only: A row-major [m, k], B given transposed ([n, k] row-major).
+// An FP8 problem runs pk's CUTLASS kernels or cuBLASLt's (Library).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -97,7 +98,8 @@ cudaError_t load_kernels();
 int cublaslt_version();
 
 // Returns cudaErrorNotSupported for unsupported problems, cudaErrorInvalidValue
-// when CUTLASS rejects the arguments or needs more scratch.
+// when CUTLASS rejects the arguments or needs more scratch, or cuBLASLt's call
+// fails (its CUDA error where it left one).
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream);
 
 // What run() would return for `p` short of launching: cudaSuccess when it
