@@ -177,7 +177,11 @@ def test_backward_is_a_ring():
 
 def test_training_tracks_plain_attention(rng):
     """A one-layer attention model trained with ring attention follows the
-    loss curve of the same model with plain attention, step for step."""
+    loss curve of the same model with plain attention: from the same
+    parameters every step's loss and gradients agree to float32 rounding
+    (along plain attention's trajectory), and trained apart the two curves
+    stay within 1% (at this learning rate the rounding differences grow over
+    30 steps: up to 4e-3 relative was seen from fresh inputs)."""
     n, s, h, d = 4, 32, 4, 16
     x = _normal(rng, (2, s, h * d))
     y = _normal(rng, (2, s, h * d))
@@ -188,22 +192,30 @@ def test_training_tracks_plain_attention(rng):
         q, k, v = ((x @ p[w]).reshape(2, s, h, d) for w in ("wq", "wk", "wv"))
         return jnp.mean((attend(q, k, v).reshape(2, s, h * d) @ p["wo"] - y) ** 2)
 
-    def train(attend):
-        @jax.jit  # one compiled step (an un-jitted shard_map re-traces every call)
-        def step(p):
-            value, grads = jax.value_and_grad(loss)(p, attend)
-            return value, jax.tree.map(lambda a, b: a - 0.5 * b, p, grads)
+    # one compiled value-and-gradient each (an un-jitted shard_map re-traces every call)
+    ours = jax.jit(jax.value_and_grad(lambda p: loss(p, ring)))
+    plain = jax.jit(jax.value_and_grad(
+        lambda p: loss(p, lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))))
+    update = lambda p, grads: jax.tree.map(lambda a, b: a - 0.5 * b, p, grads)
 
+    def train(step):
         p, losses = params, []
         for _ in range(30):
-            value, p = step(p)
+            value, grads = step(p)
             losses.append(float(value))
+            p = update(p, grads)
         return np.array(losses)
 
-    ours = train(ring)
-    plain = train(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True))
-    assert ours[-1] < 0.8 * ours[0], ours  # it learns
-    np.testing.assert_allclose(ours, plain, rtol=1e-4)
+    p = params
+    for _ in range(30):  # in lockstep, along plain attention's trajectory
+        (a, ga), (b, gb) = ours(p), plain(p)
+        np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+        for name in ga:
+            assert rel_err(ga[name], gb[name]) < 1e-4, name
+        p = update(p, gb)
+    curve = train(ours)
+    assert curve[-1] < 0.8 * curve[0], curve  # it learns
+    np.testing.assert_allclose(curve, train(plain), rtol=1e-2)
 
 
 def test_lse_gradient(rng):
