@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "kernels/common/dtype.h"
+#include "kernels/gemm/gemm.h"
 #include "pk/channel.h"
 #include "pk/layout.h"
 #include "runtime/workspace.h"
@@ -30,6 +31,21 @@ inline ffi::Error cuda_error(const char* op, const char* what, cudaError_t e) {
 // "pk_jax.<op>: <what>" as an InvalidArgument error.
 inline ffi::Error invalid_argument(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string("pk_jax.") + op + ": " + what);
+}
+
+// The FP8 GEMMs' attributes `scaling` (gemm.h: Scaling, kTensor or kBlock)
+// and `library` (gemm.h: Library), checked.
+inline ffi::Error read_fp8_gemm(const char* op, int32_t scaling, int32_t library,
+                                gemm::Scaling* scaling_out, gemm::Library* library_out) {
+  if (scaling != int32_t(gemm::Scaling::kTensor) && scaling != int32_t(gemm::Scaling::kBlock))
+    return invalid_argument(op, "scaling is 1 (tensor) or 2 (block), got " +
+                                    std::to_string(scaling));
+  if (library != int32_t(gemm::Library::kCutlass) && library != int32_t(gemm::Library::kCublasLt))
+    return invalid_argument(op, "library is 0 (CUTLASS) or 1 (cuBLASLt), got " +
+                                    std::to_string(library));
+  *scaling_out = gemm::Scaling(scaling);
+  *library_out = gemm::Library(library);
+  return ffi::Error::Success();
 }
 
 // The CUTLASS kernels (GEMMs, attention) were left out of this build.

@@ -16,7 +16,7 @@
 //     gemm.h: Scaling's layouts).
 //   Results: out [M, N] bf16 or f32.
 //   Attributes: scaling (gemm.h: Scaling, kTensor or kBlock), b_row_blocks,
-//     library (gemm.h: Library: who runs a per-tensor GEMM).
+//     library (gemm.h: Library: who runs the GEMM).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -117,13 +117,10 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a, ff
   g.k = ad[1];
   g.n = bd[0];
   if (!same_dims(out->dimensions(), {g.m, g.n})) return invalid("expected out [M, N]");
-  if (scaling != int32_t(gemm::Scaling::kTensor) && scaling != int32_t(gemm::Scaling::kBlock))
-    return invalid("scaling is 1 (tensor) or 2 (block)");
-  g.scaling = gemm::Scaling(scaling);
+  if (ffi::Error e = ffi_common::read_fp8_gemm(kOp, scaling, library, &g.scaling, &g.library);
+      e.failure())
+    return e;
   g.b_row_blocks = b_row_blocks;
-  if (library != int32_t(gemm::Library::kCutlass) && library != int32_t(gemm::Library::kCublasLt))
-    return invalid("library is 0 (CUTLASS) or 1 (cuBLASLt)");
-  g.library = gemm::Library(library);
   const int64_t kb = blocks(g.k);
   const bool block = g.scaling == gemm::Scaling::kBlock;
   const int64_t want_a = block ? kb * g.m : 1;

@@ -41,16 +41,10 @@ ffi::Error read_types(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::A
   }
   if (!gemm::is_fp8(p->in) || !gemm::is_fp8(p->in_w))
     return ffi_common::invalid_argument(op, "the FP8 target takes FP8 x and w");
-  if (fp8->scaling != int32_t(gemm::Scaling::kTensor) &&
-      fp8->scaling != int32_t(gemm::Scaling::kBlock))
-    return ffi_common::invalid_argument(
-        op, "scaling is 1 (tensor) or 2 (block), got " + std::to_string(fp8->scaling));
-  p->scaling = gemm::Scaling(fp8->scaling);
-  if (fp8->library != int32_t(gemm::Library::kCutlass) &&
-      fp8->library != int32_t(gemm::Library::kCublasLt))
-    return ffi_common::invalid_argument(
-        op, "library is 0 (CUTLASS) or 1 (cuBLASLt), got " + std::to_string(fp8->library));
-  p->library = gemm::Library(fp8->library);
+  if (ffi::Error e =
+          ffi_common::read_fp8_gemm(op, fp8->scaling, fp8->library, &p->scaling, &p->library);
+      e.failure())
+    return e;
   if (tp_matmul::block_scaled(*p) && (p->in != DType::kE4M3 || p->in_w != DType::kE4M3))
     return ffi_common::invalid_argument(op, "block factors take float8_e4m3fn x and w");
   return ffi::Error::Success();

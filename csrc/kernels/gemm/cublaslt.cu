@@ -1,4 +1,4 @@
-// cuBLASLt's per-tensor FP8 GEMMs (cublaslt.h): the library loaded at run
+// cuBLASLt's FP8 GEMMs (cublaslt.h): the library loaded at run
 // time, a handle per device, cuBLASLt's heuristic choice cached per problem.
 //
 // Launch config: cuBLASLt's (its heuristic's kernel, within the device's GEMM
@@ -16,7 +16,6 @@
 
 #include <cstdint>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <tuple>
 
@@ -302,10 +301,10 @@ cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
   if (repacked(p)) {
     const int kb = int(scale_blocks(p.k)), nb = int(scale_blocks(p.n)),
               kb4 = int(padded_k_blocks(p));
-    b_factors = repack_buffer(dev);
-    repack_blocks<<<(nb * kb4 + 255) / 256, 256, 0, stream>>>(p.scale_b, repack_buffer(dev), kb,
-                                                              nb, kb4);
+    float* to = repack_buffer(dev);
+    repack_blocks<<<(nb * kb4 + 255) / 256, 256, 0, stream>>>(p.scale_b, to, kb, nb, kb4);
     if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+    b_factors = to;
   }
   Descriptors d;
   if (!describe(a, p, b_factors, &d)) return cudaErrorInvalidValue;

@@ -36,7 +36,8 @@ int version();
 // shapes, types and pointer alignments within dev's workspace (cached).
 bool takes(const Problem& p, const Device& dev);
 
-// Runs `p` (takes(p, dev) true) on `stream`.
+// Runs `p` on `stream`; cudaErrorNotSupported, with nothing enqueued, where
+// takes(p, dev) is false (gemm::run then runs the CUTLASS kernel).
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream);
 
 }  // namespace pk::gemm::cublaslt

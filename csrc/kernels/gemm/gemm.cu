@@ -104,7 +104,9 @@ cudaError_t check(const Problem& p, const Device& dev) {
 
 cudaError_t run(const Problem& p, const Device& dev, cudaStream_t stream) {
   if (!available() || !supported(p)) return cudaErrorNotSupported;
-  if (is_fp8(p.in) && library_runs(p, dev)) return cublaslt::run(p, dev, stream);
+  if (is_fp8(p.in) && p.library == Library::kCublasLt) {  // one heuristic lookup
+    if (cudaError_t err = cublaslt::run(p, dev, stream); err != cudaErrorNotSupported) return err;
+  }
   if (is_fp8(p.in)) return Fp8Instantiations::launch(fp8_key_of(p), p, dev, stream);
   return Instantiations::launch(key_of(p), p, dev, stream);
 }

@@ -24,7 +24,7 @@ even (NaN stays NaN).
 with the factors (scaling "tensor": one each; "block": a's [ceil(K / 128), M]
 per 1x128, b's [ceil(K / 128), ceil(N / 128)] per 128x128, or with
 b_row_blocks [ceil(K / 128), N] per 1x128), fp32 accumulation, bf16 or fp32
-out; attribute `library` (gemm.h: Library): who runs a per-tensor GEMM,
+out; attribute `library` (gemm.h: Library): who runs the GEMM,
 pk's CUTLASS kernel or cuBLASLt (`gemm_library`, tuning.fp8_gemm_library).
 """
 
