@@ -24,10 +24,12 @@ Sections (--only):
              dot ("xla_bf16"); the per-tensor GEMM for each operand pair the
              training step runs at the same M, N, K (`role` fprop: e4m3 x e4m3,
              fast accumulation; dgrad: e5m2 x e4m3, dy and w; wgrad: e4m3 x
-             e5m2, x^T and dy^T; the gradients promoted every 128 of K).
+             e5m2, x^T and dy^T; the gradients promoted to fp32, and
+             "pk_fp8_tensor_fast" without promotion: fast_accum=True).
   fp8_train  one layer's training step, y = x @ w then dx and dw, at LLM shapes
              (M x K x N): pk_jax.fp8_dot with each recipe ("pk_fp8_<recipe>":
-             quantization and the three FP8 GEMMs; "pk_tp_fp8_<recipe>": the
+             quantization and the three FP8 GEMMs; "pk_fp8fast_<recipe>": the
+             gradient GEMMs without fp32 promotion; "pk_tp_fp8_<recipe>": the
              same through all_gather_matmul(fp8=) at world size 1) against the bf16 step in
              XLA ("xla_bf16"), XLA's FP8 dot under per-tensor current scaling
              written in jax.numpy ("xla_fp8_current": quantize, dot of the FP8
@@ -147,14 +149,17 @@ IMPLS = {
         "`xla_bf16`: XLA's bf16 dot (cuBLAS) of the unquantized operands. Each recipe's "
         "rows share the baselines. `fp8_gemm_role` rows: the per-tensor GEMM of each operand "
         "pair the training step runs, at the row's M, N, K (fprop e4m3 x e4m3, fast "
-        "accumulation; dgrad e5m2 x e4m3 and wgrad e4m3 x e5m2, fp32 promotion), "
+        "accumulation; dgrad e5m2 x e4m3 and wgrad e4m3 x e5m2, fp32 promotion; "
+        "`pk_fp8_tensor_fast`: those two with fast_accum=True, no promotion), "
         "against XLA's dot of the same FP8 operands (the three ways) and its bf16 dot.\n\n"),
     "fp8_train": (
         "One layer's training step at M x K x N (forward y = x @ w, then dx and dw; every "
         "implementation returns all three): `pk_fp8_<recipe>`: pk_jax.fp8_dot (current, "
         "delayed with given scales, block; the FP8 GEMMs by cuBLASLt); "
         "`pk_cutlass_fp8_<recipe>`: the same with pk's CUTLASS FP8 GEMMs "
-        "(tuning.fp8_gemm_library forced); `pk_tp_fp8_<recipe>`: "
+        "(tuning.fp8_gemm_library forced); `pk_fp8fast_<recipe>`: "
+        "Fp8Recipe(recipe, fast_gradient_accumulation=True), the gradient GEMMs without "
+        "fp32 promotion; `pk_tp_fp8_<recipe>`, `pk_tp_fp8fast_<recipe>`: "
         "all_gather_matmul(fp8=recipe) at world size 1 (the TP ops' FP8 sequences on one "
         "GPU); `xla_bf16`: XLA's bf16 dots (cuBLAS); "
         "`xla_fp8_current`: XLA's FP8 dots (cuBLASLt) under per-tensor current scaling "
@@ -395,6 +400,10 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
             xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor", ta)
             wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor", tb)
             calls[f"pk_fp8_tensor {role}"] = (jax.jit(pk_jax.fp8_matmul), (xq, wq, fx, fw))
+            if role != "fprop":  # e4m3 x e4m3 accumulates fast regardless
+                calls[f"pk_fp8_tensor_fast {role}"] = (
+                    jax.jit(lambda *a: pk_jax.fp8_matmul(*a, fast_accum=True)),
+                    (xq, wq, fx, fw))
             calls[f"pk_cutlass_fp8_tensor {role}"] = (
                 _lowered_with_cutlass(jax.jit(pk_jax.fp8_matmul), xq, wq, fx, fw),
                 (xq, wq, fx, fw))
@@ -404,9 +413,10 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
         outs = {name: jax.block_until_ready(f()) for name, f in fns.items()}
         case = gemm_case((m, n, k))
         for role in FP8_ROLES:
-            for name in (*xla_fp8, "pk_cutlass_fp8_tensor"):
-                _close(f"fp8 {role} {case} vs {name}", outs[f"pk_fp8_tensor {role}"],
-                       outs[f"{name} {role}"], 1e-2)
+            for name in (*xla_fp8, "pk_cutlass_fp8_tensor", "pk_fp8_tensor_fast"):
+                if f"{name} {role}" in outs:
+                    _close(f"fp8 {role} {case} vs {name}", outs[f"pk_fp8_tensor {role}"],
+                           outs[f"{name} {role}"], 1e-2)
         _close(f"fp8 block {case}", outs["pk_fp8_block"], outs["xla_bf16"], 6e-2)
         _close(f"fp8 block {case} CUTLASS", outs["pk_cutlass_fp8_block"], outs["pk_fp8_block"],
                1e-2)
@@ -420,6 +430,8 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
                                            "recipe": "block"}, sub, 2.0 * m * n * k)
         for role, (ta, tb) in FP8_ROLES.items():
             sub = {"pk_fp8_tensor": times[f"pk_fp8_tensor {role}"],
+                   **({"pk_fp8_tensor_fast": times[f"pk_fp8_tensor_fast {role}"]}
+                      if role != "fprop" else {}),
                    "pk_cutlass_fp8_tensor": times[f"pk_cutlass_fp8_tensor {role}"],
                    "xla_bf16": times["xla_bf16"],
                    **{name: times[f"{name} {role}"] for name in xla_fp8}}
@@ -532,24 +544,35 @@ def fp8_train_steps(x, w, dy, flax: bool = True) -> dict[str, Callable]:
             return (y, *vjp(dy))
         return jax.jit(step)
 
-    def delayed(x, w, dy):
-        (y, _), vjp = jax.vjp(lambda x, w, s: pk_jax.fp8_dot(x, w, "delayed", scales=s),
-                              x, w, scales)
-        dx, dw, _ = vjp((dy, (jnp.zeros(1, jnp.float32),) * 2))
-        return y, dx, dw
-    tp = {f"pk_tp_fp8_{r}": step_of(jax.shard_map(
-        lambda x, w, r=r: pk_jax.all_gather_matmul(x, w, "x", fp8=r), mesh=mesh,
-        in_specs=(P("x"), P()), out_specs=P("x"))) for r in ("current", "block")}
+    def delayed_of(recipe):
+        def delayed(x, w, dy):
+            (y, _), vjp = jax.vjp(lambda x, w, s: pk_jax.fp8_dot(x, w, recipe, scales=s),
+                                  x, w, scales)
+            dx, dw, _ = vjp((dy, (jnp.zeros(1, jnp.float32),) * 2))
+            return y, dx, dw
+        return jax.jit(delayed)
+
+    def tp_of(recipe):
+        return step_of(jax.shard_map(
+            lambda x, w: pk_jax.all_gather_matmul(x, w, "x", fp8=recipe), mesh=mesh,
+            in_specs=(P("x"), P()), out_specs=P("x")))
+    fast = {r: pk_jax.Fp8Recipe(r, fast_gradient_accumulation=True)
+            for r in ("current", "delayed")}
     current = step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current"))
+    delayed = delayed_of("delayed")
     block = step_of(lambda x, w: pk_jax.fp8_dot(x, w, "block"))
     return {
         "pk_fp8_current": current,
-        "pk_fp8_delayed": jax.jit(delayed),
+        "pk_fp8_delayed": delayed,
+        "pk_fp8fast_current": step_of(lambda x, w: pk_jax.fp8_dot(x, w, fast["current"])),
+        "pk_fp8fast_delayed": delayed_of(fast["delayed"]),
         "pk_cutlass_fp8_current": _lowered_with_cutlass(current, x, w, dy),
-        "pk_cutlass_fp8_delayed": _lowered_with_cutlass(jax.jit(delayed), x, w, dy),
+        "pk_cutlass_fp8_delayed": _lowered_with_cutlass(delayed, x, w, dy),
         "pk_fp8_block": block,
         "pk_cutlass_fp8_block": _lowered_with_cutlass(block, x, w, dy),
-        **tp,
+        "pk_tp_fp8_current": tp_of("current"),
+        "pk_tp_fp8fast_current": tp_of(fast["current"]),
+        "pk_tp_fp8_block": tp_of("block"),
         "xla_bf16": step_of(lambda x, w: x @ w),
         "xla_fp8_current": step_of(_xla_fp8_current_dot()),
         **(_flax_fp8_steps(x, w, dy) if flax else {}),

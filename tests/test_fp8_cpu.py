@@ -360,9 +360,46 @@ def test_recipe_validation():
         pk_jax.Fp8Recipe(amax_history_len=True)
     with pytest.raises(ValueError, match="amax_compute_algo"):
         pk_jax.Fp8Recipe(amax_compute_algo="mean")
+    with pytest.raises(ValueError, match="fast_gradient_accumulation=1"):
+        pk_jax.Fp8Recipe(fast_gradient_accumulation=1)
+    with pytest.raises(ValueError, match="'current' and 'delayed'"):
+        pk_jax.Fp8Recipe("block", fast_gradient_accumulation=True)
     r = pk_jax.Fp8Recipe("block")
     assert r.fwd_dtype == jnp.float8_e4m3fn and r.bwd_dtype == jnp.float8_e4m3fn
     assert pk_jax.Fp8Recipe().bwd_dtype == jnp.float8_e5m2
+    assert not pk_jax.Fp8Recipe("delayed").fast_gradient_accumulation
+
+
+def test_fp8_matmul_fast_accum_is_checked(rng):
+    a = jnp.asarray(rng.standard_normal((16, 128)), jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match="fast_accum='yes'"):
+        pk_jax.fp8_matmul(a, a, jnp.ones(()), jnp.ones(()), fast_accum="yes")
+    f = jnp.ones((1, 16), jnp.float32)
+    with pytest.raises(ValueError, match="fast_accum=True.*scaling='tensor'"):
+        pk_jax.fp8_matmul(a, a, f, f, scaling="block", b_row_blocks=True, fast_accum=True)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_fast_gradient_accumulation_matches_the_reference(rng, recipe):
+    """The recipe's fast gradient accumulation changes only how the GPU
+    kernels accumulate: off CUDA the values and gradients are the default
+    recipe's bit for bit."""
+    x = jnp.asarray(rng.standard_normal((64, 128)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((128, 32)) / np.sqrt(128), jnp.bfloat16)
+    scales = (jnp.float32(100.0), jnp.float32(200.0), jnp.float32(1000.0)) \
+        if recipe == "delayed" else None
+
+    def grads(r):
+        def loss(x, w):
+            y = pk_jax.fp8_dot(x, w, r, scales=scales)
+            y = y[0] if scales is not None else y
+            return jnp.sum(y.astype(jnp.float32) * jnp.arange(32.0))
+        return jax.jit(jax.value_and_grad(loss, (0, 1)))(x, w)
+
+    fast = grads(pk_jax.Fp8Recipe(recipe, fast_gradient_accumulation=True))
+    plain = grads(pk_jax.Fp8Recipe(recipe))
+    for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 @pytest.mark.parametrize("recipe", ["current", "block"])

@@ -140,6 +140,26 @@ def test_matmul_tensor(rng, m, n, k, a_t, b_t, out, library):
     assert rel_err(got, want) < (1e-2 if fast else 3e-3 if out == jnp.bfloat16 else 2e-3)
 
 
+@pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (1000, 520, 4112), (256, 392, 16384)])
+@pytest.mark.parametrize("a_t,b_t", [("e5m2", "e4m3"), ("e4m3", "e5m2")])
+def test_matmul_fast_accum(rng, m, n, k, a_t, b_t):
+    """fast_accum=True: the e5m2 products through cuBLASLt without fp32
+    promotion, within the e4m3 x e4m3 product's bound of the fp32 sums."""
+    mesh = gpu_mesh(1)
+    types = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+    a = jnp.asarray(rng.standard_normal((m, k)) * 8, types[a_t])
+    b = jnp.asarray(rng.standard_normal((n, k)) * 8, types[b_t])
+    sa, sb = (jnp.asarray(rng.uniform(0.01, 0.1, (1,)), jnp.float32) for _ in range(2))
+    want = prim.matmul_reference(a, b, sa, sb, scaling="tensor", b_row_blocks=False,
+                                 out_dtype=jnp.float32)
+    poison_allocator(mesh, 4 * m * n)
+    f = jax.jit(lambda *x: pk_jax.fp8_matmul(*x, out_dtype=jnp.bfloat16, fast_accum=True))
+    assert "fast_accum = true" in f.lower(a, b, sa, sb).as_text()
+    got = f(a, b, sa, sb)
+    assert np.isfinite(np.asarray(got, np.float32)).all()
+    assert rel_err(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (512, 384, 640), (132, 256, 128)])
 @pytest.mark.parametrize("row_blocks", [False, True])
 @pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32])
@@ -165,23 +185,29 @@ def test_matmul_block(rng, m, n, k, row_blocks, out, library):
     assert rel_err(got, want) < (3e-3 if out == jnp.bfloat16 else 5e-4)
 
 
-@pytest.mark.parametrize("recipe", ["current", "delayed", "block"])
+@pytest.mark.parametrize("recipe,fast", [("current", False), ("delayed", False),
+                                         ("block", False), ("current", True),
+                                         ("delayed", True)])
 @pytest.mark.parametrize("m,k,n", [(2048, 1024, 1536), (256, 128, 384), (1040, 528, 400)])
-def test_fp8_dot_values_and_gradients(rng, recipe, m, k, n):
+def test_fp8_dot_values_and_gradients(rng, recipe, fast, m, k, n):
+    """Each recipe, and with fast accumulation in the gradient GEMMs."""
     if recipe == "block" and (k % 128 or n % 128):
         pytest.skip("block scaling needs K and N multiples of 128")
+    r = pk_jax.Fp8Recipe(recipe, fast_gradient_accumulation=fast)
     mesh = gpu_mesh(1)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
     t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
     # delayed: the scales an amax history of inputs like these gives
     scales = (np.float32(448 / 5), np.float32(448 * np.sqrt(k) / 5), np.float32(57344 / 64))
-    dot = (lambda x, w: pk_jax.fp8_dot(x, w, recipe, scales=scales)[0]) \
-        if recipe == "delayed" else (lambda x, w: pk_jax.fp8_dot(x, w, recipe))
+    dot = (lambda x, w: pk_jax.fp8_dot(x, w, r, scales=scales)[0]) \
+        if recipe == "delayed" else (lambda x, w: pk_jax.fp8_dot(x, w, r))
     loss = lambda x, w: jnp.sum(dot(x, w).astype(jnp.float32) * t)
     # the loss is linear in y, so its gradient needs no forward GEMM: dgrad and
     # wgrad, both FP8 kernels; the forward is one more
-    assert jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text().count("pk_fp8_matmul") == 2
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
+    assert hlo.count("pk_fp8_matmul") == 2
+    assert hlo.count(f"fast_accum = {str(fast).lower()}") == 2
     assert jax.jit(dot).lower(x, w).as_text().count("pk_fp8_matmul") == 1
     poison_allocator(mesh, 8 * m * (k + n))
     y = jax.jit(dot)(x, w)

@@ -260,6 +260,32 @@ def test_fp8_matmul_library_attribute(cuda_lowering, scaling, forced, want):
     with tuning.forced(**({"fp8_gemm_library": forced} if forced else {})):
         hlo = jax.jit(f).trace(a, b, fa, fb).lower(lowering_platforms=("cuda",)).as_text()
     assert re.findall(r"custom_call @pk_fp8_matmul\(.*?library = (\d+)", hlo) == [want]
+    assert re.findall(r"custom_call @pk_fp8_matmul\(.*?fast_accum = (\w+)", hlo) == ["false"]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_dot_gradient_gemms_carry_the_recipes_accumulation(cuda_lowering, fast):
+    """Fp8Recipe(fast_gradient_accumulation=...) reaches the gradient
+    GEMMs' `fast_accum` attribute (gemm::Problem::fast_accum), pk_fp8_matmul's
+    and the TP FP8 sequences'."""
+    recipe = pk_jax.Fp8Recipe("current", fast_gradient_accumulation=fast)
+    x = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((128, 256), jnp.bfloat16)
+    loss = lambda x, w: jnp.sum(pk_jax.fp8_dot(x, w, recipe).astype(jnp.float32) ** 2)
+    hlo = jax.jit(jax.grad(loss, (0, 1))).trace(x, w).lower(
+        lowering_platforms=("cuda",)).as_text()
+    got = re.findall(r"custom_call @pk_fp8_matmul\(.*?fast_accum = (\w+)", hlo)
+    # the forward's e4m3 x e4m3 product accumulates fast regardless
+    assert sorted(got) == sorted(["false", str(fast).lower(), str(fast).lower()]), got
+    mesh = cpu_mesh((2,), ("tp",))
+    body = lambda x, w: pk_jax.all_gather_matmul(x, w, "tp", fp8=recipe)
+    f = jax.shard_map(body, mesh=mesh, in_specs=(P("tp"), P(None, "tp")), out_specs=P(None, "tp"))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, p))
+            for s, p in zip([(256, 128), (128, 512)], (P("tp"), P(None, "tp")))]
+    hlo = jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w).astype(jnp.float32) ** 2),
+                           (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    got = re.findall(r"custom_call @pk_\w+_fp8\(.*?fast_accum = (\w+)", hlo)
+    assert got == [str(fast).lower()] * 2, got
 
 
 def _ring_calls(hlo):

@@ -33,18 +33,27 @@ inline ffi::Error invalid_argument(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string("pk_jax.") + op + ": " + what);
 }
 
-// The FP8 GEMMs' attributes `scaling` (gemm.h: Scaling, kTensor or kBlock)
-// and `library` (gemm.h: Library), checked.
+// The FP8 GEMMs' attributes, as gemm::Problem holds them.
+struct Fp8Gemm {
+  gemm::Scaling scaling = gemm::Scaling::kTensor;
+  gemm::Library library = gemm::Library::kCutlass;
+  bool fast_accum = false;
+};
+
+// The FP8 GEMMs' attributes `scaling` (gemm.h: Scaling, kTensor or kBlock),
+// `library` (gemm.h: Library) and `fast_accum` (gemm::Problem::fast_accum),
+// checked.
 inline ffi::Error read_fp8_gemm(const char* op, int32_t scaling, int32_t library,
-                                gemm::Scaling* scaling_out, gemm::Library* library_out) {
+                                bool fast_accum, Fp8Gemm* out) {
   if (scaling != int32_t(gemm::Scaling::kTensor) && scaling != int32_t(gemm::Scaling::kBlock))
     return invalid_argument(op, "scaling is 1 (tensor) or 2 (block), got " +
                                     std::to_string(scaling));
   if (library != int32_t(gemm::Library::kCutlass) && library != int32_t(gemm::Library::kCublasLt))
     return invalid_argument(op, "library is 0 (CUTLASS) or 1 (cuBLASLt), got " +
                                     std::to_string(library));
-  *scaling_out = gemm::Scaling(scaling);
-  *library_out = gemm::Library(library);
+  if (fast_accum && scaling != int32_t(gemm::Scaling::kTensor))
+    return invalid_argument(op, "fast_accum is for per-tensor factors (scaling 1)");
+  *out = Fp8Gemm{gemm::Scaling(scaling), gemm::Library(library), fast_accum};
   return ffi::Error::Success();
 }
 

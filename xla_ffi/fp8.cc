@@ -16,7 +16,9 @@
 //     gemm.h: Scaling's layouts).
 //   Results: out [M, N] bf16 or f32.
 //   Attributes: scaling (gemm.h: Scaling, kTensor or kBlock), b_row_blocks,
-//     library (gemm.h: Library: who runs the GEMM).
+//     library (gemm.h: Library: who runs the GEMM), fast_accum (per-tensor
+//     products with an e5m2 operand without fp32 promotion where cuBLASLt
+//     runs them: gemm::Problem::fast_accum).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -100,7 +102,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
 ffi::Error MatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer b,
                       ffi::Buffer<ffi::F32> scale_a, ffi::Buffer<ffi::F32> scale_b,
                       ffi::Result<ffi::AnyBuffer> out, int32_t scaling, bool b_row_blocks,
-                      int32_t library) {
+                      int32_t library, bool fast_accum) {
   constexpr const char* kOp = "fp8_matmul";
   auto invalid = [](const std::string& what) { return ffi_common::invalid_argument(kOp, what); };
   if (!gemm::available()) return ffi_common::built_without_cutlass(kOp);
@@ -117,9 +119,13 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a, ff
   g.k = ad[1];
   g.n = bd[0];
   if (!same_dims(out->dimensions(), {g.m, g.n})) return invalid("expected out [M, N]");
-  if (ffi::Error e = ffi_common::read_fp8_gemm(kOp, scaling, library, &g.scaling, &g.library);
+  ffi_common::Fp8Gemm fp8;
+  if (ffi::Error e = ffi_common::read_fp8_gemm(kOp, scaling, library, fast_accum, &fp8);
       e.failure())
     return e;
+  g.scaling = fp8.scaling;
+  g.library = fp8.library;
+  g.fast_accum = fp8.fast_accum;
   g.b_row_blocks = b_row_blocks;
   const int64_t kb = blocks(g.k);
   const bool block = g.scaling == gemm::Scaling::kBlock;
@@ -172,7 +178,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()                // out [M, N]
         .Attr<int32_t>("scaling")             // gemm.h: Scaling
         .Attr<bool>("b_row_blocks")
-        .Attr<int32_t>("library"),            // gemm.h: Library
+        .Attr<int32_t>("library")             // gemm.h: Library
+        .Attr<bool>("fast_accum"),            // gemm::Problem::fast_accum
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace pk::ffi_handlers

@@ -19,11 +19,13 @@ namespace ffi = xla::ffi;
 
 // The factors of FP8 operands (the *_fp8 targets), their scaling (the
 // attribute `scaling`, gemm.h: Scaling, kTensor or kBlock) and who runs the
-// per-tensor GEMMs (`library`, gemm.h: Library).
+// per-tensor GEMMs (`library`, gemm.h: Library) and how they accumulate
+// (`fast_accum`, gemm::Problem::fast_accum).
 struct Fp8Factors {
   ffi::AnyBuffer x, w;
   int32_t scaling;
   int32_t library;
+  bool fast_accum;
 };
 
 // Operand types: x and w of one 16-bit type; or, with factors, both FP8
@@ -41,10 +43,14 @@ ffi::Error read_types(const char* op, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::A
   }
   if (!gemm::is_fp8(p->in) || !gemm::is_fp8(p->in_w))
     return ffi_common::invalid_argument(op, "the FP8 target takes FP8 x and w");
-  if (ffi::Error e =
-          ffi_common::read_fp8_gemm(op, fp8->scaling, fp8->library, &p->scaling, &p->library);
+  ffi_common::Fp8Gemm gemm_attrs;
+  if (ffi::Error e = ffi_common::read_fp8_gemm(op, fp8->scaling, fp8->library, fp8->fast_accum,
+                                               &gemm_attrs);
       e.failure())
     return e;
+  p->scaling = gemm_attrs.scaling;
+  p->library = gemm_attrs.library;
+  p->fast_accum = gemm_attrs.fast_accum;
   if (tp_matmul::block_scaled(*p) && (p->in != DType::kE4M3 || p->in_w != DType::kE4M3))
     return ffi_common::invalid_argument(op, "block factors take float8_e4m3fn x and w");
   return ffi::Error::Success();
@@ -211,8 +217,8 @@ ffi::Error AllGatherMatmulFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                   ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
                                   ffi_common::ChannelAttrs channel, int32_t scaling,
-                                  int32_t library) {
-  const Fp8Factors fp8{scale_x, scale_w, scaling, library};
+                                  int32_t library, bool fast_accum) {
+  const Fp8Factors fp8{scale_x, scale_w, scaling, library, fast_accum};
   return all_gather_matmul(stream, ordinal, x, w, &fp8, *out, nullptr, channel,
                            /*w_transposed=*/true);
 }
@@ -290,8 +296,8 @@ ffi::Error MatmulReduceScatterFp8Impl(cudaStream_t stream, int32_t ordinal, ffi:
                                       ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                       ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
                                       ffi_common::ChannelAttrs channel, int32_t scaling,
-                                      int32_t library) {
-  const Fp8Factors fp8{scale_x, scale_w, scaling, library};
+                                      int32_t library, bool fast_accum) {
+  const Fp8Factors fp8{scale_x, scale_w, scaling, library, fast_accum};
   return matmul_reduce_scatter(stream, ordinal, x, w, &fp8, *out, channel,
                                /*w_transposed=*/true);
 }
@@ -379,9 +385,9 @@ ffi::Error MatmulAllReduceFp8Impl(cudaStream_t stream, int32_t ordinal, ffi::Any
                                   ffi::AnyBuffer w, ffi::AnyBuffer scale_x,
                                   ffi::AnyBuffer scale_w, ffi::Result<ffi::AnyBuffer> out,
                                   ffi_common::ChannelAttrs channel, int32_t scaling,
-                                  int32_t library,
+                                  int32_t library, bool fast_accum,
                                   ffi_common::ChannelAttrs gather_channel, int32_t mechanism) {
-  const Fp8Factors fp8{scale_x, scale_w, scaling, library};
+  const Fp8Factors fp8{scale_x, scale_w, scaling, library, fast_accum};
   return matmul_all_reduce(stream, ordinal, x, w, &fp8, *out, channel, gather_channel,
                            mechanism);
 }
@@ -468,7 +474,8 @@ auto fp8_forward_binding() {
       .Ret<ffi::AnyBuffer>()   // out: as the 16-bit op's
       .Attr<ffi_common::ChannelAttrs>("channel")
       .Attr<int32_t>("scaling")   // gemm.h: Scaling (kTensor or kBlock)
-      .Attr<int32_t>("library");  // gemm.h: Library
+      .Attr<int32_t>("library")   // gemm.h: Library
+      .Attr<bool>("fast_accum");  // gemm::Problem::fast_accum
 }
 }  // namespace
 

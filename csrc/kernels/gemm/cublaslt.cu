@@ -128,7 +128,7 @@ struct Choice {
 };
 
 // What the heuristic's answer depends on.
-using Key = std::tuple<int64_t, int64_t, int64_t, DType, DType, DType, Scaling, bool, bool,
+using Key = std::tuple<int64_t, int64_t, int64_t, DType, DType, DType, Scaling, bool, bool, bool,
                        uint32_t, uint32_t, uint32_t, uint32_t, size_t>;
 
 struct PerDevice {
@@ -179,7 +179,8 @@ bool describe(const Api* a, const Problem& p, const float* b_factors, Descriptor
   d->a = a;
   const cublasOperation_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
   const bool block = p.scaling == Scaling::kBlock;
-  const int8_t fast = !block && p.in == DType::kE4M3 && p.in_b == DType::kE4M3;
+  const int8_t fast =
+      !block && ((p.in == DType::kE4M3 && p.in_b == DType::kE4M3) || p.fast_accum);
   const float* scale_a = b_factors;  // cuBLASLt's A is gemm's B
   const float* scale_b = p.scale_a;
   // Block factors: gemm's A per 1x128 [ceil(k / 128), m] M-contiguous as
@@ -217,9 +218,10 @@ bool describe(const Api* a, const Problem& p, const float* b_factors, Descriptor
 const void* c_of(const Problem& p) { return p.c != nullptr ? p.c : p.d; }
 
 Key key_of(const Problem& p, const Device& dev) {
-  return Key{p.m,          p.n,           p.k,          p.in,          p.in_b,
-             p.out,        p.scaling,     p.b_row_blocks, p.c != nullptr, alignment(p.b),
-             alignment(p.a), alignment(c_of(p)), alignment(p.d), library_workspace(dev)};
+  return Key{p.m,           p.n,        p.k,           p.in,
+             p.in_b,        p.out,      p.scaling,     p.b_row_blocks,
+             p.fast_accum,  p.c != nullptr, alignment(p.b), alignment(p.a),
+             alignment(c_of(p)), alignment(p.d), library_workspace(dev)};
 }
 
 Choice ask_heuristic(const Api* a, cublasLtHandle_t handle, const Problem& p, const Device& dev) {

@@ -12,8 +12,8 @@
 // Hopper. The factors are its A and B scale pointers (block factors: its
 // 128x128 or 1x128 scale modes, cuBLASLt 12.9 and later on Hopper); a
 // per-tensor e4m3 x e4m3 product runs fast accumulation, a product with an
-// e5m2 gradient or block factors does not (the CUTLASS kernels' recipe); C,
-// when given, is added with beta = 1.
+// e5m2 gradient does where Problem::fast_accum asks, block factors never (the
+// CUTLASS kernels' recipe otherwise); C, when given, is added with beta = 1.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -33,7 +33,8 @@ using pk::itemsize;
 // value is its FP8 element times its factor).
 //   kTensor: one fp32 factor per operand (sa[0], sb[0]). e4m3 x e4m3 runs
 //     fast accumulation (the forward GEMMs' recipe); a product with an e5m2
-//     gradient promotes the partial sums to fp32 every 4 wgmma K-steps.
+//     gradient promotes the partial sums to fp32 every 4 wgmma K-steps,
+//     unless Problem::fast_accum lets cuBLASLt skip the promotion.
 //   kBlock: DeepSeek-V3's blocks: A per 1x128 (one row, 128 of K), stored
 //     [ceil(k / 128), m] (M-contiguous, m a multiple of 4); B per 128x128
 //     (128 of N by 128 of K), stored [ceil(k / 128), ceil(n / 128)], or with
@@ -69,6 +70,10 @@ struct Problem {
   const float* scale_b = nullptr;
   bool b_row_blocks = false;  // kBlock: B's factors per 1x128 instead of 128x128
   Library library = Library::kCutlass;  // FP8: who runs it (Library)
+  // kTensor with an e5m2 operand: fast accumulation (the tensor cores' own
+  // accumulator, no fp32 promotion; XLA's FP8 dots at default precision)
+  // where cuBLASLt runs the product; the CUTLASS kernels promote regardless.
+  bool fast_accum = false;
 };
 
 // Where the kernel runs and the scratch it may use (allocated at init).

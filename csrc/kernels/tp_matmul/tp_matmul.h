@@ -97,6 +97,7 @@ struct Params {
   gemm::DType in_w = gemm::DType::kE4M3;
   gemm::Scaling scaling = gemm::Scaling::kNone;
   gemm::Library library = gemm::Library::kCutlass;  // kTensor's GEMMs (gemm.h)
+  bool fast_accum = false;  // kTensor: gemm::Problem::fast_accum
   const float* scale_x = nullptr;
   const float* scale_w = nullptr;
   int rank = 0;
@@ -164,6 +165,7 @@ inline gemm::Problem rows_gemm(const Params& p, const void* a, const float* a_fa
     g.in_b = p.in_w;
     g.scaling = p.scaling;
     g.library = p.library;
+    g.fast_accum = p.fast_accum;
     g.scale_a = a_factors;
     g.scale_b = p.scale_w;
   }

@@ -6,7 +6,9 @@ Recipes (`Fp8Recipe.scaling`):
 * ``"current"``: one factor per tensor from its own amax (Transformer
   Engine's current scaling). Activations and weights in e4m3, gradients in
   e5m2; the forward GEMM accumulates in the tensor cores' own precision
-  (fast accumulation), the gradient GEMMs promote to fp32 every 4 K-steps.
+  (fast accumulation), the gradient GEMMs promote to fp32 every 4 K-steps
+  (Transformer Engine's default) unless `fast_gradient_accumulation` (XLA's
+  FP8 dots at default precision, hence Flax's FP8 ops, accumulate fast).
 * ``"delayed"``: one factor per tensor from a scale the caller keeps (from an
   amax history: `pk_jax.flax`'s FP8 layers keep it); the call returns the
   amaxes to record (`max_to_type_of`: one value wherever the scale is one).
@@ -58,12 +60,19 @@ class Fp8Recipe:
       the caller, e.g. pk_jax.flax's layers): the scale comes from the max
       ("max") or the latest ("most_recent") amax of the last
       `amax_history_len` steps.
+    fast_gradient_accumulation: "current" and "delayed" only: the gradient
+      GEMMs (an e5m2 operand) accumulate in the tensor cores' own precision
+      without promoting to fp32, as the forward GEMM does: faster where
+      cuBLASLt runs them (benchmarks/RESULTS.md), less precise over long
+      contractions (the weight gradient sums over every token). False:
+      promoted every 4 K-steps.
     """
 
     scaling: str = "current"
     margin: float = 0.0
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
+    fast_gradient_accumulation: bool = False
 
     def __post_init__(self):
         if self.scaling not in _RECIPES:
@@ -77,6 +86,13 @@ class Fp8Recipe:
         if self.amax_compute_algo not in ("max", "most_recent"):
             raise ValueError(f"Fp8Recipe(amax_compute_algo={self.amax_compute_algo!r}): "
                              "'max' or 'most_recent'")
+        if not isinstance(self.fast_gradient_accumulation, bool):
+            raise ValueError("Fp8Recipe(fast_gradient_accumulation="
+                             f"{self.fast_gradient_accumulation!r}): True or False")
+        if self.fast_gradient_accumulation and self.scaling == "block":
+            raise ValueError("Fp8Recipe(scaling='block', fast_gradient_accumulation=True): "
+                             "block factors are applied at every promotion; fast gradient "
+                             "accumulation is for 'current' and 'delayed'")
 
     @property
     def fwd_dtype(self):
@@ -335,7 +351,7 @@ def _check_row_groups(row_groups, granularity: str, rows: int) -> None:
 
 
 def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks: bool = False,
-               out_dtype=jnp.bfloat16):
+               out_dtype=jnp.bfloat16, fast_accum: bool = False):
     """a [M, K] @ b [N, K]^T on FP8 operands with their factors (both K-major,
     as Hopper's FP8 tensor cores read them), fp32 accumulation.
 
@@ -345,6 +361,10 @@ def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks:
     a, b: float8_e4m3fn or float8_e5m2 (not both e5m2; "block": e4m3).
     out_dtype: bfloat16 or float32. Needs K % 16 == 0 and N % 8 == 0 ("block":
     M % 4 == 0, and N % 4 == 0 with b_row_blocks).
+    fast_accum ("tensor" only): a product with an e5m2 operand accumulates
+    in the tensor cores' own precision, without promoting to fp32, where
+    cuBLASLt runs it (an e4m3 x e4m3 product always does; pk's CUTLASS
+    kernels promote e5m2 products regardless).
     """
     a, b = jnp.asarray(a), jnp.asarray(b)
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
@@ -355,6 +375,11 @@ def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks:
                         f"e5m2; got {ta}, {tb}")
     if scaling not in ("tensor", "block"):
         raise ValueError(f"fp8_matmul(scaling={scaling!r}): 'tensor' or 'block'")
+    if not isinstance(fast_accum, bool):
+        raise TypeError(f"fp8_matmul(fast_accum={fast_accum!r}): True or False")
+    if fast_accum and scaling != "tensor":
+        raise ValueError("fp8_matmul(fast_accum=True): for scaling='tensor' (block factors "
+                         "are applied at every promotion)")
     out_dtype = _args.dtype("fp8_matmul", "out_dtype", out_dtype, prim.OUT_TYPES)
     m, k = a.shape
     n = b.shape[0]
@@ -383,7 +408,7 @@ def fp8_matmul(a, b, scale_a, scale_b, *, scaling: str = "tensor", b_row_blocks:
                              "b_row_blocks) must be multiples of 4")
     a, b, sa, sb = (prim.unsharded(t) for t in (a, b, sa, sb))
     return prim.matmul(a, b, sa, sb, scaling=scaling, b_row_blocks=b_row_blocks,
-                       out_dtype=out_dtype)
+                       out_dtype=out_dtype, fast_accum=fast_accum)
 
 
 # --- fp8_dot: the matmul with FP8 forward and gradients ----------------------
@@ -520,12 +545,13 @@ def _backward(res, dy, recipe, xm, wm, sdy=None):
                                                 transposed=wm is not None, scale=sdy)
     block = recipe.scaling == "block"
     scaling = "block" if block else "tensor"
+    fast = recipe.fast_gradient_accumulation
     dx = dw = None
     if xm is not None:  # dx = dy @ w^T: w [K, N] is b = [n = K, k = N]
-        dx = fp8_matmul(dq, wq, fdq, fw_bwd, scaling=scaling,
+        dx = fp8_matmul(dq, wq, fdq, fw_bwd, scaling=scaling, fast_accum=fast,
                         out_dtype=_gemm_out(xm.dtype)).astype(xm.dtype)
     if wm is not None:  # dw = x^T @ dy: a = x^T [K, M], b = dy^T [N, M]
-        dw = fp8_matmul(xt, dt, fxt, fdt, scaling=scaling, b_row_blocks=block,
+        dw = fp8_matmul(xt, dt, fxt, fdt, scaling=scaling, b_row_blocks=block, fast_accum=fast,
                         out_dtype=_gemm_out(wm.dtype)).astype(wm.dtype)
     return dx, dw, ady
 

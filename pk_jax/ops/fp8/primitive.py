@@ -25,7 +25,9 @@ with the factors (scaling "tensor": one each; "block": a's [ceil(K / 128), M]
 per 1x128, b's [ceil(K / 128), ceil(N / 128)] per 128x128, or with
 b_row_blocks [ceil(K / 128), N] per 1x128), fp32 accumulation, bf16 or fp32
 out; attribute `library` (gemm.h: Library): who runs the GEMM,
-pk's CUTLASS kernel or cuBLASLt (`gemm_library`, tuning.fp8_gemm_library).
+pk's CUTLASS kernel or cuBLASLt (`gemm_attributes`, tuning.fp8_gemm_library);
+parameter `fast_accum`: per-tensor products with an e5m2 operand skip the
+fp32 promotion where cuBLASLt runs them (e4m3 x e4m3 always does).
 """
 
 from __future__ import annotations
@@ -163,8 +165,10 @@ def dequantize(q, factors, scaling: str, *, row_blocks: bool = True):
     return qf * jnp.repeat(f, BLOCK, axis=1)[:, :k]
 
 
-def matmul_reference(a, b, scale_a, scale_b, *, scaling: str, b_row_blocks: bool, out_dtype):
-    """What pk_fp8_matmul computes: dequantized operands, fp32 products."""
+def matmul_reference(a, b, scale_a, scale_b, *, scaling: str, b_row_blocks: bool, out_dtype,
+                     fast_accum: bool = False):
+    """What pk_fp8_matmul computes: dequantized operands, fp32 products (the
+    kernels' fast accumulation, where asked for, within rounding of them)."""
     if scaling == "tensor":
         acc = lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
                               (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
@@ -191,11 +195,12 @@ def quantize(x, *, granularity: str, dtype, rowwise: bool, transposed: bool, sca
                            row_groups=int(row_groups))
 
 
-def matmul(a, b, scale_a, scale_b, *, scaling: str, b_row_blocks: bool = False, out_dtype):
+def matmul(a, b, scale_a, scale_b, *, scaling: str, b_row_blocks: bool = False, out_dtype,
+           fast_accum: bool = False):
     """a [M, K] @ b [N, K]^T with the factors; the caller validated."""
     args = vary_alike(a, b, scale_a.astype(jnp.float32), scale_b.astype(jnp.float32))
     return matmul_p.bind(*args, scaling=scaling, b_row_blocks=bool(b_row_blocks),
-                         out_dtype=jnp.dtype(out_dtype))
+                         out_dtype=jnp.dtype(out_dtype), fast_accum=bool(fast_accum))
 
 
 def unsharded(a):
@@ -220,7 +225,7 @@ def _quantize_abstract(x, s, *, granularity, dtype, rowwise, transposed, given_s
             f32((1,) if granularity == "tensor" else (0,))]
 
 
-def _matmul_abstract(a, b, sa, sb, *, scaling, b_row_blocks, out_dtype):
+def _matmul_abstract(a, b, sa, sb, *, scaling, b_row_blocks, out_dtype, fast_accum):
     return result_aval(a, (a.shape[0], b.shape[0]), out_dtype)
 
 
@@ -243,20 +248,23 @@ def _quantize_cuda(ctx, x, s, **params):
         row_groups=np.int32(params["row_groups"]))
 
 
-def gemm_library(scaling: str) -> np.int32:
-    """The FFI attribute `library` of an FP8 GEMM of `scaling` lowered now
-    (tuning.fp8_gemm_library; the kernels are ready)."""
+def gemm_attributes(scaling: str, fast_accum: bool) -> dict:
+    """The FFI attributes of an FP8 GEMM lowered now (pk_fp8_matmul's and the
+    TP *_fp8 targets'): `scaling` (gemm.h: Scaling), `library` (gemm.h:
+    Library; tuning.fp8_gemm_library, the kernels are ready) and
+    `fast_accum` (gemm::Problem::fast_accum)."""
     loaded = runtime.extension().cublaslt_version() > 0
-    return np.int32(LIBRARY[tuning.fp8_gemm_library(scaling, loaded)])
+    return dict(scaling=np.int32(SCALING[scaling]),
+                library=np.int32(LIBRARY[tuning.fp8_gemm_library(scaling, loaded)]),
+                fast_accum=bool(fast_accum))
 
 
-def _matmul_cuda(ctx, a, b, sa, sb, *, scaling, b_row_blocks, out_dtype):
+def _matmul_cuda(ctx, a, b, sa, sb, *, scaling, b_row_blocks, out_dtype, fast_accum):
     if kernels_missing("fp8_matmul", need_cutlass=True):
         return _matmul_reference_lowering(ctx, a, b, sa, sb, scaling=scaling,
                                           b_row_blocks=b_row_blocks, out_dtype=out_dtype)
     return jax.ffi.ffi_lowering("pk_fp8_matmul")(
-        ctx, a, b, sa, sb, scaling=np.int32(SCALING[scaling]), b_row_blocks=b_row_blocks,
-        library=gemm_library(scaling))
+        ctx, a, b, sa, sb, b_row_blocks=b_row_blocks, **gemm_attributes(scaling, fast_accum))
 
 
 def_eager_impl(quantize_p)

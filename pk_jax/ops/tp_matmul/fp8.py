@@ -118,7 +118,8 @@ def _scaling(recipe: Recipe) -> str:
 
 def _gemm(a, b, fa, fb, recipe: Recipe, out_dtype, b_row_blocks=False):
     return fp8_ops.fp8_matmul(a, b, fa, fb, scaling=_scaling(recipe), b_row_blocks=b_row_blocks,
-                              out_dtype=_out(out_dtype)).astype(out_dtype)
+                              out_dtype=_out(out_dtype),
+                              fast_accum=recipe.fast_gradient_accumulation).astype(out_dtype)
 
 
 def _quantize_local(a, recipe: Recipe, dtype, *, rowwise=True, transposed=False, scale=None,
@@ -168,7 +169,8 @@ def _sequence(prim, names, n: int, out_dtype, mechanism: str, recipe: Recipe, a,
     primitives require."""
     operands = (make_varying(t, tuple(names)) for t in (a, b, fa, fb))
     cfg = TpConfig(tuple(names), n, np.dtype(out_dtype), mechanism)
-    return prim.bind(*operands, cfg=cfg, scaling=_scaling(recipe))
+    return prim.bind(*operands, cfg=cfg, scaling=_scaling(recipe),
+                     fast_accum=recipe.fast_gradient_accumulation)
 
 
 def _local_operands(x, w, sx, sw, recipe: Recipe, residuals: bool, row_groups: int = 1):

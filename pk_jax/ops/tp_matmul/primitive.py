@@ -34,7 +34,10 @@ Parameters: the op's frozen `TpConfig`, and `transpose_w` (w is given as
 [N, K] and the product is x @ w^T: the backward passes multiply by the
 forward's weight transposed, and the kernels read it in place as a K-major
 operand instead of XLA materializing w^T); all_gather_matmul also
-`return_gathered`; the FP8 forwards `scaling`.
+`return_gathered`; the FP8 forwards `scaling` and `fast_accum` (per-tensor
+products with an e5m2 operand without fp32 promotion where cuBLASLt runs
+them: the recipe's fast_gradient_accumulation; the references compute in
+fp32 either way).
 
 Lowering: on CUDA with the extension built with CUTLASS and a kernel
 mechanism ("chunked"; matmul_all_reduce also "one_shot"), the FFI kernels of
@@ -303,19 +306,20 @@ def _fp8_product(a, wt, sx, sw, cfg: TpConfig, scaling: str, groups: int = 1):
                                      out_dtype=cfg.out_dtype)
 
 
-def _fp8_call(lowering, ctx, x, wt, sx, sw, scaling: str, attr: dict):
+def _fp8_call(lowering, ctx, x, wt, sx, sw, scaling: str, fast_accum: bool, attr: dict):
     """An FP8 sequence's FFI call (`lowering`, its jax.ffi.ffi_lowering):
-    the operands, the op's channel attributes and the scaling (gemm.h:
-    Scaling)."""
-    return lowering(ctx, x, wt, sx, sw, scaling=np.int32(prim_fp8.SCALING[scaling]),
-                    library=prim_fp8.gemm_library(scaling), **attr)
+    the operands, the op's channel attributes and the GEMMs' attributes
+    (prim_fp8.gemm_attributes)."""
+    return lowering(ctx, x, wt, sx, sw, **prim_fp8.gemm_attributes(scaling, fast_accum), **attr)
 
 
-def _ag_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+def _ag_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
+                fast_accum: bool = False):
     return result_aval(x, (cfg.n * x.shape[0], wt.shape[0]), dtype=cfg.out_dtype)
 
 
-def _ag_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+def _ag_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
+                fast_accum: bool = False):
     def fn(x, wt, sx, sw):
         if scaling == "block":  # [ceil(K/128), m] each: gathered along the rows
             sx = reference.all_gather(sx, cfg.names, axis=1, tiled=True)
@@ -324,7 +328,8 @@ def _ag_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x, wt, sx, sw)
 
 
-def _ag_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+def _ag_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
+                fast_accum: bool = False):
     """A slot holds one rank's rows and, with block factors, their factors
     after them (tp_matmul.h)."""
     table = _group(ctx, "all_gather_matmul", cfg)
@@ -334,14 +339,16 @@ def _ag_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     nbytes = _region_bytes(cfg.n, m, k, ctx.avals_in[0].dtype, _x_factor_bytes(scaling, m, k))
     attr = channel_attr(table, "all_gather_matmul", None, nbytes)
     return _fp8_call(jax.ffi.ffi_lowering("pk_all_gather_matmul_fp8"), ctx, x, wt, sx, sw,
-                     scaling, attr)
+                     scaling, fast_accum, attr)
 
 
-def _rs_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+def _rs_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
+                fast_accum: bool = False):
     return result_aval(x, (x.shape[0] // cfg.n, wt.shape[0]), dtype=cfg.out_dtype)
 
 
-def _rs_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+def _rs_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
+                fast_accum: bool = False):
     groups = fp8_row_groups(matmul_reduce_scatter_fp8_p, cfg.n, cfg.mechanism)
 
     def fn(x, wt, sx, sw):
@@ -350,7 +357,8 @@ def _rs_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x, wt, sx, sw)
 
 
-def _rs_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+def _rs_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
+                fast_accum: bool = False):
     table = _group(ctx, "matmul_reduce_scatter", cfg)
     if table is None:
         return _rs_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling)
@@ -358,15 +366,17 @@ def _rs_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     attr = channel_attr(table, "matmul_reduce_scatter", None,
                         _region_bytes(cfg.n, rows // cfg.n, cols, cfg.out_dtype))
     return _fp8_call(jax.ffi.ffi_lowering("pk_matmul_reduce_scatter_fp8"), ctx, x, wt, sx, sw,
-                     scaling, attr)
+                     scaling, fast_accum, attr)
 
 
-def _ar_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+def _ar_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
+                fast_accum: bool = False):
     return drop_varying(result_aval(x, (x.shape[0], wt.shape[0]), dtype=cfg.out_dtype),
                         cfg.names)
 
 
-def _ar_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+def _ar_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
+                fast_accum: bool = False):
     groups = fp8_row_groups(matmul_all_reduce_fp8_p, cfg.n, cfg.mechanism)
 
     def fn(x, wt, sx, sw):
@@ -375,13 +385,14 @@ def _ar_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x, wt, sx, sw)
 
 
-def _ar_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str):
+def _ar_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
+                fast_accum: bool = False):
     table = _group(ctx, "matmul_all_reduce", cfg)
     if table is None:
         return _ar_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling)
     attr = _ar_channels(table, cfg, ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0])
     return _fp8_call(jax.ffi.ffi_lowering("pk_matmul_all_reduce_fp8"), ctx, x, wt, sx, sw,
-                     scaling, attr)
+                     scaling, fast_accum, attr)
 
 
 def _register(prim, abstract, reference_lowering, cuda_lowering):
