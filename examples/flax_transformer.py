@@ -39,7 +39,8 @@ either run and splits its GPU time by op.
 
 `--fp8 current|delayed|block` builds every tensor-parallel projection
 (attention's q|k|v and output, the MLP's gate|up and down) with that FP8
-recipe (pk_jax.flax's `fp8=`), parameters and everything else as without;
+recipe (pk_jax.flax's `fp8=`), parameters and everything else as without
+(`current_fast`, `delayed_fast`: the recipe with fast_gradient_accumulation);
 "delayed" keeps amax histories, and the training step writes amax(dy) into
 them (`pk_jax.flax.update_fp8_state`, see `build`). Block scaling needs
 128-multiples (128 rows per device among them): its default preset is
@@ -90,7 +91,17 @@ class Config(LMConfig):
     hidden: int = 128
 
 
-FP8 = ("none", "current", "delayed", "block")  # --fp8: "none" or a pk_jax.Fp8Recipe scaling
+# --fp8: "none", a pk_jax.Fp8Recipe scaling, or "<scaling>_fast" (the recipe with
+# fast_gradient_accumulation: the gradient GEMMs without fp32 promotion)
+FP8 = ("none", "current", "delayed", "block", "current_fast", "delayed_fast")
+
+
+def fp8_recipe(fp8: str):
+    """The pk_jax.Fp8Recipe of an --fp8 name (None for "none")."""
+    if fp8 == "none":
+        return None
+    scaling = fp8.removesuffix("_fast")
+    return pk_jax.Fp8Recipe(scaling, fast_gradient_accumulation=scaling != fp8)
 
 
 class Block(nnx.Module):
@@ -304,7 +315,7 @@ def build(collectives: str, cfg: Config, mesh: Mesh,
         attention = Attention("pk", None, "pk_jax.ring_attention")
     elif attention is None:
         attention = baseline_attention(cfg, mesh)
-    recipe = None if fp8 == "none" else pk_jax.Fp8Recipe(fp8)
+    recipe = fp8_recipe(fp8)
     graphdef, params = init_sharded(
         lambda: Transformer(cfg, tp, mechanism, nnx.Rngs(0), attention.fn, recipe), mesh)
     params, state = nnx.split_state(params, nnx.Param, ...)
@@ -347,7 +358,8 @@ def fp8_recipes_for(cfg: Config, mesh: Mesh) -> tuple[str, ...]:
     sizes = (cfg.d_model, (cfg.num_heads + 2 * cfg.num_kv_heads) // tp * cfg.head_dim,
              cfg.num_heads // tp * cfg.head_dim, cfg.hidden // tp,
              cfg.batch // tp * (cfg.seq_len // sp))
-    return tuple(r for r, m in (("current", 16), ("delayed", 16), ("block", 128))
+    return tuple(r for r, m in (("current", 16), ("delayed", 16), ("block", 128),
+                                ("current_fast", 16), ("delayed_fast", 16))
                  if all(size % m == 0 for size in sizes))
 
 

@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 
+import pk_jax
 from conftest import cpu_mesh, gpus, rel_err
 
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "examples" / "flax_transformer.py"
@@ -141,6 +142,17 @@ def test_fp8_recipes_train(fp8, shape):
     losses = example.train(6, "pk", cfg, example.make_mesh(*shape), log=lambda line: None,
                            fp8=fp8)
     assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
+
+
+def test_fp8_names_map_to_recipes():
+    """--fp8's names: a recipe's scaling, "_fast" for its fast gradient
+    accumulation; every name is a recipe the one-device model takes."""
+    assert example.fp8_recipe("none") is None
+    assert example.fp8_recipe("delayed") == pk_jax.Fp8Recipe("delayed")
+    assert example.fp8_recipe("current_fast") == pk_jax.Fp8Recipe(
+        "current", fast_gradient_accumulation=True)
+    cfg = example.PRESETS["fp8_block"]
+    assert example.fp8_recipes_for(cfg, example.make_mesh(1, 1)) == example.FP8[1:]
 
 
 def test_fp8_delayed_step_records_every_history():
