@@ -72,7 +72,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax import tuning
+from pk_jax import runtime, tuning
 from common import interleaved_ms, markdown_table, one_axis_mesh, write_results
 
 SECTIONS = ("attention", "gemm", "fp8", "fp8_train")
@@ -389,9 +389,10 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
         xb, _, fxb, _ = pk_jax.fp8_quantize(x, "rows")
         _, wbt, fwb, _ = pk_jax.fp8_quantize(w.T, "blocks", rowwise=False, transposed=True)
         dot_t = lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ())))
-        block = jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(a, b, fa, fb, scaling="block"))
+        block = lambda: lambda a, b, fa, fb: pk_jax.fp8_matmul(a, b, fa, fb, scaling="block")
+        tensor = lambda **kw: lambda *a: pk_jax.fp8_matmul(*a, **kw)
         calls = {  # (jitted function, its arguments): operands are arguments, not constants
-            "pk_fp8_block": (block, (xb, wbt, fxb, fwb)),
+            "pk_fp8_block": (jax.jit(block()), (xb, wbt, fxb, fwb)),
             "pk_cutlass_fp8_block": (_lowered_with_cutlass(block, xb, wbt, fxb, fwb),
                                      (xb, wbt, fxb, fwb)),
             "xla_bf16": (jax.jit(dot_t), (x, w)),
@@ -399,16 +400,17 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
         for role, (ta, tb) in FP8_ROLES.items():  # the same x and w in the role's formats
             xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor", ta)
             wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor", tb)
-            calls[f"pk_fp8_tensor {role}"] = (jax.jit(pk_jax.fp8_matmul), (xq, wq, fx, fw))
+            calls[f"pk_fp8_tensor {role}"] = (jax.jit(tensor()), (xq, wq, fx, fw))
             if role != "fprop":  # e4m3 x e4m3 accumulates fast regardless
-                calls[f"pk_fp8_tensor_fast {role}"] = (
-                    jax.jit(lambda *a: pk_jax.fp8_matmul(*a, fast_accum=True)),
-                    (xq, wq, fx, fw))
+                calls[f"pk_fp8_tensor_fast {role}"] = (jax.jit(tensor(fast_accum=True)),
+                                                       (xq, wq, fx, fw))
             calls[f"pk_cutlass_fp8_tensor {role}"] = (
-                _lowered_with_cutlass(jax.jit(pk_jax.fp8_matmul), xq, wq, fx, fw),
-                (xq, wq, fx, fw))
+                _lowered_with_cutlass(tensor, xq, wq, fx, fw), (xq, wq, fx, fw))
             calls.update({f"{name} {role}": (f, (xq, wq, fx.reshape(()), fw.reshape(())))
                           for name, f in xla_fp8.items()})
+        for name, (f, a) in calls.items():
+            if name.startswith("pk") and "cutlass" not in name:
+                _check_library(name, f, *a)
         fns = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in calls.items()}
         outs = {name: jax.block_until_ready(f()) for name, f in fns.items()}
         case = gemm_case((m, n, k))
@@ -511,11 +513,25 @@ def _flax_fp8_steps(x, w, dy):
     return steps
 
 
-def _lowered_with_cutlass(f, *args):
-    """`f` (jitted) compiled for `args` with pk's CUTLASS kernels running the
-    per-tensor FP8 GEMMs (tuning.fp8_gemm_library forced; cuBLASLt otherwise)."""
+def _lowered_with_cutlass(make, *args):
+    """`make()` (a new function object each call) jitted and compiled for
+    `args` with pk's CUTLASS kernels running the FP8 GEMMs
+    (tuning.fp8_gemm_library forced; cuBLASLt otherwise). A function of its
+    own: JAX caches the lowering of a function it traced once, so lowering
+    the default rows' function here would make their calls run CUTLASS too."""
     with tuning.forced(fp8_gemm_library="cutlass"):
-        return f.lower(*args).compile()
+        return jax.jit(make()).lower(*args).compile()
+
+
+def _check_library(name: str, f, *args) -> None:
+    """The FP8 GEMMs of a default pk row (`f` jitted) lower to cuBLASLt
+    where the extension found it (pk_jax/tuning.py: fp8_gemm_library):
+    the row times what a user gets, not a CUTLASS lowering left in JAX's
+    caches by a `_lowered_with_cutlass` row."""
+    if not (runtime.available() and runtime.extension().cublaslt_version() > 0):
+        return
+    if "library = 0" in f.lower(*args).as_text():
+        raise RuntimeError(f"{name}: its FP8 GEMMs lowered to CUTLASS, not cuBLASLt")
 
 
 def fp8_train_inputs(m: int, k: int, n: int):
@@ -558,17 +574,18 @@ def fp8_train_steps(x, w, dy, flax: bool = True) -> dict[str, Callable]:
             in_specs=(P("x"), P()), out_specs=P("x")))
     fast = {r: pk_jax.Fp8Recipe(r, fast_gradient_accumulation=True)
             for r in ("current", "delayed")}
-    current = step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current"))
-    delayed = delayed_of("delayed")
-    block = step_of(lambda x, w: pk_jax.fp8_dot(x, w, "block"))
+    # factories: each call a new function (_lowered_with_cutlass)
+    current = lambda: step_of(lambda x, w: pk_jax.fp8_dot(x, w, "current"))
+    delayed = lambda: delayed_of("delayed")
+    block = lambda: step_of(lambda x, w: pk_jax.fp8_dot(x, w, "block"))
     return {
-        "pk_fp8_current": current,
-        "pk_fp8_delayed": delayed,
+        "pk_fp8_current": current(),
+        "pk_fp8_delayed": delayed(),
         "pk_fp8fast_current": step_of(lambda x, w: pk_jax.fp8_dot(x, w, fast["current"])),
         "pk_fp8fast_delayed": delayed_of(fast["delayed"]),
         "pk_cutlass_fp8_current": _lowered_with_cutlass(current, x, w, dy),
         "pk_cutlass_fp8_delayed": _lowered_with_cutlass(delayed, x, w, dy),
-        "pk_fp8_block": block,
+        "pk_fp8_block": block(),
         "pk_cutlass_fp8_block": _lowered_with_cutlass(block, x, w, dy),
         "pk_tp_fp8_current": tp_of("current"),
         "pk_tp_fp8fast_current": tp_of(fast["current"]),
@@ -583,6 +600,9 @@ def fp8_train(table: Table, shapes, rounds: int, smoke: bool, flax: bool = True)
     for m, k, n in shapes:
         x, w, dy = fp8_train_inputs(m, k, n)
         steps = fp8_train_steps(x, w, dy, flax)
+        for name, f in steps.items():
+            if name.startswith("pk") and "cutlass" not in name:
+                _check_library(name, f, x, w, dy)
         case = f"{m}x{k}x{n}"
         outs = {}
         for name, f in steps.items():  # the first call compiles: its time, for the log

@@ -37,6 +37,7 @@ class LMConfig:
     batch: int = 8
     seq_len: int = 64
     period: int = 16  # length of the repeating token pattern (`batches`)
+    label_noise: float = 0.0  # fraction of targets replaced by random tokens (`batches`)
     learning_rate: float = 3e-3
     dtype: str = "float32"  # computation dtype; parameters stay float32
 
@@ -54,13 +55,21 @@ def fake_cpu_devices(count: int = 8) -> None:
 def batches(cfg: LMConfig, seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Endless (inputs, targets) [cfg.batch, cfg.seq_len] int32: one fixed
     pattern of `cfg.period` distinct tokens (of cfg.vocab), repeating from a
-    random offset per row, so the next token follows from the current one."""
+    random offset per row, so the next token follows from the current one.
+    With cfg.label_noise = p each target is a uniformly random token with
+    probability p: the loss then has a floor (about -(1 - p) ln(1 - p) +
+    p ln(vocab / p)) instead of falling to zero, so runs stay comparable."""
     rng = np.random.default_rng(seed)
     pattern = rng.permutation(cfg.vocab)[:cfg.period]
     while True:
         offsets = rng.integers(cfg.period, size=(cfg.batch, 1))
         tokens = pattern[(offsets + np.arange(cfg.seq_len + 1)) % cfg.period].astype(np.int32)
-        yield tokens[:, :-1], tokens[:, 1:]
+        targets = tokens[:, 1:]
+        if cfg.label_noise:
+            noisy = rng.random(targets.shape) < cfg.label_noise
+            targets = np.where(noisy, rng.integers(cfg.vocab, size=targets.shape),
+                               targets).astype(np.int32)
+        yield tokens[:, :-1], targets
 
 
 def sharded_lm_loss(graphdef: nnx.GraphDef, params: nnx.State, mesh: Mesh,

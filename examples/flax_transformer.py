@@ -190,7 +190,7 @@ PRESETS = {
     # scaling ending in NaN: benchmarks/NOTES.md, 2026-12-06)
     "gpu_llama": Config(vocab=8192, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128,
                         hidden=14336, num_layers=4, batch=1, seq_len=4096, period=64,
-                        learning_rate=3e-4, dtype="bfloat16"),
+                        label_noise=0.1, learning_rate=3e-4, dtype="bfloat16"),
 }
 GPU_PRESETS = ("gpu", "gpu_llama")
 

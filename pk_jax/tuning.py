@@ -193,6 +193,11 @@ def forced(**choices: str) -> contextlib.AbstractContextManager[None]:
         with tuning.forced(single_gpu_attention="kernel_fwd_cudnn_bwd"):
             jax.jit(f).lower(...)  # or a first call
 
+    The choices are read while lowering, and JAX caches a function's
+    lowering: lower a function object of its own inside the block (a new
+    closure), never one that is also called outside it, or those calls run
+    the forced choice too (and a function lowered before runs its old one).
+
     The choices are checked when `forced` is called (a ValueError naming a
     choice that is not forcible or a value it does not take), with or
     without the `with`.

@@ -40,6 +40,20 @@ def test_pk_and_xla_train_alike(axis_types):
     assert any("mean step time" in line for line in logs)
 
 
+def test_label_noise_replaces_that_fraction_of_targets():
+    """batches' label_noise: about that fraction of the targets differs from
+    the pattern's next token (random tokens, in the vocabulary); inputs are
+    the clean pattern either way."""
+    cfg = dataclasses.replace(example.Config(), vocab=4096, batch=16, seq_len=512)
+    clean_in, clean_t = next(example.batches(cfg, seed=3))
+    noisy = dataclasses.replace(cfg, label_noise=0.25)
+    inputs, targets = next(example.batches(noisy, seed=3))
+    np.testing.assert_array_equal(inputs, clean_in)
+    assert targets.dtype == np.int32 and targets.min() >= 0 and targets.max() < cfg.vocab
+    assert 0.2 < np.mean(targets != clean_t) < 0.3
+    assert example.PRESETS["gpu_llama"].label_noise > 0
+
+
 def test_sharded_gradients_equal_one_device():
     cfg = example.Config()
     inputs, targets = next(example.batches(cfg, seed=1))

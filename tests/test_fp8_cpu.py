@@ -77,6 +77,27 @@ def test_quantize_reconstructs(rng, granularity, dtype):
         assert rel_err(deq_t.T, x) < bound
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "rows", "cols", "blocks"])
+def test_vanishing_blocks_quantize_to_zeros_not_nan(rng, granularity):
+    """A vanishing amax (a confident softmax's gradients) caps the scale at
+    2^126: the block's zeros stay zeros (0 * inf would be NaN), the factor
+    is 2^-126 and the dequantized values are the input's (to FP8 rounding)."""
+    x = (np.sign(rng.standard_normal((256, 384))) * rng.uniform(1, 2, (256, 384))).astype(
+        np.float32) * 1e-37
+    x[::3] = 0.0
+    q, qt, f, _ = pk_jax.fp8_quantize(jnp.asarray(x), granularity, jnp.float8_e4m3fn,
+                                      rowwise=granularity != "cols",
+                                      transposed=granularity != "rows")
+    for a in (q, qt, f):
+        if a is not None and a.size:
+            assert np.isfinite(np.asarray(a, np.float32)).all()
+    f = np.asarray(f)  # 2^-126, and 1 for a block of zeros only (every third row)
+    assert np.isin(f, np.float32([2.0 ** -126, 1.0])).all() and (f < 1).any()
+    if granularity == "tensor":
+        back = np.asarray(q, np.float32) * np.float64(2.0 ** -126)
+        np.testing.assert_allclose(back, x, rtol=0.07)
+
+
 def test_quantize_scale_definitions():
     # the largest |x| of a block lands on the format's largest finite value
     x = jnp.array([[1.0, -3.0, 0.5, 2.0]], jnp.float32)

@@ -58,6 +58,31 @@ def test_quantize_bitwise(rng, granularity, shape, in_dtype, dtype):
         np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "rows", "cols", "blocks"])
+def test_vanishing_blocks_quantize_to_zeros_not_nan(rng, granularity):
+    """Blocks of vanishing values (a confident softmax's gradients) with
+    zeros among them: the scale is capped at 2^126, so they quantize to
+    finite values, bit for bit as the reference, never NaN (0 * inf)."""
+    mesh = gpu_mesh(1)
+    # magnitudes 1e-37..2e-37 (normal floats: no denormal flushed on either side)
+    x = (np.sign(rng.standard_normal((512, 768))) * rng.uniform(1, 2, (512, 768))).astype(
+        np.float32)
+    # whole 1x128, 128x1 and 128x128 blocks vanish (per tensor: all of it)
+    x[:, :768 if granularity == "tensor" else 256] *= 1e-37
+    x[::3, :256] = 0.0
+    x = jnp.asarray(x)
+    kw = dict(granularity=granularity, dtype=jnp.dtype(jnp.float8_e4m3fn),
+              rowwise=granularity != "cols", transposed=granularity != "rows", margin=0.0)
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        want = jax.jit(lambda x: prim.quantize_reference(
+            x, jnp.ones((1,), jnp.float32), given_scale=False, **kw))(np.asarray(x))
+    poison_allocator(mesh, 4 * x.size)
+    got = jax.jit(lambda x: prim.quantize(x, **kw))(x)
+    for name, g, w in zip(("q", "qt", "factors", "amax"), got, want):
+        assert not np.isnan(np.asarray(g, np.float32)).any(), name
+        np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
+
+
 # row groups: whole tiles (vector accesses), groups of 100 rows with a partial column
 # tile (scalar accesses)
 @pytest.mark.parametrize("shape,groups", [((1024, 4096), 2), ((1024, 4096), 4), ((300, 200), 3)])

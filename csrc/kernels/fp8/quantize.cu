@@ -41,6 +41,9 @@ constexpr int kRowsPerThread = kBlock / kRowStep;  // 8
 constexpr int kWordsPerRow = kBlock / 4;   // 32 words of FP8 bytes per tile row
 constexpr int kSegRows = 16;               // transposed copy: rows per thread (16 bytes)
 constexpr int kAmaxVecs = 4;               // amax pass: vectors in flight a thread
+// The largest scale: 2^126, whose factor 2^-126 is float32's smallest normal
+// (a denormal factor would be flushed to zero by some consumers).
+constexpr float kMaxScale = 0x1p126f;
 constexpr int kMaxGrid = 1 << 20;
 static_assert(kRowStep * kRowsPerThread == kBlock && kVecsPerRow * kRowStep == kThreads);
 static_assert((kBlock / kSegRows) * (kWordsPerRow / (kThreads / 32)) == 32,
@@ -108,10 +111,13 @@ __device__ __forceinline__ float lanes_max(float v) {
   return v;
 }
 
-// fp8_max / amax, 1 for an all-zero block; non-finite amax gives a
-// non-finite or zero scale (NaN/Inf propagate to the factor).
+// fp8_max / amax, 1 for an all-zero block, at most kMaxScale: a block of
+// vanishing values (a confident softmax's gradients) would otherwise get an
+// infinite scale, and its zeros NaN (0 * inf). A NaN amax gives a NaN scale,
+// an infinite one a zero scale (both propagate to the factor).
 __device__ __forceinline__ float scale_of(float amax, float fp8_max) {
-  return amax == 0.0f ? 1.0f : fp8_max / amax;
+  const float scale = fp8_max / amax;
+  return amax == 0.0f ? 1.0f : scale > kMaxScale ? kMaxScale : scale;
 }
 
 // x[j] * scale[j] for 4 values in fp32, converted with saturation to the

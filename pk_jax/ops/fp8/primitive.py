@@ -16,7 +16,8 @@ numerics in jax.numpy) everywhere else.
     cols    a factor per 128x1 along R, transposed copy only: [ceil(R / 128), C]
     blocks  a factor per 128x128 block: [ceil(R / 128), ceil(C / 128)]
 
-A block's scale is fp8_max / amax (1 when amax is 0), its factor 1 / scale;
+A block's scale is fp8_max / amax (1 when amax is 0; at most MAX_SCALE = 2^126,
+so a block of vanishing values never turns NaN), its factor 1 / scale;
 values are x * scale in float32, clipped to +-fp8_max and rounded to nearest
 even (NaN stays NaN).
 
@@ -54,6 +55,9 @@ GRANULARITY = {"tensor": 0, "rows": 1, "cols": 2, "blocks": 3}
 SCALING = {"none": 0, "tensor": 1, "block": 2}  # "none": the bf16/fp16 GEMMs
 LIBRARY = {"cutlass": 0, "cublaslt": 1}  # gemm.h: Library (tuning.fp8_gemm_library)
 BLOCK = 128
+# The largest scale (quantize.cu: kMaxScale): 2^126, its factor float32's
+# smallest normal.
+MAX_SCALE = 2.0 ** 126
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E5M2 = jnp.dtype(jnp.float8_e5m2)
@@ -92,9 +96,12 @@ def ungroup_rows(factors, groups: int):
 # --- reference numerics (what the kernels compute) --------------------------
 
 def _scale_of(amax, fp8_max):
-    """fp8_max / amax, 1 where amax is 0 (float32)."""
+    """fp8_max / amax, 1 where amax is 0, at most MAX_SCALE (a vanishing amax
+    would give an infinite scale, and 0 * inf = NaN); NaN stays NaN
+    (float32)."""
     amax = amax.astype(jnp.float32)
-    return jnp.where(amax == 0, jnp.float32(1), jnp.float32(fp8_max) / amax)
+    scale = jnp.minimum(jnp.float32(fp8_max) / amax, jnp.float32(MAX_SCALE))
+    return jnp.where(amax == 0, jnp.float32(1), scale)
 
 
 def _convert(v, dtype):
