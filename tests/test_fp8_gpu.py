@@ -137,6 +137,20 @@ def test_cublaslt_is_loaded():
 
 # whole and partial 128x256 (e4m3) and 128x192 (promoted) tiles; a long K
 # (128 promotions)
+def _tensor_operands(rng, m, n, k, a_t, b_t):
+    """Fresh FP8 a [m, k], b [n, k] of the named types, one factor each, and
+    the float32 product they stand for; the allocator poisoned for the
+    output."""
+    types = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
+    a = jnp.asarray(rng.standard_normal((m, k)) * 8, types[a_t])
+    b = jnp.asarray(rng.standard_normal((n, k)) * 8, types[b_t])
+    sa, sb = (jnp.asarray(rng.uniform(0.01, 0.1, (1,)), jnp.float32) for _ in range(2))
+    want = prim.matmul_reference(a, b, sa, sb, scaling="tensor", b_row_blocks=False,
+                                 out_dtype=jnp.float32)
+    poison_allocator(gpu_mesh(1), 4 * m * n)
+    return a, b, sa, sb, want
+
+
 @pytest.mark.parametrize("m,n,k", [(4096, 4096, 4096), (512, 384, 640), (128, 8, 16),
                                    (2048, 6144, 1024), (1000, 520, 4112), (256, 392, 16384)])
 @pytest.mark.parametrize("a_t,b_t", [("e4m3", "e4m3"), ("e5m2", "e4m3"), ("e4m3", "e5m2")])
@@ -145,14 +159,7 @@ def test_cublaslt_is_loaded():
 def test_matmul_tensor(rng, m, n, k, a_t, b_t, out, library):
     """Per-tensor factors, each library (tuning.fp8_gemm_library: cuBLASLt
     by default, pk's CUTLASS kernels forced)."""
-    mesh = gpu_mesh(1)
-    types = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-    a = jnp.asarray(rng.standard_normal((m, k)) * 8, types[a_t])
-    b = jnp.asarray(rng.standard_normal((n, k)) * 8, types[b_t])
-    sa, sb = (jnp.asarray(rng.uniform(0.01, 0.1, (1,)), jnp.float32) for _ in range(2))
-    want = prim.matmul_reference(a, b, sa, sb, scaling="tensor", b_row_blocks=False,
-                                 out_dtype=jnp.float32)
-    poison_allocator(mesh, 4 * m * n)
+    a, b, sa, sb, want = _tensor_operands(rng, m, n, k, a_t, b_t)
     f = jax.jit(lambda *x: pk_jax.fp8_matmul(*x, out_dtype=out))
     with tuning.forced(fp8_gemm_library=library):  # lowered on the first call
         assert f'library = {prim.LIBRARY[library]}' in f.lower(a, b, sa, sb).as_text()
@@ -170,14 +177,7 @@ def test_matmul_tensor(rng, m, n, k, a_t, b_t, out, library):
 def test_matmul_fast_accum(rng, m, n, k, a_t, b_t):
     """fast_accum=True: the e5m2 products through cuBLASLt without fp32
     promotion, within the e4m3 x e4m3 product's bound of the fp32 sums."""
-    mesh = gpu_mesh(1)
-    types = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
-    a = jnp.asarray(rng.standard_normal((m, k)) * 8, types[a_t])
-    b = jnp.asarray(rng.standard_normal((n, k)) * 8, types[b_t])
-    sa, sb = (jnp.asarray(rng.uniform(0.01, 0.1, (1,)), jnp.float32) for _ in range(2))
-    want = prim.matmul_reference(a, b, sa, sb, scaling="tensor", b_row_blocks=False,
-                                 out_dtype=jnp.float32)
-    poison_allocator(mesh, 4 * m * n)
+    a, b, sa, sb, want = _tensor_operands(rng, m, n, k, a_t, b_t)
     f = jax.jit(lambda *x: pk_jax.fp8_matmul(*x, out_dtype=jnp.bfloat16, fast_accum=True))
     assert "fast_accum = true" in f.lower(a, b, sa, sb).as_text()
     got = f(a, b, sa, sb)
