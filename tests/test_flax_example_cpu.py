@@ -72,13 +72,6 @@ def test_sharded_gradients_equal_one_device():
         assert g.shape == g1.shape and rel_err(g, g1) < 1e-4
 
 
-def test_compare_times_both_and_agrees(capsys):
-    example.compare(3, example.Config(), cpu_mesh((4, 2), ("sp", "tp")), save=False,
-                    command="test")
-    out = capsys.readouterr().out
-    assert "step time: pk" in out and "largest relative loss difference" in out
-
-
 def test_gpu_preset_takes_the_fused_kernels():
     """The GPU preset's shapes are ones the fused ring attention kernel takes
     on a 2-GPU (sp=1, tp=2) or (sp=2, tp=1) mesh, so its benchmark measures
@@ -146,11 +139,12 @@ def _fp8_preset(fp8: str) -> str:
     return "fp8_block" if fp8 == "block" else "small"
 
 
-@pytest.mark.parametrize("shape", [(4, 2), (1, 1)])
 @pytest.mark.parametrize("fp8", ["current", "delayed", "block"])
-def test_fp8_recipes_train(fp8, shape):
-    """A handful of steps with each FP8 recipe on 8 fake devices (sp=4 x
-    tp=2) and on one: the loss stays finite and drops."""
+def test_fp8_recipes_train_on_one_device(fp8):
+    """A handful of steps with each FP8 recipe on one device: the loss stays
+    finite and drops (on 8 fake devices, sp=4 x tp=2:
+    test_fp8_loss_curves_track_bf16)."""
+    shape = (1, 1)
     cfg = example.PRESETS[_fp8_preset(fp8)]
     assert fp8 in example.fp8_recipes_for(cfg, example.make_mesh(*shape))
     losses = example.train(6, "pk", cfg, example.make_mesh(*shape), log=lambda line: None,
@@ -192,8 +186,9 @@ def test_fp8_delayed_step_records_every_history():
 
 @pytest.mark.parametrize("recipes", [("current", "delayed"), ("block",)])
 def test_fp8_loss_curves_track_bf16(recipes):
-    """30 steps in bf16 with and without FP8 (same data and weights): each
-    recipe's loss curve stays within 3% of bf16's on average. (The accuracy
+    """30 steps in bf16 with and without FP8 (same data and weights) on 8
+    fake devices (sp=4 x tp=2): each recipe's loss stays finite, drops, and
+    its curve stays within 3% of bf16's on average. (The accuracy
     target, each final loss within 2% after 200 steps, is the recorded run
     of `--compare-fp8 --steps 200` in benchmarks/NOTES.md: two minutes of
     this machine, too long for every CI run.)"""
@@ -204,6 +199,7 @@ def test_fp8_loss_curves_track_bf16(recipes):
     base = np.mean(losses["none"])
     for fp8 in recipes:
         assert np.all(np.isfinite(losses[fp8])) and len(losses[fp8]) == 30
+        assert losses[fp8][-1] < 0.8 * losses[fp8][0], (fp8, losses[fp8])
         assert abs(np.mean(losses[fp8]) - base) <= 0.03 * base, logs
 
 

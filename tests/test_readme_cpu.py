@@ -136,7 +136,7 @@ PRINTS = {"python examples/quickstart.py": ("all_gather matches", "gradient chec
                                             "tensor-parallel MLP",
                                             "ring attention over 8 devices"),
           "python examples/flax_transformer.py --steps 20 --collectives both":
-              ("largest relative loss difference",)}
+              ("step time: pk", "largest relative loss difference")}
 
 
 def test_printed_commands_are_in_the_readme():
