@@ -43,8 +43,8 @@ def kernel_table(events, calls: int) -> list[tuple[str, str, float, float]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="8192,5120,13824", help="M,K,N")
-    ap.add_argument("--impls", default="pk_fp8_delayed,pk_fp8_current,pk_fp8_block,"
-                    "pk_cutlass_fp8_current,pk_tp_fp8_current,xla_bf16,flax_fp8_xla",
+    ap.add_argument("--impls", default="pk_fp8_delayed,pk_fp8_current,pk_fp8fast_current,"
+                    "pk_fp8_block,pk_cutlass_fp8_current,pk_tp_fp8_current,xla_bf16,flax_fp8_xla",
                     help="comma-separated fp8_train implementations")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--json", default="", help="write the tables here")
