@@ -140,14 +140,15 @@ def test_cublaslt_is_loaded():
 def _tensor_operands(rng, m, n, k, a_t, b_t):
     """Fresh FP8 a [m, k], b [n, k] of the named types, one factor each, and
     the float32 product they stand for; the allocator poisoned for the
-    output."""
+    output. Skips first where there is no GPU."""
+    mesh = gpu_mesh(1)
     types = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
     a = jnp.asarray(rng.standard_normal((m, k)) * 8, types[a_t])
     b = jnp.asarray(rng.standard_normal((n, k)) * 8, types[b_t])
     sa, sb = (jnp.asarray(rng.uniform(0.01, 0.1, (1,)), jnp.float32) for _ in range(2))
     want = prim.matmul_reference(a, b, sa, sb, scaling="tensor", b_row_blocks=False,
                                  out_dtype=jnp.float32)
-    poison_allocator(gpu_mesh(1), 4 * m * n)
+    poison_allocator(mesh, 4 * m * n)
     return a, b, sa, sb, want
 
 
