@@ -408,9 +408,7 @@ def fp8(table: Table, shapes, rounds: int, smoke: bool) -> None:
                 _lowered_with_cutlass(tensor, xq, wq, fx, fw), (xq, wq, fx, fw))
             calls.update({f"{name} {role}": (f, (xq, wq, fx.reshape(()), fw.reshape(())))
                           for name, f in xla_fp8.items()})
-        for name, (f, a) in calls.items():
-            if name.startswith("pk") and "cutlass" not in name:
-                _check_library(name, f, *a)
+        _check_libraries(calls)
         fns = {name: (lambda f=f, a=a: f(*a)) for name, (f, a) in calls.items()}
         outs = {name: jax.block_until_ready(f()) for name, f in fns.items()}
         case = gemm_case((m, n, k))
@@ -523,15 +521,18 @@ def _lowered_with_cutlass(make, *args):
         return jax.jit(make()).lower(*args).compile()
 
 
-def _check_library(name: str, f, *args) -> None:
-    """The FP8 GEMMs of a default pk row (`f` jitted) lower to cuBLASLt
-    where the extension found it (pk_jax/tuning.py: fp8_gemm_library):
-    the row times what a user gets, not a CUTLASS lowering left in JAX's
-    caches by a `_lowered_with_cutlass` row."""
+def _check_libraries(calls: dict[str, tuple[Callable, tuple]]) -> None:
+    """The FP8 GEMMs of every default pk row ({name: (jitted function, its
+    arguments)}; the `pk_cutlass_*` rows are not) lower to cuBLASLt where
+    the extension found it (pk_jax/tuning.py: fp8_gemm_library): each row
+    times what a user gets, not a CUTLASS lowering left in JAX's caches by a
+    `_lowered_with_cutlass` row."""
     if not (runtime.available() and runtime.extension().cublaslt_version() > 0):
         return
-    if "library = 0" in f.lower(*args).as_text():
-        raise RuntimeError(f"{name}: its FP8 GEMMs lowered to CUTLASS, not cuBLASLt")
+    for name, (f, args) in calls.items():
+        if name.startswith("pk") and "cutlass" not in name and \
+                "library = 0" in f.lower(*args).as_text():
+            raise RuntimeError(f"{name}: its FP8 GEMMs lowered to CUTLASS, not cuBLASLt")
 
 
 def fp8_train_inputs(m: int, k: int, n: int):
@@ -600,9 +601,7 @@ def fp8_train(table: Table, shapes, rounds: int, smoke: bool, flax: bool = True)
     for m, k, n in shapes:
         x, w, dy = fp8_train_inputs(m, k, n)
         steps = fp8_train_steps(x, w, dy, flax)
-        for name, f in steps.items():
-            if name.startswith("pk") and "cutlass" not in name:
-                _check_library(name, f, x, w, dy)
+        _check_libraries({name: (f, (x, w, dy)) for name, f in steps.items()})
         case = f"{m}x{k}x{n}"
         outs = {}
         for name, f in steps.items():  # the first call compiles: its time, for the log

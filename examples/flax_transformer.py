@@ -351,17 +351,18 @@ def train_timed(steps: int, collectives: str, cfg: Config, mesh: Mesh | None = N
 
 
 def fp8_recipes_for(cfg: Config, mesh: Mesh) -> tuple[str, ...]:
-    """The FP8 recipes this model takes on this mesh: "current" and
-    "delayed" need 16-multiples, "block" 128-multiples, of d_model, the
+    """The FP8 recipes this model takes on this mesh (FP8's order): "current"
+    and "delayed" (and their "_fast" forms) need 16-multiples, "block"
+    128-multiples, of d_model, the
     per-device q|k|v and output widths, the per-device hidden size and the
     token rows per device."""
     sp, tp = mesh.shape["sp"], mesh.shape["tp"]
     sizes = (cfg.d_model, (cfg.num_heads + 2 * cfg.num_kv_heads) // tp * cfg.head_dim,
              cfg.num_heads // tp * cfg.head_dim, cfg.hidden // tp,
              cfg.batch // tp * (cfg.seq_len // sp))
-    return tuple(r for r, m in (("current", 16), ("delayed", 16), ("block", 128),
-                                ("current_fast", 16), ("delayed_fast", 16))
-                 if all(size % m == 0 for size in sizes))
+    multiple = {"current": 16, "delayed": 16, "block": 128}
+    return tuple(r for r in FP8[1:]
+                 if all(size % multiple[r.removesuffix("_fast")] == 0 for size in sizes))
 
 
 def compare_fp8(steps: int, cfg: Config, mesh: Mesh, recipes=FP8[1:],

@@ -314,12 +314,12 @@ def _fp8_call(lowering, ctx, x, wt, sx, sw, scaling: str, fast_accum: bool, attr
 
 
 def _ag_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
-                fast_accum: bool = False):
+                     fast_accum: bool):
     return result_aval(x, (cfg.n * x.shape[0], wt.shape[0]), dtype=cfg.out_dtype)
 
 
 def _ag_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
-                fast_accum: bool = False):
+                      fast_accum: bool):
     def fn(x, wt, sx, sw):
         if scaling == "block":  # [ceil(K/128), m] each: gathered along the rows
             sx = reference.all_gather(sx, cfg.names, axis=1, tiled=True)
@@ -329,12 +329,13 @@ def _ag_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
 
 
 def _ag_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
-                fast_accum: bool = False):
+                 fast_accum: bool):
     """A slot holds one rank's rows and, with block factors, their factors
     after them (tp_matmul.h)."""
     table = _group(ctx, "all_gather_matmul", cfg)
     if table is None:
-        return _ag_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling)
+        return _ag_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling,
+                                 fast_accum=fast_accum)
     m, k = ctx.avals_in[0].shape
     nbytes = _region_bytes(cfg.n, m, k, ctx.avals_in[0].dtype, _x_factor_bytes(scaling, m, k))
     attr = channel_attr(table, "all_gather_matmul", None, nbytes)
@@ -343,12 +344,12 @@ def _ag_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
 
 
 def _rs_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
-                fast_accum: bool = False):
+                     fast_accum: bool):
     return result_aval(x, (x.shape[0] // cfg.n, wt.shape[0]), dtype=cfg.out_dtype)
 
 
 def _rs_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
-                fast_accum: bool = False):
+                      fast_accum: bool):
     groups = fp8_row_groups(matmul_reduce_scatter_fp8_p, cfg.n, cfg.mechanism)
 
     def fn(x, wt, sx, sw):
@@ -358,10 +359,11 @@ def _rs_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
 
 
 def _rs_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
-                fast_accum: bool = False):
+                 fast_accum: bool):
     table = _group(ctx, "matmul_reduce_scatter", cfg)
     if table is None:
-        return _rs_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling)
+        return _rs_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling,
+                                 fast_accum=fast_accum)
     rows, cols = ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0]
     attr = channel_attr(table, "matmul_reduce_scatter", None,
                         _region_bytes(cfg.n, rows // cfg.n, cols, cfg.out_dtype))
@@ -370,13 +372,13 @@ def _rs_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
 
 
 def _ar_fp8_abstract(x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
-                fast_accum: bool = False):
+                     fast_accum: bool):
     return drop_varying(result_aval(x, (x.shape[0], wt.shape[0]), dtype=cfg.out_dtype),
                         cfg.names)
 
 
 def _ar_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
-                fast_accum: bool = False):
+                      fast_accum: bool):
     groups = fp8_row_groups(matmul_all_reduce_fp8_p, cfg.n, cfg.mechanism)
 
     def fn(x, wt, sx, sw):
@@ -386,10 +388,11 @@ def _ar_fp8_reference(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
 
 
 def _ar_fp8_cuda(ctx, x, wt, sx, sw, *, cfg: TpConfig, scaling: str,
-                fast_accum: bool = False):
+                 fast_accum: bool):
     table = _group(ctx, "matmul_all_reduce", cfg)
     if table is None:
-        return _ar_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling)
+        return _ar_fp8_reference(ctx, x, wt, sx, sw, cfg=cfg, scaling=scaling,
+                                 fast_accum=fast_accum)
     attr = _ar_channels(table, cfg, ctx.avals_in[0].shape[0], ctx.avals_in[1].shape[0])
     return _fp8_call(jax.ffi.ffi_lowering("pk_matmul_all_reduce_fp8"), ctx, x, wt, sx, sw,
                      scaling, fast_accum, attr)
