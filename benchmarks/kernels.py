@@ -159,7 +159,8 @@ IMPLS = {
         "`pk_cutlass_fp8_<recipe>`: the same with pk's CUTLASS FP8 GEMMs "
         "(tuning.fp8_gemm_library forced); `pk_fp8fast_<recipe>`: "
         "Fp8Recipe(recipe, fast_gradient_accumulation=True), the gradient GEMMs without "
-        "fp32 promotion; `pk_tp_fp8_<recipe>`, `pk_tp_fp8fast_<recipe>`: "
+        "fp32 promotion; `pk_fp8wblk_block`: Fp8Recipe(\"block\", wgrad_dy_blocks=True), "
+        "the weight gradient's dy^T per 128x128; `pk_tp_fp8_<recipe>`, `pk_tp_fp8fast_<recipe>`: "
         "all_gather_matmul(fp8=recipe) at world size 1 (the TP ops' FP8 sequences on one "
         "GPU); `xla_bf16`: XLA's bf16 dots (cuBLAS); "
         "`xla_fp8_current`: XLA's FP8 dots (cuBLASLt) under per-tensor current scaling "
@@ -587,6 +588,8 @@ def fp8_train_steps(x, w, dy, flax: bool = True) -> dict[str, Callable]:
         "pk_cutlass_fp8_current": _lowered_with_cutlass(current, x, w, dy),
         "pk_cutlass_fp8_delayed": _lowered_with_cutlass(delayed, x, w, dy),
         "pk_fp8_block": block(),
+        "pk_fp8wblk_block": step_of(lambda x, w: pk_jax.fp8_dot(
+            x, w, pk_jax.Fp8Recipe("block", wgrad_dy_blocks=True))),
         "pk_cutlass_fp8_block": _lowered_with_cutlass(block, x, w, dy),
         "pk_tp_fp8_current": tp_of("current"),
         "pk_tp_fp8fast_current": tp_of(fast["current"]),

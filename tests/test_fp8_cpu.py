@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from conftest import cpu_mesh, rel_err
 from pk_jax.ops.fp8 import primitive as prim
+from pk_jax.ops.fp8 import quantize_block_copies
 
 FWD_TOL, GRAD_TOL = 0.06, 0.10
 
@@ -121,7 +122,8 @@ def test_quantize_scale_definitions():
     assert np.isnan(np.asarray(amax)).all() and not np.isfinite(np.asarray(f)).all()
 
 
-@pytest.mark.parametrize("recipe", ["current", "block"])
+@pytest.mark.parametrize("recipe", ["current", "block",
+                                    pk_jax.Fp8Recipe("block", wgrad_dy_blocks=True)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_fp8_dot_values_and_gradients(rng, recipe, dtype):
     x, w, t = _inputs(rng, 256, 384, 256, dtype)
@@ -260,6 +262,27 @@ def test_quantize_row_groups(rng, shape, groups):
     np.testing.assert_array_equal(np.asarray(prim.group_rows(plain, groups)), np.asarray(f))
 
 
+# whole tiles (in two row groups), partial tiles
+@pytest.mark.parametrize("shape,groups", [((512, 384), 1), ((512, 384), 2), ((300, 200), 1)])
+@pytest.mark.parametrize("transposed_blocks", [False, True])
+def test_block_copies_in_one_pass(rng, shape, groups, transposed_blocks):
+    """quantize_block_copies (one kernel: granularity rows_cols or
+    rows_blocks) gives the values of fp8_quantize's "rows" (with the row
+    groups) and "cols" / "blocks" calls, each copy with its own factors."""
+    x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.1, 10), jnp.bfloat16)
+    got = quantize_block_copies(x, jnp.float8_e5m2, transposed_blocks=transposed_blocks,
+                                row_groups=groups)
+    q, _, fq, _ = pk_jax.fp8_quantize(x, "rows", jnp.float8_e5m2, row_groups=groups)
+    _, qt, fqt, _ = pk_jax.fp8_quantize(x, "blocks" if transposed_blocks else "cols",
+                                        jnp.float8_e5m2, rowwise=False, transposed=True)
+    for name, g, w in zip(("q", "qt", "factors of q", "factors of qt"), got, (q, qt, fq, fqt)):
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                      err_msg=name)
+    with pytest.raises(ValueError, match="row_groups=7"):
+        quantize_block_copies(x, row_groups=7)
+
+
 @pytest.mark.parametrize("call,err,match", [
     (lambda x, w: pk_jax.fp8_dot(x, w, "nope"), ValueError, "scaling"),
     (lambda x, w: pk_jax.fp8_dot(x, w, 3), TypeError, "recipe"),
@@ -272,6 +295,7 @@ def test_quantize_row_groups(rng, shape, groups):
     (lambda x, w: pk_jax.fp8_dot(x.astype(jnp.int32), w), TypeError, "bfloat16"),
     (lambda x, w: pk_jax.fp8_dot(x, w[:, :128].T), ValueError, "expected"),
     (lambda x, w: pk_jax.fp8_quantize(x, "cols"), ValueError, "transposed"),
+    (lambda x, w: pk_jax.fp8_quantize(x, "rows_cols"), ValueError, "expected one of"),
     (lambda x, w: pk_jax.fp8_quantize(x, "rows", scale=1.0), ValueError, "tensor"),
     (lambda x, w: pk_jax.fp8_quantize(x, "rows", transposed=True), ValueError, "cols"),
     (lambda x, w: pk_jax.fp8_quantize(x, "tensor", jnp.bfloat16), TypeError, "float8"),
@@ -385,6 +409,12 @@ def test_recipe_validation():
         pk_jax.Fp8Recipe(fast_gradient_accumulation=1)
     with pytest.raises(ValueError, match="'current' and 'delayed'"):
         pk_jax.Fp8Recipe("block", fast_gradient_accumulation=True)
+    with pytest.raises(ValueError, match="wgrad_dy_blocks=True"):
+        pk_jax.Fp8Recipe("current", wgrad_dy_blocks=True)
+    with pytest.raises(ValueError, match="wgrad_dy_blocks=1"):
+        pk_jax.Fp8Recipe("block", wgrad_dy_blocks=1)
+    assert pk_jax.Fp8Recipe("block").wgrad_row_blocks
+    assert not pk_jax.Fp8Recipe("block", wgrad_dy_blocks=True).wgrad_row_blocks
     r = pk_jax.Fp8Recipe("block")
     assert r.fwd_dtype == jnp.float8_e4m3fn and r.bwd_dtype == jnp.float8_e4m3fn
     assert pk_jax.Fp8Recipe().bwd_dtype == jnp.float8_e5m2

@@ -31,7 +31,8 @@ def _bits(a):
         else np.asarray(a).view(np.uint32)
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "rows", "cols", "blocks"])
+@pytest.mark.parametrize("granularity", ["tensor", "rows", "cols", "blocks", "rows_cols",
+                                         "rows_blocks"])
 # vector accesses with whole tiles, with partial tiles (rows and columns multiples of 8),
 # scalar accesses (300 rows; 130 columns: the rows kernel's too)
 @pytest.mark.parametrize("shape", [(1024, 4096), (4096, 128), (136, 264), (300, 200),
@@ -41,7 +42,8 @@ def _bits(a):
 def test_quantize_bitwise(rng, granularity, shape, in_dtype, dtype):
     mesh = gpu_mesh(1)
     x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.01, 100), in_dtype)
-    # every copy the granularity has: rows row-wise only, cols transposed only
+    # every copy the granularity has: rows row-wise only, cols transposed only, the
+    # others both (rows_cols and rows_blocks: each with its factors)
     kw = dict(granularity=granularity, dtype=jnp.dtype(dtype), rowwise=granularity != "cols",
               transposed=granularity != "rows", given_scale=False, margin=0.0)
     hlo = jax.jit(lambda x: prim.quantize(x, **{k: v for k, v in kw.items()
@@ -53,12 +55,13 @@ def test_quantize_bitwise(rng, granularity, shape, in_dtype, dtype):
     poison_allocator(mesh, 4 * x.size)
     got = jax.jit(lambda x: prim.quantize(x, **{k: v for k, v in kw.items()
                                                 if k != "given_scale"}))(x)
-    for name, g, w in zip(("q", "qt", "factors", "amax"), got, want):
+    for name, g, w in zip(("q", "qt", "factors", "factors_t", "amax"), got, want):
         assert g.shape == w.shape, name
         np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "rows", "cols", "blocks"])
+@pytest.mark.parametrize("granularity", ["tensor", "rows", "cols", "blocks", "rows_cols",
+                                         "rows_blocks"])
 def test_vanishing_blocks_quantize_to_zeros_not_nan(rng, granularity):
     """Blocks of vanishing values (a confident softmax's gradients) with
     zeros among them: the scale is capped at 2^126, so they quantize to
@@ -78,7 +81,7 @@ def test_vanishing_blocks_quantize_to_zeros_not_nan(rng, granularity):
             x, jnp.ones((1,), jnp.float32), given_scale=False, **kw))(np.asarray(x))
     poison_allocator(mesh, 4 * x.size)
     got = jax.jit(lambda x: prim.quantize(x, **kw))(x)
-    for name, g, w in zip(("q", "qt", "factors", "amax"), got, want):
+    for name, g, w in zip(("q", "qt", "factors", "factors_t", "amax"), got, want):
         assert not np.isnan(np.asarray(g, np.float32)).any(), name
         np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
 
@@ -86,13 +89,15 @@ def test_vanishing_blocks_quantize_to_zeros_not_nan(rng, granularity):
 # row groups: whole tiles (vector accesses), groups of 100 rows with a partial column
 # tile (scalar accesses)
 @pytest.mark.parametrize("shape,groups", [((1024, 4096), 2), ((1024, 4096), 4), ((300, 200), 3)])
-def test_quantize_row_groups_bitwise(rng, shape, groups):
-    """granularity "rows" with row_groups: q and the grouped factors
-    ([groups * C/128, R / groups]) bit for bit against the reference."""
+@pytest.mark.parametrize("granularity", ["rows", "rows_cols"])
+def test_quantize_row_groups_bitwise(rng, shape, groups, granularity):
+    """Factors per 1x128 rows with row_groups (alone, and beside the
+    transposed copy's 128x1): q, qt and the grouped factors ([groups *
+    C/128, R / groups]) bit for bit against the reference."""
     mesh = gpu_mesh(1)
     x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.01, 100), jnp.bfloat16)
-    kw = dict(granularity="rows", dtype=jnp.dtype(jnp.float8_e4m3fn), rowwise=True,
-              transposed=False, margin=0.0, row_groups=groups)
+    kw = dict(granularity=granularity, dtype=jnp.dtype(jnp.float8_e4m3fn), rowwise=True,
+              transposed=granularity != "rows", margin=0.0, row_groups=groups)
     f = jax.jit(lambda x: prim.quantize(x, **kw))
     assert "pk_fp8_quantize" in f.lower(x).as_text()  # the kernel, not a fallback
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
@@ -100,7 +105,7 @@ def test_quantize_row_groups_bitwise(rng, shape, groups):
             x, jnp.ones((1,), jnp.float32), given_scale=False, **kw))(np.asarray(x))
     poison_allocator(mesh, 4 * x.size)
     got = f(x)
-    for name, g, w in zip(("q", "qt", "factors", "amax"), got, want):
+    for name, g, w in zip(("q", "qt", "factors", "factors_t", "amax"), got, want):
         assert g.shape == w.shape, name
         np.testing.assert_array_equal(_bits(g), _bits(w), err_msg=name)
 
@@ -213,13 +218,16 @@ def test_matmul_block(rng, m, n, k, row_blocks, out, library):
 
 @pytest.mark.parametrize("recipe,fast", [("current", False), ("delayed", False),
                                          ("block", False), ("current", True),
-                                         ("delayed", True)])
+                                         ("delayed", True), ("block_wgrad_dy_blocks", False)])
 @pytest.mark.parametrize("m,k,n", [(2048, 1024, 1536), (256, 128, 384), (1040, 528, 400)])
 def test_fp8_dot_values_and_gradients(rng, recipe, fast, m, k, n):
-    """Each recipe, and with fast accumulation in the gradient GEMMs."""
+    """Each recipe, with fast accumulation in the gradient GEMMs, and block
+    scaling with dy^T per 128x128 for the weight gradient."""
+    r = pk_jax.Fp8Recipe("block", wgrad_dy_blocks=True) if recipe == "block_wgrad_dy_blocks" \
+        else pk_jax.Fp8Recipe(recipe, fast_gradient_accumulation=fast)
+    recipe = r.scaling
     if recipe == "block" and (k % 128 or n % 128):
         pytest.skip("block scaling needs K and N multiples of 128")
-    r = pk_jax.Fp8Recipe(recipe, fast_gradient_accumulation=fast)
     mesh = gpu_mesh(1)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)

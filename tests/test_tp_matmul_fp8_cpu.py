@@ -30,11 +30,13 @@ def _data(rng, m, k, f):
     return x, w
 
 
-@pytest.mark.parametrize("recipe", ["current", "block"])
+@pytest.mark.parametrize("recipe", ["current", "block",
+                                    pk_jax.Fp8Recipe("block", wgrad_dy_blocks=True)])
 def test_fp8_mlp_values_and_gradients(rng, recipe, sharding_mode):
     """Column- then row-parallel pair (the TP MLP): the output and the
     gradients of x, w1, w2 against float32 (two FP8 GEMMs deep: twice the
-    one-GEMM bounds)."""
+    one-GEMM bounds); block scaling also with dy^T per 128x128 in the weight
+    gradients (gathered along the tokens in matmul_reduce_scatter's)."""
     mesh = cpu_mesh((N,), ("tp",))
     m, d, f = N * 128, 128, N * 128
     x, w1 = _data(rng, m, d, f)

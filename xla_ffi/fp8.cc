@@ -7,8 +7,10 @@
 //     given_scale: delayed scaling's scale).
 //   Results: q [R, C] (e4m3 or e5m2; [0, 0] when not asked for), qt [C, R]
 //     (the transposed copy; [0, 0] when not asked for), factors (f32, fp8.h's
-//     layout of the granularity; kRows [row_groups * ceil(C / 128), R /
-//     row_groups]), amax [1] f32 (kTensor; [0] otherwise).
+//     layout of the granularity; q's per 1x128 [row_groups * ceil(C / 128),
+//     R / row_groups]), factors_t (f32: qt's for kRowsCols [ceil(R / 128),
+//     C] and kRowsBlocks [ceil(R / 128), ceil(C / 128)]; [0] otherwise),
+//     amax [1] f32 (kTensor; [0] otherwise).
 //   Attributes: granularity (fp8.h: Granularity), given_scale, margin,
 //     row_groups (kRows' row groups, fp8.h; 1 otherwise).
 // pk_fp8_matmul
@@ -44,6 +46,7 @@ int64_t blocks(int64_t extent) { return (extent + fp8::kBlock - 1) / fp8::kBlock
 ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
                         ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
                         ffi::Result<ffi::Buffer<ffi::F32>> factors,
+                        ffi::Result<ffi::Buffer<ffi::F32>> factors_t,
                         ffi::Result<ffi::Buffer<ffi::F32>> amax, int32_t granularity,
                         bool given_scale, float margin, int32_t row_groups) {
   constexpr const char* kOp = "fp8_quantize";
@@ -55,12 +58,13 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   p.cols = xd[1];
   if (!to_dtype(x.element_type(), &p.in) || is_fp8(p.in))
     return invalid("x must be bfloat16, float16 or float32");
-  if (granularity < 0 || granularity > 3)
-    return invalid("granularity is 0 (tensor), 1 (rows), 2 (cols) or 3 (blocks)");
+  if (granularity < 0 || granularity > 5)
+    return invalid("granularity is 0 (tensor), 1 (rows), 2 (cols), 3 (blocks), 4 (rows_cols) "
+                   "or 5 (rows_blocks)");
   p.granularity = fp8::Granularity(granularity);
-  const bool rows_granularity = p.granularity == fp8::Granularity::kRows;
-  if (row_groups < 1 || (row_groups > 1 && !rows_granularity) || p.rows % row_groups != 0)
-    return invalid("row_groups must be 1, or with rows granularity a divisor of R (got " +
+  if (row_groups < 1 || (row_groups > 1 && !fp8::row_factors(p.granularity)) ||
+      p.rows % row_groups != 0)
+    return invalid("row_groups must be 1, or with factors per 1x128 rows a divisor of R (got " +
                    std::to_string(row_groups) + " for R = " + std::to_string(p.rows) + ")");
   p.row_groups = row_groups;
   const bool rowwise = q->element_count() > 0, transposed = qt->element_count() > 0;
@@ -71,14 +75,19 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   if (rowwise && !same_dims(q->dimensions(), {p.rows, p.cols})) return invalid("expected q [R, C]");
   if (transposed && !same_dims(qt->dimensions(), {p.cols, p.rows}))
     return invalid("expected qt [C, R]");
-  int64_t want = 1;
+  const int64_t per_rows = blocks(p.cols) * p.rows, per_cols = blocks(p.rows) * p.cols,
+                per_blocks = blocks(p.rows) * blocks(p.cols);  // any row_groups
+  int64_t want = 1, want_t = 0;
   switch (p.granularity) {
     case fp8::Granularity::kTensor: want = 1; break;
-    case fp8::Granularity::kRows: want = blocks(p.cols) * p.rows; break;  // any row_groups
-    case fp8::Granularity::kCols: want = blocks(p.rows) * p.cols; break;
-    case fp8::Granularity::kBlocks: want = blocks(p.rows) * blocks(p.cols); break;
+    case fp8::Granularity::kRows: want = per_rows; break;
+    case fp8::Granularity::kCols: want = per_cols; break;
+    case fp8::Granularity::kBlocks: want = per_blocks; break;
+    case fp8::Granularity::kRowsCols: want = per_rows, want_t = per_cols; break;
+    case fp8::Granularity::kRowsBlocks: want = per_rows, want_t = per_blocks; break;
   }
-  if (int64_t(factors->element_count()) != want) return invalid("factors have the wrong size");
+  if (int64_t(factors->element_count()) != want || int64_t(factors_t->element_count()) != want_t)
+    return invalid("factors have the wrong size");
   const bool tensor = p.granularity == fp8::Granularity::kTensor;
   if (int64_t(amax->element_count()) != (tensor ? 1 : 0))
     return invalid("amax is [1] for tensor granularity, [0] otherwise");
@@ -88,6 +97,7 @@ ffi::Error QuantizeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
   p.q = rowwise ? q->untyped_data() : nullptr;
   p.qt = transposed ? qt->untyped_data() : nullptr;
   p.factors = factors->typed_data();
+  p.factors_t = fp8::two_factors(p.granularity) ? factors_t->typed_data() : nullptr;
   p.scale = given_scale ? scale.typed_data() : nullptr;
   p.amax = tensor ? amax->typed_data() : nullptr;
   p.margin = margin;
@@ -159,6 +169,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<ffi::AnyBuffer>()                // q [R, C] or [0, 0]
         .Ret<ffi::AnyBuffer>()                // qt [C, R] or [0, 0]
         .Ret<ffi::Buffer<ffi::F32>>()         // factors
+        .Ret<ffi::Buffer<ffi::F32>>()         // factors_t ([0] but for two factor layouts)
         .Ret<ffi::Buffer<ffi::F32>>()         // amax [1] or [0]
         .Attr<int32_t>("granularity")         // fp8.h: Granularity
         .Attr<bool>("given_scale")

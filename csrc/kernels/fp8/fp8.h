@@ -19,9 +19,15 @@
 //     contraction, the rows, contiguous): factors [ceil(rows / 128), cols].
 //   kBlocks: one factor per 128x128 block (the weights): [ceil(rows / 128),
 //     ceil(cols / 128)].
+//   kRowsCols: both copies of an activation in one pass over x: q per 1x128
+//     (kRows' factors, row groups included, in `factors`) and qt per 128x1
+//     (kCols' factors in `factors_t`).
+//   kRowsBlocks: q per 1x128 (kRows' factors in `factors`) and qt per
+//     128x128 (kBlocks' factors in `factors_t`) in one pass.
 // Outputs: q [rows, cols] (row-wise copy) and/or qt [cols, rows] (the
 // transposed copy the backward GEMMs read: FP8 wgmma takes K-major operands
-// only); each is optional (null) but one must be asked for (kCols: qt only).
+// only); each is optional (null) but one must be asked for (kRows: q only;
+// kCols: qt only; kRowsCols, kRowsBlocks: both).
 // A factor of a block whose amax is 0 is 1; every value is scaled in fp32
 // and converted with saturation to the format's largest finite value.
 // NaN/Inf in a block make its factor non-finite (they propagate).
@@ -36,7 +42,18 @@
 
 namespace pk::fp8 {
 
-enum class Granularity : int32_t { kTensor = 0, kRows = 1, kCols = 2, kBlocks = 3 };
+enum class Granularity : int32_t {
+  kTensor = 0, kRows = 1, kCols = 2, kBlocks = 3, kRowsCols = 4, kRowsBlocks = 5
+};
+
+// Whether a granularity gives q per 1x128 (with row groups), and whether it
+// writes qt's factors to Quantize::factors_t.
+constexpr bool row_factors(Granularity g) {
+  return g == Granularity::kRows || g == Granularity::kRowsCols || g == Granularity::kRowsBlocks;
+}
+constexpr bool two_factors(Granularity g) {
+  return g == Granularity::kRowsCols || g == Granularity::kRowsBlocks;
+}
 
 constexpr int kBlock = 128;  // the block extent of kRows / kCols / kBlocks
 
@@ -52,7 +69,8 @@ struct Quantize {
   void* q = nullptr;            // [rows, cols] of `out`, or null
   void* qt = nullptr;           // [cols, rows] of `out`, or null
   float* factors = nullptr;     // the dequantization factors (layouts above)
-  int64_t row_groups = 1;       // kRows: the row groups of the factors (above); else 1
+  float* factors_t = nullptr;   // kRowsCols, kRowsBlocks: qt's factors; else null
+  int64_t row_groups = 1;       // row_factors(): the row groups of q's factors; else 1
   // kTensor: the scale to use (delayed scaling), or null to derive it from
   // this matrix's amax (current scaling); amax receives amax(x) either way.
   const float* scale = nullptr;

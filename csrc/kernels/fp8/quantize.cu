@@ -180,6 +180,13 @@ struct TileSmem {
 // kVecIo: rows % 16 == 0, cols % 8 == 0 and the buffers aligned to the vectors.
 template <typename T, __nv_fp8_interpretation_t kFormat, Granularity g, bool kVecIo>
 __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8_max) {
+  // What the granularity computes: q's scales per 1x128 (row_factors) or one
+  // per tile; 128x1 column scales for qt (kCols, kRowsCols); the tile's amax
+  // (a 128x128 block's factor; per-tensor scaling's running amax).
+  constexpr bool kRowScales = row_factors(g);
+  constexpr bool kColScales = g == Granularity::kCols || g == Granularity::kRowsCols;
+  constexpr bool kBlockFactor = g == Granularity::kBlocks || g == Granularity::kRowsBlocks;
+  constexpr bool kTileAmax = kBlockFactor || g == Granularity::kTensor;
   __shared__ TileSmem smem;
   const int64_t rows = p.rows, cols = p.cols;
   const int64_t tiles_r = (rows + kBlock - 1) / kBlock, tiles_c = (cols + kBlock - 1) / kBlock;
@@ -234,15 +241,15 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8
 #pragma unroll
       for (int h = 0; h < kPairs; ++h) {
         rm2 = abs_max(rm2, e[h]);
-        if constexpr (g == Granularity::kCols) col_max2[h] = abs_max(col_max2[h], e[h]);
+        if constexpr (kColScales) col_max2[h] = abs_max(col_max2[h], e[h]);
       }
       const float2 rf = as_float2(rm2);
       const float rm = max_nan(rf.x, rf.y);
       m = max_nan(m, rm);
-      if constexpr (g == Granularity::kRows) row_scale[i] = scale_of(lanes_max<kVecsPerRow>(rm), fp8_max);
+      if constexpr (kRowScales) row_scale[i] = scale_of(lanes_max<kVecsPerRow>(rm), fp8_max);
     }
     float col_scale[kVec];
-    if constexpr (g == Granularity::kCols) {  // the 16 threads of this cv: lanes cv, cv + 16 of each warp
+    if constexpr (kColScales) {  // the 16 threads of this cv: lanes cv, cv + 16 of each warp
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const float2 cf = as_float2(col_max2[j / 2]);
@@ -260,25 +267,25 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8
     // scaling keeps the reduction also where it reads none (current
     // scaling): a variant that skipped it there (a run-time test of the
     // scale) ran delayed scaling 5-8% slower in the same run.
-    constexpr bool block_amax = g == Granularity::kBlocks || g == Granularity::kTensor;
     float tile_amax = 0.0f;
-    if constexpr (block_amax) {
+    if constexpr (kTileAmax) {
       m = lanes_max<32>(m);
       if (lane == 0) smem.warp_max[warp] = m;
     }
-    if constexpr (block_amax || g == Granularity::kCols) __syncthreads();  // kCols: col_max
-    if constexpr (block_amax) {
+    if constexpr (kTileAmax || kColScales) __syncthreads();  // col_max
+    if constexpr (kTileAmax) {
 #pragma unroll
       for (int w = 0; w < kThreads / 32; ++w) tile_amax = max_nan(tile_amax, smem.warp_max[w]);
     }
-    if constexpr (g == Granularity::kCols) {  // thread t < 128: column t's scale and factor
+    if constexpr (kColScales) {  // thread t < 128: column t's scale and factor
       if (t < kBlock) {
         float cm = 0.0f;
 #pragma unroll
         for (int w = 0; w < kThreads / 32; ++w) cm = max_nan(cm, smem.col_max[w][t]);
         const float scale = scale_of(cm, fp8_max);
         smem.col_scale[t] = scale;
-        if (tc * kBlock + t < cols) p.factors[tr * cols + tc * kBlock + t] = 1.0f / scale;
+        float* col_factors = two_factors(g) ? p.factors_t : p.factors;
+        if (tc * kBlock + t < cols) col_factors[tr * cols + tc * kBlock + t] = 1.0f / scale;
       }
       __syncthreads();
 #pragma unroll
@@ -286,10 +293,11 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8
     }
     if (g == Granularity::kTensor && p.scale && t == 0) atomic_max_abs(p.amax, tile_amax);
     const float block_scale = g == Granularity::kTensor ? tensor_scale
-                              : g == Granularity::kBlocks ? scale_of(tile_amax, fp8_max) : 0.0f;
+                              : kBlockFactor ? scale_of(tile_amax, fp8_max) : 0.0f;
     // Factors.
-    if (g == Granularity::kBlocks && t == 0) p.factors[tr * tiles_c + tc] = 1.0f / block_scale;
-    if (g == Granularity::kRows && cv == 0) {
+    if (kBlockFactor && t == 0)
+      (two_factors(g) ? p.factors_t : p.factors)[tr * tiles_c + tc] = 1.0f / block_scale;
+    if (kRowScales && cv == 0) {
       const int64_t group_rows = rows / p.row_groups;  // fp8.h: kRows' row groups
 #pragma unroll
       for (int i = 0; i < kRowsPerThread; ++i) {
@@ -303,7 +311,8 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8
       }
     }
     // Convert: the row-wise copy to global memory, the transposed copy's bytes
-    // (the same but for kCols' column scales) to shared memory.
+    // (the same but for column scales, and kRowsBlocks' tile scale) to shared
+    // memory.
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
       const int lrow = lr + i * kRowStep;
@@ -311,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8
       float f[kVec];
 #pragma unroll
       for (int j = 0; j < kVec; ++j) f[j] = to_float(v[i].v[j]);
-      const float s = g == Granularity::kRows ? row_scale[i] : block_scale;
+      const float s = kRowScales ? row_scale[i] : block_scale;
       const float same[4] = {s, s, s, s};
       uint32_t w[2] = {convert4<kFormat>(f, same), convert4<kFormat>(f + 4, same)};
       if (q && r < rows) {
@@ -324,8 +333,12 @@ __global__ void __launch_bounds__(kThreads, 2) tile_kernel(Quantize p, float fp8
         }
       }
       if (qt) {
-        if constexpr (g == Granularity::kCols)
+        if constexpr (kColScales) {
           w[0] = convert4<kFormat>(f, col_scale), w[1] = convert4<kFormat>(f + 4, col_scale + 4);
+        } else if constexpr (g == Granularity::kRowsBlocks) {
+          const float tile[4] = {block_scale, block_scale, block_scale, block_scale};
+          w[0] = convert4<kFormat>(f, tile), w[1] = convert4<kFormat>(f + 4, tile);
+        }
         *reinterpret_cast<uint2*>(&smem.bytes[smem_word(lrow, 2 * cv)]) = make_uint2(w[0], w[1]);
       }
     }
@@ -373,7 +386,9 @@ TileKernel tile_kernel_of(Granularity g) {
     case Granularity::kTensor: return tile_kernel<T, kFormat, Granularity::kTensor, kVecIo>;
     case Granularity::kRows: return tile_kernel<T, kFormat, Granularity::kRows, kVecIo>;
     case Granularity::kCols: return tile_kernel<T, kFormat, Granularity::kCols, kVecIo>;
-    default: return tile_kernel<T, kFormat, Granularity::kBlocks, kVecIo>;
+    case Granularity::kBlocks: return tile_kernel<T, kFormat, Granularity::kBlocks, kVecIo>;
+    case Granularity::kRowsCols: return tile_kernel<T, kFormat, Granularity::kRowsCols, kVecIo>;
+    default: return tile_kernel<T, kFormat, Granularity::kRowsBlocks, kVecIo>;
   }
 }
 
@@ -420,7 +435,7 @@ cudaError_t launch_in(const Quantize& p) {
 template <typename T, __nv_fp8_interpretation_t kFormat>
 cudaError_t load_typed() {
   for (Granularity g : {Granularity::kTensor, Granularity::kRows, Granularity::kCols,
-                        Granularity::kBlocks})
+                        Granularity::kBlocks, Granularity::kRowsCols, Granularity::kRowsBlocks})
     for (bool vec_io : {true, false})
       PK_CUDA_TRY(preload_kernel(reinterpret_cast<const void*>(tile_kernel_of<T, kFormat>(g, vec_io))));
   return cudaSuccess;
@@ -442,15 +457,17 @@ cudaError_t check(const Quantize& p) {
   if (!in || !out || !p.x || !p.factors || p.rows <= 0 || p.cols <= 0 || p.rows >= limit ||
       p.cols >= limit)
     return cudaErrorInvalidValue;
-  const bool groups = p.row_groups == 1 ||
-                      (p.granularity == Granularity::kRows && p.row_groups > 1 &&
-                       p.rows % p.row_groups == 0);
-  if (!groups) return cudaErrorInvalidValue;
+  const bool groups = p.row_groups == 1 || (row_factors(p.granularity) && p.row_groups > 1 &&
+                                             p.rows % p.row_groups == 0);
+  if (!groups || two_factors(p.granularity) != (p.factors_t != nullptr))
+    return cudaErrorInvalidValue;
   switch (p.granularity) {
     case Granularity::kTensor: return p.amax && (p.q || p.qt) ? cudaSuccess : cudaErrorInvalidValue;
     case Granularity::kRows: return p.q && !p.qt ? cudaSuccess : cudaErrorInvalidValue;
     case Granularity::kCols: return p.qt && !p.q ? cudaSuccess : cudaErrorInvalidValue;
     case Granularity::kBlocks: return p.q || p.qt ? cudaSuccess : cudaErrorInvalidValue;
+    case Granularity::kRowsCols:
+    case Granularity::kRowsBlocks: return p.q && p.qt ? cudaSuccess : cudaErrorInvalidValue;
   }
   return cudaErrorInvalidValue;
 }

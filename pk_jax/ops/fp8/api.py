@@ -66,6 +66,11 @@ class Fp8Recipe:
       cuBLASLt runs them (benchmarks/RESULTS.md), less precise over long
       contractions (the weight gradient sums over every token). False:
       promoted every 4 K-steps.
+    wgrad_dy_blocks: "block" only: the weight gradient reads dy^T with a
+      factor per 128x128 block (128 output features x 128 tokens) instead of
+      DeepSeek-V3's per 128x1 (one output feature x 128 tokens): coarser,
+      and the GEMM cuBLASLt runs for the forward and dx (1x128 x 128x128
+      factors) instead of its slower 1x128 x 1x128 one (benchmarks/NOTES.md).
     """
 
     scaling: str = "current"
@@ -73,6 +78,7 @@ class Fp8Recipe:
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
     fast_gradient_accumulation: bool = False
+    wgrad_dy_blocks: bool = False
 
     def __post_init__(self):
         if self.scaling not in _RECIPES:
@@ -89,6 +95,10 @@ class Fp8Recipe:
         if not isinstance(self.fast_gradient_accumulation, bool):
             raise ValueError("Fp8Recipe(fast_gradient_accumulation="
                              f"{self.fast_gradient_accumulation!r}): True or False")
+        if not isinstance(self.wgrad_dy_blocks, bool) or (self.wgrad_dy_blocks and
+                                                          self.scaling != "block"):
+            raise ValueError(f"Fp8Recipe(wgrad_dy_blocks={self.wgrad_dy_blocks!r}): True or "
+                             "False, True with scaling='block' only")
         if self.fast_gradient_accumulation and self.scaling == "block":
             raise ValueError("Fp8Recipe(scaling='block', fast_gradient_accumulation=True): "
                              "block factors are applied at every promotion; fast gradient "
@@ -103,6 +113,13 @@ class Fp8Recipe:
     def bwd_dtype(self):
         """FP8 format of the output gradient (e5m2, e4m3 with block scaling)."""
         return prim.E4M3 if self.scaling == "block" else prim.E5M2
+
+    @property
+    def wgrad_row_blocks(self) -> bool:
+        """Whether the weight gradient's b = dy^T has factors per 1x128 along
+        the tokens (fp8_matmul's b_row_blocks): block scaling unless
+        wgrad_dy_blocks."""
+        return self.scaling == "block" and not self.wgrad_dy_blocks
 
 
 def _recipe(recipe) -> Fp8Recipe:
@@ -215,7 +232,8 @@ def quantize_activation(x, scaling: str = "tensor", *, margin: float = 0.0,
 
 
 def activation_operands(x, recipe: Fp8Recipe, dtype=None, *, rowwise: bool = True,
-                        transposed: bool = False, scale=None, row_groups: int = 1):
+                        transposed: bool = False, scale=None, row_groups: int = 1,
+                        transposed_blocks: bool = False):
     """The FP8 GEMM operands of x [M, K] (an activation, or an output
     gradient with dtype=recipe.bwd_dtype): (q [M, K], qt [K, M], the factors
     of q, of qt, amax), each None where not asked for. x quantized by the
@@ -224,7 +242,9 @@ def activation_operands(x, recipe: Fp8Recipe, dtype=None, *, rowwise: bool = Tru
     factors per 1x128 serve q, and qt's per 128x1 come from requantizing the
     stored values (one more rounding, the weight gradient's operand). Block
     factors of q come in `row_groups` row groups (`fp8_quantize`'s layout:
-    for GEMMs on row chunks)."""
+    for GEMMs on row chunks); qt's per 128x128 with `transposed_blocks`
+    (block scaling; `Fp8Recipe.wgrad_dy_blocks`). Both copies with block
+    factors: one pass over x."""
     if isinstance(x, Fp8Activation):
         data, f = jnp.asarray(x.data), jnp.asarray(x.factors, jnp.float32)
         if x.scaling == "tensor":
@@ -238,11 +258,15 @@ def activation_operands(x, recipe: Fp8Recipe, dtype=None, *, rowwise: bool = Tru
         return (data if rowwise else None, qt, fq, fqt, None)
     dtype = recipe.fwd_dtype if dtype is None else dtype
     if recipe.scaling == "block":
+        if rowwise and transposed:  # one pass over x
+            return (*quantize_block_copies(x, dtype, transposed_blocks=transposed_blocks,
+                                           row_groups=row_groups), None)
         q = fq = qt = fqt = None
         if rowwise:
             q, _, fq, _ = fp8_quantize(x, "rows", dtype, row_groups=row_groups)
         if transposed:
-            _, qt, fqt, _ = fp8_quantize(x, "cols", dtype, rowwise=False, transposed=True)
+            _, qt, fqt, _ = fp8_quantize(x, "blocks" if transposed_blocks else "cols", dtype,
+                                         rowwise=False, transposed=True)
         return q, qt, fq, fqt, None
     q, qt, f, amax = fp8_quantize(x, "tensor", dtype, rowwise=rowwise, transposed=transposed,
                                   scale=scale, margin=recipe.margin)
@@ -303,17 +327,10 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
     Returns (q or None, qt or None, factors, amax); amax is amax(|x|) [1]
     for "tensor" (for an amax history), None otherwise. x ~= q * factor.
     """
-    x = jnp.asarray(x)
-    if x.ndim != 2:
-        raise ValueError(f"fp8_quantize: x must be 2-D [R, C], got shape {x.shape}")
-    if jnp.dtype(x.dtype) not in prim.IN_TYPES:
-        raise TypeError(f"fp8_quantize: x must be bfloat16, float16 or float32, got {x.dtype}")
-    if granularity not in prim.GRANULARITY:
+    x, dtype = _checked_input(x, dtype)
+    if granularity not in _GRANULARITIES:
         raise ValueError(f"fp8_quantize(granularity={granularity!r}): expected one of "
-                         f"{tuple(prim.GRANULARITY)}")
-    dtype = _args.dtype("fp8_quantize", "dtype", dtype, prim.FP8_TYPES)
-    if 0 in x.shape:
-        raise ValueError(f"fp8_quantize: x is empty, shape {x.shape}")
+                         f"{_GRANULARITIES}")
     if granularity == "cols" and (rowwise or not transposed):
         raise ValueError("fp8_quantize(granularity='cols') returns the transposed copy only: "
                          "pass rowwise=False, transposed=True")
@@ -331,11 +348,46 @@ def fp8_quantize(x, granularity: str = "tensor", dtype=jnp.float8_e4m3fn, *,
             not math.isfinite(margin) or margin < 0:
         raise ValueError(f"fp8_quantize(margin={margin!r}): a finite number >= 0")
     _check_row_groups(row_groups, granularity, x.shape[0])
-    q, qt, factors, amax = prim.quantize(prim.unsharded(x), granularity=granularity, dtype=dtype,
-                                         rowwise=rowwise, transposed=transposed, scale=scale,
-                                         margin=margin, row_groups=row_groups)
+    q, qt, factors, _, amax = prim.quantize(prim.unsharded(x), granularity=granularity,
+                                            dtype=dtype, rowwise=rowwise, transposed=transposed,
+                                            scale=scale, margin=margin, row_groups=row_groups)
     return (q if rowwise else None, qt if transposed else None, factors,
             amax if granularity == "tensor" else None)
+
+
+# fp8_quantize's granularities (one layout of factors); the primitive's
+# TWO_FACTORS serve quantize_block_copies.
+_GRANULARITIES = tuple(g for g in prim.GRANULARITY if g not in prim.TWO_FACTORS)
+
+
+def _checked_input(x, dtype):
+    """(x as an array, dtype as an FP8 dtype) of a quantization, checked:
+    2-D, not empty, bfloat16 / float16 / float32 (ValueError, TypeError)."""
+    x = jnp.asarray(x)
+    if x.ndim != 2:
+        raise ValueError(f"fp8_quantize: x must be 2-D [R, C], got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in prim.IN_TYPES:
+        raise TypeError(f"fp8_quantize: x must be bfloat16, float16 or float32, got {x.dtype}")
+    dtype = _args.dtype("fp8_quantize", "dtype", dtype, prim.FP8_TYPES)
+    if 0 in x.shape:
+        raise ValueError(f"fp8_quantize: x is empty, shape {x.shape}")
+    return x, dtype
+
+
+def quantize_block_copies(x, dtype=jnp.float8_e4m3fn, *, transposed_blocks: bool = False,
+                          row_groups: int = 1):
+    """Both block-scaled copies of x [R, C] in one pass over it (one kernel
+    on CUDA): (q [R, C] with factors per 1x128 along C, [ceil(C/128), R] in
+    `row_groups` row groups as fp8_quantize's "rows"; qt [C, R] with factors
+    per 128x1 along R ("cols", [ceil(R/128), C]) or, with transposed_blocks,
+    per 128x128 ("blocks", [ceil(R/128), ceil(C/128)]); the factors of q, of
+    qt). The same values as the two fp8_quantize calls."""
+    x, dtype = _checked_input(x, dtype)
+    granularity = "rows_blocks" if transposed_blocks else "rows_cols"
+    _check_row_groups(row_groups, granularity, x.shape[0])
+    q, qt, fq, fqt, _ = prim.quantize(prim.unsharded(x), granularity=granularity, dtype=dtype,
+                                      rowwise=True, transposed=True, row_groups=row_groups)
+    return q, qt, fq, fqt
 
 
 def _check_row_groups(row_groups, granularity: str, rows: int) -> None:
@@ -345,7 +397,7 @@ def _check_row_groups(row_groups, granularity: str, rows: int) -> None:
             row_groups < 1 or rows % row_groups:
         raise ValueError(f"fp8_quantize(row_groups={row_groups!r}): an int >= 1 dividing the "
                          f"rows of x ({rows})")
-    if row_groups > 1 and granularity != "rows":
+    if row_groups > 1 and prim.TWO_FACTORS.get(granularity, (granularity,))[0] != "rows":
         raise ValueError(f"fp8_quantize(row_groups={row_groups}): needs granularity='rows' "
                          f"(got {granularity!r})")
 
@@ -542,17 +594,17 @@ def _backward(res, dy, recipe, xm, wm, sdy=None):
     xt, fxt, wq, fw_bwd = res
     dq, dt, fdq, fdt, ady = activation_operands(dy, recipe, recipe.bwd_dtype,
                                                 rowwise=xm is not None,
-                                                transposed=wm is not None, scale=sdy)
-    block = recipe.scaling == "block"
-    scaling = "block" if block else "tensor"
+                                                transposed=wm is not None, scale=sdy,
+                                                transposed_blocks=recipe.wgrad_dy_blocks)
+    scaling = "block" if recipe.scaling == "block" else "tensor"
     fast = recipe.fast_gradient_accumulation
     dx = dw = None
     if xm is not None:  # dx = dy @ w^T: w [K, N] is b = [n = K, k = N]
         dx = fp8_matmul(dq, wq, fdq, fw_bwd, scaling=scaling, fast_accum=fast,
                         out_dtype=_gemm_out(xm.dtype)).astype(xm.dtype)
     if wm is not None:  # dw = x^T @ dy: a = x^T [K, M], b = dy^T [N, M]
-        dw = fp8_matmul(xt, dt, fxt, fdt, scaling=scaling, b_row_blocks=block, fast_accum=fast,
-                        out_dtype=_gemm_out(wm.dtype)).astype(wm.dtype)
+        dw = fp8_matmul(xt, dt, fxt, fdt, scaling=scaling, b_row_blocks=recipe.wgrad_row_blocks,
+                        fast_accum=fast, out_dtype=_gemm_out(wm.dtype)).astype(wm.dtype)
     return dx, dw, ady
 
 

@@ -4,7 +4,8 @@ call on CUDA (csrc/kernels/fp8, csrc/kernels/gemm) and its reference (the same
 numerics in jax.numpy) everywhere else.
 
 `pk_fp8_quantize(x [R, C], scale [1])` -> (q [R, C] or [0, 0], qt [C, R] or
-[0, 0], factors, amax [1] or [0]); granularity (csrc/kernels/fp8/fp8.h):
+[0, 0], factors, factors_t, amax [1] or [0]); granularity
+(csrc/kernels/fp8/fp8.h):
 
     tensor  one factor ([1]); the scale is fp8_max * 2^-margin / amax(x)
             (current scaling) or the `scale` operand (given_scale: delayed
@@ -15,6 +16,11 @@ numerics in jax.numpy) everywhere else.
             R / g] (`group_rows`; g = 1: the plain layout)
     cols    a factor per 128x1 along R, transposed copy only: [ceil(R / 128), C]
     blocks  a factor per 128x128 block: [ceil(R / 128), ceil(C / 128)]
+    rows_cols    both copies in one pass: q per 1x128 ("rows", factors) and
+                 qt per 128x1 ("cols", factors_t)
+    rows_blocks  q per 1x128 ("rows", factors) and qt per 128x128 ("blocks",
+                 factors_t)
+factors_t is [0] but for the two last (TWO_FACTORS).
 
 A block's scale is fp8_max / amax (1 when amax is 0; at most MAX_SCALE = 2^126,
 so a block of vanishing values never turns NaN), its factor 1 / scale;
@@ -51,7 +57,9 @@ matmul_p = Primitive("pk_fp8_matmul")
 
 # Mirrors of csrc/kernels/fp8/fp8.h (Granularity, kBlock) and
 # csrc/kernels/gemm/gemm.h (Scaling) (tests/test_constants_cpu.py).
-GRANULARITY = {"tensor": 0, "rows": 1, "cols": 2, "blocks": 3}
+GRANULARITY = {"tensor": 0, "rows": 1, "cols": 2, "blocks": 3, "rows_cols": 4, "rows_blocks": 5}
+# Granularities of both copies with a layout each: (q's, qt's) (fp8.h).
+TWO_FACTORS = {"rows_cols": ("rows", "cols"), "rows_blocks": ("rows", "blocks")}
 SCALING = {"none": 0, "tensor": 1, "block": 2}  # "none": the bf16/fp16 GEMMs
 LIBRARY = {"cutlass": 0, "cublaslt": 1}  # gemm.h: Library (tuning.fp8_gemm_library)
 BLOCK = 128
@@ -73,8 +81,17 @@ def blocks(extent: int) -> int:
 
 def factors_shape(granularity: str, rows: int, cols: int, row_groups: int = 1
                   ) -> tuple[int, ...]:
+    """The shape of `factors` (q's factors for TWO_FACTORS)."""
+    granularity = TWO_FACTORS.get(granularity, (granularity,))[0]
     return {"tensor": (1,), "rows": (row_groups * blocks(cols), rows // row_groups),
             "cols": (blocks(rows), cols), "blocks": (blocks(rows), blocks(cols))}[granularity]
+
+
+def factors_t_shape(granularity: str, rows: int, cols: int) -> tuple[int, ...]:
+    """The shape of `factors_t`: qt's factors for TWO_FACTORS, else (0,)."""
+    if granularity not in TWO_FACTORS:
+        return (0,)
+    return factors_shape(TWO_FACTORS[granularity][1], rows, cols)
 
 
 def group_rows(factors, groups: int):
@@ -136,6 +153,16 @@ def _expand(per_block, granularity: str, rows: int, cols: int):
 def quantize_reference(x, scale, *, granularity: str, dtype, rowwise: bool, transposed: bool,
                        given_scale: bool, margin: float, row_groups: int = 1):
     """What pk_fp8_quantize computes (any platform)."""
+    no_factors = jnp.zeros((0,), jnp.float32)
+    if granularity in TWO_FACTORS:  # each copy as its own granularity gives it
+        rows, cols = TWO_FACTORS[granularity]
+        q, _, factors, _, amax = quantize_reference(
+            x, scale, granularity=rows, dtype=dtype, rowwise=True, transposed=False,
+            given_scale=False, margin=0.0, row_groups=row_groups)
+        _, qt, factors_t, _, _ = quantize_reference(
+            x, scale, granularity=cols, dtype=dtype, rowwise=False, transposed=True,
+            given_scale=False, margin=0.0)
+        return q, qt, factors, factors_t, amax
     dtype = jnp.dtype(dtype)
     fp8_max = FP8_MAX[dtype]
     xf = x.astype(jnp.float32)
@@ -155,7 +182,7 @@ def quantize_reference(x, scale, *, granularity: str, dtype, rowwise: bool, tran
         full = _expand(per_block, granularity, r, c)
         amax = jnp.zeros((0,), jnp.float32)
     q = _convert(xf * full, dtype)
-    return (q if rowwise else empty, q.T if transposed else empty, factors, amax)
+    return (q if rowwise else empty, q.T if transposed else empty, factors, no_factors, amax)
 
 
 def dequantize(q, factors, scaling: str, *, row_blocks: bool = True):
@@ -191,8 +218,8 @@ def matmul_reference(a, b, scale_a, scale_b, *, scaling: str, b_row_blocks: bool
 
 def quantize(x, *, granularity: str, dtype, rowwise: bool, transposed: bool, scale=None,
              margin: float = 0.0, row_groups: int = 1):
-    """(q, qt, factors, amax) of x [R, C] (the module docstring); the caller
-    validated the arguments."""
+    """(q, qt, factors, factors_t, amax) of x [R, C] (the module docstring);
+    the caller validated the arguments."""
     given = scale is not None
     s = jnp.asarray(scale if given else 1.0, jnp.float32).reshape(1)
     x, s = vary_alike(x, s)
@@ -229,6 +256,7 @@ def _quantize_abstract(x, s, *, granularity, dtype, rowwise, transposed, given_s
     f32 = lambda shape: result_aval(x, shape, jnp.dtype(jnp.float32))
     return [fp8((r, c) if rowwise else (0, 0)), fp8((c, r) if transposed else (0, 0)),
             f32(factors_shape(granularity, r, c, row_groups)),
+            f32(factors_t_shape(granularity, r, c)),
             f32((1,) if granularity == "tensor" else (0,))]
 
 

@@ -97,18 +97,21 @@ def _out(dtype):
 
 
 def _quantize_rows_sharded(x, names, n: int, recipe: Recipe, dtype, *, rowwise=True,
-                           transposed=False, scale=None, row_groups: int = 1):
+                           transposed=False, scale=None, row_groups: int = 1,
+                           transposed_blocks: bool = False):
     """Quantize this rank's rows of an operand gathered along its rows:
     (q, qt, factors of q, factors of qt, amax) as `fp8.activation_operands`
     gives them, tensor factors from the given scale (delayed scaling) or the
     axis-wide amax (an `Fp8Activation` as stored); block factors of q in
-    `row_groups` row groups. amax: this rank's amax(x) with per-tensor
-    factors (what delayed scaling records), else None."""
+    `row_groups` row groups, of qt per 128x128 with `transposed_blocks`.
+    amax: this rank's amax(x) with per-tensor factors (what delayed scaling
+    records), else None."""
     if recipe.scaling != "block" and scale is None and not fp8_ops.is_stored(x):
         scale = _axis_scale(x, names, n, dtype, recipe.margin)
     return fp8_ops.activation_operands(x, recipe, dtype, rowwise=rowwise,
                                        transposed=transposed, scale=scale,
-                                       row_groups=row_groups)
+                                       row_groups=row_groups,
+                                       transposed_blocks=transposed_blocks)
 
 
 def _scaling(recipe: Recipe) -> str:
@@ -123,12 +126,13 @@ def _gemm(a, b, fa, fb, recipe: Recipe, out_dtype, b_row_blocks=False):
 
 
 def _quantize_local(a, recipe: Recipe, dtype, *, rowwise=True, transposed=False, scale=None,
-                    row_groups: int = 1):
+                    row_groups: int = 1, transposed_blocks: bool = False):
     """A rank-local operand (no axis-wide scale): as `_quantize_rows_sharded`,
     block factors of the row-wise copy in `row_groups` row groups (the row
     chunks of a host sequence's GEMMs)."""
     return _quantize_rows_sharded(a, (), 1, recipe, dtype, rowwise=rowwise,
-                                  transposed=transposed, scale=scale, row_groups=row_groups)
+                                  transposed=transposed, scale=scale, row_groups=row_groups,
+                                  transposed_blocks=transposed_blocks)
 
 
 def _gather_transposed(qt, fqt, names, n: int, recipe: Recipe):
@@ -196,14 +200,16 @@ def _grads(quantized_dy, res, recipe: Recipe, dx_of=None):
     dx_of = dx_of or (lambda a, b, fa, fb, dtype: _gemm(a, b, fa, fb, recipe, dtype))
     dx = None if xm is None else sum_to_type_of(dx_of(dq, wq, fdq, fw_bwd, xm.dtype), xm)
     dw = None if wm is None else sum_to_type_of(
-        _gemm(qt, dt, fqt, fdt, recipe, wm.dtype, b_row_blocks=recipe.scaling == "block"), wm)
+        _gemm(qt, dt, fqt, fdt, recipe, wm.dtype, b_row_blocks=recipe.wgrad_row_blocks), wm)
     return dx, dw, ady
 
 
-def _needs(res) -> dict:
-    """Which copies of dy the gradients read: the row-wise one for dx (x not
-    stored), the transposed one for dw (w not stored)."""
-    return dict(rowwise=res[4] is not None, transposed=res[5] is not None)
+def _dy_copies(res, recipe: Recipe) -> dict:
+    """How to quantize dy: the copies the gradients read (the row-wise one
+    for dx: x not stored; the transposed one for dw: w not stored), and the
+    transposed one's blocks (Fp8Recipe.wgrad_dy_blocks)."""
+    return dict(rowwise=res[4] is not None, transposed=res[5] is not None,
+                transposed_blocks=recipe.wgrad_dy_blocks)
 
 
 def _op(forward, backward, doc: str):
@@ -271,7 +277,7 @@ def _ag_bwd(names, n, recipe, out_dtype, res, dy, sdy):
                              a, b, fa, fb)
         return _scatter(_gemm(a, b, fa, fb, recipe, dtype), names, n)
     return _grads(_quantize_local(dy, recipe, recipe.bwd_dtype, scale=sdy, row_groups=groups,
-                                  **_needs(res)), res, recipe, dx_of)
+                                  **_dy_copies(res, recipe)), res, recipe, dx_of)
 
 
 all_gather_matmul = _op(_ag_fwd, _ag_bwd, """all_gather(x, tiled) @ w with FP8 GEMMs: x
@@ -294,7 +300,7 @@ def _rs_bwd(names, n, recipe, out_dtype, res, dy, sdy):
     # all_gather_matmul's sequence where it runs), the transposed copy along
     # the tokens for dw
     dq, dt, fdq, fdt, ady = _quantize_rows_sharded(dy, names, n, recipe, recipe.bwd_dtype,
-                                                   scale=sdy, **_needs(res))
+                                                   scale=sdy, **_dy_copies(res, recipe))
     if res[4] is not None and _fused(recipe, res[4].dtype):
         def dx_of(a, b, fa, fb, dtype):
             return _sequence(all_gather_matmul_fp8_p, names, n, dtype, "chunked", recipe, a, b,
@@ -325,7 +331,7 @@ def _ar_bwd(names, n, recipe, out_dtype, res, dy, sdy):
     """psum's transpose: every rank gets the full (invariant) dy; both
     gradients are local FP8 GEMMs."""
     return _grads(_quantize_local(make_varying(dy, names), recipe, recipe.bwd_dtype,
-                                  scale=sdy, **_needs(res)), res, recipe)
+                                  scale=sdy, **_dy_copies(res, recipe)), res, recipe)
 
 
 matmul_all_reduce = _op(_ar_fwd, _ar_bwd, """psum(x @ w) with an FP8 GEMM: x [M, K_local];
