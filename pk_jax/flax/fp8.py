@@ -68,6 +68,7 @@ from jax.sharding import PartitionSpec as P
 from pk_jax.flax._common import SPEC_KEY
 from pk_jax.ops.fp8 import api as fp8_ops
 from pk_jax.ops.fp8 import Fp8Recipe
+from pk_jax.ops.fp8.primitive import IN_TYPES as QUANTIZED_DTYPES  # what quantization reads
 
 
 class Fp8AmaxHistory(nnx.Variable):
@@ -182,13 +183,15 @@ class Fp8Scaling(nnx.Module):
 def fp8_project(x: jax.Array, kernel: jax.Array, axis_name, recipe: Fp8Recipe,
                 scaling: Fp8Scaling | None, op: Callable) -> jax.Array:
     """`op(x, kernel, axis_name, fp8=recipe)` (a pk_jax TP matmul; axis_name
-    None: pk_jax.fp8_dot); with delayed scaling the scales come from
+    None: pk_jax.fp8_dot) with x's dtype as the result's (the kernel may be
+    the float32 parameter); with delayed scaling the scales come from
     `scaling` and the call's amaxes are recorded there."""
     scales = None if scaling is None else scaling.scales()
     if axis_name is None:
-        out = fp8_ops.fp8_dot(x, kernel, recipe, scales=scales)
+        out = fp8_ops.fp8_dot(x, kernel, recipe, scales=scales, out_dtype=x.dtype)
     else:
-        out = op(x, kernel, axis_name, fp8=recipe, fp8_scales=scales)
+        out = op(x, kernel, axis_name, fp8=recipe, fp8_scales=scales,
+                 preferred_element_type=x.dtype)
     if scaling is None:
         return out
     y, amaxes = out

@@ -42,8 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 from pk_jax.flax._common import Initializer, check_positive, new_param
 from pk_jax.flax._common import init_sharded, partition_specs, shard_size  # noqa: F401 (public)
-from pk_jax.flax.fp8 import (Fp8Scaling, check_fp8, fp8_project, fp8_recipe,
-                             split_columns)
+from pk_jax.flax.fp8 import (QUANTIZED_DTYPES, Fp8Scaling, check_fp8, fp8_project,
+                             fp8_recipe, split_columns)
 from pk_jax.ops.ring_attention import LAYOUTS, ring_attention
 from pk_jax.ops.tp_matmul import (ALL_REDUCE_MECHANISMS, MECHANISMS, all_gather_matmul,
                                   matmul_all_reduce, matmul_reduce_scatter)
@@ -97,14 +97,22 @@ class _ParallelLinear(nnx.Module):
         self.bias = (new_param(rngs, bias_init, (out_features,), param_dtype, bias_spec)
                      if use_bias else None)
 
-    def _operands(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x and the kernel, checked and promoted to the computation dtype."""
+    def _operands(self, x: jax.Array, *, quantized: bool = False
+                  ) -> tuple[jax.Array, jax.Array]:
+        """x and the kernel, checked and promoted to the computation dtype;
+        with `quantized` (an FP8 matmul quantizes the kernel) the kernel as
+        stored where the quantization reads its dtype: one rounding instead
+        of two, no conversion pass over it, and its gradient written in the
+        parameter's dtype by the weight-gradient GEMM."""
         x = jnp.asarray(x)
         if x.ndim < 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"pk_jax.flax.{type(self).__name__}: expected input "
                              f"[rows, ..., {self.in_features}], got shape {x.shape}")
-        dtype = self.dtype or jnp.result_type(x, self.kernel[...])
-        return x.astype(dtype), self.kernel[...].astype(dtype)
+        kernel = self.kernel[...]
+        dtype = self.dtype or jnp.result_type(x, kernel)
+        if quantized and jnp.dtype(kernel.dtype) in QUANTIZED_DTYPES:
+            return x.astype(dtype), kernel
+        return x.astype(dtype), kernel.astype(dtype)
 
     def _add_bias(self, y: jax.Array) -> jax.Array:
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
@@ -115,7 +123,10 @@ def _fused_columns(layers: Sequence["ColumnParallelLinear"], x: jax.Array, recip
     """Column-parallel layers of one axis applied to one x as one FP8 matmul
     (their kernels side by side: one all-gather of the quantized rows, one
     scale for the joined kernel): each layer's output, with its bias."""
-    operands = [layer._operands(x) for layer in layers]
+    # one kernel: quantized as stored; several join in the computation dtype (their
+    # conversion and concatenation one pass: joined as stored, float32, the
+    # concatenation would cost more than the conversion saves)
+    operands = [layer._operands(x, quantized=len(layers) == 1) for layer in layers]
     kernel = jnp.concatenate([k for _, k in operands], axis=1)
     y = fp8_project(operands[0][0], kernel, layers[0].axis_name, recipe, scaling,
                     all_gather_matmul)
@@ -185,7 +196,7 @@ class ColumnParallelLinear(_ParallelLinear):
         second output of another layer's call with return_gathered=True:
         a local matmul, no communication (with fp8 `pk_jax.fp8_dot`, and
         delayed scaling's state shared with __call__)."""
-        x, kernel = self._operands(x_gathered)
+        x, kernel = self._operands(x_gathered, quantized=self.fp8 is not None)
         if self.fp8 is not None:
             return self._add_bias(fp8_project(x, kernel, None, self.fp8, self.fp8_state, None))
         return self._add_bias(x @ kernel)
@@ -241,7 +252,7 @@ class RowParallelLinear(_ParallelLinear):
     def __call__(self, x: jax.Array) -> jax.Array:
         """y [rows / n, ..., out_features] (reduce_scatter) or [rows, ...,
         out_features] (all_reduce)."""
-        x, kernel = self._operands(x)
+        x, kernel = self._operands(x, quantized=self.fp8 is not None)
         op = matmul_all_reduce if self.reduce == "all_reduce" else matmul_reduce_scatter
         if self.fp8 is not None:
             return self._add_bias(fp8_project(x, kernel, self.axis_name, self.fp8,
