@@ -163,19 +163,30 @@ def train_loop(steps: int, trainer: Trainer, data: Iterator, log: Callable[[str]
                statistic: str = "mean") -> tuple[list[float], float]:
     """Train `steps` steps on `data`; (loss of every step, the `statistic`
     ("mean" or "median") of the step times in ms over steps 2.. (step 1
-    compiles); nan with one step)."""
+    compiles); nan with one step).
+
+    Each step is dispatched before the previous step's loss is read (JAX's
+    asynchronous dispatch, as a training loop that logs without waiting
+    runs): the host's work for a step (its batch, the call's arguments)
+    overlaps the device's previous step. A step's time runs from the
+    previous step's loss being ready to its own (the first: from its
+    dispatch, compilation included)."""
     log(trainer.description)
     losses, times = [], []
-    for step in range(1, steps + 1):
-        inputs, targets = trainer.put(*next(data))
-        start = time.perf_counter()
-        losses.append(float(trainer.step(inputs, targets)))  # waits for the step
-        times.append(time.perf_counter() - start)
-        if step % 10 == 0 or step == 1:
-            # A wait for a peer GPU that gave up poisons the outputs (NaN) and is
-            # raised here, before a poisoned loss is trusted.
-            pk_jax.check_errors()
-            log(f"step {step:4d}  loss {losses[-1]:.4f}")
+    pending, start = None, time.perf_counter()
+    for step in range(1, steps + 2):
+        loss = trainer.step(*trainer.put(*next(data))) if step <= steps else None
+        if pending is not None:  # the previous step's loss: waits for that step only
+            losses.append(float(pending))
+            now = time.perf_counter()
+            times.append(now - start)
+            start, done = now, step - 1
+            if done % 10 == 0 or done == 1:
+                # A wait for a peer GPU that gave up poisons the outputs (NaN) and is
+                # raised here, before a poisoned loss is trusted.
+                pk_jax.check_errors()
+                log(f"step {done:4d}  loss {losses[-1]:.4f}")
+        pending = loss
     reduce = {"mean": np.mean, "median": np.median}[statistic]
     step_ms = float(1e3 * reduce(times[1:])) if steps > 1 else float("nan")
     if steps > 1:

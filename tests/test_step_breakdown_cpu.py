@@ -45,6 +45,11 @@ _spec.loader.exec_module(tool)
     ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<pk::sum_slots_epi>>",
      "pk_matmul_reduce_scatter", "GEMM"),
     ("loop_add_fusion", "add_fusion.7", "other"),
+    ("void pk::fp8::(anonymous namespace)::tile_kernel<__nv_bfloat16, (__nv_fp8_interpretation_t)"
+     "0, (pk::fp8::Granularity)1, true>(pk::fp8::Quantize, float)", "pk_fp8_quantize.3",
+     "FP8 quantize"),
+    ("void pk::fp8::(anonymous namespace)::amax_kernel<__nv_bfloat16>(__nv_bfloat16 const*, long, "
+     "float*)", "pk_all_gather_matmul_fp8.1", "FP8 quantize"),
 ])
 def test_categories(name, op, category):
     assert tool.classify(name, op) == category

@@ -1,12 +1,15 @@
 """Where one training step of examples/flax_transformer.py spends its GPU time:
 profile one step with jax.profiler, parse the trace it writes, and print a
-table per op category (attention forward / backward kernels, GEMMs, pk_jax's
-communication kernels and copies, XLA's collectives, other) with each
-category's GPU time and its exposed communication; optionally a timeline
-picture (SVG, written by hand: no plotting package needed).
+table per op category (attention forward / backward kernels, GEMMs, FP8
+quantization kernels, pk_jax's communication kernels and copies, XLA's
+collectives, other) with each category's GPU time and its exposed
+communication; optionally a timeline picture (SVG, written by hand: no
+plotting package needed).
 
     python tools/step_breakdown.py --preset gpu --sp 1 --tp 1 --collectives both \\
         [--svg step.svg] [--save]
+    python tools/step_breakdown.py --preset gpu_llama --sp 1 --tp 1 --collectives pk \
+        --fp8 none,current,block   # the pk step without and with FP8 projections
     python tools/step_breakdown.py --trace path/to/host.trace.json.gz   # a trace already taken
 
 `--collectives`: "pk", "xla" (the example's baseline: XLA's collectives,
@@ -28,7 +31,9 @@ Each event gets one category from its kernel name and XLA op:
     are the communication;
   * attention fwd / bwd: pk_jax's ring attention and block backward kernels,
     cuDNN's flash fprop / bprop kernels; GEMM: cuBLAS / CUTLASS / pk_jax GEMM
-    kernels and dot ops; copies: other device memcpys; other: the rest.
+    kernels and dot ops; FP8 quantize: pk_jax's quantization kernels (also
+    where a TP op's custom call runs them); copies: other device memcpys;
+    other: the rest.
 Per device: "GPU time" of a category is the time at least one of its events
 runs (overlap between streams counted once); "exposed" is the time its
 events run while no computation (any non-communication category) runs on the
@@ -60,6 +65,7 @@ CATEGORIES = (
     ("attention fwd", False, "#1f77b4"),
     ("attention bwd", False, "#6baed6"),
     ("GEMM", False, "#2ca02c"),
+    ("FP8 quantize", False, "#bcbd22"),
     ("pk communication", True, "#d62728"),
     ("XLA collectives", True, "#ff7f0e"),
     ("copies", False, "#9467bd"),
@@ -81,6 +87,7 @@ _ATTN_BWD_OP = re.compile(r"(attention|fmha|sdpa).*(bwd|backward)", re.I)
 _ATTN_FWD_OP = re.compile(r"attention|fmha|sdpa", re.I)
 _GEMM = re.compile(r"gemm|nvjet|xmma|matmul|cublas|wgmma|tensorop", re.I)
 _GEMM_OP = re.compile(r"^(dot|dot_general|[\w-]*gemm|[\w-]*matmul|cublas)", re.I)
+_QUANTIZE = re.compile(r"fp8.*(tile_kernel|amax_kernel)")  # pk_jax's quantization kernels
 _HOST_COPY = re.compile(r"H2D|D2H|HtoD|DtoH|H2H", re.I)
 _CONTROL_FLOW_OP = re.compile(r"^(while|conditional|call|async|end: )")
 
@@ -101,6 +108,8 @@ def classify(name: str, op: str = "") -> str:
         return "XLA collectives"
     if pk and "device_kernel" not in name and _PK_COMM_KERNEL.search(name):
         return "pk communication"  # (a CUTLASS kernel's template arguments may name anything)
+    if pk and _QUANTIZE.search(name):
+        return "FP8 quantize"
     if _ATTN_BWD.search(name) or _ATTN_BWD_OP.search(op):
         return "attention bwd"
     if _ATTN_FWD.search(name) or _ATTN_FWD_OP.search(op):
@@ -353,15 +362,17 @@ def load_example():
 
 
 def profile_step(example, collectives: str, cfg, mesh, log_dir: str, warmup: int = 2,
-                 attention=None) -> tuple[str, pathlib.Path]:
-    """Compile the example's step for `collectives`, train `warmup` steps,
-    then profile one into `log_dir`; (the run's name, its trace file)."""
+                 attention=None, fp8: str = "none") -> tuple[str, pathlib.Path]:
+    """Compile the example's step for `collectives` (and the projections'
+    FP8 recipe `fp8`, one of the example's FP8 names; "pk" only), train
+    `warmup` steps, then profile one into `log_dir`; (the run's name, its
+    trace file)."""
     import jax
 
     with jax.set_mesh(mesh):
         if collectives == "xla" and attention is None:
             attention = example.baseline_attention(cfg, mesh)
-        trainer = example.build(collectives, cfg, mesh, attention)
+        trainer = example.build(collectives, cfg, mesh, attention, fp8=fp8)
         print(trainer.description, flush=True)
         data = example.batches(cfg)
         for _ in range(warmup):
@@ -369,7 +380,8 @@ def profile_step(example, collectives: str, cfg, mesh, log_dir: str, warmup: int
         batch = jax.block_until_ready(trainer.put(*next(data)))
         with jax.profiler.trace(log_dir):
             jax.block_until_ready(trainer.step(*batch))
-    return ("pk" if collectives == "pk" else attention.name), find_trace(log_dir)
+    name = "pk" if collectives == "pk" else attention.name
+    return (name if fp8 == "none" else f"{name} fp8 {fp8}"), find_trace(log_dir)
 
 
 def read_trace(path: str | os.PathLike) -> dict:
@@ -383,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", default=None,
                         help="parse this trace.json(.gz) instead of profiling the example")
     parser.add_argument("--collectives", choices=("pk", "xla", "both"), default="both")
+    parser.add_argument("--fp8", default="none",
+                        help="the pk run's FP8 recipes, comma-separated (the example's --fp8 "
+                             "names): one pk run each, e.g. none,current,block")
     parser.add_argument("--warmup", type=int, default=2, help="steps before the profiled one")
     parser.add_argument("--trace-dir", default=None,
                         help="where jax.profiler writes (default: a temporary directory)")
@@ -399,13 +414,20 @@ def main(argv: list[str] | None = None) -> int:
         model = argparse.ArgumentParser(prog="step_breakdown.py (model options)")
         example.add_model_arguments(model)
         cfg, mesh = example.model_from_arguments(model.parse_args(rest), model)
-        runs = ("pk", "xla") if args.collectives == "both" else (args.collectives,)
-        attention = example.baseline_attention(cfg, mesh) if "xla" in runs else None
+        recipes = args.fp8.split(",")
+        if unknown := [r for r in recipes if r not in example.FP8]:
+            parser.error(f"--fp8 {args.fp8}: unknown {unknown}, expected names of {example.FP8}")
+        if args.collectives == "xla" and recipes != ["none"]:
+            parser.error("--fp8 applies to the pk run: --collectives pk or both")
+        runs = [("pk", r) for r in recipes] if args.collectives != "xla" else []
+        runs += [("xla", "none")] if args.collectives != "pk" else []
+        attention = example.baseline_attention(cfg, mesh) if args.collectives != "pk" else None
         traces = {}
-        for c in runs:
-            log_dir = (os.path.join(args.trace_dir, c) if args.trace_dir
-                       else tempfile.mkdtemp(prefix=f"step_breakdown_{c}_"))
-            name, path = profile_step(example, c, cfg, mesh, log_dir, args.warmup, attention)
+        for c, fp8 in runs:
+            label = c if fp8 == "none" else f"{c}_fp8_{fp8}"
+            log_dir = (os.path.join(args.trace_dir, label) if args.trace_dir
+                       else tempfile.mkdtemp(prefix=f"step_breakdown_{label}_"))
+            name, path = profile_step(example, c, cfg, mesh, log_dir, args.warmup, attention, fp8)
             print(f"{name}: trace {path}", flush=True)
             traces[name] = device_events(read_trace(path))
             platform = mesh.devices.flat[0].platform
