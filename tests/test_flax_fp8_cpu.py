@@ -69,6 +69,11 @@ CASES = {
                 lambda m, fp8: ParallelMLP(m, m, axis_name="tp", use_bias=True,
                                            rngs=nnx.Rngs(0), fp8=fp8),
                 lambda m: (N * m, m), P("tp"), P("tp"), _ref_mlp, depth=2),
+    # an axis of one device: gate and up as separate FP8 matmuls (but with delayed scaling)
+    "mlp_one_device": Case(((1,), ("tp",)),
+                           lambda m, fp8: ParallelMLP(m, m, axis_name="tp", use_bias=True,
+                                                      rngs=nnx.Rngs(0), fp8=fp8),
+                           lambda m: (N * m, m), P("tp"), P("tp"), _ref_mlp, depth=2),
     # heads sharded over "tp", sequence over "sp": 16 rows per device
     "attention": Case(((2, N), ("sp", "tp")),
                       lambda m, fp8: RingSelfAttention(HQ // N, HKV // N, HD, 16,
@@ -135,6 +140,18 @@ def test_fp8_layer_values_and_gradients(rng, name, recipe, sharding_mode):
     assert len(got) == len(want) > 0
     for g, r in zip(got, want):
         assert g.shape == r.shape and rel_err(g, r) < case.depth * GRAD_TOL
+
+
+@pytest.mark.parametrize("name,recipe,matmuls", [("mlp", "current", 2),
+                                                  ("mlp_one_device", "current", 3),
+                                                  ("mlp_one_device", "block", 3),
+                                                  ("mlp_one_device", "delayed", 2)])
+def test_fp8_mlp_joins_gate_and_up(rng, name, recipe, matmuls):
+    """gate and up run as one FP8 matmul (joined kernels) on an axis of
+    several devices or with delayed scaling's shared state, as two on one
+    device otherwise (the forward's FP8 GEMMs: gate|up or gate, up; down)."""
+    apply, state, x = _setup(CASES[name], recipe, rng)
+    assert str(jax.make_jaxpr(apply)(state, x)).count("pk_fp8_matmul") == matmuls
 
 
 def test_fp8_mlp_state_layout():

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from pk_jax.flax._common import Initializer, check_positive, new_param
@@ -118,11 +119,23 @@ class _ParallelLinear(nnx.Module):
         return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
+def _axis_size(axis_name) -> int:
+    """The devices along `axis_name` (1 for None: a replicated layer)."""
+    return 1 if axis_name is None else lax.axis_size(axis_name)
+
+
 def _fused_columns(layers: Sequence["ColumnParallelLinear"], x: jax.Array, recipe,
                    scaling: Fp8Scaling | None) -> list[jax.Array]:
-    """Column-parallel layers of one axis applied to one x as one FP8 matmul
-    (their kernels side by side: one all-gather of the quantized rows, one
-    scale for the joined kernel): each layer's output, with its bias."""
+    """Column-parallel layers of one axis applied to one x in FP8: each
+    layer's output, with its bias. As one FP8 matmul (their kernels side by
+    side: one all-gather of the quantized rows, one scale for the joined
+    kernel) where the axis has several devices or delayed scaling keeps one
+    state for them; on one device without that state, one FP8 matmul each:
+    no all-gather to share, and no concatenation of the kernels (forward)
+    and of the output gradients (backward), which cost more than quantizing
+    x once per layer (benchmarks/NOTES.md, 2026-12-06, the model's step)."""
+    if len(layers) > 1 and scaling is None and _axis_size(layers[0].axis_name) == 1:
+        return [_fused_columns([layer], x, recipe, None)[0] for layer in layers]
     # one kernel: quantized as stored; several join in the computation dtype (their
     # conversion and concatenation one pass: joined as stored, float32, the
     # concatenation would cost more than the conversion saves)
