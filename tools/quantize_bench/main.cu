@@ -97,6 +97,21 @@ struct Case {
   bool rowwise, transposed, given_scale;
   int fmt;
 };
+
+// The granularity of each copy's factors: (q's, qt's); the two-factor ones
+// (fp8.h: kRowsCols, kRowsBlocks) quantize qt as kCols / kBlocks would.
+std::pair<Granularity, Granularity> copies_of(Granularity g) {
+  if (g == Granularity::kRowsCols) return {Granularity::kRows, Granularity::kCols};
+  if (g == Granularity::kRowsBlocks) return {Granularity::kRows, Granularity::kBlocks};
+  return {g, g};
+}
+
+// The factors of a (one-layout) granularity.
+int64_t factor_count(Granularity g, int64_t rows, int64_t cols) {
+  const int64_t tr = (rows + kB - 1) / kB, tc = (cols + kB - 1) / kB;
+  return g == Granularity::kTensor ? 1 : g == Granularity::kRows ? tc * rows
+         : g == Granularity::kCols ? tr * cols : tr * tc;
+}
 constexpr Case kCases[] = {
     {"tensor current, both copies, e4m3", Granularity::kTensor, true, true, false, 0},
     {"tensor delayed, both copies, e4m3", Granularity::kTensor, true, true, true, 0},
@@ -105,6 +120,9 @@ constexpr Case kCases[] = {
     {"rows (1x128), e4m3", Granularity::kRows, true, false, false, 0},
     {"cols (128x1), transposed, e4m3", Granularity::kCols, false, true, false, 0},
     {"blocks (128x128), both copies, e4m3", Granularity::kBlocks, true, true, false, 0},
+    {"rows (1x128) + cols (128x1), one pass, e4m3", Granularity::kRowsCols, true, true, false, 0},
+    {"rows (1x128) + blocks (128x128), one pass, e4m3", Granularity::kRowsBlocks, true, true,
+     false, 0},
 };
 
 }  // namespace
@@ -134,7 +152,7 @@ int main(int argc, char** argv) {
     const size_t n = size_t(rows) * cols;
     __nv_bfloat16* x;
     uint8_t *q, *qt, *rq, *rqt, *copy;
-    float *factors, *rfactors, *amax, *ramax, *scale;
+    float *factors, *rfactors, *factors_t, *rfactors_t, *amax, *ramax, *scale;
     const size_t nf = std::max<size_t>(size_t((rows + kB - 1) / kB) * cols,
                                        size_t((cols + kB - 1) / kB) * rows);
     check(cudaMalloc(&x, n * 2), "x");
@@ -145,6 +163,8 @@ int main(int argc, char** argv) {
     check(cudaMalloc(&copy, 2 * n * 2), "copy");
     check(cudaMalloc(&factors, nf * 4), "factors");
     check(cudaMalloc(&rfactors, nf * 4), "rfactors");
+    check(cudaMalloc(&factors_t, nf * 4), "factors_t");
+    check(cudaMalloc(&rfactors_t, nf * 4), "rfactors_t");
     check(cudaMalloc(&amax, 4), "amax");
     check(cudaMalloc(&ramax, nf * 4), "ramax");
     check(cudaMalloc(&scale, 4), "scale");
@@ -171,19 +191,20 @@ int main(int argc, char** argv) {
       p.q = c.rowwise ? q : nullptr;
       p.qt = c.transposed ? qt : nullptr;
       p.factors = factors;
+      const auto [gq, gt] = copies_of(c.g);
+      const bool two = gq != gt;
+      p.factors_t = two ? factors_t : nullptr;
       p.amax = amax;
       p.stream = s;
-      const int64_t count = c.g == Granularity::kTensor ? 1
-                            : c.g == Granularity::kRows ? ((cols + kB - 1) / kB) * rows
-                            : c.g == Granularity::kCols ? ((rows + kB - 1) / kB) * cols
-                                                        : ((rows + kB - 1) / kB) * ((cols + kB - 1) / kB);
+      const int64_t count = factor_count(gq, rows, cols);
+      const int64_t count_t = two ? factor_count(gt, rows, cols) : 0;
       // Reference: the amaxes, then the scale (delayed: fp8_max / (amax * 1.5)).
       const float fp8_max = c.fmt == 0 ? 448.f : 57344.f;
       if (c.g == Granularity::kTensor) {
         check(cudaMemsetAsync(ramax, 0, 4, s), "ramax");
         ref_amax_all<<<1024, 256, 0, s>>>(x, int64_t(n), ramax);
       } else {
-        ref_amax<<<int((count + 127) / 128), 128, 0, s>>>(x, rows, cols, c.g, ramax, count);
+        ref_amax<<<int((count + 127) / 128), 128, 0, s>>>(x, rows, cols, gq, ramax, count);
       }
       float host_amax = 0.f;
       check(cudaMemcpyAsync(&host_amax, ramax, 4, cudaMemcpyDeviceToHost, s), "amax");
@@ -200,20 +221,30 @@ int main(int argc, char** argv) {
       }
       check(cudaMemsetAsync(rq, 0, n, s), "rq");
       check(cudaMemsetAsync(rqt, 0, n, s), "rqt");
-      ref_bytes<<<int((n + 255) / 256), 256, 0, s>>>(x, rows, cols, c.g, ramax, c.fmt,
-                                                     c.rowwise ? rq : nullptr, c.transposed ? rqt : nullptr);
+      ref_bytes<<<int((n + 255) / 256), 256, 0, s>>>(x, rows, cols, gq, ramax, c.fmt,
+                                                     c.rowwise ? rq : nullptr,
+                                                     c.transposed && !two ? rqt : nullptr);
       ref_factors<<<int((count + 255) / 256), 256, 0, s>>>(ramax, count, fp8_max,
                                                            c.g == Granularity::kTensor, rfactors);
+      if (two) {  // qt as its own granularity quantizes it (ramax reused: q's are done)
+        ref_amax<<<int((count_t + 127) / 128), 128, 0, s>>>(x, rows, cols, gt, ramax, count_t);
+        ref_bytes<<<int((n + 255) / 256), 256, 0, s>>>(x, rows, cols, gt, ramax, c.fmt, nullptr,
+                                                       rqt);
+        ref_factors<<<int((count_t + 255) / 256), 256, 0, s>>>(ramax, count_t, fp8_max, false,
+                                                               rfactors_t);
+      }
       // Poison, run, check.
       check(cudaMemsetAsync(q, 0x7F, n, s), "poison");
       check(cudaMemsetAsync(qt, 0x7F, n, s), "poison");
       check(cudaMemsetAsync(factors, 0xFF, nf * 4, s), "poison");
+      check(cudaMemsetAsync(factors_t, 0xFF, nf * 4, s), "poison");
       if (!c.rowwise) check(cudaMemsetAsync(q, 0, n, s), "unused");
       if (!c.transposed) check(cudaMemsetAsync(qt, 0, n, s), "unused");
       check(pk::fp8::run(p), "quantize");
       check(cudaStreamSynchronize(s), "quantize");
       bool ok = (!c.rowwise || same(q, rq, n)) && (!c.transposed || same(qt, rqt, n)) &&
-                same(factors, rfactors, count * 4);
+                same(factors, rfactors, count * 4) &&
+                (!two || same(factors_t, rfactors_t, count_t * 4));
       if (c.g == Granularity::kTensor) {
         float got = 0.f;
         check(cudaMemcpy(&got, amax, 4, cudaMemcpyDeviceToHost), "amax");
@@ -222,7 +253,7 @@ int main(int argc, char** argv) {
       all_ok = all_ok && ok;
       // Time: bytes read (twice for current scaling's amax pass) + written.
       const double bytes = 2.0 * n * (c.g == Granularity::kTensor && !c.given_scale ? 2 : 1) +
-                           double(n) * (c.rowwise + c.transposed) + 4.0 * count;
+                           double(n) * (c.rowwise + c.transposed) + 4.0 * (count + count_t);
       float ms = 0.f;
       for (int rep = 0; rep < 2; ++rep) {
         check(cudaEventRecord(e0, s), "record");
@@ -236,7 +267,8 @@ int main(int argc, char** argv) {
       std::printf("| %lldx%lld | %s | %.4f | %.0f | %.2f | %s |\n", (long long)rows,
                   (long long)cols, c.name, ms, gbs, gbs / copy_gbs, ok ? "ok" : "WRONG");
     }
-    free_all(x, q, qt, rq, rqt, copy, factors, rfactors, amax, ramax, scale);
+    free_all(x, q, qt, rq, rqt, copy, factors, rfactors, factors_t, rfactors_t, amax, ramax,
+             scale);
   }
   std::printf(all_ok ? "all outputs match the reference\n" : "MISMATCH\n");
   return all_ok ? 0 : 1;

@@ -48,10 +48,10 @@ enum class Granularity : int32_t {
 
 // Whether a granularity gives q per 1x128 (with row groups), and whether it
 // writes qt's factors to Quantize::factors_t.
-constexpr bool row_factors(Granularity g) {
+__host__ __device__ constexpr bool row_factors(Granularity g) {
   return g == Granularity::kRows || g == Granularity::kRowsCols || g == Granularity::kRowsBlocks;
 }
-constexpr bool two_factors(Granularity g) {
+__host__ __device__ constexpr bool two_factors(Granularity g) {
   return g == Granularity::kRowsCols || g == Granularity::kRowsBlocks;
 }
 
