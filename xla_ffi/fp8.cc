@@ -12,7 +12,8 @@
 //     C] and kRowsBlocks [ceil(R / 128), ceil(C / 128)]; [0] otherwise),
 //     amax [1] f32 (kTensor; [0] otherwise).
 //   Attributes: granularity (fp8.h: Granularity), given_scale, margin,
-//     row_groups (kRows' row groups, fp8.h; 1 otherwise).
+//     row_groups (the row groups of q's 1x128 factors, fp8.h: row_factors();
+//     1 otherwise).
 // pk_fp8_matmul
 //   Operands: a [M, K], b [N, K] (FP8, K-major both), scale_a, scale_b (f32,
 //     gemm.h: Scaling's layouts).

@@ -115,6 +115,12 @@ class Fp8Recipe:
         return prim.E4M3 if self.scaling == "block" else prim.E5M2
 
     @property
+    def gemm_scaling(self) -> str:
+        """The GEMMs' scaling of this recipe's factors (fp8_matmul's
+        `scaling`): "block", or "tensor" for current and delayed scaling."""
+        return "block" if self.scaling == "block" else "tensor"
+
+    @property
     def wgrad_row_blocks(self) -> bool:
         """Whether the weight gradient's b = dy^T has factors per 1x128 along
         the tokens (fp8_matmul's b_row_blocks): block scaling unless
@@ -397,7 +403,7 @@ def _check_row_groups(row_groups, granularity: str, rows: int) -> None:
             row_groups < 1 or rows % row_groups:
         raise ValueError(f"fp8_quantize(row_groups={row_groups!r}): an int >= 1 dividing the "
                          f"rows of x ({rows})")
-    if row_groups > 1 and prim.TWO_FACTORS.get(granularity, (granularity,))[0] != "rows":
+    if row_groups > 1 and prim.q_granularity(granularity) != "rows":
         raise ValueError(f"fp8_quantize(row_groups={row_groups}): needs granularity='rows' "
                          f"(got {granularity!r})")
 
@@ -583,7 +589,7 @@ def _forward(x, w, recipe, out_dtype, sx=None, sw=None, residuals=True):
     xt_copy, w_copy = residual_copies(x, w, residuals)
     xq, xt, fx, fxt, ax = activation_operands(x, recipe, transposed=xt_copy, scale=sx)
     wq, wt, fw, fw_bwd, aw = weight_operands(w, recipe, sw, dgrad=w_copy)
-    scaling = "block" if recipe.scaling == "block" else "tensor"
+    scaling = recipe.gemm_scaling
     y = fp8_matmul(xq, wt, fx, fw, scaling=scaling, out_dtype=_gemm_out(out_dtype))
     res = (xt, fxt, None if is_stored(x) else wq, fw_bwd)
     return y.astype(out_dtype), res, (ax, aw)
@@ -596,7 +602,7 @@ def _backward(res, dy, recipe, xm, wm, sdy=None):
                                                 rowwise=xm is not None,
                                                 transposed=wm is not None, scale=sdy,
                                                 transposed_blocks=recipe.wgrad_dy_blocks)
-    scaling = "block" if recipe.scaling == "block" else "tensor"
+    scaling = recipe.gemm_scaling
     fast = recipe.fast_gradient_accumulation
     dx = dw = None
     if xm is not None:  # dx = dy @ w^T: w [K, N] is b = [n = K, k = N]

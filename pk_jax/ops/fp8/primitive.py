@@ -79,10 +79,15 @@ def blocks(extent: int) -> int:
     return -(-extent // BLOCK)
 
 
+def q_granularity(granularity: str) -> str:
+    """The one-layout granularity of `factors`: q's for TWO_FACTORS."""
+    return TWO_FACTORS[granularity][0] if granularity in TWO_FACTORS else granularity
+
+
 def factors_shape(granularity: str, rows: int, cols: int, row_groups: int = 1
                   ) -> tuple[int, ...]:
     """The shape of `factors` (q's factors for TWO_FACTORS)."""
-    granularity = TWO_FACTORS.get(granularity, (granularity,))[0]
+    granularity = q_granularity(granularity)
     return {"tensor": (1,), "rows": (row_groups * blocks(cols), rows // row_groups),
             "cols": (blocks(rows), cols), "blocks": (blocks(rows), blocks(cols))}[granularity]
 
@@ -155,12 +160,12 @@ def quantize_reference(x, scale, *, granularity: str, dtype, rowwise: bool, tran
     """What pk_fp8_quantize computes (any platform)."""
     no_factors = jnp.zeros((0,), jnp.float32)
     if granularity in TWO_FACTORS:  # each copy as its own granularity gives it
-        rows, cols = TWO_FACTORS[granularity]
+        of_q, of_qt = TWO_FACTORS[granularity]
         q, _, factors, _, amax = quantize_reference(
-            x, scale, granularity=rows, dtype=dtype, rowwise=True, transposed=False,
+            x, scale, granularity=of_q, dtype=dtype, rowwise=True, transposed=False,
             given_scale=False, margin=0.0, row_groups=row_groups)
         _, qt, factors_t, _, _ = quantize_reference(
-            x, scale, granularity=cols, dtype=dtype, rowwise=False, transposed=True,
+            x, scale, granularity=of_qt, dtype=dtype, rowwise=False, transposed=True,
             given_scale=False, margin=0.0)
         return q, qt, factors, factors_t, amax
     dtype = jnp.dtype(dtype)

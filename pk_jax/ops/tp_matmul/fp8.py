@@ -114,13 +114,8 @@ def _quantize_rows_sharded(x, names, n: int, recipe: Recipe, dtype, *, rowwise=T
                                        transposed_blocks=transposed_blocks)
 
 
-def _scaling(recipe: Recipe) -> str:
-    """The GEMMs' scaling of the recipe's factors: "block" or "tensor"."""
-    return "block" if recipe.scaling == "block" else "tensor"
-
-
 def _gemm(a, b, fa, fb, recipe: Recipe, out_dtype, b_row_blocks=False):
-    return fp8_ops.fp8_matmul(a, b, fa, fb, scaling=_scaling(recipe), b_row_blocks=b_row_blocks,
+    return fp8_ops.fp8_matmul(a, b, fa, fb, scaling=recipe.gemm_scaling, b_row_blocks=b_row_blocks,
                               out_dtype=_out(out_dtype),
                               fast_accum=recipe.fast_gradient_accumulation).astype(out_dtype)
 
@@ -173,7 +168,7 @@ def _sequence(prim, names, n: int, out_dtype, mechanism: str, recipe: Recipe, a,
     primitives require."""
     operands = (make_varying(t, tuple(names)) for t in (a, b, fa, fb))
     cfg = TpConfig(tuple(names), n, np.dtype(out_dtype), mechanism)
-    return prim.bind(*operands, cfg=cfg, scaling=_scaling(recipe),
+    return prim.bind(*operands, cfg=cfg, scaling=recipe.gemm_scaling,
                      fast_accum=recipe.fast_gradient_accumulation)
 
 
