@@ -27,7 +27,7 @@ baseline is named "xla": XLA's attention, or the pure-JAX ring. The losses of
 pk and the baseline agree.
 
     python examples/flax_transformer.py [--steps 50] [--collectives {pk,xla,both}]
-                                        [--fp8 {none,current,delayed,block,current_fast,delayed_fast}]
+                                        [--fp8 {none,current,delayed,block,current_fast,delayed_fast,block_dyblocks}]
 
 Runs on GPUs unchanged (use --dtype bfloat16 there for the fused kernels) or
 on 8 fake CPU devices. `--preset gpu` is a model the fused kernels take (head
@@ -40,7 +40,9 @@ either run and splits its GPU time by op.
 `--fp8 current|delayed|block` builds every tensor-parallel projection
 (attention's q|k|v and output, the MLP's gate|up and down) with that FP8
 recipe (pk_jax.flax's `fp8=`), parameters and everything else as without
-(`current_fast`, `delayed_fast`: the recipe with fast_gradient_accumulation);
+(`current_fast`, `delayed_fast`: the recipe with fast_gradient_accumulation;
+`block_dyblocks`: block scaling with wgrad_dy_blocks, the weight gradient's
+dy^T per 128x128);
 "delayed" keeps amax histories, and the training step writes amax(dy) into
 them (`pk_jax.flax.update_fp8_state`, see `build`). Block scaling needs
 128-multiples (128 rows per device among them): its default preset is
@@ -91,17 +93,19 @@ class Config(LMConfig):
     hidden: int = 128
 
 
-# --fp8: "none", a pk_jax.Fp8Recipe scaling, or "<scaling>_fast" (the recipe with
-# fast_gradient_accumulation: the gradient GEMMs without fp32 promotion)
-FP8 = ("none", "current", "delayed", "block", "current_fast", "delayed_fast")
+# --fp8: "none", a pk_jax.Fp8Recipe scaling, or "<scaling>_<option>": "_fast"
+# (fast_gradient_accumulation: the gradient GEMMs without fp32 promotion),
+# "_dyblocks" (wgrad_dy_blocks: the weight gradient's dy^T per 128x128)
+FP8 = ("none", "current", "delayed", "block", "current_fast", "delayed_fast", "block_dyblocks")
+FP8_OPTIONS = {"fast": "fast_gradient_accumulation", "dyblocks": "wgrad_dy_blocks"}
 
 
 def fp8_recipe(fp8: str):
     """The pk_jax.Fp8Recipe of an --fp8 name (None for "none")."""
     if fp8 == "none":
         return None
-    scaling = fp8.removesuffix("_fast")
-    return pk_jax.Fp8Recipe(scaling, fast_gradient_accumulation=scaling != fp8)
+    scaling, _, option = fp8.partition("_")
+    return pk_jax.Fp8Recipe(scaling, **({FP8_OPTIONS[option]: True} if option else {}))
 
 
 class Block(nnx.Module):
@@ -352,8 +356,8 @@ def train_timed(steps: int, collectives: str, cfg: Config, mesh: Mesh | None = N
 
 def fp8_recipes_for(cfg: Config, mesh: Mesh) -> tuple[str, ...]:
     """The FP8 recipes this model takes on this mesh (FP8's order): "current"
-    and "delayed" (and their "_fast" forms) need 16-multiples, "block"
-    128-multiples, of d_model, the
+    and "delayed" (and their "_fast" forms) need 16-multiples, "block" (and
+    "block_dyblocks") 128-multiples, of d_model, the
     per-device q|k|v and output widths, the per-device hidden size and the
     token rows per device."""
     sp, tp = mesh.shape["sp"], mesh.shape["tp"]
@@ -362,7 +366,7 @@ def fp8_recipes_for(cfg: Config, mesh: Mesh) -> tuple[str, ...]:
              cfg.batch // tp * (cfg.seq_len // sp))
     multiple = {"current": 16, "delayed": 16, "block": 128}
     return tuple(r for r in FP8[1:]
-                 if all(size % multiple[r.removesuffix("_fast")] == 0 for size in sizes))
+                 if all(size % multiple[r.partition("_")[0]] == 0 for size in sizes))
 
 
 def compare_fp8(steps: int, cfg: Config, mesh: Mesh, recipes=FP8[1:],

@@ -154,11 +154,14 @@ def test_fp8_recipes_train_on_one_device(fp8):
 
 def test_fp8_names_map_to_recipes():
     """--fp8's names: a recipe's scaling, "_fast" for its fast gradient
-    accumulation; every name is a recipe the one-device model takes."""
+    accumulation, "_dyblocks" for wgrad_dy_blocks; every name is a recipe
+    the one-device model takes."""
     assert example.fp8_recipe("none") is None
     assert example.fp8_recipe("delayed") == pk_jax.Fp8Recipe("delayed")
     assert example.fp8_recipe("current_fast") == pk_jax.Fp8Recipe(
         "current", fast_gradient_accumulation=True)
+    assert example.fp8_recipe("block_dyblocks") == pk_jax.Fp8Recipe(
+        "block", wgrad_dy_blocks=True)
     cfg = example.PRESETS["fp8_block"]
     assert example.fp8_recipes_for(cfg, example.make_mesh(1, 1)) == example.FP8[1:]
 
