@@ -189,6 +189,22 @@ def test_covering_holds_every_name_part():
         "_pk_jax_ext.dir"
 
 
+def test_unit_groups_compile_each_unit_as_alone():
+    """The check's translation units (one per folder and set of preprocessor
+    lines) hold each covering instantiation once; units that define a macro
+    before their header (ring attention's head dim 256) compile apart."""
+    groups = compile_check.unit_groups()
+    units = [u for _, us in groups for u in us]
+    assert sorted(units) == sorted(s for s in compile_check.kernel_sources()
+                                   if s.parent.name == "instantiations")
+    assert len({g for g, _ in groups}) == len(groups)
+    for _, us in groups:
+        assert len({u.parent for u in us}) == 1
+        assert len({compile_check._preprocessor_lines(u) for u in us}) == 1
+    d256 = [us for _, us in groups if any("_d256" in u.stem for u in us)]
+    assert d256 and all(all("_d256" in u.stem for u in us) for us in d256)
+
+
 def test_cuda_sources_compile():
     """The default compile check (tests/helpers/compile_check.py, built in
     the background while the other tests run; conftest.py runs this test
@@ -209,6 +225,11 @@ def test_cuda_sources_compile():
     others = {t for t in targets if "/instantiations/" not in t}
     compiled = {o.as_posix() for o in p.objects}
     assert others <= compiled, others - compiled
+    # Each covering instantiation was compiled, in its group's translation unit.
+    for generated, units in compile_check.unit_groups():
+        assert f"{generated.as_posix()}.o" in compiled
+        included = re.findall(r'^#include "(.*)"$', (p.build / generated).read_text(), flags=re.M)
+        assert included == [(ROOT / u).as_posix() for u in units], included
 
 
 def test_wheel_carries_the_kernels(tmp_path):
