@@ -190,10 +190,28 @@ def ffi_attr(call: str, name: str) -> str:
     return re.search(name + r" = (dense<\[?[-\d, ]*\]?>|[-\d]+)", call).group(1)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Without a GPU, a run of the suite or of folders of it (not of named
+    files or tests) spreads its tests over pytest-xdist's workers, one a
+    CPU up to 4 (the tests are XLA:CPU compiling, about a core each, and a
+    worker holds about 2.5 GB); `-n 0` (or `-n N`) says otherwise, and GPU
+    machines run in one process (the GPU tests take every GPU)."""
+    if (config.option.collectonly or not config.pluginmanager.hasplugin("xdist")
+            or getattr(config.option, "numprocesses", 0) is not None
+            or os.environ.get("PYTEST_XDIST_WORKER") or not _no_gpu_here()):
+        return
+    if all(os.path.isdir(a) for a in config.args):
+        workers = min(os.cpu_count() or 1, 4)
+        if workers > 1:
+            config.option.numprocesses = workers
+
+
 def pytest_collection_modifyitems(session, config, items):
     """The CUDA compile check (tests/helpers/compile_check.py) builds in the
-    background from now on, and its tests run last, when the build has had
-    the whole session."""
+    background from now on (under pytest-xdist in the controller, once the
+    workers collected its test), and its tests run last, when the build has
+    had the whole session."""
     from helpers import compile_check
     names = set(compile_check.TEST_NAMES.values())
     check = [it for it in items if it.name in names]
@@ -201,9 +219,24 @@ def pytest_collection_modifyitems(session, config, items):
         return
     items[:] = [it for it in items if it.name not in names] + check
     try:
-        compile_check.start()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            compile_check.plan()  # the controller starts it: the setting's check only
+        else:
+            compile_check.start()
     except ValueError as e:  # PK_JAX_COMPILE_CHECK set to no mode
         raise pytest.UsageError(str(e)) from None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """pytest-xdist's controller: a worker collected the compile check's test."""
+    from helpers import compile_check
+    names = set(compile_check.TEST_NAMES.values())
+    if any(i.rsplit("::", 1)[-1] in names for i in ids):
+        try:
+            compile_check.start()
+        except ValueError:  # the workers stop the session with a usage error
+            pass
 
 
 def pytest_unconfigure(config):

@@ -37,10 +37,14 @@ def _target() -> str:
         pytest.skip("needs g++ and the CUDA headers (cuda_runtime.h) to build the check")
     out = ROOT / "build" / "channel_attrs_check.so"
     out.parent.mkdir(exist_ok=True)
+    # Written under this process's id, then renamed: the suite's workers
+    # (conftest.py) may build it at the same time.
+    mine = out.with_name(f"channel_attrs_check.{os.getpid()}.so")
     subprocess.run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-w", "-I", str(ROOT / "csrc"),
                     "-I", str(ROOT), "-I", jax.ffi.include_dir(), "-I", os.path.join(home, "include"),
-                    str(ROOT / "tests" / "native" / "channel_attrs_check.cc"), "-o", str(out)],
+                    str(ROOT / "tests" / "native" / "channel_attrs_check.cc"), "-o", str(mine)],
                    check=True)
+    os.replace(mine, out)
     lib = ctypes.cdll.LoadLibrary(str(out))
     jax.ffi.register_ffi_target("pk_channel_attrs_check", jax.ffi.pycapsule(lib.ChannelCheck),
                                 platform="cpu")

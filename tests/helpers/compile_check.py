@@ -1,7 +1,9 @@
 """The CUDA compile checks, run wherever nvcc exists, in the background while
 the other tests run (conftest.py starts the build once collection has
 picked the check's test, at the lowest CPU priority so the tests keep
-theirs, and runs that test last; it waits for the build):
+theirs, and runs that test last; it waits for the build; under
+pytest-xdist the controller runs the build and the worker given the test
+waits for the status it writes):
 
 - `kernels` (the default): CMake configures the extension exactly as the
   wheel build does (sm_90a, CUTLASS required, Release) into
@@ -44,6 +46,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODES = ("kernels", "wheel")
@@ -278,7 +281,6 @@ class _Run:
 
     def _go(self) -> None:
         build = self.plan.build
-        build.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.plan.dist, ignore_errors=True)  # only this build's wheel
         rc = 0
         with open(self.plan.log, "w") as out:
@@ -314,6 +316,7 @@ class _Run:
                 if rc != 0:
                     break
         self.rc = rc
+        _status(self.plan).write_text(f"{rc}\n")
 
     def wait(self) -> int:
         self._thread.join()
@@ -329,6 +332,17 @@ class _Run:
 _run: _Run | None = None
 
 
+# In the build folder: the build's exit status once it ended, and the id of
+# the process that started it (pytest-xdist's workers wait for a build their
+# controller started: result()).
+def _status(p: Plan) -> pathlib.Path:
+    return p.build / "compile-check.status"
+
+
+def _owner(p: Plan) -> pathlib.Path:
+    return p.build / "compile-check.owner"
+
+
 def start() -> Plan:
     """Start the build (once per session) if the check runs here; its plan."""
     global _run
@@ -336,6 +350,9 @@ def start() -> Plan:
         return _run.plan
     p = plan()
     if p.skip is None:
+        p.build.mkdir(parents=True, exist_ok=True)
+        _status(p).unlink(missing_ok=True)
+        _owner(p).write_text(f"{os.getpid()}\n")
         _run = _Run(p)
     return p
 
@@ -346,8 +363,25 @@ def stop() -> None:
         _run.stop()
 
 
+def _started_by_parent(p: Plan) -> bool:
+    try:
+        return int(_owner(p).read_text()) == os.getppid()
+    except (OSError, ValueError):
+        return False
+
+
 def result() -> tuple[Plan, int | None]:
     """The plan and, when it ran, the build's exit status (waits for it;
-    starts it first if conftest did not)."""
+    starts it first if conftest did not). In a pytest-xdist worker whose
+    controller started the build (conftest.py), waits for the status the
+    controller's build writes."""
+    if _run is None and os.environ.get("PYTEST_XDIST_WORKER"):
+        p = plan()
+        if p.skip is None and _started_by_parent(p):
+            while not _status(p).is_file():
+                if not _started_by_parent(p):  # the controller ended
+                    return p, -1
+                time.sleep(1)
+            return p, int(_status(p).read_text())
     p = start()
     return p, (_run.wait() if _run is not None else None)
