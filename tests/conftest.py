@@ -18,16 +18,22 @@ def _no_gpu_here() -> bool:
 
 
 # On machines without a GPU (CI) the suite's time is XLA:CPU compiling
-# thousands of small programs: compile them at LLVM -O0 (the tests time
-# nothing; results may move by an ulp, within every tolerance).
-# PK_JAX_TEST_FAST_COMPILE=0 turns it off. (A persistent compilation cache
-# shared by the tests was faster still, but XLA:CPU aborted loading some of
-# its executables, and a hit skips the partitioning callbacks that the
-# routing tests record: benchmarks/NOTES.md.)
+# thousands of small programs: compile them at LLVM -O0, with XLA:CPU's
+# elemental emitters for fusions instead of its MLIR fusion emitters, and
+# each program as one LLVM module (the two flags: the suite's CPU time
+# -38%); the tests time nothing, and results may move by an ulp, within
+# every tolerance. PK_JAX_TEST_FAST_COMPILE=0 turns it off; a flag already in
+# XLA_FLAGS keeps its value. (A persistent compilation cache shared by the
+# tests was faster still, but XLA:CPU aborted loading some of its
+# executables, and a hit skips the partitioning callbacks that the routing
+# tests record: benchmarks/NOTES.md.)
+FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
+                      "--xla_cpu_use_fusion_emitters=false",
+                      "--xla_cpu_parallel_codegen_split_count=1")
 if os.environ.get("PK_JAX_TEST_FAST_COMPILE", "1" if _no_gpu_here() else "0") == "1":
-    _opt = "--xla_backend_optimization_level=0"
-    if _opt not in os.environ["XLA_FLAGS"]:
-        os.environ["XLA_FLAGS"] += " " + _opt
+    for _opt in FAST_COMPILE_FLAGS:
+        if _opt.split("=")[0] + "=" not in os.environ["XLA_FLAGS"]:
+            os.environ["XLA_FLAGS"] += " " + _opt
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
