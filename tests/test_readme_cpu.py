@@ -15,6 +15,8 @@ import sys
 
 import pytest
 
+from conftest import FAST_COMPILE_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
@@ -22,7 +24,10 @@ BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)
 
 def _env() -> dict:
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    # 8 fake devices, and conftest.py's XLA:CPU compile flags where it set them.
+    env["XLA_FLAGS"] = " ".join(["--xla_force_host_platform_device_count=8"]
+                                + [f for f in FAST_COMPILE_FLAGS
+                                   if f in os.environ.get("XLA_FLAGS", "").split()])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
