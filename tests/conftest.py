@@ -202,8 +202,9 @@ def pytest_cmdline_main(config):
     files or tests) spreads its tests over pytest-xdist's workers, one a
     CPU up to 4 (the tests are XLA:CPU compiling, about a core each, and a
     worker holds about 2.5 GB); `-n 0` (or `-n N`) says otherwise, and GPU
-    machines run in one process (the GPU tests take every GPU)."""
-    if (config.option.collectonly or not config.pluginmanager.hasplugin("xdist")
+    machines and --pdb run in one process (the GPU tests take every GPU)."""
+    if (config.option.collectonly or config.option.usepdb
+            or not config.pluginmanager.hasplugin("xdist")
             or getattr(config.option, "numprocesses", 0) is not None
             or os.environ.get("PYTEST_XDIST_WORKER") or not _no_gpu_here()):
         return
