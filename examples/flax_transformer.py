@@ -366,7 +366,7 @@ def fp8_recipes_for(cfg: Config, mesh: Mesh) -> tuple[str, ...]:
              cfg.batch // tp * (cfg.seq_len // sp))
     multiple = {"current": 16, "delayed": 16, "block": 128}
     return tuple(r for r in FP8[1:]
-                 if all(size % multiple[r.partition("_")[0]] == 0 for size in sizes))
+                 if all(size % multiple[fp8_recipe(r).scaling] == 0 for size in sizes))
 
 
 def compare_fp8(steps: int, cfg: Config, mesh: Mesh, recipes=FP8[1:],
