@@ -15,7 +15,11 @@ with the clock's, crashed the profiled process at start: benchmarks/NOTES.md,
 2026-12-04.) `--fp8 tensor|block` profiles the FP8 GEMM forward instead:
 pk_jax.fp8_matmul on operands quantized beforehand (per-tensor or 1x128 /
 128x128 factors) and XLA's dot of the same e4m3 operands written the two
-fastest ways (kernels.py's xla_fp8_direct and xla_fp8_dq_f32).
+fastest ways (kernels.py's xla_fp8_direct and xla_fp8_dq_f32). `--cutlass` adds
+pk's CUTLASS kernel of the same recipe beside the default library's
+(`pk_cutlass_fp8_<recipe>`, tuning.forced, lowered from a function of its
+own); `--b-row-blocks` gives the block recipe's B 1x128 factors too (the
+weight gradient's operands).
 
 Without ncu it prints the timings (benchmarks/common.py's interleaved_ms).
 """
@@ -33,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+from pk_jax import tuning
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from common import cuda_profiler, interleaved_ms, one_axis_mesh  # noqa: E402
@@ -44,10 +49,15 @@ def main() -> None:
     ap.add_argument("--shape", default="8192,8192,8192", help="M,N,K")
     ap.add_argument("--fp8", choices=("tensor", "block"), default=None,
                     help="profile the FP8 GEMM forward with this recipe's factors")
+    ap.add_argument("--cutlass", action="store_true",
+                    help="with --fp8: pk's CUTLASS kernel beside the default library's")
+    ap.add_argument("--b-row-blocks", action="store_true",
+                    help="with --fp8 block: B per 1x128 too (the weight gradient's factors)")
     a = ap.parse_args()
     m, n, k = map(int, a.shape.split(","))
     if a.fp8:
-        return profile(fp8_calls(m, n, k, a.fp8), "forward")
+        return profile(fp8_calls(m, n, k, a.fp8, cutlass=a.cutlass,
+                                 b_row_blocks=a.b_row_blocks), "forward")
     keys = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
     w = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * k ** -0.5
@@ -60,8 +70,10 @@ def main() -> None:
     profile({name: (lambda f=f: f(x, w, dy)) for name, f in fns.items()}, "backward (dx, dw)")
 
 
-def fp8_calls(m: int, n: int, k: int, recipe: str) -> dict[str, Callable[[], jax.Array]]:
-    """pk's FP8 GEMM with `recipe`'s factors and XLA's two fastest FP8 dots."""
+def fp8_calls(m: int, n: int, k: int, recipe: str, *, cutlass: bool = False,
+              b_row_blocks: bool = False) -> dict[str, Callable[[], jax.Array]]:
+    """pk's FP8 GEMM with `recipe`'s factors (and, with `cutlass`, pk's CUTLASS
+    kernel of it) and XLA's two fastest FP8 dots."""
     keys = jax.random.split(jax.random.key(0), 2)
     x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
     w = jax.random.normal(keys[1], (n, k), jnp.bfloat16) * k ** -0.5
@@ -71,13 +83,24 @@ def fp8_calls(m: int, n: int, k: int, recipe: str) -> dict[str, Callable[[], jax
         pk = jax.jit(pk_jax.fp8_matmul)
     else:
         xq, _, fx, _ = pk_jax.fp8_quantize(x, "rows")
-        _, wq, fw, _ = pk_jax.fp8_quantize(w.T, "blocks", rowwise=False, transposed=True)
-        pk = jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(a, b, fa, fb, scaling="block"))
+        if b_row_blocks:
+            wq, _, fw, _ = pk_jax.fp8_quantize(w, "rows")
+        else:
+            _, wq, fw, _ = pk_jax.fp8_quantize(w.T, "blocks", rowwise=False, transposed=True)
+        pk = jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(a, b, fa, fb, scaling="block",
+                                                          b_row_blocks=b_row_blocks))
     tq, _, tx, _ = pk_jax.fp8_quantize(x, "tensor")
     uq, _, tw, _ = pk_jax.fp8_quantize(w, "tensor")
     sx, sw = tx.reshape(()), tw.reshape(())
     xla = _xla_fp8_variants()
     calls = {f"pk_fp8_{recipe}": lambda: pk(xq, wq, fx, fw)}
+    if cutlass:
+        # A function of its own: JAX caches lowerings (benchmarks/NOTES.md, 2026-12-06).
+        with tuning.forced(fp8_gemm_library="cutlass"):
+            cut = jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(
+                a, b, fa, fb, scaling="block" if recipe == "block" else "tensor",
+                b_row_blocks=b_row_blocks)).lower(xq, wq, fx, fw).compile()
+        calls[f"pk_cutlass_fp8_{recipe}"] = lambda: cut(xq, wq, fx, fw)
     for name in ("xla_fp8_direct", "xla_fp8_dq_f32"):
         calls[name] = lambda f=jax.jit(xla[name]): f(tq, uq, sx, sw)
     return calls
