@@ -54,6 +54,10 @@ def main() -> None:
     ap.add_argument("--b-row-blocks", action="store_true",
                     help="with --fp8 block: B per 1x128 too (the weight gradient's factors)")
     a = ap.parse_args()
+    if (a.cutlass or a.b_row_blocks) and not a.fp8:
+        ap.error("--cutlass and --b-row-blocks profile an FP8 GEMM: give --fp8 too")
+    if a.b_row_blocks and a.fp8 != "block":
+        ap.error("--b-row-blocks is the block recipe's: give --fp8 block")
     m, n, k = map(int, a.shape.split(","))
     if a.fp8:
         return profile(fp8_calls(m, n, k, a.fp8, cutlass=a.cutlass,
@@ -80,26 +84,25 @@ def fp8_calls(m: int, n: int, k: int, recipe: str, *, cutlass: bool = False,
     if recipe == "tensor":
         xq, _, fx, _ = pk_jax.fp8_quantize(x, "tensor")
         wq, _, fw, _ = pk_jax.fp8_quantize(w, "tensor")
-        pk = jax.jit(pk_jax.fp8_matmul)
     else:
         xq, _, fx, _ = pk_jax.fp8_quantize(x, "rows")
         if b_row_blocks:
             wq, _, fw, _ = pk_jax.fp8_quantize(w, "rows")
         else:
             _, wq, fw, _ = pk_jax.fp8_quantize(w.T, "blocks", rowwise=False, transposed=True)
-        pk = jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(a, b, fa, fb, scaling="block",
-                                                          b_row_blocks=b_row_blocks))
+
+    def gemm():  # a new function each call: JAX caches lowerings (benchmarks/NOTES.md, 2026-12-06)
+        return jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(
+            a, b, fa, fb, scaling=recipe, b_row_blocks=b_row_blocks))
+    pk = gemm()
     tq, _, tx, _ = pk_jax.fp8_quantize(x, "tensor")
     uq, _, tw, _ = pk_jax.fp8_quantize(w, "tensor")
     sx, sw = tx.reshape(()), tw.reshape(())
     xla = _xla_fp8_variants()
     calls = {f"pk_fp8_{recipe}": lambda: pk(xq, wq, fx, fw)}
     if cutlass:
-        # A function of its own: JAX caches lowerings (benchmarks/NOTES.md, 2026-12-06).
         with tuning.forced(fp8_gemm_library="cutlass"):
-            cut = jax.jit(lambda a, b, fa, fb: pk_jax.fp8_matmul(
-                a, b, fa, fb, scaling="block" if recipe == "block" else "tensor",
-                b_row_blocks=b_row_blocks)).lower(xq, wq, fx, fw).compile()
+            cut = gemm().lower(xq, wq, fx, fw).compile()
         calls[f"pk_cutlass_fp8_{recipe}"] = lambda: cut(xq, wq, fx, fw)
     for name in ("xla_fp8_direct", "xla_fp8_dq_f32"):
         calls[name] = lambda f=jax.jit(xla[name]): f(tq, uq, sx, sw)
