@@ -108,9 +108,10 @@ def single_gpu_gemm() -> str:
     of one device (nothing to gather or reduce): "kernel" (pk's CUTLASS GEMM
     sequences) or "xla" (XLA's dot, cuBLAS; its backward too).
 
-    From benchmarks/RESULTS.md's kernels_gemm (one H200, the same run's
-    XLA dot): pk's GEMM was 0.93-1.00x cuBLAS forward + backward over the 15
-    LLM shapes (forward alone 0.95-1.04x), so one device runs XLA's dot, as a
+    From benchmarks/RESULTS.md's kernels_gemm (one H100, five rotated
+    rounds, the same run's XLA dot): pk's GEMM was 0.89-0.98x cuBLAS forward
+    + backward over the 15 LLM shapes (forward alone 0.91-1.05x; an earlier
+    H200 run: 0.93-1.00x and 0.95-1.04x), so one device runs XLA's dot, as a
     user without pk_jax would. `mechanism="chunked"` still runs the kernels
     there; the FP8 path (`fp8=`) keeps pk's FP8 GEMMs, which lead XLA's FP8
     dot (kernels_fp8).
