@@ -145,13 +145,14 @@ struct WithCommCtas : Base {
 // wait and the next issue (each the faster in tools/attention_sweep;
 // NOTES.md, 2026-12-05).
 template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = false,
-          bool kUnderQk = (kHeadDim == 128)>
+          bool kUnderQk = (kHeadDim == 128), bool kDoubleP = false>
 struct FwdTile {
   using Shape = cute::Shape<cute::_128, cute::Int<kKeys>, cute::Int<kHeadDim>>;
   using StagesKV = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV,
                                                  cute::Int<kStages>>;
   static constexpr bool kLazyRescale = kLazy;
   static constexpr bool kRescaleUnderQk = kUnderQk;
+  static constexpr bool kDoubleBufferP = kDoubleP;  // RingMainloop::compute_double_p
 };
 
 // kCommCtas: mechanism ld_st (communicator CTAs in front); false is the

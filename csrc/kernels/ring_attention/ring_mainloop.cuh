@@ -90,6 +90,7 @@ struct RingMainloop
   static_assert(!Base::kIsPersistent, "one query tile per CTA: the last stages are not released");
   static constexpr bool kLazyRescale = Tile::kLazyRescale;
   static constexpr bool kRescaleUnderQk = Tile::kRescaleUnderQk;
+  static constexpr bool kDoubleBufferP = Tile::kDoubleBufferP;
 
   static constexpr int kTileQ = get<0>(TileShape{});
   static constexpr int kTileK = get<1>(TileShape{});
@@ -417,45 +418,106 @@ struct RingMainloop
     Tensor p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
 
     // O += P V of the previous tile.
-    auto issue_pv = [&]() {
+    auto issue_pv_of = [&](auto& p) {
       pipeline.consumer_wait(read_v);
       warpgroup_fence_operand(acc_pv);
-      warpgroup_fence_operand(p_op);
+      warpgroup_fence_operand(p);
       warpgroup_arrive();
-      cute::gemm(mma_pv, p_op, tOrV(_, _, _, read_v.index()), acc_pv);
+      cute::gemm(mma_pv, p, tOrV(_, _, _, read_v.index()), acc_pv);
       warpgroup_commit_batch();
     };
+    auto issue_pv = [&]() { issue_pv_of(p_op); };
 
-    CUTLASS_PRAGMA_NO_UNROLL
-    while (walk.next(t)) {
-      Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
-      issue_qk(acc_qk);
-      // kRescaleUnderQk: O takes the previous tile's factor while the tensor
-      // cores run this tile's QK (FA3's order), not between the PV wait and
-      // the next GEMM issue.
+    if constexpr (kDoubleBufferP) {
+      // P in two register buffers, taken in turns: tile t's probabilities
+      // go to the buffer the PV GEMM of tile t - 2 read (finished), so the
+      // softmax never waits for the PV GEMM of tile t - 1, which runs beside
+      // it, and the next QK GEMM queues behind that PV GEMM. O's rescale
+      // waits for the PV GEMM of tile t - 2 instead (issued a tile earlier).
+      Tensor p_other = p_op;  // same type; overwritten before its first read
+      bool pv_pending = false;  // a PV GEMM whose V stage is not yet released
+      auto step = [&](auto& p_prev, auto& p_next) {
+        Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
+        issue_qk(acc_qk);
+        warpgroup_wait<1>();  // the PV GEMM of tile t - 2 (older than this QK)
+        warpgroup_fence_operand(acc_pv);
+        if (pv_pending) {
+          pipeline.consumer_release(read_v);
+          next_tile(read_v);
+        }
+        rescale(acc_pv, o_scale);
+        issue_pv_of(p_prev);
+        pv_pending = true;
+        warpgroup_wait<1>();  // this tile's QK
+        warpgroup_fence_operand(acc_qk);
+        pipeline.consumer_release(read_k);
+        next_tile(read_k);
+        if (t.masked) mask_tile(acc_qk, tPcP, q_shift, t, g.causal);
+        o_scale = online_softmax(acc_qk, state, k2);
+        p_next = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
+      };
+      // Tile 0's P is in p_op; after each step the last tile's is in the
+      // other buffer.
+      auto finish = [&](auto& p_last) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_pv);
+        if (pv_pending) {
+          pipeline.consumer_release(read_v);
+          next_tile(read_v);
+        }
+        rescale(acc_pv, o_scale);
+        issue_pv_of(p_last);  // the last tile's
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc_pv);
+        pipeline.consumer_release(read_v);
+        next_tile(read_v);
+      };
+      CUTLASS_PRAGMA_NO_UNROLL
+      while (true) {
+        if (!walk.next(t)) {
+          finish(p_op);
+          break;
+        }
+        step(p_op, p_other);
+        if (!walk.next(t)) {
+          finish(p_other);
+          break;
+        }
+        step(p_other, p_op);
+      }
+      read = read_v;  // past every stage this CTA consumed
+    } else {
+      CUTLASS_PRAGMA_NO_UNROLL
+      while (walk.next(t)) {
+        Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
+        issue_qk(acc_qk);
+        // kRescaleUnderQk: O takes the previous tile's factor while the tensor
+        // cores run this tile's QK (FA3's order), not between the PV wait and
+        // the next GEMM issue.
+        if constexpr (kRescaleUnderQk) rescale(acc_pv, o_scale);
+        issue_pv();
+        warpgroup_wait<1>();  // this tile's QK (the older batch) is done
+        warpgroup_fence_operand(acc_qk);
+        pipeline.consumer_release(read_k);
+        next_tile(read_k);
+        if (t.masked) mask_tile(acc_qk, tPcP, q_shift, t, g.causal);
+        o_scale = online_softmax(acc_qk, state, k2);
+        warpgroup_wait<0>();  // the previous tile's PV: O and P are free
+        warpgroup_fence_operand(acc_pv);
+        pipeline.consumer_release(read_v);
+        next_tile(read_v);
+        if constexpr (!kRescaleUnderQk) rescale(acc_pv, o_scale);
+        p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
+      }
+
       if constexpr (kRescaleUnderQk) rescale(acc_pv, o_scale);
-      issue_pv();
-      warpgroup_wait<1>();  // this tile's QK (the older batch) is done
-      warpgroup_fence_operand(acc_qk);
-      pipeline.consumer_release(read_k);
-      next_tile(read_k);
-      if (t.masked) mask_tile(acc_qk, tPcP, q_shift, t, g.causal);
-      o_scale = online_softmax(acc_qk, state, k2);
-      warpgroup_wait<0>();  // the previous tile's PV: O and P are free
+      issue_pv();  // the last tile's
+      warpgroup_wait<0>();
       warpgroup_fence_operand(acc_pv);
       pipeline.consumer_release(read_v);
       next_tile(read_v);
-      if constexpr (!kRescaleUnderQk) rescale(acc_pv, o_scale);
-      p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
+      read = read_v;  // past every stage this CTA consumed
     }
-
-    if constexpr (kRescaleUnderQk) rescale(acc_pv, o_scale);
-    issue_pv();  // the last tile's
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(acc_pv);
-    pipeline.consumer_release(read_v);
-    next_tile(read_v);
-    read = read_v;  // past every stage this CTA consumed
 
     Tensor lse = softmax.tail(state, acc_pv, mma_pv);
     // A failed call's tile is poison (NaN in O and the log-sum-exp): a wait
