@@ -143,16 +143,22 @@ struct WithCommCtas : Base {
 // softmax steps per key; benchmarks/NOTES.md, 2026-12-03) in the example's 5
 // stages; head dim 128 rescales O under the next QK GEMM, 64 between the PV
 // wait and the next issue (each the faster in tools/attention_sweep;
-// NOTES.md, 2026-12-05).
+// NOTES.md, 2026-12-05). kDoubleP: P in two register buffers taken in turns,
+// so the softmax of one tile runs beside the PV GEMM of the one before
+// (RingMainloop::compute; O's rescale then follows that GEMM's wait, so
+// kUnderQk does not apply). Head dim 128 at 128 keys takes it (2-9% faster,
+// NOTES.md, 2026-12-07); head dim 64 does not (as fast causal, 3% slower
+// without a mask), nor do wider key tiles (ptxas serializes their wgmma or
+// spills).
 template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = false,
-          bool kUnderQk = (kHeadDim == 128), bool kDoubleP = false>
+          bool kUnderQk = (kHeadDim == 128), bool kDoubleP = (kHeadDim == 128 && kKeys == 128)>
 struct FwdTile {
   using Shape = cute::Shape<cute::_128, cute::Int<kKeys>, cute::Int<kHeadDim>>;
   using StagesKV = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV,
                                                  cute::Int<kStages>>;
   static constexpr bool kLazyRescale = kLazy;
   static constexpr bool kRescaleUnderQk = kUnderQk;
-  static constexpr bool kDoubleBufferP = kDoubleP;  // RingMainloop::compute_double_p
+  static constexpr bool kDoubleBufferP = kDoubleP;
 };
 
 // kCommCtas: mechanism ld_st (communicator CTAs in front); false is the
