@@ -146,10 +146,11 @@ struct WithCommCtas : Base {
 // NOTES.md, 2026-12-05). kDoubleP: P in two register buffers taken in turns,
 // so the softmax of one tile runs beside the PV GEMM of the one before
 // (RingMainloop::compute; O's rescale then follows that GEMM's wait, so
-// kUnderQk does not apply). Head dim 128 at 128 keys takes it (2-9% faster,
-// NOTES.md, 2026-12-07); head dim 64 does not (as fast causal, 3% slower
-// without a mask), nor do wider key tiles (ptxas serializes their wgmma or
-// spills).
+// kUnderQk does not apply). Head dim 128 at 128 keys takes it (tools/
+// attention_sweep: 1.04x without a mask, 0.94-1.07x causal, geometric mean
+// 1.02x; NOTES.md, 2026-12-07); head dim 64 does not (as fast causal, 3%
+// slower without a mask), nor do wider key tiles (ptxas serializes their
+// wgmma or spills).
 template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = false,
           bool kUnderQk = (kHeadDim == 128), bool kDoubleP = (kHeadDim == 128 && kKeys == 128)>
 struct FwdTile {

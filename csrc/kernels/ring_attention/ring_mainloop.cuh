@@ -417,8 +417,8 @@ struct RingMainloop
     auto o_scale = online_softmax(acc_qk, state, k2);  // O is zero: nothing to rescale
     Tensor p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
 
-    // O += P V of the previous tile.
-    auto issue_pv_of = [&](auto& p) {
+    // O += P V of the previous tile (its probabilities in p).
+    auto issue_pv = [&](auto& p) {
       pipeline.consumer_wait(read_v);
       warpgroup_fence_operand(acc_pv);
       warpgroup_fence_operand(p);
@@ -426,7 +426,6 @@ struct RingMainloop
       cute::gemm(mma_pv, p, tOrV(_, _, _, read_v.index()), acc_pv);
       warpgroup_commit_batch();
     };
-    auto issue_pv = [&]() { issue_pv_of(p_op); };
 
     if constexpr (kDoubleBufferP) {
       // P in two register buffers, taken in turns: tile t's probabilities
@@ -436,18 +435,23 @@ struct RingMainloop
       // waits for the PV GEMM of tile t - 2 instead (issued a tile earlier).
       Tensor p_other = p_op;  // same type; overwritten before its first read
       bool pv_pending = false;  // a PV GEMM whose V stage is not yet released
-      auto step = [&](auto& p_prev, auto& p_next) {
-        Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
-        issue_qk(acc_qk);
-        warpgroup_wait<1>();  // the PV GEMM of tile t - 2 (older than this QK)
+      // After the wait for the last PV GEMM issued: its V stage back, O
+      // rescaled, then O += P V of the tile whose probabilities p holds.
+      auto rescale_and_issue_pv = [&](auto& p) {
         warpgroup_fence_operand(acc_pv);
         if (pv_pending) {
           pipeline.consumer_release(read_v);
           next_tile(read_v);
         }
         rescale(acc_pv, o_scale);
-        issue_pv_of(p_prev);
+        issue_pv(p);
         pv_pending = true;
+      };
+      auto step = [&](auto& p_prev, auto& p_next) {
+        Tensor acc_qk = partition_fragment_C(mma_qk, take<0, 2>(TileShapeQK{}));
+        issue_qk(acc_qk);
+        warpgroup_wait<1>();  // the PV GEMM of tile t - 2 (older than this QK)
+        rescale_and_issue_pv(p_prev);
         warpgroup_wait<1>();  // this tile's QK
         warpgroup_fence_operand(acc_qk);
         pipeline.consumer_release(read_k);
@@ -457,35 +461,22 @@ struct RingMainloop
         p_next = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
       };
       // Tile 0's P is in p_op; after each step the last tile's is in the
-      // other buffer.
-      auto finish = [&](auto& p_last) {
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_pv);
-        if (pv_pending) {
-          pipeline.consumer_release(read_v);
-          next_tile(read_v);
-        }
-        rescale(acc_pv, o_scale);
-        issue_pv_of(p_last);  // the last tile's
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(acc_pv);
-        pipeline.consumer_release(read_v);
-        next_tile(read_v);
-      };
+      // other buffer. The last tile's PV GEMM is issued here.
       CUTLASS_PRAGMA_NO_UNROLL
       while (true) {
         if (!walk.next(t)) {
-          finish(p_op);
+          warpgroup_wait<0>();
+          rescale_and_issue_pv(p_op);
           break;
         }
         step(p_op, p_other);
         if (!walk.next(t)) {
-          finish(p_other);
+          warpgroup_wait<0>();
+          rescale_and_issue_pv(p_other);
           break;
         }
         step(p_other, p_op);
       }
-      read = read_v;  // past every stage this CTA consumed
     } else {
       CUTLASS_PRAGMA_NO_UNROLL
       while (walk.next(t)) {
@@ -495,7 +486,7 @@ struct RingMainloop
         // cores run this tile's QK (FA3's order), not between the PV wait and
         // the next GEMM issue.
         if constexpr (kRescaleUnderQk) rescale(acc_pv, o_scale);
-        issue_pv();
+        issue_pv(p_op);
         warpgroup_wait<1>();  // this tile's QK (the older batch) is done
         warpgroup_fence_operand(acc_qk);
         pipeline.consumer_release(read_k);
@@ -509,15 +500,15 @@ struct RingMainloop
         if constexpr (!kRescaleUnderQk) rescale(acc_pv, o_scale);
         p_op = fmha::make_acc_into_op<Element>(acc_qk, typename TiledMmaPV::LayoutA_TV{});
       }
-
       if constexpr (kRescaleUnderQk) rescale(acc_pv, o_scale);
-      issue_pv();  // the last tile's
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(acc_pv);
-      pipeline.consumer_release(read_v);
-      next_tile(read_v);
-      read = read_v;  // past every stage this CTA consumed
+      issue_pv(p_op);  // the last tile's
     }
+    // The last tile's PV GEMM, then its V stage back.
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_pv);
+    pipeline.consumer_release(read_v);
+    next_tile(read_v);
+    read = read_v;  // past every stage this CTA consumed
 
     Tensor lse = softmax.tail(state, acc_pv, mma_pv);
     // A failed call's tile is poison (NaN in O and the log-sum-exp): a wait
