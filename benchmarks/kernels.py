@@ -45,12 +45,14 @@ implementation: op, shape fields, implementation, median_ms, tflops,
 best_other, best_other_ms).
 
 Usage: python benchmarks/kernels.py [--only attention,gemm,fp8,fp8_train] [--quick]
-       [--match TEXT] [--rounds N] [--smoke] [--part I/N [--part-out F]]
+       [--match TEXT] [--rounds N] [--smoke] [--skip IMPLS] [--part I/N [--part-out F]]
        python benchmarks/kernels.py --merge F1 F2 ...
 (--smoke: tiny shapes; --quick: the first two cases; --match: the cases whose
 label holds TEXT, e.g. "d64" or "8192x8192x8192"; these three write nothing;
---part: the I-th of N slices of a section too long for one sitting, its rows
-to a file; --merge writes the slices' rows as one run's results)
+--skip: attention implementations left out of every row; --part: the I-th of
+N slices of a section too long for one sitting, its rows and arguments to a
+file; --merge writes the slices' rows as one run's results, naming the first
+slice's arguments as the command)
 """
 
 from __future__ import annotations
@@ -184,10 +186,11 @@ def _tokamax():
 class Table:
     """Rows for results/kernels.json and the markdown table."""
 
-    def __init__(self, autosave: str = ""):
+    def __init__(self, autosave: str = "", argv: list[str] | None = None):
         self.rows: list[dict[str, Any]] = []
         self.md: list[list[Any]] = []
         self.autosave = autosave  # a --part file, rewritten after every case
+        self.argv = argv or []    # the command's arguments, kept in --part files
 
     def add(self, op: str, case: str, fields: dict, times: dict[str, float], flops: float):
         for name, ms in times.items():
@@ -207,12 +210,14 @@ class Table:
 
     def dump(self, path: str) -> None:
         """This (partial) run's rows and table lines, for --merge."""
-        pathlib.Path(path).write_text(json.dumps({"rows": self.rows, "md": self.md}))
+        pathlib.Path(path).write_text(json.dumps({"rows": self.rows, "md": self.md,
+                                                  "argv": self.argv}))
 
     def load(self, path: str) -> None:
         part = json.loads(pathlib.Path(path).read_text())
         self.rows += part["rows"]
         self.md += part["md"]
+        self.argv = self.argv or part.get("argv", [])
 
 
 def _time(fns: dict[str, Callable[[], Any]], rounds: int, smoke: bool) -> dict[str, float]:
@@ -248,7 +253,8 @@ def gemm_case(c) -> str:
     return "x".join(map(str, c))
 
 
-def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
+def attention(table: Table, cases, rounds: int, smoke: bool, tokamax,
+              skip: frozenset = frozenset()) -> None:
     mesh = one_axis_mesh(jax.devices()[:1], "sp")
     spec = P(None, "sp")
     for b, s, h, hkv, d, causal, dtype in cases:
@@ -276,6 +282,7 @@ def attention(table: Table, cases, rounds: int, smoke: bool, tokamax) -> None:
                                             tokamax.dot_product_attention(
                                                 q, k, v, is_causal=causal,
                                                 implementation=impl))
+        impls = {name: f for name, f in impls.items() if name not in skip}
         case = attention_case((b, s, h, hkv, d, causal, dtype))
         fields = {"batch": b, "seq": s, "heads": h, "kv_heads": hkv, "head_dim": d,
                   "causal": causal, "dtype": dtype}
@@ -642,6 +649,9 @@ def main() -> int:
     ap.add_argument("--no-flax", action="store_true",
                     help="fp8_train without Flax's FP8 layers (compiling them takes minutes a "
                          "shape): their rows are absent")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated attention implementations not to run (e.g. "
+                         "tokamax_triton, never the fastest other: its rows are absent)")
     ap.add_argument("--merge", nargs="*", default=None,
                     help="write the results of the --part runs of these files (in order) "
                          "as one run's, timing nothing")
@@ -657,16 +667,19 @@ def main() -> int:
             cases = cases[(i - 1) * len(cases) // n: i * len(cases) // n]
         return cases[:2] if args.quick else cases
 
-    table = Table(autosave=args.part_out if args.part else "")
+    table = Table(autosave=args.part_out if args.part else "",
+                  argv=sys.argv[1:] if args.part else None)
     if args.merge is not None:  # the --part runs' rows, written as one run's
         for path in args.merge:
             table.load(path)
         only = {section_of(r["op"]) for r in table.rows}
-        command = f"python benchmarks/kernels.py --only {','.join(sorted(only))} --part I/N"
+        command = "python benchmarks/kernels.py " + (
+            _parts_arguments(table.argv) or f"--only {','.join(sorted(only))} --part I/N")
         return _write(table, only, f"{command} (I = 1..{len(args.merge)}), then --merge")
     if "attention" in only:
         cases = SMOKE_ATTENTION if args.smoke else cut(ATTENTION_CASES, attention_case)
-        attention(table, cases, args.rounds, args.smoke, _tokamax())
+        attention(table, cases, args.rounds, args.smoke, _tokamax(),
+                  frozenset(filter(None, args.skip.split(","))))
     if "gemm" in only:
         shapes = SMOKE_GEMM if args.smoke else cut(GEMM_SHAPES, gemm_case)
         gemm(table, shapes, args.rounds, args.smoke)
@@ -688,6 +701,17 @@ def main() -> int:
         return _write(table, only, "python benchmarks/kernels.py " + " ".join(sys.argv[1:]))
     print(COLUMNS + markdown_table(HEADER, table.md))
     return 0
+
+
+def _parts_arguments(argv: list[str]) -> str:
+    """A --part run's arguments as the command of all parts: its slice as
+    I/N, without --part-out."""
+    kept, skip_next = [], False
+    for a in argv:
+        if not skip_next and not a.startswith("--part-out"):
+            kept.append(re.sub(r"^\d+/\d+$", "I/N", a))
+        skip_next = a == "--part-out"
+    return " ".join(kept)
 
 
 def section_of(op: str) -> str:

@@ -39,6 +39,25 @@ def test_part_and_merge_write_one_section(tmp_path):
         r["op"] == "fp8_gemm_tensor" for r in rows)
 
 
+def test_skipped_implementations_are_absent_and_named(tmp_path):
+    """--skip drops attention implementations from every row, and the merged
+    section's command names the parts' arguments (--skip included)."""
+    bench, run = _bench_copy(tmp_path)
+    part = tmp_path / "part.json"
+    proc = run("--only", "attention", "--smoke", "--skip", "pk_kernel_cudnn_bwd",
+               "--part", "1/1", "--part-out", str(part))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    impls = {r["implementation"] for r in json.loads(part.read_text())["rows"]}
+    assert {"pk", "pk_kernel"} <= impls and "pk_kernel_cudnn_bwd" not in impls
+    proc = run("--merge", str(part))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (bench / "RESULTS.md").read_text()
+    section = text[text.index("<!-- kernels_attention:begin -->"):
+                   text.index("<!-- kernels_attention:end -->")]
+    assert ("kernels.py --only attention --smoke --skip pk_kernel_cudnn_bwd --part I/N "
+            "(I = 1..1), then --merge") in section
+
+
 def test_fp8_train_rows_land_in_their_own_section(tmp_path):
     """The fp8_train smoke run: every implementation's training step (pk's
     recipes, the TP op at world size 1, bf16, XLA's FP8 dot, Flax's FP8 ops)
