@@ -134,15 +134,18 @@ def commit() -> str | None:
     return head + ("-dirty" if dirty else "")
 
 
-def write_results(op: str, rows: list[dict[str, Any]], table_md: str, command: str) -> None:
+def write_results(op: str, rows: list[dict[str, Any]], table_md: str, command: str,
+                  measured: dict[str, Any] | None = None) -> None:
     """Write benchmarks/results/<op>.json and replace <op>'s section of RESULTS.md
     (between its begin/end markers; the section names date, machine, commit
-    and command)."""
+    and command). `measured`: {"machine": machine(), "commit": commit()} of
+    the process that timed the rows, where another writes them (kernels.py
+    --merge); else this process's."""
     command = command.strip()
     RESULTS_DIR.mkdir(exist_ok=True)
     date = datetime.date.today().isoformat()
-    info = machine()
-    code = commit()
+    info = measured["machine"] if measured else machine()
+    code = measured["commit"] if measured else commit()
     for r in rows:
         r.setdefault("op", op)
         r.update(date=date, commit=code, **info)

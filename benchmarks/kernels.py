@@ -75,7 +75,8 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import runtime, tuning
-from common import interleaved_ms, markdown_table, one_axis_mesh, write_results
+from common import (commit, interleaved_ms, machine, markdown_table, one_axis_mesh,
+                    write_results)
 
 SECTIONS = ("attention", "gemm", "fp8", "fp8_train")
 
@@ -127,8 +128,9 @@ COLUMNS = ("Columns: median ms per call over interleaved rounds, TFLOP/s, the fa
 IMPLS = {
     "attention": (
         "`pk`: what `ring_attention(mechanism=\"auto\")` runs on one device "
-        "(pk_jax/tuning.py's single_gpu_attention by head dim, mask and sequence "
-        "length: one of the next three); `pk_kernel`: pk's own fused kernel and its block backward "
+        "(pk_jax/tuning.py's single_gpu_attention by head dim, mask, sequence length and "
+        "GQA group: one of the next three); `pk_kernel`: pk's own fused kernel and its block "
+        "backward "
         "(mechanism=\"copy_engine\"; at head dim 256 its backward steps are cuDNN's block "
         "backward); `pk_kernel_cudnn_bwd` (forward + backward only): pk's forward kernel, "
         "then cuDNN's backward fed its output and log-sum-exp; `cudnn`: "
@@ -191,6 +193,7 @@ class Table:
         self.md: list[list[Any]] = []
         self.autosave = autosave  # a --part file, rewritten after every case
         self.argv = argv or []    # the command's arguments, kept in --part files
+        self.measured: dict[str, Any] | None = None  # a --part file's machine and commit
 
     def add(self, op: str, case: str, fields: dict, times: dict[str, float], flops: float):
         for name, ms in times.items():
@@ -210,14 +213,20 @@ class Table:
 
     def dump(self, path: str) -> None:
         """This (partial) run's rows and table lines, for --merge."""
-        pathlib.Path(path).write_text(json.dumps({"rows": self.rows, "md": self.md,
-                                                  "argv": self.argv}))
+        pathlib.Path(path).write_text(json.dumps({
+            "rows": self.rows, "md": self.md, "argv": self.argv,
+            "measured": self.measured or {"machine": machine(), "commit": commit()}}))
 
     def load(self, path: str) -> None:
         part = json.loads(pathlib.Path(path).read_text())
         self.rows += part["rows"]
         self.md += part["md"]
         self.argv = self.argv or part.get("argv", [])
+        measured = part.get("measured")
+        if self.measured and measured and measured != self.measured:
+            raise ValueError(f"--merge: {path} was measured on {measured}, an earlier part "
+                             f"on {self.measured}: not one run")
+        self.measured = self.measured or measured
 
 
 def _time(fns: dict[str, Callable[[], Any]], rounds: int, smoke: bool) -> dict[str, float]:
@@ -725,7 +734,8 @@ def _write(table: Table, only, command: str) -> int:
         rows = [r for r in table.rows if section_of(r["op"]) == section]
         md_rows = [m for m in table.md if section_of(m[0]) == section]
         write_results(f"kernels_{section}", rows,
-                      IMPLS[section] + COLUMNS + markdown_table(HEADER, md_rows), command)
+                      IMPLS[section] + COLUMNS + markdown_table(HEADER, md_rows), command,
+                      measured=table.measured)
     print(COLUMNS + markdown_table(HEADER, table.md))
     return 0
 

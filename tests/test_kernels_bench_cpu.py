@@ -28,12 +28,25 @@ def test_part_and_merge_write_one_section(tmp_path):
     rows = json.loads(part.read_text())["rows"]
     assert {r["implementation"] for r in rows} >= {"pk_fp8_tensor", "pk_fp8_block",
                                                   "xla_fp8_direct"}
+    # The merge names the machine and commit that timed the rows (the part's),
+    # not its own; parts of two machines are not one run.
+    data = json.loads(part.read_text())
+    assert data["measured"]["machine"]["platform"] == "cpu"
+    data["measured"] = {"machine": {"gpu_model": "Fake GPU", "gpu_count": 1, "platform": "gpu",
+                                    "jax": "0.0.1"}, "commit": "abc1234"}
+    part.write_text(json.dumps(data))
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**data, "measured": {**data["measured"], "commit": "def5678"}}))
+    proc = run("--merge", str(part), str(other))
+    assert proc.returncode != 0 and "not one run" in proc.stderr
     proc = run("--merge", str(part), str(part))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     written = json.loads((bench / "results" / "kernels_fp8.json").read_text())
     assert len(written) == 2 * len(rows)
+    assert {(r["gpu_model"], r["commit"]) for r in written} == {("Fake GPU", "abc1234")}
     text = (bench / "RESULTS.md").read_text()
     section = text[text.index("<!-- kernels_fp8:begin -->"):text.index("<!-- kernels_fp8:end -->")]
+    assert "1 x Fake GPU, jax 0.0.1, commit abc1234." in section
     assert "--part I/N (I = 1..2), then --merge" in section
     assert section.count("| fp8_gemm_tensor |") == 2 * sum(
         r["op"] == "fp8_gemm_tensor" for r in rows)
