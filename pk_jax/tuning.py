@@ -146,14 +146,16 @@ def fp8_gemm_library(scaling: str, cublaslt_loaded: bool) -> str:
 SINGLE_GPU_ATTENTION_CHOICES = ("cudnn", "kernel", "kernel_fwd_cudnn_bwd")
 
 # Where a ring of one device runs pk's kernel with its own block backward
-# (single_gpu_attention): (head dim, causal, first sequence length, first
-# one past the range).
-SINGLE_GPU_ATTENTION_KERNEL_BWD = ((128, True, 8192, 16384),)
+# (single_gpu_attention): (head dim, causal, least GQA group (query heads per
+# K/V head), first sequence length, first one past the range). Full masks
+# with groups of 4 or more: measured at 1024 through 8192 tokens.
+SINGLE_GPU_ATTENTION_KERNEL_BWD = ((128, True, 1, 8192, 16384), (128, False, 4, 1024, 8193))
 
 _FORCED: dict[str, str] = {}  # tuning.forced's choices
 
 
-def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bool) -> str:
+def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bool,
+                         group: int = 1) -> str:
     """What ring_attention under `auto` runs on a ring of one device (one GPU
     holding the whole sequence of `seq` tokens, no communication), where
     cuDNN takes the shapes: "cudnn" (cuDNN's fused attention and its
@@ -173,15 +175,21 @@ def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bo
     0.90-1.00x at 4 x 4096, 16384 and 32768 tokens
     (SINGLE_GPU_ATTENTION_KERNEL_BWD). Identical code measured up to 8%
     apart within that run, so choices closer than that rest on both GPUs
-    agreeing. Shapes the kernel does not take run cuDNN.
+    agreeing. Under a full mask with GQA (`group` query heads per K/V head)
+    pk's block backward, which sums dK and dV over the group in registers,
+    ran 1.05-1.16x pk's forward with cuDNN's backward at groups of 4 and 8
+    from 1024 to 8192 tokens, and 0.98-1.00x without GQA; under a causal
+    mask with GQA 0.90-1.00x outside the range above (one H100, interleaved
+    rounds, benchmarks/NOTES.md 2026-12-07). Shapes the kernel does not
+    take run cuDNN.
     """
     forced = _FORCED.get("single_gpu_attention")
     if forced is not None:
         return forced
     if not kernel_takes:
         return "cudnn"
-    for d, c, first, past in SINGLE_GPU_ATTENTION_KERNEL_BWD:
-        if (head_dim, bool(causal)) == (d, c) and first <= seq < past:
+    for d, c, least_group, first, past in SINGLE_GPU_ATTENTION_KERNEL_BWD:
+        if (head_dim, bool(causal)) == (d, c) and group >= least_group and first <= seq < past:
             return "kernel"
     return "kernel_fwd_cudnn_bwd"
 

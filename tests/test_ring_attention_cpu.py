@@ -778,20 +778,43 @@ def test_one_device_auto_runs_the_measured_choice(monkeypatch, rng, choice, caus
         assert rel_err(a, b) < 3e-2
 
 
+def test_one_device_choice_reads_the_gqa_group(monkeypatch):
+    """ring_attention's one-device choice passes the call's GQA group (query
+    heads per K/V head) to the table: under a full mask at head dim 128 a
+    group of 4 runs pk's block backward, the same shapes without GQA cuDNN's
+    (cuDNN stubbed as present: this process has none)."""
+    from pk_jax import _compat
+    from pk_jax.ops.ring_attention import api
+    monkeypatch.setattr(_compat, "cudnn_available", lambda: True)
+    q = jax.ShapeDtypeStruct((2, 4096, 32, 128), jnp.bfloat16)
+    choose = lambda hkv, causal: api._single_gpu(
+        q, jax.ShapeDtypeStruct((2, 4096, hkv, 128), jnp.bfloat16), 1, "copy_engine", "auto",
+        causal, False, False)
+    assert choose(8, False) == "kernel"
+    assert choose(32, False) == "kernel_fwd_cudnn_bwd"
+    assert choose(8, True) == "kernel_fwd_cudnn_bwd"
+
+
 def test_single_gpu_attention_table():
     """Shapes the kernel takes run its forward, its block backward only in
     SINGLE_GPU_ATTENTION_KERNEL_BWD's ranges (both ends checked); shapes it
     does not take run cuDNN; tuning.forced checks its arguments and restores
     the table."""
     choose = tuning.single_gpu_attention
-    for d, causal, first, past in tuning.SINGLE_GPU_ATTENTION_KERNEL_BWD:
-        assert choose(d, causal, first, True) == "kernel"
-        assert choose(d, causal, past - 128, True) == "kernel"
-        assert choose(d, causal, past, True) == "kernel_fwd_cudnn_bwd"
-        assert choose(d, causal, first - 128, True) == "kernel_fwd_cudnn_bwd"
-        assert choose(d, not causal, first, True) == "kernel_fwd_cudnn_bwd"
-        assert choose(d, causal, first, False) == "cudnn"
+    for d, causal, group, first, past in tuning.SINGLE_GPU_ATTENTION_KERNEL_BWD:
+        assert choose(d, causal, first, True, group=group) == "kernel"
+        assert choose(d, causal, past - 128, True, group=2 * group) == "kernel"
+        assert choose(d, causal, past + 127, True, group=group) == "kernel_fwd_cudnn_bwd"
+        assert choose(d, causal, first - 128, True, group=group) == "kernel_fwd_cudnn_bwd"
+        assert choose(d, causal, first, False, group=group) == "cudnn"
+        if group > 1:
+            assert choose(d, causal, first, True, group=group - 1) == "kernel_fwd_cudnn_bwd"
+    # each mask's entry alone: a causal call outside the causal range keeps
+    # cuDNN's backward whatever its group, as does a full mask without GQA
+    assert choose(128, True, 4096, True, group=8) == "kernel_fwd_cudnn_bwd"
+    assert choose(128, False, 8192, True) == "kernel_fwd_cudnn_bwd"
     assert choose(64, True, 8192, True) == "kernel_fwd_cudnn_bwd"
+    assert choose(64, False, 4096, True, group=8) == "kernel_fwd_cudnn_bwd"
     assert choose(96, True, 8192, False) == "cudnn"
     with tuning.forced(single_gpu_attention="kernel"):
         assert choose(96, True, 8192, False) == "kernel"

@@ -182,7 +182,8 @@ def _single_gpu(q, k, n: int, chosen: str, mechanism: str, causal: bool, return_
             or not _compat.cudnn_takes(q, k) or not _compat.cudnn_available():
         return None
     return tuning.single_gpu_attention(q.shape[3], causal, q.shape[1],
-                                       chosen in KERNEL_MECHANISMS)
+                                       chosen in KERNEL_MECHANISMS,
+                                       group=q.shape[2] // k.shape[2])
 
 
 def _block_grads(q, k, layout: str, chosen: str, deterministic: bool,
