@@ -597,3 +597,24 @@ def test_one_device_choices(choice, causal, d, hkv, dtype):
     assert ("pk_attention_block_bwd" in text) == kernel_bwd, what
     assert ("cudnn" in text) == (not kernel_bwd), what
     pk_jax.check_errors()
+
+
+@pytest.mark.parametrize("hkv", [2, 8])
+def test_one_device_auto_follows_the_gqa_rule(hkv):
+    """Unforced `auto` on one device, head dim 128, full mask: with a GQA group
+    of 4 (tuning.SINGLE_GPU_ATTENTION_KERNEL_BWD) the backward is pk's block
+    kernel, without GQA cuDNN's; values and gradients against fp32 attention."""
+    mesh = gpu_mesh(1, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 2, 1024, 8, hkv, 128, jnp.bfloat16)
+    what = f"one device auto full d=128 hkv={hkv}"
+    f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp"),
+                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    w = jnp.ones(q.shape, jnp.float32)
+    text = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w))).lower(
+        q, k, v).as_text()
+    assert ("pk_attention_block_bwd" in text) == (hkv == 2), what
+    ring = _ring(mesh, causal=False, layout="contiguous", mechanism="auto")
+    _check(ring(q, k, v), q, k, v, False, what, seed, 1)
+    _grad_check(ring, q, k, v, False, what, seed)
+    pk_jax.check_errors()
