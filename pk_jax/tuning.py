@@ -180,8 +180,10 @@ def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bo
     ran 1.05-1.16x pk's forward with cuDNN's backward at groups of 4 and 8
     from 1024 to 8192 tokens, and 0.98-1.00x without GQA; under a causal
     mask with GQA 0.90-1.00x outside the range above (one H100, interleaved
-    rounds, benchmarks/NOTES.md 2026-12-07). Shapes the kernel does not
-    take run cuDNN.
+    rounds, benchmarks/NOTES.md 2026-12-07; identical code there measured
+    up to 5% apart, and all five full-mask GQA shapes agreed, 1.046x the
+    least; not yet run on an H200). Shapes the kernel does not take run
+    cuDNN.
     """
     forced = _FORCED.get("single_gpu_attention")
     if forced is not None:
