@@ -569,6 +569,25 @@ def test_cudnn_blocks_with_the_ring_statistics(d, case):
         assert err < 3e-2, f"{case} d={d} {name}: rel err {err:.3g} (seed {seed})"
 
 
+def _one_device_auto(causal, d, hkv, dtype, what):
+    """ring_attention under `auto` on a ring of one device (2 x 1024 tokens, 8
+    query heads): values and gradients checked against fp32 attention; the
+    text of its lowered gradient (what the choice put in it). Lowered here,
+    so inside a tuning.forced block it takes the forced choice."""
+    mesh = gpu_mesh(1, "sp")
+    seed = _seed()
+    q, k, v = _qkv(seed, 2, 1024, 8, hkv, d, dtype)
+    f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal),
+                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
+    w = jnp.ones(q.shape, jnp.float32)
+    text = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w))).lower(
+        q, k, v).as_text()
+    ring = _ring(mesh, causal=causal, layout="contiguous", mechanism="auto")
+    _check(ring(q, k, v), q, k, v, causal, what, seed, 1)
+    _grad_check(ring, q, k, v, causal, what, seed)
+    return text
+
+
 @pytest.mark.parametrize("choice", tuning.SINGLE_GPU_ATTENTION_CHOICES)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d,hkv,dtype", [(64, 8, jnp.bfloat16), (128, 2, jnp.float16),
@@ -579,19 +598,9 @@ def test_one_device_choices(choice, causal, d, hkv, dtype):
     the lowered backward holds what the choice names (cuDNN's attention
     alone; pk's forward kernel and its block backward; pk's forward kernel
     and cuDNN's)."""
-    mesh = gpu_mesh(1, "sp")
-    seed = _seed()
-    q, k, v = _qkv(seed, 2, 1024, 8, hkv, d, dtype)
     what = f"one device {choice} causal={causal} d={d} hkv={hkv} {jnp.dtype(dtype).name}"
     with tuning.forced(single_gpu_attention=choice):
-        f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal),
-                          mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
-        w = jnp.ones(q.shape, jnp.float32)
-        text = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w))).lower(
-            q, k, v).as_text()
-        ring = _ring(mesh, causal=causal, layout="contiguous", mechanism="auto")
-        _check(ring(q, k, v), q, k, v, causal, what, seed, 1)
-        _grad_check(ring, q, k, v, causal, what, seed)
+        text = _one_device_auto(causal, d, hkv, dtype, what)
     kernel_bwd = d != 256 and choice == "kernel"  # the block kernel takes 64 and 128
     assert ("pk_ring_attention" in text) == (choice != "cudnn"), what
     assert ("pk_attention_block_bwd" in text) == kernel_bwd, what
@@ -604,17 +613,7 @@ def test_one_device_auto_follows_the_gqa_rule(hkv):
     """Unforced `auto` on one device, head dim 128, full mask: with a GQA group
     of 4 (tuning.SINGLE_GPU_ATTENTION_KERNEL_BWD) the backward is pk's block
     kernel, without GQA cuDNN's; values and gradients against fp32 attention."""
-    mesh = gpu_mesh(1, "sp")
-    seed = _seed()
-    q, k, v = _qkv(seed, 2, 1024, 8, hkv, 128, jnp.bfloat16)
     what = f"one device auto full d=128 hkv={hkv}"
-    f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp"),
-                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
-    w = jnp.ones(q.shape, jnp.float32)
-    text = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x).astype(jnp.float32) * w))).lower(
-        q, k, v).as_text()
+    text = _one_device_auto(False, 128, hkv, jnp.bfloat16, what)
     assert ("pk_attention_block_bwd" in text) == (hkv == 2), what
-    ring = _ring(mesh, causal=False, layout="contiguous", mechanism="auto")
-    _check(ring(q, k, v), q, k, v, False, what, seed, 1)
-    _grad_check(ring, q, k, v, False, what, seed)
     pk_jax.check_errors()
