@@ -508,7 +508,7 @@ struct RingMainloop
     warpgroup_fence_operand(acc_pv);
     pipeline.consumer_release(read_v);
     next_tile(read_v);
-    read = read_v;  // past every stage this CTA consumed
+    read = read_k;  // past every stage this CTA consumed (K_t at 2t, V_t at 2t + 1)
 
     Tensor lse = softmax.tail(state, acc_pv, mma_pv);
     // A failed call's tile is poison (NaN in O and the log-sum-exp): a wait
