@@ -714,12 +714,17 @@ def main() -> int:
 
 def _parts_arguments(argv: list[str]) -> str:
     """A --part run's arguments as the command of all parts: its slice as
-    I/N, without --part-out."""
-    kept, skip_next = [], False
+    I/N, without --part-out (only --part's value is rewritten: a --match
+    text such as "32/4" stays)."""
+    kept, prev = [], ""
     for a in argv:
-        if not skip_next and not a.startswith("--part-out"):
-            kept.append(re.sub(r"^\d+/\d+$", "I/N", a))
-        skip_next = a == "--part-out"
+        if a.startswith("--part-out") or prev == "--part-out":
+            pass
+        elif prev == "--part":
+            kept.append("I/N")
+        else:
+            kept.append("--part=I/N" if a.startswith("--part=") else a)
+        prev = a
     return " ".join(kept)
 
 

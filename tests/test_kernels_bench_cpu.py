@@ -138,3 +138,16 @@ def test_interleaved_rounds_start_apart(monkeypatch):
     order.clear()
     common.interleaved_ms({"x": lambda: order.append("x") or 1.0}, rounds=3)
     assert order == ["x"] * 3
+
+
+def test_merged_command_rewrites_only_the_slice(monkeypatch):
+    """The merged section's command: --part's value becomes I/N (either
+    spelling), --part-out and its file go, other arguments stay as typed (a
+    --match text like 32/4 included)."""
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    import kernels
+    args = kernels._parts_arguments
+    assert args(["--only", "attention", "--match", "32/4", "--part", "2/3", "--part-out",
+                 "p.json"]) == "--only attention --match 32/4 --part I/N"
+    assert args(["--part=1/2", "--part-out=p.json", "--rounds", "7"]) == "--part=I/N --rounds 7"
