@@ -1,6 +1,6 @@
-// The fused ring attention kernel for one (element type, head dim): the
-// FMHA kernel skeleton of CUTLASS's Hopper example (one producer warpgroup,
-// two cooperative math warpgroups, TMA epilogue) around RingMainloop.
+// The fused ring attention kernel for one (element type, head dim):
+// RingFwdKernel (fwd_kernel.cuh: one producer warpgroup, two math
+// warpgroups) around RingMainloop and RingEpilogue.
 //
 // Launch config: one CTA per (128-row query tile, batch, query head), 384
 // threads, heaviest query tiles first (HeavyFirstScheduler); CTAs that start
@@ -21,8 +21,8 @@
 #include <cutlass/numeric_types.h>
 
 #include "kernels/common/cutlass_type.cuh"
-#include "kernels/ring_attention/ring_epilogue.cuh"  // before the kernel: its includes
-#include "kernel/fmha_kernel_tma_warpspecialized.hpp"
+#include "kernels/ring_attention/fwd_kernel.cuh"
+#include "kernels/ring_attention/ring_epilogue.cuh"
 
 #include "kernels/ring_attention/comm_push.cuh"
 #include "kernels/ring_attention/ring_attention.h"
@@ -173,11 +173,17 @@ struct AttentionKernel {
   using TileShape = typename Tile::Shape;
   using Mainloop = RingMainloop<Element, Tile, Stride>;
   using Epilogue = RingEpilogue<Element, float, typename Mainloop::TileShapePV>;
-  using Fmha = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue,
-      std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
+  using Fmha = RingFwdKernel<Mainloop, Epilogue,
+                             std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
   using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
+  // RingEpilogue writes each warpgroup's O into that warpgroup's Q stage:
+  // RingFwdKernel's shared storage overlays epilogue[w] on the mainloop's,
+  // whose first member is Q, one stage per math warpgroup.
+  static_assert(sizeof(typename Epilogue::TensorStorage) == Mainloop::kOuterLoadBytes &&
+                    offsetof(typename Mainloop::SharedStorage, smem_q) == 0 &&
+                    !Mainloop::kIsPersistent,
+                "O's shared memory must be the warpgroup's own Q stage");
   // One wgmma spans the key tile: cute offers N outside {8, 16, 32, 64, 96,
   // 128, 192, 256} only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED defined
   // before its headers, and otherwise tiles 176 keys with 16-wide wgmma.

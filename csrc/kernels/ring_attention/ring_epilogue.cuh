@@ -1,18 +1,17 @@
-// The ring attention kernel's epilogue: CUTLASS's Hopper FMHA forward
-// epilogue (examples/88_hopper_fmha/collective/fmha_epilogue.hpp: O through
-// the sm90 TMA store epilogue, the log-sum-exp by plain stores) with 64-bit
-// strides. The example's takes `int` strides, and O's batch stride
-// s_local * Hq * D reaches 2^31 elements at sizes a GPU holds (s_local =
-// 131072, Hq = 128, D = 128: 4 GiB of bf16 per batch), where an `int` stride
-// would wrap and the stores land at the wrong place. Nothing else differs.
+// The ring attention kernel's epilogue: each math warpgroup writes its 64
+// query rows: the log-sum-exp by plain stores, O converted to the element
+// type in the warpgroup's own Q stage of shared memory (free once its last
+// QK GEMM is done) and stored by one TMA store, whose wait ends as soon as
+// the TMA unit has read the shared memory. O's strides are 64-bit: its batch
+// stride s_local * Hq * D reaches 2^31 elements at sizes a GPU holds.
 #pragma once
 
 #include <cstdint>
 
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
-#include <cutlass/epilogue/collective/collective_builder.hpp>
-#include <cutlass/epilogue/collective/default_epilogue.hpp>
-#include <cutlass/epilogue/thread/linear_combination.h>
 
 #include "collective/fmha_common.hpp"
 
@@ -25,15 +24,28 @@ using StrideLse = cute::tuple<cute::_1, cute::tuple<int64_t, int64_t>>;
 
 template <class Element, class ElementAccumulator, class TileShape_WG>
 struct RingEpilogue {
-  static constexpr int Alignment = 16 / sizeof(Element);
+  static constexpr int kRows = cute::get<0>(TileShape_WG{});  // one math warpgroup's query rows
+  static constexpr int kDim = cute::get<1>(TileShape_WG{});   // head dim
 
-  using DefaultOperation =
-      cutlass::epilogue::fusion::LinearCombination<Element, ElementAccumulator, void>;
-  using CollectiveEpilogueTMA = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape_WG,
-      cute::Shape<cute::_1, cute::_1, cute::_1>, cutlass::epilogue::collective::EpilogueTileAuto,
-      ElementAccumulator, ElementAccumulator, void, StrideO, Alignment, Element, StrideO,
-      Alignment, cutlass::epilogue::TmaWarpSpecialized, DefaultOperation>::CollectiveOp;
+  // O of one warpgroup in shared memory, 128-byte swizzled rows as the TMA
+  // store reads them. The kernel (fwd_kernel.cuh) overlays warpgroup w's
+  // TensorStorage on the mainloop's storage at w times its size: Q's stage w
+  // (AttentionKernel checks the sizes).
+  using SmemLayoutO = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::make_shape(cute::Int<kRows>{}, cute::Int<kDim>{})));
+  struct TensorStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>> smem_o;
+  };
+
+  // O [B, S, H, D] as (seq, dim, (batch, head)).
+  static auto o_tensor(Element* ptr, int seq, int batch, int heads, StrideO const& d) {
+    return cute::make_tensor(cute::make_gmem_ptr(ptr),
+                             cute::make_shape(seq, cute::Int<kDim>{}, cute::make_shape(batch, heads)),
+                             d);
+  }
+  using TmaStoreO = decltype(cute::make_tma_copy(
+      cute::SM90_TMA_STORE{}, o_tensor(nullptr, 1, 1, 1, StrideO{}), SmemLayoutO{}));
 
   struct Arguments {
     Element* ptr_O;
@@ -45,47 +57,49 @@ struct RingEpilogue {
   struct Params {
     ElementAccumulator* ptr_LSE;
     StrideLse dLSE;
-    typename CollectiveEpilogueTMA::Params epilogue_TMA;
+    TmaStoreO tma_store_o;
   };
-
-  using TensorStorage = typename CollectiveEpilogueTMA::TensorStorage;
-  using PipelineStorage = typename CollectiveEpilogueTMA::PipelineStorage;
-  using LoadPipeline = typename CollectiveEpilogueTMA::LoadPipeline;
-  static constexpr int TmaTransactionBytes = CollectiveEpilogueTMA::TmaTransactionBytes;
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_size, Arguments const& args,
-                                        void* workspace = nullptr) {
+                                        void* = nullptr) {
     using namespace cute;
-    auto problem_size_o = make_shape(get<2>(problem_size), get<4>(problem_size), 1,
-                                     make_shape(get<0>(problem_size), get<1>(problem_size)));
-    typename CollectiveEpilogueTMA::Arguments args_tma{{}, args.ptr_O, args.dO, args.ptr_O,
-                                                       args.dO};
-    return Params{args.ptr_LSE, args.dLSE,
-                  CollectiveEpilogueTMA::to_underlying_arguments(problem_size_o, args_tma,
-                                                                 workspace)};
+    auto o = o_tensor(args.ptr_O, get<2>(problem_size), get<0>(problem_size),
+                      get<1>(problem_size), args.dO);
+    return Params{args.ptr_LSE, args.dLSE, make_tma_copy(SM90_TMA_STORE{}, o, SmemLayoutO{})};
   }
 
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
+    cute::prefetch_tma_descriptor(p.tma_store_o.get_tma_descriptor());
+  }
+
+  // Named barriers of the two math warpgroups' epilogues (CUTLASS reserves
+  // the ids below FirstUserBarrier).
+  static constexpr uint32_t kBarrier =
+      uint32_t(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
+
+  // One warpgroup's tile: the log-sum-exp by plain stores of the threads
+  // holding each row's first column; O converted into the warpgroup's shared
+  // memory, then one TMA store, waited for only until it has read the
+  // shared memory.
   template <class TileShape, class BlkCoord, class ResultTuple, class TiledMma,
             class ProblemShape>
   CUTLASS_DEVICE void operator()(TileShape const& tile_shape, BlkCoord const& blk_coord,
                                  ResultTuple const& result, TiledMma const& tiled_mma,
                                  ProblemShape const& problem_size, Params const& params,
-                                 LoadPipeline epi_load_pipeline,
-                                 TensorStorage& epi_tensor_storage) {
+                                 TensorStorage& storage) {
     using namespace cute;
     using X = Underscore;
     using cutlass::fmha::collective::layout_acc_mn;
 
-    auto acc = get<0>(result);
-    auto lse = get<1>(result);
-
-    auto thr_mma = tiled_mma.get_thread_slice(threadIdx.x);
+    auto const& acc = get<0>(result);
+    auto const& lse = get<1>(result);
+    const int thread = int(threadIdx.x % cutlass::NumThreadsPerWarpGroup);
+    auto thr_mma = tiled_mma.get_thread_slice(thread);
 
     const int seqlen_q = get<2>(problem_size);
     const int num_batch = get<0>(problem_size);
     const int num_heads = get<1>(problem_size);
-    // The log-sum-exp: plain stores of the first column's threads.
     Tensor mLSE = make_tensor(make_gmem_ptr(params.ptr_LSE),
                               make_shape(seqlen_q, get<1>(tile_shape), make_shape(num_batch, num_heads)),
                               make_stride(_1{}, _0{}, get<1>(params.dLSE)));
@@ -99,34 +113,32 @@ struct RingEpilogue {
       auto tOcO_mn = make_tensor(tOcO.data(), layout_acc_mn(tiled_mma, tOcO.layout()));
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size<0>(tOgLSE_mn); i++) {
-        if (get<0>(tOcO_mn(i)) + get<0>(blk_coord) * get<0>(tile_shape) < get<2>(problem_size)) {
+        if (get<0>(tOcO_mn(i)) + get<0>(blk_coord) * get<0>(tile_shape) < seqlen_q) {
           tOgLSE_mn(i, _0{}) = lse(i);
         }
       }
     }
-    auto problem_size_o = make_shape(get<2>(problem_size), get<4>(problem_size), _,
-                                     make_shape(get<0>(problem_size), get<1>(problem_size)));
 
-    // O through the TMA store epilogue.
-    CollectiveEpilogueTMA epilogue_tma(params.epilogue_TMA, epi_tensor_storage);
-
-    using EpiStorePipeline = typename CollectiveEpilogueTMA::StorePipeline;
-    typename EpiStorePipeline::Params epi_store_pipeline_params;
-    epi_store_pipeline_params.always_wait = true;
-    EpiStorePipeline epi_store_pipeline(epi_store_pipeline_params);
-
-    typename CollectiveEpilogueTMA::LoadPipelineState epi_load_pipe_consumer_state;
-    auto epi_store_pipe_producer_state = cutlass::make_producer_start_state<EpiStorePipeline>();
-
-    auto [epi_load_pipe_consumer_state_next, epi_store_pipe_producer_state_next] =
-        epilogue_tma.store(epi_load_pipeline, epi_load_pipe_consumer_state, epi_store_pipeline,
-                           epi_store_pipe_producer_state, problem_size_o, tile_shape,
-                           make_coord(get<0>(blk_coord), _0{}, _, get<2>(blk_coord)), acc,
-                           tiled_mma, threadIdx.x % cutlass::NumThreadsPerWarpGroup,
-                           epi_tensor_storage);
-
-    epilogue_tma.store_tail(epi_load_pipeline, epi_load_pipe_consumer_state_next,
-                            epi_store_pipeline, epi_store_pipe_producer_state_next);
+    // O: registers -> shared memory -> one TMA store of the warpgroup's rows.
+    Tensor sO = make_tensor(make_smem_ptr(storage.smem_o.data()), SmemLayoutO{});
+    Tensor tOsO = thr_mma.partition_C(sO);
+    Tensor o = make_fragment_like<Element>(tOsO);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); ++i) o(i) = Element(acc(i));
+    copy(AutoVectorizingCopyWithAssumedAlignment<32>{}, o, tOsO);  // column pairs
+    cutlass::arch::fence_view_async_shared();  // the writes, visible to the TMA unit
+    const uint32_t wg = uint32_t(get<0>(blk_coord) % 2);
+    cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrier + wg);
+    if (thread == 0) {
+      Tensor mO = params.tma_store_o.get_tma_tensor(
+          make_shape(seqlen_q, Int<kDim>{}, make_shape(num_batch, num_heads)));
+      Tensor gO = local_tile(mO(_, _, get<2>(blk_coord)), take<0, 2>(tile_shape),
+                             make_coord(get<0>(blk_coord), _0{}));
+      auto cta_tma = params.tma_store_o.get_slice(_0{});
+      copy(params.tma_store_o, cta_tma.partition_S(sO), cta_tma.partition_D(gO));
+      tma_store_arrive();
+      tma_store_wait<0>();  // the shared memory is read; the writes finish on their own
+    }
   }
 };
 

@@ -2,8 +2,9 @@
 //
 // It reuses the building blocks of CUTLASS's Hopper FMHA (the nvidia-cutlass
 // wheel ships them under examples/88_hopper_fmha): the TMA warp-specialized
-// mainloop's types, shared storage and pipelines, its online softmax and its
-// epilogue. What changes is the K/V loop:
+// mainloop's types, shared storage and pipelines and its online softmax; the
+// kernel around it (fwd_kernel.cuh) and the epilogue (ring_epilogue.cuh) are
+// pk's. What changes is the K/V loop:
 //   * the producer and the two math warpgroups follow one KvWalk (kv_walk.cuh)
 //     over the whole ring instead of one local sequence: our own block first,
 //     then each peer's block from the workspace;
@@ -226,7 +227,10 @@ struct RingMainloop
     };
 
     if (lane_predicate) {
-      const uint64_t epoch = *reinterpret_cast<const volatile uint64_t*>(p.ring.epoch) + 1;
+      // This call's epoch, read at the first peer's tile: the read stays off
+      // the path to Q's load (a ring of one never reads it). Calls before this
+      // one on the stream have set it; none after it runs until it ends.
+      uint64_t epoch = 0;
       const int pieces = p.ring.plan.pieces;
       int waited_step = 0, waited_piece = -1;  // the last piece known to be here
       KvWalk walk = make_walk(blk, p);
@@ -238,6 +242,7 @@ struct RingMainloop
         // covers the whole tile.
         const int piece = p.ring.plan.piece_of(t.row + kTileK - 1);
         if (t.step > 0 && (t.step != waited_step || piece > waited_piece)) {
+          if (epoch == 0) epoch = *reinterpret_cast<const volatile uint64_t*>(p.ring.epoch) + 1;
           const int src = (g.rank - t.step + g.n) % g.n;
           const uint64_t target = (epoch - 1) * uint64_t(pieces) + piece + 1;
           wait_geq(p.ring.posted + src, target, p.ring.wait, src, kWaitPiece);

@@ -1,0 +1,163 @@
+// The fused ring attention forward's kernel skeleton: the warp roles,
+// pipelines and barriers around RingMainloop and RingEpilogue.
+//
+// Launch config: one CTA per (128-row query tile, batch, query head) in the
+// TileScheduler's order (attention_sm90.cuh), 384 threads, the shared
+// storage below (one CTA per SM).
+// Arguments: the problem (B, Hq, Sq, Skv, D), the mainloop's, the
+// epilogue's and the SM count (Arguments).
+// Roles: warpgroup 0 gives up registers (24 a thread); its warp 1 loads Q
+// and the K/V tiles (RingMainloop::load_kv_maybe_q). Warpgroups 1 and 2
+// (240 registers a thread) run QK, softmax and PV on 64 query rows each
+// (RingMainloop::compute), their first QK GEMMs in turn (an ordered
+// barrier), then each writes its own rows (RingEpilogue) without waiting
+// for the other.
+// Entry point: cutlass::device_kernel<RingFwdKernel<...>> (fmha_launch.cuh).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/arch.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/kernel_hardware_info.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+namespace pk::ring_attention {
+
+template <class Mainloop, class Epilogue, class TileScheduler>
+struct RingFwdKernel {
+  static constexpr int kMathWarpGroups = Mainloop::NumMmaWarpGroups;
+  static constexpr int MaxThreadsPerBlock = (1 + kMathWarpGroups) * cutlass::NumThreadsPerWarpGroup;
+  static constexpr int MinBlocksPerMultiprocessor = 1;
+  using ArchTag = cutlass::arch::Sm90;
+  // 65536 registers over 384 threads: the producer's warpgroup keeps 24 a
+  // thread, the math warpgroups take the rest (8-aligned).
+  static constexpr uint32_t kLoadRegisters = 24;
+  static constexpr uint32_t kMathRegisters =
+      ((65536 / MaxThreadsPerBlock / 8 * 8 * (1 + kMathWarpGroups) - kLoadRegisters) /
+       kMathWarpGroups) / 8 * 8;
+  static_assert(kMathRegisters == 240, "the register split the mainloop was tuned for");
+
+  using PipelineKV = typename Mainloop::MainloopPipeline;
+  using PipelineQ = typename Mainloop::MainloopPipelineQ;
+  // Each math warpgroup's first QK GEMM in turn (RingMainloop::compute).
+  using OrderBarrier = cutlass::OrderedSequenceBarrier<1, kMathWarpGroups>;
+
+  struct SharedStorage {
+    // Warpgroup w's O overlays its own Q stage (RingEpilogue).
+    union {
+      typename Mainloop::SharedStorage mainloop;
+      typename Epilogue::TensorStorage epilogue[kMathWarpGroups];
+    } tensors;
+    alignas(16) typename PipelineKV::SharedStorage pipeline_kv;
+    alignas(16) typename PipelineQ::SharedStorage pipeline_q;
+    alignas(16) typename OrderBarrier::SharedStorage order;
+  };
+  static constexpr int SharedStorageSize = sizeof(SharedStorage);
+
+  using ProblemShape = cute::tuple<int, int, int, int, int>;  // (B, Hq, Sq, Skv, D)
+
+  struct Arguments {
+    ProblemShape problem_size;
+    typename Mainloop::Arguments mainloop;
+    typename Epilogue::Arguments epilogue;
+    cutlass::KernelHardwareInfo hw_info;
+  };
+
+  struct Params {
+    ProblemShape problem_size;
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+    typename TileScheduler::Params tile_scheduler;
+  };
+
+  static bool can_implement(Arguments const& a) {
+    return Mainloop::can_implement(a.problem_size, a.mainloop);
+  }
+
+  static Params to_underlying_arguments(Arguments const& a, void* workspace) {
+    return Params{a.problem_size,
+                  Mainloop::to_underlying_arguments(a.problem_size, a.mainloop, workspace),
+                  Epilogue::to_underlying_arguments(a.problem_size, a.epilogue, workspace),
+                  TileScheduler::to_underlying_arguments(a.problem_size, a.hw_info,
+                                                         cute::Shape<cute::_1, cute::_1, cute::_1>{},
+                                                         typename Mainloop::TileShape{})};
+  }
+
+  static dim3 get_grid_shape(Params const& p) { return TileScheduler::get_grid_shape(p.tile_scheduler); }
+  static dim3 get_block_shape() { return dim3(MaxThreadsPerBlock, 1, 1); }
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem) {
+    using namespace cute;
+    TileScheduler scheduler{params.tile_scheduler};
+    auto& storage = *reinterpret_cast<SharedStorage*>(smem);
+    const int warp_group = cutlass::canonical_warp_group_idx();
+    const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
+    const int lane_predicate = cute::elect_one_sync();
+    const bool loader = warp_group == 0 && warp_in_group == 1;  // the producer warp
+    const int math = warp_group - 1;                             // math warpgroup, or -1
+
+    if (cutlass::canonical_warp_idx_sync() == 0 && lane_predicate) {
+      Mainloop::prefetch_tma_descriptors(params.mainloop);
+      Epilogue::prefetch_tma_descriptors(params.epilogue);
+    }
+
+    typename PipelineKV::Params kv_params;
+    kv_params.transaction_bytes = Mainloop::kInnerLoadBytes;
+    kv_params.is_leader = loader && lane_predicate;
+    kv_params.num_consumers = kMathWarpGroups * cutlass::NumThreadsPerWarpGroup;
+    typename PipelineQ::Params q_params;
+    q_params.transaction_bytes = Mainloop::kOuterLoadBytes;
+    q_params.is_leader = loader && lane_predicate;
+    q_params.num_consumers = cutlass::NumThreadsPerWarpGroup;  // a Q stage per warpgroup
+    if (loader) {
+      kv_params.role = PipelineKV::ThreadCategory::Producer;
+      q_params.role = PipelineQ::ThreadCategory::Producer;
+    } else if (math >= 0) {
+      kv_params.role = PipelineKV::ThreadCategory::Consumer;
+      q_params.role = PipelineQ::ThreadCategory::Consumer;
+    }
+    PipelineKV pipeline_kv(storage.pipeline_kv, kv_params, Shape<_1, _1, _1>{});
+    PipelineQ pipeline_q(storage.pipeline_q, q_params, Shape<_1, _1, _1>{});
+    typename OrderBarrier::Params order_params;
+    order_params.group_id = math < 0 ? 0 : math;
+    order_params.group_size = cutlass::NumThreadsPerWarpGroup;
+    OrderBarrier order(storage.order, order_params);
+    __syncthreads();  // the barriers' initialization, visible to every thread
+
+    Mainloop mainloop;
+    if (warp_group == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
+      if (!loader) return;
+      auto write_kv = cutlass::make_producer_start_state<PipelineKV>();
+      auto write_q = cutlass::make_producer_start_state<PipelineQ>();
+      int unused = 0;
+      for (; scheduler.is_valid(); ++scheduler)
+        mainloop.template load_kv_maybe_q<true>(0, scheduler.get_block_coord(), params.mainloop,
+                                                params.problem_size, pipeline_kv, write_kv,
+                                                pipeline_q, write_q, storage.tensors.mainloop,
+                                                unused, false);
+      return;
+    }
+
+    cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
+    typename Mainloop::PipelineState read_kv;
+    typename Mainloop::PipelineStateQ read_q;
+    int unused_reducer = 0, unused_reducer_state = 0;
+    for (; scheduler.is_valid(); ++scheduler) {
+      auto blk = scheduler.get_block_coord();
+      auto wg_coord = blk;
+      get<0>(wg_coord) = kMathWarpGroups * get<0>(blk) + math;  // this warpgroup's 64 rows
+      read_q.advance(math);  // its Q stage
+      auto result = mainloop.compute(blk, wg_coord, params.mainloop, params.problem_size,
+                                     pipeline_kv, read_kv, pipeline_q, read_q, unused_reducer,
+                                     unused_reducer_state, storage.tensors.mainloop, order);
+      read_q.advance(kMathWarpGroups - math);
+      Epilogue{}(typename Mainloop::TileShapePV{}, wg_coord, result,
+                 typename Mainloop::TiledMmaPV{}, params.problem_size, params.epilogue,
+                 storage.tensors.epilogue[math]);
+    }
+  }
+};
+
+}  // namespace pk::ring_attention
