@@ -7,7 +7,7 @@
 // Arguments: the problem (B, Hq, Sq, Skv, D), the mainloop's, the
 // epilogue's and the SM count (Arguments).
 // Roles: warpgroup 0 gives up registers (24 a thread); its warp 1 loads Q
-// and the K/V tiles (RingMainloop::load_kv_maybe_q). Warpgroups 1 and 2
+// and the K/V tiles (RingMainloop::load). Warpgroups 1 and 2
 // (240 registers a thread) run QK, softmax and PV on 64 query rows each
 // (RingMainloop::compute), their first QK GEMMs in turn (an ordered
 // barrier), then each writes its own rows (RingEpilogue) without waiting
@@ -52,6 +52,7 @@ struct RingFwdKernel {
     alignas(16) typename PipelineKV::SharedStorage pipeline_kv;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename OrderBarrier::SharedStorage order;
+    int wait_failed;  // the producer's: one of its waits failed (RingMainloop::load)
   };
   static constexpr int SharedStorageSize = sizeof(SharedStorage);
 
@@ -123,7 +124,8 @@ struct RingFwdKernel {
     order_params.group_id = math < 0 ? 0 : math;
     order_params.group_size = cutlass::NumThreadsPerWarpGroup;
     OrderBarrier order(storage.order, order_params);
-    __syncthreads();  // the barriers' initialization, visible to every thread
+    if (threadIdx.x == 0) storage.wait_failed = 0;
+    __syncthreads();  // the barriers' and the flag's initialization, visible to every thread
 
     Mainloop mainloop;
     if (warp_group == 0) {
@@ -131,27 +133,24 @@ struct RingFwdKernel {
       if (!loader) return;
       auto write_kv = cutlass::make_producer_start_state<PipelineKV>();
       auto write_q = cutlass::make_producer_start_state<PipelineQ>();
-      int unused = 0;
       for (; scheduler.is_valid(); ++scheduler)
-        mainloop.template load_kv_maybe_q<true>(0, scheduler.get_block_coord(), params.mainloop,
-                                                params.problem_size, pipeline_kv, write_kv,
-                                                pipeline_q, write_q, storage.tensors.mainloop,
-                                                unused, false);
+        mainloop.load(scheduler.get_block_coord(), params.mainloop, params.problem_size,
+                      pipeline_kv, write_kv, pipeline_q, write_q, storage.tensors.mainloop,
+                      storage.wait_failed);
       return;
     }
 
     cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
     typename Mainloop::PipelineState read_kv;
     typename Mainloop::PipelineStateQ read_q;
-    int unused_reducer = 0, unused_reducer_state = 0;
     for (; scheduler.is_valid(); ++scheduler) {
       auto blk = scheduler.get_block_coord();
       auto wg_coord = blk;
       get<0>(wg_coord) = kMathWarpGroups * get<0>(blk) + math;  // this warpgroup's 64 rows
       read_q.advance(math);  // its Q stage
       auto result = mainloop.compute(blk, wg_coord, params.mainloop, params.problem_size,
-                                     pipeline_kv, read_kv, pipeline_q, read_q, unused_reducer,
-                                     unused_reducer_state, storage.tensors.mainloop, order);
+                                     pipeline_kv, read_kv, pipeline_q, read_q,
+                                     storage.wait_failed, storage.tensors.mainloop, order);
       read_q.advance(kMathWarpGroups - math);
       Epilogue{}(typename Mainloop::TileShapePV{}, wg_coord, result,
                  typename Mainloop::TiledMmaPV{}, params.problem_size, params.epilogue,

@@ -17,8 +17,8 @@
 //   * key tiles need not divide a chunk: each chunk's last tile is loaded
 //     from the chunk's end and its keys the tile before it covered are
 //     masked (kv_walk.cuh), so TMA loads start at any row;
-//   * a CTA that ends while the device holds an error (one of its waits
-//     failed, or an earlier one) writes NaN: a failed call's output is poison.
+//   * a CTA one of whose waits failed, or that began while the device held
+//     an error, writes NaN: a failed call's output is poison.
 // GQA/MQA: query head h reads K/V head h / group.
 #pragma once
 
@@ -183,13 +183,15 @@ struct RingMainloop
   }
 
   // ---- producer warp ------------------------------------------------------
-  template <bool kLoadQ, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
-  CUTLASS_DEVICE void load_kv_maybe_q(int block_rank_in_cluster, BlkCoord const& blk,
-                                      Params const& p, ProblemShape const& problem,
-                                      MainloopPipeline& pipeline, PipelineState& write,
-                                      MainloopPipelineQ& pipeline_q, PipelineStateQ& write_q,
-                                      SharedStorage& storage, LoadWarpBarrier&, bool) {
-    static_assert(kLoadQ, "the K/V producer also loads Q");
+  // Q, then the walk's K/V tiles. `wait_failed` (shared memory) becomes 1
+  // when a wait for a peer's piece fails; the loads go on (the math
+  // warpgroups then write poison, compute()).
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE void load(BlkCoord const& blk, Params const& p, ProblemShape const& problem,
+                           MainloopPipeline& pipeline, PipelineState& write,
+                           MainloopPipelineQ& pipeline_q, PipelineStateQ& write_q,
+                           SharedStorage& storage, int& wait_failed) {
+    constexpr int block_rank_in_cluster = 0;
     const int lane_predicate = cute::elect_one_sync();
     const Geometry& g = p.ring.geo;
     const auto kv_blk = make_coord(get<0>(blk), get<1>(blk),
@@ -245,7 +247,8 @@ struct RingMainloop
           if (epoch == 0) epoch = *reinterpret_cast<const volatile uint64_t*>(p.ring.epoch) + 1;
           const int src = (g.rank - t.step + g.n) % g.n;
           const uint64_t target = (epoch - 1) * uint64_t(pieces) + piece + 1;
-          wait_geq(p.ring.posted + src, target, p.ring.wait, src, kWaitPiece);
+          if (!wait_geq(p.ring.posted + src, target, p.ring.wait, src, kWaitPiece))
+            wait_failed = 1;  // before the next stage's arrive (release) publishes it
           // The copy engine wrote the rows; TMA reads them through the async proxy.
           asm volatile("fence.proxy.async.global;" ::: "memory");
           waited_step = t.step;
@@ -352,13 +355,17 @@ struct RingMainloop
   // of tile t, whose QK GEMM was issued just before it. K and V stages
   // alternate in the shared pipeline; K_t is consumed before V_{t-1}, so each
   // has its own read state (two stages per tile).
-  template <class BlkCoord, class ProblemShape, class PipelineReducer, class StateReducer,
-            class OrderBarrier>
+  // `wait_failed`: the producer's flag (load()).
+  template <class BlkCoord, class ProblemShape, class OrderBarrier>
   CUTLASS_DEVICE auto compute(BlkCoord const& blk, BlkCoord const& wg_coord, Params const& p,
                               ProblemShape const&, MainloopPipeline& pipeline,
                               PipelineState& read, MainloopPipelineQ& pipeline_q,
-                              PipelineStateQ& read_q, PipelineReducer&, StateReducer&,
+                              PipelineStateQ& read_q, int const& wait_failed,
                               SharedStorage& storage, OrderBarrier& order) {
+    // An error the device held when this tile began (an earlier call's or
+    // another CTA's failed wait), read now so that its latency hides under
+    // the tile's GEMMs rather than before the epilogue.
+    const bool failed_before = device_failed(p.ring.wait);
     const int thread_idx = int(threadIdx.x);
     PipelineState read_k = read;
     PipelineState read_v = read;
@@ -517,9 +524,10 @@ struct RingMainloop
 
     Tensor lse = softmax.tail(state, acc_pv, mma_pv);
     // A failed call's tile is poison (NaN in O and the log-sum-exp): a wait
-    // of this CTA failed (the producer claimed the device's error before it
-    // issued the loads we consumed since) or the device held an error.
-    if (device_failed(p.ring.wait)) {
+    // of this CTA's producer failed (it set the flag before the arrive of a
+    // stage consumed since) or the device held an error when the tile began.
+    // Other CTAs' waits failing meanwhile leave this tile's data whole.
+    if (failed_before || *reinterpret_cast<const volatile int*>(&wait_failed) != 0) {
       const float nan = __int_as_float(0x7fc00000);
       fill(acc_pv, nan);
       fill(lse, nan);
