@@ -30,13 +30,13 @@ struct RingFwdKernel {
   static constexpr int MaxThreadsPerBlock = (1 + kMathWarpGroups) * cutlass::NumThreadsPerWarpGroup;
   static constexpr int MinBlocksPerMultiprocessor = 1;
   using ArchTag = cutlass::arch::Sm90;
-  // 65536 registers over 384 threads: the producer's warpgroup keeps 24 a
-  // thread, the math warpgroups take the rest (8-aligned).
+  // The SM's 65536 registers: the producer's warpgroup keeps 24 a thread,
+  // each math warpgroup takes 240 (the split the mainloop was tuned for).
   static constexpr uint32_t kLoadRegisters = 24;
-  static constexpr uint32_t kMathRegisters =
-      ((65536 / MaxThreadsPerBlock / 8 * 8 * (1 + kMathWarpGroups) - kLoadRegisters) /
-       kMathWarpGroups) / 8 * 8;
-  static_assert(kMathRegisters == 240, "the register split the mainloop was tuned for");
+  static constexpr uint32_t kMathRegisters = 240;
+  static_assert((kLoadRegisters + kMathWarpGroups * kMathRegisters) *
+                        cutlass::NumThreadsPerWarpGroup <= 65536,
+                "the register split exceeds the SM's registers");
 
   using PipelineKV = typename Mainloop::MainloopPipeline;
   using PipelineQ = typename Mainloop::MainloopPipelineQ;
