@@ -187,7 +187,7 @@ def test_gqa_and_head_dim(mechanism, group, d):
 # The kernel's tile forms (ring_attention.cu, form_of): head dim 64 takes
 # 192-key tiles on long chunks (1536 rows: whole tiles; 10240: the last tile
 # placed at the chunk's end, its repeated keys masked), 128 keys on short
-# ones; head dim 128 adds the lazy rescale under a causal mask; head dim 256
+# ones; head dim 128 (its lazy rescale) here causal in fp16; head dim 256
 # takes 80-key tiles (1024 rows: the last tile repeats keys; 640: whole tiles).
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("mechanism", MECHANISMS)

@@ -51,9 +51,9 @@ using Configs = std::tuple<
     Entry<64, 192, 5, false, true>,
     Entry<256, 80, 4, false, true>>;
 constexpr const char* kNames[] = {
-    "d128 128 keys 5 stages two P buffers (ops: no mask)",
+    "d128 128 keys 5 stages two P buffers",
     "d128 128 keys 5 stages one P buffer, rescale under QK",
-    "d128 128 keys 5 stages lazy rescale two P buffers (ops: causal)",
+    "d128 128 keys 5 stages lazy rescale two P buffers (ops)",
     "d128 128 keys 5 stages lazy rescale one P buffer, under QK",
     "d64 128 keys 5 stages (ops: short chunks)",
     "d64 128 keys 5 stages two P buffers",

@@ -143,7 +143,9 @@ struct WithCommCtas : Base {
 // softmax steps per key; benchmarks/NOTES.md, 2026-12-03) in the example's 5
 // stages; head dim 128 rescales O under the next QK GEMM, 64 between the PV
 // wait and the next issue (each the faster in tools/attention_sweep;
-// NOTES.md, 2026-12-05). kDoubleP: P in two register buffers taken in turns,
+// NOTES.md, 2026-12-05); head dim 128 rescales O lazily under either mask
+// (with two P buffers 1.01-1.05x causal and 1.005-1.03x without a mask in
+// tools/attention_sweep; NOTES.md, 2026-12-07). kDoubleP: P in two register buffers taken in turns,
 // so the softmax of one tile runs beside the PV GEMM of the one before
 // (RingMainloop::compute; O's rescale then follows that GEMM's wait, so
 // kUnderQk does not apply). Head dim 128 at 128 keys takes it (tools/
@@ -151,7 +153,7 @@ struct WithCommCtas : Base {
 // 1.02x; NOTES.md, 2026-12-07); head dim 64 does not (as fast causal, 3%
 // slower without a mask), nor do wider key tiles (ptxas serializes their
 // wgmma or spills).
-template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = false,
+template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = (kHeadDim == 128),
           bool kUnderQk = (kHeadDim == 128), bool kDoubleP = (kHeadDim == 128 && kKeys == 128)>
 struct FwdTile {
   using Shape = cute::Shape<cute::_128, cute::Int<kKeys>, cute::Int<kHeadDim>>;
@@ -236,12 +238,8 @@ struct AttentionKernel {
 
 template <int kHeadDim, Form kForm>
 struct FormTile {
-  static_assert(kForm == Form::kBase, "kCausalLazy is head dim 128's, kWide 64's");
+  static_assert(kForm == Form::kBase, "kWide is head dim 64's");
   using Type = FwdTile<kHeadDim>;
-};
-template <>
-struct FormTile<128, Form::kCausalLazy> {
-  using Type = FwdTile<128, 128, 5, /*kLazy=*/true, /*kUnderQk=*/true>;
 };
 template <>
 struct FormTile<64, Form::kWide> {

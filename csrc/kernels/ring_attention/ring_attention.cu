@@ -19,10 +19,6 @@ using Instantiations = variants::Built<
     Variant<DType::kF16, 64, Mechanism::kCopyEngine>,
     Variant<DType::kBF16, 128, Mechanism::kLdSt>, Variant<DType::kBF16, 64, Mechanism::kLdSt>,
     Variant<DType::kF16, 128, Mechanism::kLdSt>, Variant<DType::kF16, 64, Mechanism::kLdSt>,
-    Variant<DType::kBF16, 128, Mechanism::kCopyEngine, Form::kCausalLazy>,
-    Variant<DType::kF16, 128, Mechanism::kCopyEngine, Form::kCausalLazy>,
-    Variant<DType::kBF16, 128, Mechanism::kLdSt, Form::kCausalLazy>,
-    Variant<DType::kF16, 128, Mechanism::kLdSt, Form::kCausalLazy>,
     Variant<DType::kBF16, 64, Mechanism::kCopyEngine, Form::kWide>,
     Variant<DType::kF16, 64, Mechanism::kCopyEngine, Form::kWide>,
     Variant<DType::kBF16, 64, Mechanism::kLdSt, Form::kWide>,
@@ -32,14 +28,11 @@ using Instantiations = variants::Built<
     Variant<DType::kBF16, 256, Mechanism::kLdSt>, Variant<DType::kF16, 256, Mechanism::kLdSt>>;
 
 // The tile form of p's call (tools/attention_sweep, benchmarks/NOTES.md,
-// 2026-12-05): head dim 128 under a causal mask adds the lazy rescale (3-10%
-// faster causal, 2% slower without a mask); head dim 64 takes 192-key tiles
-// (9% faster at 16k-row chunks) where the keys its walk loads exceed the
-// chunk's by at most 2% (the last tile, placed at the chunk's end, repeats
-// some): every chunk of 9,600 rows or more, shorter ones near a multiple of
-// 192.
+// 2026-12-05): head dim 64 takes 192-key tiles (9% faster at 16k-row
+// chunks) where the keys its walk loads exceed the chunk's by at most 2% (the
+// last tile, placed at the chunk's end, repeats some): every chunk of 9,600
+// rows or more, shorter ones near a multiple of 192.
 Form form_of(const Params& p) {
-  if (p.head_dim == 128 && p.geo.causal) return Form::kCausalLazy;
   if (p.head_dim == 64) {
     constexpr int kWideKeys = 192;
     const int64_t rows = p.geo.chunk_rows();

@@ -118,13 +118,12 @@ struct KernelArgs {
 // configuration of tools/attention_sweep per shape class (benchmarks/NOTES.md,
 // 2026-12-05), picked per call by ring_attention.cu's form_of.
 enum class Form : int32_t {
-  kBase = 0,        // 128 keys a tile (FwdTile's defaults); head dim 256: 80
-  kCausalLazy = 1,  // head dim 128, causal: also the lazy rescale of O
-  kWide = 2,        // head dim 64, long chunks: 192 keys a tile, O rescaled under QK
+  kBase = 0,  // 128 keys a tile (FwdTile's defaults); head dim 256: 80
+  kWide = 1,  // head dim 64, long chunks: 192 keys a tile, O rescaled under QK
 };
 // The instantiations (kernels/common/variants.h): one per (element type,
 // head dim, mechanism, form),
-// instantiations/attention_<type>_d<D>[_lazy|_k192][_ld_st].cu; defined in
+// instantiations/attention_<type>_d<D>[_k192][_ld_st].cu; defined in
 // attention_sm90.cuh.
 struct VariantKey {
   DType dtype;
