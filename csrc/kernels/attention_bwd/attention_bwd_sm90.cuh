@@ -1,7 +1,7 @@
-// The block backward kernel for one (element type, head dim): the FMHA
-// kernel skeleton of CUTLASS's Hopper example (one producer warpgroup, two
-// cooperative math warpgroups) around BwdMainloop, with our scheduler and a
-// dK/dV epilogue (fp32, or the input type for a block that needs no sum).
+// The block backward kernel for one (element type, head dim): BlockBwdKernel
+// (bwd_kernel.cuh: one load warpgroup, two cooperative math warpgroups)
+// around BwdMainloop, with our scheduler and a dK/dV epilogue (fp32, or the
+// input type for a block that needs no sum).
 //
 // Launch config: one CTA per (128-row K/V tile, batch, K/V head), 384
 // threads, head by head, or under a causal mask K/V tile by K/V tile (the
@@ -25,9 +25,8 @@
 
 #include <type_traits>
 
-#include "kernel/fmha_kernel_tma_warpspecialized.hpp"
-
 #include "kernels/attention_bwd/attention_bwd.h"
+#include "kernels/attention_bwd/bwd_kernel.cuh"
 #include "kernels/attention_bwd/bwd_mainloop.cuh"
 #include "kernels/common/cutlass_type.cuh"
 #include "kernels/common/fmha_launch.cuh"
@@ -87,30 +86,22 @@ struct KvTileScheduler {
 // into [B, T, Hkv, D] (each CTA owns its rows: plain stores of two adjacent
 // columns, 8 bytes as fp32, 4 in the input type). No shared memory, no
 // pipeline. NaN instead while the device holds an error (`claim`, see Params).
-template <class Element, class TileShapeND>
+template <class Element, class TileShapeND, class TiledMma>
 struct KvGradEpilogue {
-  struct Arguments {
+  struct Params {
     void* dk;
     void* dv;
     bool in_input_type;  // Element instead of fp32
     const int32_t* claim;
   };
-  using Params = Arguments;
-  struct TensorStorage {};
-  using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
-  using PipelineStorage = typename LoadPipeline::SharedStorage;
-  static constexpr int TmaTransactionBytes = 0;
 
-  template <class ProblemShape>
-  static Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
-    return a;
-  }
-
-  template <class TileShape, class BlkCoord, class Result, class TiledMma, class ProblemShape>
-  CUTLASS_DEVICE void operator()(TileShape const&, BlkCoord const& wg_coord, Result const& result,
-                                 TiledMma const& mma, ProblemShape const& problem,
-                                 Params const& p, LoadPipeline, TensorStorage&) {
+  // `wg_coord`: (_, the warpgroup's 64-row block, (b, h)); `result`: its
+  // (dK, dV) accumulators.
+  template <class BlkCoord, class Result, class ProblemShape>
+  CUTLASS_DEVICE void operator()(BlkCoord const& wg_coord, Result const& result,
+                                 ProblemShape const& problem, Params const& p) {
     using namespace cute;
+    TiledMma mma;
     const int t_rows = get<3>(problem), heads = get<1>(problem);
     constexpr int kRows = get<0>(TileShapeND{});
     constexpr int kDim = get<1>(TileShapeND{});
@@ -167,8 +158,9 @@ template <typename Element, int kHeadDim>
 struct BwdKernel {
   using TileShape = typename BwdTiles<kHeadDim>::Shape;
   using Mainloop = BwdMainloop<Element, TileShape>;
-  using Epilogue = KvGradEpilogue<Element, typename Mainloop::TileShapeND>;
-  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, KvTileScheduler>;
+  using Epilogue = KvGradEpilogue<Element, typename Mainloop::TileShapeND,
+                                  typename Mainloop::TiledMmaND>;
+  using Kernel = BlockBwdKernel<Mainloop, Epilogue, KvTileScheduler>;
   static_assert(cute::get<0>(TileShape{}) == tile_q(kHeadDim), "host checks use tile_q()");
   static_assert(cute::get<1>(TileShape{}) == kTileKv, "host checks use kTileKv");
   static_assert(Kernel::SharedStorageSize <= 227 * 1024, "shared memory of one SM");

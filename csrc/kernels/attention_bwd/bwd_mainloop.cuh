@@ -226,13 +226,11 @@ struct BwdMainloop
   // ---- producer warp ------------------------------------------------------
   // K and V of both warpgroups' rows once (outer pipeline), then per visible
   // tile: Q with its lse rows in one stage, dO with its delta rows in the next.
-  template <bool kLoadOuter, class BlkCoord, class ProblemShape, class LoadWarpBarrier>
-  CUTLASS_DEVICE void load_kv_maybe_q(int, BlkCoord const& blk, Params const& p,
-                                      ProblemShape const& problem, MainloopPipeline& pipeline,
-                                      PipelineState& write, MainloopPipelineQ& pipeline_kv,
-                                      PipelineStateQ& write_kv, SharedStorage& storage,
-                                      LoadWarpBarrier&, bool) {
-    static_assert(kLoadOuter, "this producer also loads K and V");
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE void load(BlkCoord const& blk, Params const& p, ProblemShape const& problem,
+                           MainloopPipeline& pipeline, PipelineState& write,
+                           MainloopPipelineQ& pipeline_kv, PipelineStateQ& write_kv,
+                           SharedStorage& storage) {
     const int lane_predicate = cute::elect_one_sync();
     if (!lane_predicate) return;
     auto qp = q_problem(problem, p.bwd);
