@@ -88,12 +88,17 @@ struct KvTileScheduler {
 // pipeline. NaN instead while the device holds an error (`claim`, see Params).
 template <class Element, class TileShapeND, class TiledMma>
 struct KvGradEpilogue {
-  struct Params {
+  struct Arguments {
     void* dk;
     void* dv;
     bool in_input_type;  // Element instead of fp32
     const int32_t* claim;
   };
+  using Params = Arguments;
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const&, Arguments const& a, void*) {
+    return a;
+  }
 
   // `wg_coord`: (_, the warpgroup's 64-row block, (b, h)); `result`: its
   // (dK, dV) accumulators.

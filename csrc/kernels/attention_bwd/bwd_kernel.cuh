@@ -17,27 +17,19 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/arch.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
-#include <cutlass/kernel_hardware_info.h>
 #include <cutlass/pipeline/pipeline.hpp>
+
+#include "kernels/common/attention_kernel_base.cuh"
 
 namespace pk::attention_bwd {
 
 template <class Mainloop, class Epilogue, class TileScheduler>
-struct BlockBwdKernel {
-  static constexpr int kMathWarpGroups = Mainloop::NumMmaWarpGroups;
-  static constexpr int MaxThreadsPerBlock = (1 + kMathWarpGroups) * cutlass::NumThreadsPerWarpGroup;
-  static constexpr int MinBlocksPerMultiprocessor = 1;
-  using ArchTag = cutlass::arch::Sm90;
-  // The SM's 65536 registers: the load warpgroup keeps 24 a thread, each
-  // math warpgroup takes 240 (the split the mainloop was tuned for).
-  static constexpr uint32_t kLoadRegisters = 24;
-  static constexpr uint32_t kMathRegisters = 240;
-  static_assert((kLoadRegisters + kMathWarpGroups * kMathRegisters) *
-                        cutlass::NumThreadsPerWarpGroup <= 65536,
-                "the register split exceeds the SM's registers");
+struct BlockBwdKernel : fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler> {
+  using Base = fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler>;
+  using typename Base::Params;  // problem (B, Hkv, S, T, D), mainloop, epilogue, scheduler
+  static constexpr int kMathWarpGroups = Base::kMathWarpGroups;
 
   // Q and lse, then dO and delta', one stage each per query tile.
   using PipelineQ = typename Mainloop::MainloopPipeline;
@@ -59,38 +51,6 @@ struct BlockBwdKernel {
     alignas(16) typename OrderBarrier::SharedStorage order;
   };
   static constexpr int SharedStorageSize = sizeof(SharedStorage);
-
-  using ProblemShape = cute::tuple<int, int, int, int, int>;  // (B, Hkv, S, T, D)
-
-  struct Arguments {
-    ProblemShape problem_size;
-    typename Mainloop::Arguments mainloop;
-    typename Epilogue::Params epilogue;
-    cutlass::KernelHardwareInfo hw_info;
-  };
-
-  struct Params {
-    ProblemShape problem_size;
-    typename Mainloop::Params mainloop;
-    typename Epilogue::Params epilogue;
-    typename TileScheduler::Params tile_scheduler;
-  };
-
-  static bool can_implement(Arguments const& a) {
-    return Mainloop::can_implement(a.problem_size, a.mainloop);
-  }
-
-  static Params to_underlying_arguments(Arguments const& a, void* workspace) {
-    return Params{a.problem_size,
-                  Mainloop::to_underlying_arguments(a.problem_size, a.mainloop, workspace),
-                  a.epilogue,
-                  TileScheduler::to_underlying_arguments(a.problem_size, a.hw_info,
-                                                         cute::Shape<cute::_1, cute::_1, cute::_1>{},
-                                                         typename Mainloop::TileShape{})};
-  }
-
-  static dim3 get_grid_shape(Params const& p) { return TileScheduler::get_grid_shape(p.tile_scheduler); }
-  static dim3 get_block_shape() { return dim3(MaxThreadsPerBlock, 1, 1); }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) {
     using namespace cute;
@@ -138,7 +98,7 @@ struct BlockBwdKernel {
 
     Mainloop mainloop;
     if (warp_group == 0) {
-      cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
+      cutlass::arch::warpgroup_reg_dealloc<Base::kLoadRegisters>();
       if (loader) {
         auto write_q = cutlass::make_producer_start_state<PipelineQ>();
         auto write_kv = cutlass::make_producer_start_state<PipelineKV>();
@@ -154,7 +114,7 @@ struct BlockBwdKernel {
       return;
     }
 
-    cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
+    cutlass::arch::warpgroup_reg_alloc<Base::kMathRegisters>();
     typename Mainloop::PipelineState read_q;
     typename Mainloop::PipelineStateQ read_kv;
     auto write_red = cutlass::make_producer_start_state<PipelineReducer>();

@@ -135,24 +135,24 @@ struct WithCommCtas : Base {
 };
 
 // (query rows, keys, head dim) of one CTA's tile, the stages of its K/V
-// pipeline (K and V tiles share it, one tile a stage) and two mainloop
-// variants: the lazy rescale of O (RingMainloop::online_softmax) and O's
-// rescale under the next QK GEMM (RingMainloop::compute). Head dims 64 and
-// 128 take the defaults in their base forms (head dim 256: FormTile below):
-// 128 keys a tile (64 keys halves every QK and PV GEMM and doubles the
-// softmax steps per key; benchmarks/NOTES.md, 2026-12-03) in the example's 5
-// stages; head dim 128 rescales O under the next QK GEMM, 64 between the PV
-// wait and the next issue (each the faster in tools/attention_sweep;
-// NOTES.md, 2026-12-05); head dim 128 rescales O lazily under either mask
-// (with two P buffers 1.01-1.05x causal and 1.005-1.03x without a mask in
-// tools/attention_sweep; NOTES.md, 2026-12-07). kDoubleP: P in two register buffers taken in turns,
-// so the softmax of one tile runs beside the PV GEMM of the one before
-// (RingMainloop::compute; O's rescale then follows that GEMM's wait, so
-// kUnderQk does not apply). Head dim 128 at 128 keys takes it (tools/
-// attention_sweep: 1.04x without a mask, 0.94-1.07x causal, geometric mean
-// 1.02x; NOTES.md, 2026-12-07); head dim 64 does not (as fast causal, 3%
-// slower without a mask), nor do wider key tiles (ptxas serializes their
-// wgmma or spills).
+// pipeline (K and V tiles share it, one tile a stage) and three mainloop
+// variants: the lazy rescale of O (RingMainloop::online_softmax), O's
+// rescale under the next QK GEMM and P in two register buffers
+// (RingMainloop::compute). Head dims 64 and 128 take the defaults in their
+// base forms (head dim 256: FormTile below): 128 keys a tile (64 keys halves
+// every QK and PV GEMM and doubles the softmax steps per key;
+// benchmarks/NOTES.md, 2026-12-03) in the example's 5 stages; O rescaled
+// under the next QK GEMM at head dim 128, between the PV wait and the next
+// issue at 64 (each the faster in tools/attention_sweep; NOTES.md,
+// 2026-12-05). kDoubleP: P in two register buffers taken in turns, so the
+// softmax of one tile runs beside the PV GEMM of the one before (O's rescale
+// then follows that GEMM's wait, so kUnderQk does not apply). Head dim 128 at
+// 128 keys takes it (tools/attention_sweep: 1.04x without a mask, 0.94-1.07x
+// causal, geometric mean 1.02x; NOTES.md, 2026-12-07); head dim 64 does not
+// (as fast causal, 3% slower without a mask), nor do wider key tiles (ptxas
+// serializes their wgmma or spills). kLazy: head dim 128 under either mask
+// (with two P buffers, causal 1.01-1.05x; without a mask 1.005-1.04x in
+// tools/attention_sweep, 1.02-1.06x in the op's call; NOTES.md, 2026-12-07).
 template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = (kHeadDim == 128),
           bool kUnderQk = (kHeadDim == 128), bool kDoubleP = (kHeadDim == 128 && kKeys == 128)>
 struct FwdTile {

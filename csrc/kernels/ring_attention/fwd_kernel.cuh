@@ -16,27 +16,19 @@
 #pragma once
 
 #include <cute/tensor.hpp>
-#include <cutlass/arch/arch.h>
 #include <cutlass/arch/reg_reconfig.h>
 #include <cutlass/cutlass.h>
-#include <cutlass/kernel_hardware_info.h>
 #include <cutlass/pipeline/pipeline.hpp>
+
+#include "kernels/common/attention_kernel_base.cuh"
 
 namespace pk::ring_attention {
 
 template <class Mainloop, class Epilogue, class TileScheduler>
-struct RingFwdKernel {
-  static constexpr int kMathWarpGroups = Mainloop::NumMmaWarpGroups;
-  static constexpr int MaxThreadsPerBlock = (1 + kMathWarpGroups) * cutlass::NumThreadsPerWarpGroup;
-  static constexpr int MinBlocksPerMultiprocessor = 1;
-  using ArchTag = cutlass::arch::Sm90;
-  // The SM's 65536 registers: the producer's warpgroup keeps 24 a thread,
-  // each math warpgroup takes 240 (the split the mainloop was tuned for).
-  static constexpr uint32_t kLoadRegisters = 24;
-  static constexpr uint32_t kMathRegisters = 240;
-  static_assert((kLoadRegisters + kMathWarpGroups * kMathRegisters) *
-                        cutlass::NumThreadsPerWarpGroup <= 65536,
-                "the register split exceeds the SM's registers");
+struct RingFwdKernel : fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler> {
+  using Base = fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler>;
+  using typename Base::Params;  // problem (B, Hq, Sq, Skv, D), mainloop, epilogue, scheduler
+  static constexpr int kMathWarpGroups = Base::kMathWarpGroups;
 
   using PipelineKV = typename Mainloop::MainloopPipeline;
   using PipelineQ = typename Mainloop::MainloopPipelineQ;
@@ -55,38 +47,6 @@ struct RingFwdKernel {
     int wait_failed;  // the producer's: one of its waits failed (RingMainloop::load)
   };
   static constexpr int SharedStorageSize = sizeof(SharedStorage);
-
-  using ProblemShape = cute::tuple<int, int, int, int, int>;  // (B, Hq, Sq, Skv, D)
-
-  struct Arguments {
-    ProblemShape problem_size;
-    typename Mainloop::Arguments mainloop;
-    typename Epilogue::Arguments epilogue;
-    cutlass::KernelHardwareInfo hw_info;
-  };
-
-  struct Params {
-    ProblemShape problem_size;
-    typename Mainloop::Params mainloop;
-    typename Epilogue::Params epilogue;
-    typename TileScheduler::Params tile_scheduler;
-  };
-
-  static bool can_implement(Arguments const& a) {
-    return Mainloop::can_implement(a.problem_size, a.mainloop);
-  }
-
-  static Params to_underlying_arguments(Arguments const& a, void* workspace) {
-    return Params{a.problem_size,
-                  Mainloop::to_underlying_arguments(a.problem_size, a.mainloop, workspace),
-                  Epilogue::to_underlying_arguments(a.problem_size, a.epilogue, workspace),
-                  TileScheduler::to_underlying_arguments(a.problem_size, a.hw_info,
-                                                         cute::Shape<cute::_1, cute::_1, cute::_1>{},
-                                                         typename Mainloop::TileShape{})};
-  }
-
-  static dim3 get_grid_shape(Params const& p) { return TileScheduler::get_grid_shape(p.tile_scheduler); }
-  static dim3 get_block_shape() { return dim3(MaxThreadsPerBlock, 1, 1); }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem) {
     using namespace cute;
@@ -129,7 +89,7 @@ struct RingFwdKernel {
 
     Mainloop mainloop;
     if (warp_group == 0) {
-      cutlass::arch::warpgroup_reg_dealloc<kLoadRegisters>();
+      cutlass::arch::warpgroup_reg_dealloc<Base::kLoadRegisters>();
       if (!loader) return;
       auto write_kv = cutlass::make_producer_start_state<PipelineKV>();
       auto write_q = cutlass::make_producer_start_state<PipelineQ>();
@@ -140,7 +100,7 @@ struct RingFwdKernel {
       return;
     }
 
-    cutlass::arch::warpgroup_reg_alloc<kMathRegisters>();
+    cutlass::arch::warpgroup_reg_alloc<Base::kMathRegisters>();
     typename Mainloop::PipelineState read_kv;
     typename Mainloop::PipelineStateQ read_q;
     for (; scheduler.is_valid(); ++scheduler) {
