@@ -5,7 +5,7 @@
 // TileScheduler's order (KvTileScheduler), 384 threads, the shared storage
 // below (one CTA per SM).
 // Arguments: the problem (B, Hkv, S, T, D), the mainloop's, the epilogue's
-// and the SM count (Arguments).
+// and the SM count (AttentionKernelBase::Arguments).
 // Roles: warpgroup 0 gives up registers (24 a thread); its warp 0 adds each
 // query tile's dQ into global dq (BwdMainloop::reduce), its warp 1 loads K
 // and V once and Q, lse, dO and delta' per visible query tile

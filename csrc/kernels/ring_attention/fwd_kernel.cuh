@@ -5,7 +5,7 @@
 // TileScheduler's order (attention_sm90.cuh), 384 threads, the shared
 // storage below (one CTA per SM).
 // Arguments: the problem (B, Hq, Sq, Skv, D), the mainloop's, the
-// epilogue's and the SM count (Arguments).
+// epilogue's and the SM count (AttentionKernelBase::Arguments).
 // Roles: warpgroup 0 gives up registers (24 a thread); its warp 1 loads Q
 // and the K/V tiles (RingMainloop::load). Warpgroups 1 and 2
 // (240 registers a thread) run QK, softmax and PV on 64 query rows each
