@@ -235,9 +235,12 @@ struct RingMainloop
       uint64_t epoch = 0;
       const int pieces = p.ring.plan.pieces;
       int waited_step = 0, waited_piece = -1;  // the last piece known to be here
+      // Q (both warpgroups' stages) before the walk's arithmetic: its rows
+      // come from HBM (no other CTA reads them), the K/V tiles mostly from
+      // L2, so Q's latency is the longer.
+      while (q_count > 0) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
       KvWalk walk = make_walk(blk, p);
       KvTile t;
-      bool first = true;
       while (walk.next(t)) {
         // The walk visits a peer's rows in order and a piece holds
         // consecutive rows, so waiting for the piece of a tile's last row
@@ -255,15 +258,8 @@ struct RingMainloop
           waited_piece = piece;
         }
         const int key = t.step == 0 ? t.row : (t.step - 1) * g.s_local + t.row;
-        // Q for the first warpgroup, then K, then Q for the second: the first
-        // QK GEMM can start before all of Q has landed.
-        if (first) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
         if (t.step == 0) issue(p.tma_load_k, k_own, key);
         else issue(p.tma_load_k_peers, k_peer, key);
-        if (first) {
-          while (q_count > 0) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
-          first = false;
-        }
         if (t.step == 0) issue(p.tma_load_v, v_own, key);
         else issue(p.tma_load_v_peers, v_peer, key);
       }
