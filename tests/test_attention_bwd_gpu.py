@@ -13,7 +13,7 @@ float32, and the fused backward against the XLA-collective ring. Skipped with a 
 without GPUs or without the kernel.
 
 Inputs are fresh every run (a seed drawn from numpy's default_rng, named in
-failure messages); freed device memory is filled with 0xFF (NaN in fp32)
+failure messages; `PK_JAX_TEST_SEED=<seed>` reruns with it); freed device memory is filled with 0xFF (NaN in fp32)
 before each call, so an output element the kernel never writes shows.
 """
 
@@ -35,6 +35,7 @@ from pk_jax.ops.ring_attention.attention_bwd_primitive import block_bwd, kernel_
 from pk_jax.ops.ring_attention.primitive import RingConfig
 from conftest import gpu_mesh
 from helpers.gpu_util import poison_allocator
+from helpers.seeds import fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -45,10 +46,6 @@ def _need_kernel():
         pytest.skip("pk_jax extension without CUTLASS kernels (pip install nvidia-cutlass, "
                     "then reinstall pk_jax)")
     return mesh
-
-
-def _seed() -> int:
-    return int(np.random.default_rng().integers(1 << 31))
 
 
 def _cfg(n, causal, layout, d):
@@ -181,7 +178,7 @@ DTYPES = [jnp.bfloat16, jnp.float16]
 def test_non_causal(dtype, d, group):
     mesh = _need_kernel()
     dims = (2, 256, 384, 8, 8 // group, d)  # S != T
-    _check_pair(mesh, _seed(), _cfg(1, False, "contiguous", d), dims, dtype, 0, 0)
+    _check_pair(mesh, fresh_seed(), _cfg(1, False, "contiguous", d), dims, dtype, 0, 0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -190,7 +187,7 @@ def test_causal_contiguous_before_equal_after(dtype, d):
     """Rank 2 of 4: the K/V block of rank 1 is wholly visible, rank 2's is the
     diagonal, rank 3's wholly hidden (every tile skipped: all zeros)."""
     mesh = _need_kernel()
-    seed, dims = _seed(), (2, 256, 256, 8, 2, d)
+    seed, dims = fresh_seed(), (2, 256, 256, 8, 2, d)
     data = _inputs(seed, *dims, dtype)
     for k_rank in (1, 2, 3):
         _check_pair(mesh, seed, _cfg(4, True, "contiguous", d), dims, dtype, 2, k_rank, data)
@@ -201,7 +198,7 @@ def test_causal_contiguous_before_equal_after(dtype, d):
 @pytest.mark.parametrize("d", [64, 128])
 def test_zigzag_every_rank_pair(n, dtype, d):
     mesh = _need_kernel()
-    seed, dims = _seed(), (2, 512, 512, 8, 2, d)
+    seed, dims = fresh_seed(), (2, 512, 512, 8, 2, d)
     data = _inputs(seed, *dims, dtype)
     for q_rank in range(n):
         for k_rank in range(n):
@@ -212,7 +209,7 @@ def test_zigzag_every_rank_pair(n, dtype, d):
 @pytest.mark.parametrize("d", [64, 128])
 def test_gqa_groups_and_mqa(hq, hkv, d):
     mesh = _need_kernel()
-    seed, dims = _seed(), (2, 256, 256, hq, hkv, d)
+    seed, dims = fresh_seed(), (2, 256, 256, hq, hkv, d)
     data = _inputs(seed, *dims, jnp.bfloat16)
     for q_rank, k_rank in ((0, 0), (1, 0), (1, 1)):
         _check_pair(mesh, seed, _cfg(2, True, "zigzag", d), dims, jnp.bfloat16, q_rank, k_rank,
@@ -228,7 +225,7 @@ def test_gqa_groups_and_mqa(hq, hkv, d):
 ])
 def test_sizes(causal, layout, n, b, s, t, d):
     mesh = _need_kernel()
-    seed, dims = _seed(), (b, s, t, 4, 2, d)
+    seed, dims = fresh_seed(), (b, s, t, 4, 2, d)
     data = _inputs(seed, *dims, jnp.bfloat16)
     for q_rank in range(n):
         for k_rank in range(n):
@@ -262,7 +259,7 @@ def test_ring_attention_grads(n, causal, layout):
     in float32."""
     _need_kernel()
     mesh = gpu_mesh(n, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     b, s, hq, hkv, d, dtype = 2, n * 512, 8, 2, 128, jnp.bfloat16
     keys = jax.random.split(jax.random.key(seed), 4)
     draw = lambda kk, h: jax.random.normal(kk, (b, s, h, d), jnp.float32).astype(dtype)
@@ -306,7 +303,7 @@ def test_grads_through_layers_in_scan(n):
     jax.nn.dot_product_attention in float32."""
     _need_kernel()
     mesh = gpu_mesh(n, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     layers, b, s, hq, hkv, d, dtype = 3, 1, n * 512, 8, 2, 64, jnp.bfloat16
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (b, s, hq, d), jnp.float32).astype(dtype)
@@ -349,7 +346,7 @@ def test_fused_backward_matches_the_xla_transport(monkeypatch, layout):
     accumulates every step into one buffer)."""
     _need_kernel()
     mesh = gpu_mesh(2, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     b, s, hq, hkv, d, dtype = 2, 2 * 1024, 8, 2, 128, jnp.bfloat16
     keys = jax.random.split(jax.random.key(seed), 4)
     q = jax.random.normal(keys[0], (b, s, hq, d), jnp.float32).astype(dtype)
@@ -390,7 +387,7 @@ def test_deterministic_grads_repeat_bitwise():
     the block kernel's."""
     _need_kernel()
     mesh = gpu_mesh(2, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     b, s, hq, hkv, d, dtype = 1, 2 * 512, 8, 2, 128, jnp.bfloat16
     keys = jax.random.split(jax.random.key(seed), 3)
     q = jax.random.normal(keys[0], (b, s, hq, d), jnp.float32).astype(dtype)
@@ -424,7 +421,7 @@ def test_training_tracks_plain_attention():
     n, b, s, h, d = 2, 2, 1024, 4, 64
     dm, bf16, lr = h * d, jnp.bfloat16, 8.0
     mesh = gpu_mesh(n, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     keys = jax.random.split(jax.random.key(seed), 3)
     x = jax.random.normal(keys[0], (b, s, dm), jnp.float32)
 
@@ -541,7 +538,7 @@ def _sampled_dkv(q, do, kv, lse, delta, rows, b, hk, group, same):
 @pytest.mark.parametrize("hkv", [16, 128])
 def test_64_bit_offsets_one_gpu(hkv):
     _need_kernel()
-    seed = _seed()
+    seed = fresh_seed()
     group = BIG_HQ // hkv
     cfg = _cfg(1, False, "contiguous", BIG_D)
     q, do, kv, lse, delta = _big_inputs(seed, hkv)

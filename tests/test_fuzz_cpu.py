@@ -9,13 +9,11 @@ PK_JAX_FUZZ_SEED to the seed its message names."""
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,6 +24,7 @@ from pk_jax.ops.ring_attention import MECHANISMS as RING_MECHANISMS
 from pk_jax.ops.ring_attention.primitive import KERNEL_MECHANISMS as RING_KERNEL_MECHANISMS
 from pk_jax.ops.tp_matmul import MECHANISMS as TP_MECHANISMS
 from conftest import cpu_mesh
+from helpers.seeds import fresh_seed
 
 LL_MAX_BYTES = 16 << 10  # all_gather's documented ld_st_ll limit per rank
 
@@ -65,8 +64,7 @@ def _run(body, mesh, in_specs, out_spec, args):
 
 @pytest.fixture
 def seed():
-    fixed = os.environ.get("PK_JAX_FUZZ_SEED")
-    return int(fixed) if fixed else int(np.random.default_rng().integers(1 << 31))
+    return fresh_seed("PK_JAX_FUZZ_SEED")
 
 
 def test_all_gather_random_calls(seed, cuda_lowering):

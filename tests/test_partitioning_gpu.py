@@ -7,7 +7,8 @@ written for pk_jax, with only `pk_jax.flax.dot_general` / `attention_fn`
 injected, trains like the same model without them. Skipped with a reason
 when fewer than 2 GPUs are visible.
 
-Inputs are fresh every run (numpy's default_rng, seed named on failure).
+Inputs are fresh every run (numpy's default_rng, seed named on failure;
+`PK_JAX_TEST_SEED=<seed>` reruns with it).
 """
 
 from __future__ import annotations
@@ -26,16 +27,13 @@ import pk_jax
 import pk_jax.flax  # the drop-ins (flax is optional, not imported by pk_jax)
 from conftest import gpu_mesh
 from helpers.flax_util import sharded_apply
+from helpers.seeds import fresh_seed
 from pk_jax.partitioning import record_routes
 
 pytestmark = pytest.mark.gpu
 
 BF16 = jnp.bfloat16
 _XLA_GATHERS = re.compile(r"\b(all-gather|reduce-scatter)(?:-start)?\(")
-
-
-def _seed() -> int:
-    return int(np.random.default_rng().integers(1 << 31))
 
 
 def _put(mesh, key, shape, spec, dtype=BF16):
@@ -79,7 +77,7 @@ DOT_CASES = {
 def test_matmul_routes_to_the_fused_kernel(name):
     mesh = gpu_mesh(2, "x")
     xs, xspec, ws, wspec, out_spec, route, call = DOT_CASES[name]
-    seed = _seed()
+    seed = fresh_seed()
     kx, kw = jax.random.split(jax.random.key(seed))
     x, w = _put(mesh, kx, xs, xspec), _put(mesh, kw, ws, wspec)
     out = None if out_spec is None else NamedSharding(mesh, out_spec)
@@ -108,7 +106,7 @@ def test_attention_routes_to_the_ring_kernel(causal):
     """Sequence-sharded q/k/v under plain jit: ring attention's fused kernel,
     a ppermute ring for the backward, nothing gathered."""
     mesh = gpu_mesh(2, "x")
-    seed = _seed()
+    seed = fresh_seed()
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     spec = P(None, "x")
     q = _put(mesh, kq, (2, 2048, 8, 128), spec)
@@ -153,7 +151,7 @@ def test_flax_model_with_dot_general_injected():
     dot_general routes the layers to the fused kernels; outputs and gradients
     match the model without it (the same bf16 computation through XLA)."""
     mesh = gpu_mesh(2, "x")
-    seed = _seed()
+    seed = fresh_seed()
     specs = {"up/kernel": P(None, "x"), "up/bias": P("x"), "down/kernel": P("x", None)}
     x = _put(mesh, jax.random.key(seed), (4096, 1024), P("x", None))
     (pk_apply, state), (ref_apply, _) = (

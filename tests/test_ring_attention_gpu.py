@@ -9,8 +9,8 @@ on shapes the kernel does not take. Skipped with a reason when there are too
 few GPUs.
 
 Inputs are fresh every run: each test draws a seed from numpy's default_rng
-and names it in its failure messages (rerun a failure with that seed by
-replacing `_seed()`'s draw).
+and names it in its failure messages (`PK_JAX_TEST_SEED=<seed>` reruns a
+failure with that seed: tests/helpers/seeds.py).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from pk_jax import _warnings, tuning
 from pk_jax.ops.ring_attention.primitive import KERNEL_MECHANISMS
 from conftest import gpu_mesh, rel_err
 from helpers.gpu_util import poison_allocator
+from helpers.seeds import fresh_seed
 
 pytestmark = pytest.mark.gpu
 
@@ -44,10 +45,6 @@ FULL_CHECK_MAX_S = 4096  # above: check sampled query rows against the whole seq
 
 
 # ---- inputs and references -----------------------------------------------------
-def _seed() -> int:
-    return int(np.random.default_rng().integers(1 << 31))
-
-
 def _qkv(seed: int, b: int, s: int, hq: int, hkv: int, d: int, dtype):
     """Global (natural order) q, k, v of `dtype`, drawn on the first GPU."""
     keys = jax.random.split(jax.random.key(seed), 3)
@@ -156,7 +153,7 @@ def _ring(mesh, *, causal: bool, layout: str, mechanism: str, return_lse: bool =
 
 def _run_and_check(n, mechanism, causal, layout, b, s_local, hq, hkv, d, dtype, what):
     mesh = gpu_mesh(n, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, b, n * s_local, hq, hkv, d, dtype)
     poison_allocator(mesh, q.size * q.dtype.itemsize // n + 4096)
     out = _ring(mesh, causal=causal, layout=layout, mechanism=mechanism)(q, k, v)
@@ -242,7 +239,7 @@ def test_small_pieces(monkeypatch, causal, layout, b, s_local, hq, hkv, d):
 @pytest.mark.parametrize("causal,layout", CASES[:3])
 def test_return_lse(n, mechanism, causal, layout):
     mesh = gpu_mesh(n, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, 2, n * 512, 8, 2, 128, jnp.bfloat16)
     out, lse = _ring(mesh, causal=causal, layout=layout, mechanism=mechanism,
                      return_lse=True)(q, k, v)
@@ -257,7 +254,7 @@ def test_repeated_in_scan(mechanism, n):
     """Layers of ring attention in one lax.scan (the kernel's per-call state
     must advance inside one program), and the program called twice."""
     mesh = gpu_mesh(n, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     layers = 6
     q, k, v = _qkv(seed, 2, n * 256, 8, 2, 128, jnp.bfloat16)
 
@@ -312,7 +309,7 @@ def fresh_warnings(monkeypatch):
 @pytest.mark.parametrize("dtype,d,_", UNSUPPORTED)
 def test_unsupported_auto_falls_back(fresh_warnings, dtype, d, _):
     mesh = gpu_mesh(2, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, 1, 512, 4, 2, d, dtype)
     with pytest.warns(pk_jax.PkJaxFallbackWarning):
         out = _ring(mesh, causal=True, layout="zigzag", mechanism="auto")(q, k, v)
@@ -324,7 +321,7 @@ def test_unsupported_auto_falls_back(fresh_warnings, dtype, d, _):
 @pytest.mark.parametrize("dtype,d,words", UNSUPPORTED)
 def test_unsupported_kernel_mechanism_raises(dtype, d, words, mechanism):
     mesh = gpu_mesh(2, "sp")
-    q, k, v = _qkv(_seed(), 1, 512, 4, 2, d, dtype)
+    q, k, v = _qkv(fresh_seed(), 1, 512, 4, 2, d, dtype)
     with pytest.raises(ValueError, match=mechanism) as info:
         _ring(mesh, causal=True, layout="zigzag", mechanism=mechanism)(q, k, v)
     missing = [w for w in words if not re.search(rf"\b{w}\b", str(info.value))]
@@ -334,7 +331,7 @@ def test_unsupported_kernel_mechanism_raises(dtype, d, words, mechanism):
 def test_supported_auto_takes_the_kernel(fresh_warnings):
     """On a supported shape "auto" must not fall back (no fallback warning)."""
     mesh = gpu_mesh(2, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, 1, 1024, 8, 2, 128, jnp.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", pk_jax.PkJaxFallbackWarning)
@@ -351,7 +348,7 @@ def test_timeout_raises_and_recovers(mechanism):
     check_errors() the next call is correct again."""
     from pk_jax import runtime
     mesh = gpu_mesh(2, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, 1, 2 * 2048, 8, 2, 128, jnp.bfloat16)
     with pk_jax.configured(timeout_s=0.2):
         with runtime.testing_skip_post(1):
@@ -371,7 +368,7 @@ def test_ld_st_comm_ctas(ctas):
     posted once all CTAs pushed their share, and the arrival counters' targets
     advance with the epoch (the second call must not post early)."""
     mesh = gpu_mesh(2, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, 1, 2 * 8192, 8, 8, 128, jnp.bfloat16)
     ring = _ring(mesh, causal=True, layout="zigzag", mechanism="ld_st", num_comm_ctas=ctas)
     for call in ("first", "second"):
@@ -419,7 +416,7 @@ def test_64_bit_offsets_one_gpu(causal):
     mesh = gpu_mesh(1, "sp")
     if not runtime.available() or not runtime.extension().has_gemm:
         pytest.skip("pk_jax extension without CUTLASS kernels")
-    seed = _seed()
+    seed = fresh_seed()
     keys = jax.random.split(jax.random.key(seed), 3)
     shape = (BIG_B, BIG_S, BIG_HEADS, BIG_D)
     q, k, v = (_draw_bf16(shape, kk) for kk in keys)
@@ -470,7 +467,7 @@ def test_cudnn_ring(n, causal, layout, d, hkv, dtype):
     """mechanism="cudnn": values and gradients, a head dim the fused kernel
     does not take (96) and ones it does, GQA / MHA / MQA."""
     mesh = gpu_mesh(n, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, 2, n * 512, 8, hkv, d, dtype)
     what = f"cudnn ring n={n} causal={causal} {layout} d={d} hkv={hkv}"
     ring = _ring(mesh, causal=causal, layout=layout, mechanism="cudnn")
@@ -484,7 +481,7 @@ def test_auto_runs_the_kernel_at_head_dim_256(fresh_warnings, n):
     on one device): the fused kernel, no fallback warning, the log-sum-exp
     checked."""
     mesh = gpu_mesh(n, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, 1, n * 1024, 8, 2, 256, jnp.bfloat16)
     with warnings.catch_warnings():
         warnings.simplefilter("error", pk_jax.PkJaxFallbackWarning)
@@ -504,7 +501,7 @@ def test_head_dim_256_grads(n, mechanism, causal, layout, dtype):
     kernel's output and log-sum-exp; the program must hold both (the
     kernel's custom call and cuDNN's), the gradients match fp32 attention."""
     mesh = gpu_mesh(n, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, 1, n * 512, 8, 2, 256, dtype)
     f = jax.shard_map(
         lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal, layout=layout,
@@ -534,7 +531,7 @@ def test_cudnn_blocks_with_the_ring_statistics(d, case):
     from pk_jax import reference
     from pk_jax.ops.ring_attention import cudnn as rc
     gpu_mesh(1, "sp")  # skips without a GPU
-    seed = _seed()
+    seed = fresh_seed()
     t, s = {"own": (512, 512), "earlier": (512, 256), "later": (256, 512)}[case]
     causal = case == "own"
     extra = 384  # keys of other blocks, all visible to these queries (earlier positions)
@@ -575,7 +572,7 @@ def _one_device_auto(causal, d, hkv, dtype, what):
     text of its lowered gradient (what the choice put in it). Lowered here,
     so inside a tuning.forced block it takes the forced choice."""
     mesh = gpu_mesh(1, "sp")
-    seed = _seed()
+    seed = fresh_seed()
     q, k, v = _qkv(seed, 2, 1024, 8, hkv, d, dtype)
     f = jax.shard_map(lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=causal),
                       mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)
