@@ -16,6 +16,7 @@
 # PK_SWEEP_BUILD_ONLY=1 copies the build to $PK_SWEEP_OUT_BIN (default ./NAME) and
 # stops. PK_SWEEP_CONFIGS=i,j,... runs only those configurations (their indices
 # in config.cu's list, from 0), e.g. to profile one kernel under Nsight Compute.
+# gemm_sweep: PK_SWEEP_SWIZZLES=8,1 times only those tile swizzles, in that order.
 # A shape's configurations run in index order, each 3 + 20 launches after its check:
 # the later ones meet a GPU nearer its power limit, at a lower clock (NOTES.md,
 # 2026-12-07: a three-run index-order sweep had the plain causal form ahead of the lazy

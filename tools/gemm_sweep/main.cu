@@ -8,7 +8,8 @@
 // x e5m2, the weight gradient's) run per-tensor factors like kind 1.
 // Usage: gemm_sweep [M,N,K ...]; prints the shapes (a line
 // "shapes M,N,K ..."), one row per (shape, configuration, swizzle) and the
-// best per (shape, kind).
+// best per (shape, kind). $PK_SWEEP_SWIZZLES picks the swizzles and their
+// order (swizzles() below).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -88,7 +89,25 @@ const Config kConfigs[] = {PK_SWEEP_ENTRY(0),  PK_SWEEP_ENTRY(1),  PK_SWEEP_ENTR
 constexpr const char* kKindNames[] = {"bf16", "fp8 tensor", "fp8 block", "fp8 dgrad",
                                       "fp8 wgrad"};
 constexpr int kKinds = int(sizeof(kKindNames) / sizeof(kKindNames[0]));
-constexpr int kSwizzles[] = {1, 2, 4, 8};
+// The tile swizzles timed, in order: $PK_SWEEP_SWIZZLES, a comma-separated list
+// of 1, 2, 4 and 8 (e.g. "8,1": for an A/B, alternate the order between runs, as
+// the later launches meet a hotter GPU); unset or empty, 1,2,4,8.
+std::vector<int> swizzles() {
+  const char* list = std::getenv("PK_SWEEP_SWIZZLES");
+  if (list == nullptr || *list == '\0') return {1, 2, 4, 8};
+  std::vector<int> out;
+  for (const char* at = list; *at != '\0';) {
+    char* end = nullptr;
+    const long sw = std::strtol(at, &end, 10);
+    if (end == at || (sw != 1 && sw != 2 && sw != 4 && sw != 8)) {
+      std::fprintf(stderr, "PK_SWEEP_SWIZZLES=%s: want swizzles of 1, 2, 4, 8 like 8,1\n", list);
+      std::exit(2);
+    }
+    out.push_back(int(sw));
+    at = *end == ',' ? end + 1 : end;
+  }
+  return out;
+}
 constexpr int kWarmup = 3, kIters = 20, kSamples = 4096;
 
 __global__ void fill_fp8(__nv_fp8_e4m3* x, size_t count, uint32_t seed) {  // |x| < 4
@@ -145,6 +164,7 @@ struct Shape { int m, n, k; };
 }  // namespace
 
 int main(int argc, char** argv) {
+  const std::vector<int> swizzle_order = swizzles();
   std::vector<Shape> shapes;
   for (int i = 1; i < argc; ++i) {
     Shape s{};
@@ -275,7 +295,7 @@ int main(int argc, char** argv) {
         if (tensor) worst = rel_l2;  // what the row reports as "rel"
         const bool ok = close && std::isfinite(vs0) && vs0 < 0.1f * scale;
         first = false;
-        for (int sw : kSwizzles) {
+        for (int sw : swizzle_order) {
           for (int i = 0; i < kWarmup; ++i) check(kConfigs[c].run(p, dev, stream, sw), "warmup");
           check(cudaEventRecord(t0, stream), "record");
           for (int i = 0; i < kIters; ++i) check(kConfigs[c].run(p, dev, stream, sw), "run");
