@@ -13,8 +13,9 @@ float32, and the fused backward against the XLA-collective ring. Skipped with a 
 without GPUs or without the kernel.
 
 Inputs are fresh every run (a seed drawn from numpy's default_rng, named in
-failure messages; `PK_JAX_TEST_SEED=<seed>` reruns with it); freed device memory is filled with 0xFF (NaN in fp32)
-before each call, so an output element the kernel never writes shows.
+failure messages; `PK_JAX_TEST_SEED=<seed>` reruns with it); freed device
+memory is filled with 0xFF (NaN in fp32) before each call, so an output
+element the kernel never writes shows.
 """
 
 from __future__ import annotations

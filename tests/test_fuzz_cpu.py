@@ -9,7 +9,6 @@ PK_JAX_FUZZ_SEED to the seed its message names."""
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
