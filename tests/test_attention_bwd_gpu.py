@@ -5,12 +5,13 @@ kernel's precision (bf16/fp16 operands, P and dS rounded to the input type,
 fp32 accumulation: what any flash-attention backward can reach). Masks by
 global positions: non-causal, causal contiguous with the K/V block before,
 equal to and after the query block, zigzag on rings of 2 and 4 for every
-(query rank, K/V rank) pair; GQA groups 1, 4, 8 and MQA; head dims 64 and
-128; bf16 and fp16; B > 1; S != T. Plus jax.grad through
-pk_jax.ring_attention (mechanism copy_engine; the fused ring backward on 2
-GPUs) on 1 and 2 GPUs against jax.grad of jax.nn.dot_product_attention in
-float32, and the fused backward against the XLA-collective ring. Skipped with a reason
-without GPUs or without the kernel.
+(query rank, K/V rank) pair; GQA groups 1, 4, 8 and MQA; head dims 64 and 128;
+bf16 and fp16; B > 1; S != T; more (batch, K/V head) pairs than the causal
+launch order's group of 16. Plus jax.grad through pk_jax.ring_attention
+(mechanism copy_engine; the fused ring backward on 2 GPUs) on 1 and 2 GPUs
+against jax.grad of jax.nn.dot_product_attention in float32, and the fused
+backward against the XLA-collective ring. Skipped with a reason without GPUs
+or without the kernel.
 
 Inputs are fresh every run (a seed drawn from numpy's default_rng, named in
 failure messages; `PK_JAX_TEST_SEED=<seed>` reruns with it); freed device
@@ -214,6 +215,20 @@ def test_gqa_groups_and_mqa(hq, hkv, d):
     data = _inputs(seed, *dims, jnp.bfloat16)
     for q_rank, k_rank in ((0, 0), (1, 0), (1, 1)):
         _check_pair(mesh, seed, _cfg(2, True, "zigzag", d), dims, jnp.bfloat16, q_rank, k_rank,
+                    data)
+
+
+@pytest.mark.parametrize("layout,n", [("contiguous", 1), ("zigzag", 2)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_causal_launch_groups(layout, n, d):
+    """Under a causal mask the kernel launches K/V tile by K/V tile within
+    groups of 16 (batch, K/V head) pairs (KvTileScheduler): 3 x 7 = 21 pairs
+    make one whole group and one of 5, every pair's tiles computed once."""
+    mesh = _need_kernel()
+    seed, dims = fresh_seed(), (3, 512, 512, 14, 7, d)
+    data = _inputs(seed, *dims, jnp.bfloat16)
+    for q_rank, k_rank in ((0, 0),) if n == 1 else ((0, 0), (1, 0), (1, 1)):
+        _check_pair(mesh, seed, _cfg(n, True, layout, d), dims, jnp.bfloat16, q_rank, k_rank,
                     data)
 
 
