@@ -147,9 +147,10 @@ SINGLE_GPU_ATTENTION_CHOICES = ("cudnn", "kernel", "kernel_fwd_cudnn_bwd")
 
 # Where a ring of one device runs pk's kernel with its own block backward
 # (single_gpu_attention): (head dim, causal, least GQA group (query heads per
-# K/V head), first sequence length, first one past the range). Full masks
+# K/V head), first sequence length, first one past the range). Causal:
+# measured at 2048 through 8192 tokens (16384 and 32768 slower). Full masks
 # with groups of 4 or more: measured at 1024 through 8192 tokens.
-SINGLE_GPU_ATTENTION_KERNEL_BWD = ((128, True, 1, 8192, 16384), (128, False, 4, 1024, 8193))
+SINGLE_GPU_ATTENTION_KERNEL_BWD = ((128, True, 1, 2048, 16384), (128, False, 4, 1024, 8193))
 
 _FORCED: dict[str, str] = {}  # tuning.forced's choices
 
@@ -173,7 +174,11 @@ def single_gpu_attention(head_dim: int, causal: bool, seq: int, kernel_takes: bo
     pk's block backward 1.01-1.05x at head dim 128 causal with 8192 tokens
     (MHA and GQA, bf16 and fp16; cuDNN's backward there 0.996-1.018x) but
     0.90-1.00x at 4 x 4096, 16384 and 32768 tokens
-    (SINGLE_GPU_ATTENTION_KERNEL_BWD). Identical code measured up to 8%
+    (SINGLE_GPU_ATTENTION_KERNEL_BWD). Since its causal launch in groups of
+    (batch, K/V head) pairs (36402d1), pk's block backward behind pk's
+    forward ran 1.02-1.05x cuDNN's at 8 x 2048 tokens (two runs) and 1.03x
+    at 4 x 4096 (one H100, kernels_attention 2026-12-07; not yet run on an
+    H200), so the causal range starts at 2048. Identical code measured up to 8%
     apart within that run, so choices closer than that rest on both GPUs
     agreeing. Under a full mask with GQA (`group` query heads per K/V head)
     pk's block backward, which sums dK and dV over the group in registers,

@@ -781,18 +781,20 @@ def test_one_device_auto_runs_the_measured_choice(monkeypatch, rng, choice, caus
 def test_one_device_choice_reads_the_gqa_group(monkeypatch):
     """ring_attention's one-device choice passes the call's GQA group (query
     heads per K/V head) to the table: under a full mask at head dim 128 a
-    group of 4 runs pk's block backward, the same shapes without GQA cuDNN's
-    (cuDNN stubbed as present: this process has none)."""
+    group of 4 runs pk's block backward, the same shapes without GQA cuDNN's;
+    a causal mask below its range (1024 tokens) keeps cuDNN's whatever the
+    group (cuDNN stubbed as present: this process has none)."""
     from pk_jax import _compat
     from pk_jax.ops.ring_attention import api
     monkeypatch.setattr(_compat, "cudnn_available", lambda: True)
-    q = jax.ShapeDtypeStruct((2, 4096, 32, 128), jnp.bfloat16)
-    choose = lambda hkv, causal: api._single_gpu(
-        q, jax.ShapeDtypeStruct((2, 4096, hkv, 128), jnp.bfloat16), 1, "copy_engine", "auto",
+    choose = lambda hkv, causal, s=4096: api._single_gpu(
+        jax.ShapeDtypeStruct((2, s, 32, 128), jnp.bfloat16),
+        jax.ShapeDtypeStruct((2, s, hkv, 128), jnp.bfloat16), 1, "copy_engine", "auto",
         causal, False, False)
     assert choose(8, False) == "kernel"
     assert choose(32, False) == "kernel_fwd_cudnn_bwd"
-    assert choose(8, True) == "kernel_fwd_cudnn_bwd"
+    assert choose(8, True, s=1024) == "kernel_fwd_cudnn_bwd"
+    assert choose(8, True) == choose(32, True) == "kernel"
 
 
 def test_single_gpu_attention_table():
@@ -811,7 +813,7 @@ def test_single_gpu_attention_table():
             assert choose(d, causal, first, True, group=group - 1) == "kernel_fwd_cudnn_bwd"
     # each mask's entry alone: a causal call outside the causal range keeps
     # cuDNN's backward whatever its group, as does a full mask without GQA
-    assert choose(128, True, 4096, True, group=8) == "kernel_fwd_cudnn_bwd"
+    assert choose(128, True, 1024, True, group=8) == "kernel_fwd_cudnn_bwd"
     assert choose(128, False, 8192, True) == "kernel_fwd_cudnn_bwd"
     assert choose(64, True, 8192, True) == "kernel_fwd_cudnn_bwd"
     assert choose(64, False, 4096, True, group=8) == "kernel_fwd_cudnn_bwd"
