@@ -4,8 +4,9 @@ float32 from the upcast inputs, with a tolerance set by the same attention
 computed from the bf16/fp16 inputs (what any correct half-precision
 implementation can reach). Causal and not, zigzag and contiguous layouts,
 GQA, head dims 64 and 128, S_local 128 to 64k, B > 1, world sizes 1 and 2,
-calls repeated inside lax.scan, the log-sum-exp, and the documented behaviour
-on shapes the kernel does not take. Skipped with a reason when there are too
+the kernel's tile forms (persistent CTAs on one GPU up to 2048 tokens), calls
+repeated inside lax.scan, the log-sum-exp, and the documented behaviour on
+shapes the kernel does not take. Skipped with a reason when there are too
 few GPUs.
 
 Inputs are fresh every run: each test draws a seed from numpy's default_rng
@@ -200,6 +201,24 @@ def test_gqa_and_head_dim(mechanism, group, d):
 def test_tile_forms(n, mechanism, d, causal, layout, s_local, dtype):
     _run_and_check(n, mechanism, causal, layout, 1, s_local, 4, 2, d, dtype,
                    f"n={n} {mechanism} d={d} causal={causal} {layout} s_local={s_local}")
+
+
+# Head dim 128 on a ring of one with up to 2048 tokens runs persistent CTAs
+# (ring_attention.cu, form_of; one CTA per SM taking query tile after query
+# tile in alternating rounds): more tiles than SMs (each CTA several) and
+# fewer, both masks, MHA, GQA and MQA, odd counts; 2176 tokens, just past the
+# range, the one-tile-a-CTA form.
+@pytest.mark.parametrize("causal,b,s_local,hq,hkv,dtype", [
+    (True, 8, 2048, 16, 4, jnp.bfloat16),
+    (False, 5, 1152, 12, 12, jnp.float16),
+    (True, 3, 640, 14, 7, jnp.float16),
+    (True, 1, 384, 2, 1, jnp.bfloat16),
+    (False, 2, 2176, 8, 2, jnp.bfloat16),
+])
+def test_persistent_form(causal, b, s_local, hq, hkv, dtype):
+    _run_and_check(1, "copy_engine", causal, "contiguous", b, s_local, hq, hkv, 128, dtype,
+                   f"one GPU d=128 causal={causal} b={b} s={s_local} {hq}/{hkv} "
+                   f"{jnp.dtype(dtype).name}")
 
 
 # S_local from 128 to 64k; the long ones few (a 64k-token block per GPU).

@@ -15,7 +15,7 @@
 #include "tools/attention_sweep/sweep.h"
 
 #ifndef PK_SWEEP_INDEX
-#error "compile with -DPK_SWEEP_INDEX=<0..7>"
+#error "compile with -DPK_SWEEP_INDEX=<0..8>"
 #endif
 
 namespace {
@@ -23,11 +23,11 @@ namespace {
 using pk::ring_attention::FwdTile;
 
 template <int kHeadDim, int kKeys, int kStages, bool kLazy = false, bool kUnderQk = false,
-          bool kDoubleP = false>
+          bool kDoubleP = false, bool kPersistent = false>
 struct Entry {
   using Kernel = pk::ring_attention::AttentionKernel<
       cutlass::bfloat16_t, kHeadDim, false,
-      FwdTile<kHeadDim, kKeys, kStages, kLazy, kUnderQk, kDoubleP>>;
+      FwdTile<kHeadDim, kKeys, kStages, kLazy, kUnderQk, kDoubleP, kPersistent>>;
   static constexpr int head_dim = kHeadDim;
   // What one CTA may hold (the H200's 227 KiB of shared memory per block).
   static_assert(Kernel::Kernel::SharedStorageSize <= 227 * 1024, "tile too large");
@@ -49,7 +49,8 @@ using Configs = std::tuple<
     Entry<64, 128, 5>,
     Entry<64, 128, 5, false, false, true>,
     Entry<64, 192, 5, false, true>,
-    Entry<256, 80, 4, false, true>>;
+    Entry<256, 80, 4, false, true>,
+    Entry<128, 128, 5, true, true, true, true>>;
 constexpr const char* kNames[] = {
     "d128 128 keys 5 stages two P buffers",
     "d128 128 keys 5 stages one P buffer, rescale under QK",
@@ -58,7 +59,9 @@ constexpr const char* kNames[] = {
     "d64 128 keys 5 stages (ops: short chunks)",
     "d64 128 keys 5 stages two P buffers",
     "d64 192 keys 5 stages rescale under QK (ops: long chunks)",
-    "d256 80 keys 4 stages rescale under QK (ops)"};
+    "d256 80 keys 4 stages rescale under QK (ops)",
+    "d128 128 keys 5 stages lazy rescale two P buffers, persistent CTAs (ops: a ring of one, "
+    "up to 2048 tokens)"};
 static_assert(std::tuple_size_v<Configs> == std::size(kNames));
 static_assert(PK_SWEEP_INDEX >= 0 && PK_SWEEP_INDEX < std::tuple_size_v<Configs>,
               "PK_SWEEP_INDEX out of range");

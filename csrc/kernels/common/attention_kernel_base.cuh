@@ -16,16 +16,18 @@
 
 namespace pk::fmha_kernel {
 
-template <class Mainloop, class Epilogue, class TileScheduler>
+template <class Mainloop, class Epilogue, class TileScheduler, uint32_t kLoadRegs = 24,
+          uint32_t kMathRegs = 240>
 struct AttentionKernelBase {
   static constexpr int kMathWarpGroups = Mainloop::NumMmaWarpGroups;
   static constexpr int MaxThreadsPerBlock = (1 + kMathWarpGroups) * cutlass::NumThreadsPerWarpGroup;
   static constexpr int MinBlocksPerMultiprocessor = 1;
   using ArchTag = cutlass::arch::Sm90;
   // The SM's 65536 registers: the load warpgroup keeps 24 a thread, each
-  // math warpgroup takes 240 (the split the mainloops were tuned for).
-  static constexpr uint32_t kLoadRegisters = 24;
-  static constexpr uint32_t kMathRegisters = 240;
+  // math warpgroup takes 240 (the split the mainloops were tuned for), unless
+  // the skeleton asks for another.
+  static constexpr uint32_t kLoadRegisters = kLoadRegs;
+  static constexpr uint32_t kMathRegisters = kMathRegs;
   static_assert((kLoadRegisters + kMathWarpGroups * kMathRegisters) *
                         cutlass::NumThreadsPerWarpGroup <= 65536,
                 "the register split exceeds the SM's registers");

@@ -4,7 +4,8 @@
 //
 // Launch config: one CTA per (128-row query tile, batch, query head), 384
 // threads, heaviest query tiles first (HeavyFirstScheduler); CTAs that start
-// late find the peers' blocks already posted.
+// late find the peers' blocks already posted. Form kPersistent: one CTA per
+// SM over the same order (PersistentHeavyFirstScheduler).
 // Arguments: see KernelArgs / Params in ring_attention.h.
 // Roles: warp 1 of warpgroup 0 loads Q, K, V (and waits on the posts);
 // warpgroups 1 and 2 run QK, softmax and PV on 64 query rows each.
@@ -61,6 +62,50 @@ struct HeavyFirstScheduler {
   }
   CUTLASS_DEVICE HeavyFirstScheduler& operator++() {
     valid = false;
+    return *this;
+  }
+};
+
+// Persistent CTAs (FwdTile's kPersistentCtas): min(tiles, SMs) CTAs, which
+// take HeavyFirstScheduler's order (query tiles from the last, then batch,
+// then head) a round of `grid` tiles at a time, so the CTAs at work at any
+// time still share their heads' K/V in L2. Rounds alternate direction (CTA c
+// takes tile c of even rounds and tile grid - 1 - c of odd ones): under a
+// causal mask a CTA given a long tile in one round gets a short one in the
+// next, where a fixed stride would hand some CTAs the heavy query tiles of
+// every head (its stride a multiple of the tiles per head, nearly).
+struct PersistentHeavyFirstScheduler {
+  struct Params {
+    int m_blocks = 0, batch = 0, tiles = 0, ctas = 0;
+  };
+  Params const& p;  // the kernel's parameters (not copied into registers)
+  int tile;
+  bool odd = false;  // in an odd round
+
+  CUTLASS_DEVICE explicit PersistentHeavyFirstScheduler(Params const& params)
+      : p(params), tile(int(blockIdx.x)) {}
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem, cutlass::KernelHardwareInfo hw,
+                                        ClusterShape const&, TileShape const& shape) {
+    const int m_blocks = cute::ceil_div(cute::get<2>(problem), cute::get<0>(shape));
+    const int tiles = m_blocks * cute::get<0>(problem) * cute::get<1>(problem);
+    const int sms = hw.sm_count > 0 ? hw.sm_count : tiles;
+    return Params{m_blocks, cute::get<0>(problem), tiles, tiles < sms ? tiles : sms};
+  }
+  static dim3 get_grid_shape(Params const& p) { return dim3(unsigned(p.ctas)); }
+  CUTLASS_DEVICE bool is_valid() const { return tile < p.tiles; }
+  CUTLASS_DEVICE auto get_block_coord() const {
+    const int m = p.m_blocks - 1 - tile % p.m_blocks;
+    const int i = tile / p.m_blocks;
+    return cute::make_coord(m, cute::_0{}, cute::make_coord(i % p.batch, i / p.batch));
+  }
+  CUTLASS_DEVICE PersistentHeavyFirstScheduler& operator++() {
+    // From position c of this round to position grid - 1 - c of the next
+    // (even to odd), or back to c (odd to even).
+    const int c = int(blockIdx.x);
+    tile += odd ? 2 * c + 1 : 2 * (int(gridDim.x) - c) - 1;
+    odd = !odd;
     return *this;
   }
 };
@@ -154,7 +199,8 @@ struct WithCommCtas : Base {
 // (with two P buffers, causal 1.01-1.05x; without a mask 1.005-1.04x in
 // tools/attention_sweep, 1.02-1.06x in the op's call; NOTES.md, 2026-12-07).
 template <int kHeadDim, int kKeys = 128, int kStages = 5, bool kLazy = (kHeadDim == 128),
-          bool kUnderQk = (kHeadDim == 128), bool kDoubleP = (kHeadDim == 128 && kKeys == 128)>
+          bool kUnderQk = (kHeadDim == 128), bool kDoubleP = (kHeadDim == 128 && kKeys == 128),
+          bool kPersistent = false>
 struct FwdTile {
   using Shape = cute::Shape<cute::_128, cute::Int<kKeys>, cute::Int<kHeadDim>>;
   using StagesKV = cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV,
@@ -162,6 +208,11 @@ struct FwdTile {
   static constexpr bool kLazyRescale = kLazy;
   static constexpr bool kRescaleUnderQk = kUnderQk;
   static constexpr bool kDoubleBufferP = kDoubleP;
+  // CTAs that stay on their SM and take query tile after query tile
+  // (PersistentHeavyFirstScheduler): O has its own shared memory, its TMA
+  // store left running under the next tile, and the next tile's first K/V
+  // load before its Q (RingMainloop::load).
+  static constexpr bool kPersistentCtas = kPersistent;
 };
 
 // kCommCtas: mechanism ld_st (communicator CTAs in front); false is the
@@ -174,17 +225,23 @@ struct AttentionKernel {
   using Stride = StrideO;
   using TileShape = typename Tile::Shape;
   using Mainloop = RingMainloop<Element, Tile, Stride>;
-  using Epilogue = RingEpilogue<Element, float, typename Mainloop::TileShapePV>;
-  using Fmha = RingFwdKernel<Mainloop, Epilogue,
-                             std::conditional_t<kCommCtas, CommFirstScheduler, HeavyFirstScheduler>>;
+  static constexpr bool kPersistent = Tile::kPersistentCtas;
+  static_assert(!(kPersistent && kCommCtas), "persistent CTAs: mechanism copy_engine only");
+  using Epilogue = RingEpilogue<Element, float, typename Mainloop::TileShapePV, kPersistent>;
+  using Scheduler = std::conditional_t<
+      kCommCtas, CommFirstScheduler,
+      std::conditional_t<kPersistent, PersistentHeavyFirstScheduler, HeavyFirstScheduler>>;
+  using Fmha = RingFwdKernel<Mainloop, Epilogue, Scheduler>;
   using Kernel = std::conditional_t<kCommCtas, WithCommCtas<Fmha>, Fmha>;
   static_assert(cute::get<0>(TileShape{}) == kTileQ, "host checks assume 128-row query tiles");
   // RingEpilogue writes each warpgroup's O into that warpgroup's Q stage:
   // RingFwdKernel's shared storage overlays epilogue[w] on the mainloop's,
   // whose first member is Q, one stage per math warpgroup.
-  static_assert(sizeof(typename Epilogue::TensorStorage) == Mainloop::kOuterLoadBytes &&
-                    offsetof(typename Mainloop::SharedStorage, smem_q) == 0 &&
-                    !Mainloop::kIsPersistent,
+  // (Persistent CTAs: O has its own shared memory; the next tile's Q loads
+  // into the stages.)
+  static_assert(kPersistent ||
+                    (sizeof(typename Epilogue::TensorStorage) == Mainloop::kOuterLoadBytes &&
+                     offsetof(typename Mainloop::SharedStorage, smem_q) == 0),
                 "O's shared memory must be the warpgroup's own Q stage");
   // One wgmma spans the key tile: cute offers N outside {8, 16, 32, 64, 96,
   // 128, 192, 256} only with CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED defined
@@ -238,8 +295,15 @@ struct AttentionKernel {
 
 template <int kHeadDim, Form kForm>
 struct FormTile {
-  static_assert(kForm == Form::kBase, "kWide is head dim 64's");
+  static_assert(kForm == Form::kBase, "kWide is head dim 64's, kPersistent head dim 128's");
   using Type = FwdTile<kHeadDim>;
+};
+// Head dim 128 on a ring of one, up to 2048 tokens (form_of): the base form
+// on persistent CTAs (tools/attention_sweep: 1.04x at 16 x 1024 tokens full,
+// 1.07x causal at 1024 and 2048; benchmarks/NOTES.md, 2026-12-07).
+template <>
+struct FormTile<128, Form::kPersistent> {
+  using Type = FwdTile<128, 128, 5, true, true, true, /*kPersistent=*/true>;
 };
 template <>
 struct FormTile<64, Form::kWide> {

@@ -2,18 +2,21 @@
 // pipelines and barriers around RingMainloop and RingEpilogue.
 //
 // Launch config: one CTA per (128-row query tile, batch, query head) in the
-// TileScheduler's order (attention_sm90.cuh), 384 threads, the shared
-// storage below (one CTA per SM).
+// TileScheduler's order (attention_sm90.cuh), or, for persistent CTAs, one
+// per SM taking tile after tile; 384 threads, the shared storage below (one
+// CTA per SM).
 // Arguments: the problem (B, Hq, Sq, Skv, D), the mainloop's, the
 // epilogue's and the SM count (AttentionKernelBase::Arguments).
-// Roles: warpgroup 0 gives up registers (24 a thread); its warp 1 loads Q
-// and the K/V tiles (RingMainloop::load). Warpgroups 1 and 2
-// (240 registers a thread) run QK, softmax and PV on 64 query rows each
-// (RingMainloop::compute), their first QK GEMMs in turn (an ordered
-// barrier), then each writes its own rows (RingEpilogue) without waiting
-// for the other.
+// Roles: warpgroup 0 gives up registers (24 a thread, 40 persistent); its
+// warp 1 loads Q and the K/V tiles (RingMainloop::load). Warpgroups 1 and 2
+// (240 registers a thread, 232 persistent) run QK, softmax and PV on 64
+// query rows each (RingMainloop::compute), their first QK GEMMs in turn (an
+// ordered barrier), then each writes its own rows (RingEpilogue) without
+// waiting for the other.
 // Entry point: cutlass::device_kernel<RingFwdKernel<...>> (fmha_launch.cuh).
 #pragma once
+
+#include <type_traits>
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/reg_reconfig.h>
@@ -25,8 +28,15 @@
 namespace pk::ring_attention {
 
 template <class Mainloop, class Epilogue, class TileScheduler>
-struct RingFwdKernel : fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler> {
-  using Base = fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler>;
+struct RingFwdKernel
+    : fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler,
+                                       Mainloop::kPersistent ? 40 : 24,
+                                       Mainloop::kPersistent ? 232 : 240> {
+  // Persistent CTAs: the producer loops over tiles and spills in 24
+  // registers a thread; 40 leave the math warpgroups 232.
+  using Base = fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler,
+                                                Mainloop::kPersistent ? 40 : 24,
+                                                Mainloop::kPersistent ? 232 : 240>;
   using typename Base::Params;  // problem (B, Hq, Sq, Skv, D), mainloop, epilogue, scheduler
   static constexpr int kMathWarpGroups = Base::kMathWarpGroups;
 
@@ -35,12 +45,18 @@ struct RingFwdKernel : fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, Tile
   // Each math warpgroup's first QK GEMM in turn (RingMainloop::compute).
   using OrderBarrier = cutlass::OrderedSequenceBarrier<1, kMathWarpGroups>;
 
+  // Warpgroup w's O overlays its own Q stage (RingEpilogue), or, for
+  // persistent CTAs (the next tile's Q loads there), has its own.
+  union OverlaidTensors {
+    typename Mainloop::SharedStorage mainloop;
+    typename Epilogue::TensorStorage epilogue[kMathWarpGroups];
+  };
+  struct SeparateTensors {
+    typename Mainloop::SharedStorage mainloop;
+    typename Epilogue::TensorStorage epilogue[kMathWarpGroups];
+  };
   struct SharedStorage {
-    // Warpgroup w's O overlays its own Q stage (RingEpilogue).
-    union {
-      typename Mainloop::SharedStorage mainloop;
-      typename Epilogue::TensorStorage epilogue[kMathWarpGroups];
-    } tensors;
+    std::conditional_t<Epilogue::kOwnSharedMemory, SeparateTensors, OverlaidTensors> tensors;
     alignas(16) typename PipelineKV::SharedStorage pipeline_kv;
     alignas(16) typename PipelineQ::SharedStorage pipeline_q;
     alignas(16) typename OrderBarrier::SharedStorage order;
@@ -116,6 +132,7 @@ struct RingFwdKernel : fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, Tile
                  typename Mainloop::TiledMmaPV{}, params.problem_size, params.epilogue,
                  storage.tensors.epilogue[math]);
     }
+    Epilogue::finish();
   }
 };
 

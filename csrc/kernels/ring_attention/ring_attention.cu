@@ -19,6 +19,8 @@ using Instantiations = variants::Built<
     Variant<DType::kF16, 64, Mechanism::kCopyEngine>,
     Variant<DType::kBF16, 128, Mechanism::kLdSt>, Variant<DType::kBF16, 64, Mechanism::kLdSt>,
     Variant<DType::kF16, 128, Mechanism::kLdSt>, Variant<DType::kF16, 64, Mechanism::kLdSt>,
+    Variant<DType::kBF16, 128, Mechanism::kCopyEngine, Form::kPersistent>,
+    Variant<DType::kF16, 128, Mechanism::kCopyEngine, Form::kPersistent>,
     Variant<DType::kBF16, 64, Mechanism::kCopyEngine, Form::kWide>,
     Variant<DType::kF16, 64, Mechanism::kCopyEngine, Form::kWide>,
     Variant<DType::kBF16, 64, Mechanism::kLdSt, Form::kWide>,
@@ -31,8 +33,17 @@ using Instantiations = variants::Built<
 // 2026-12-05): head dim 64 takes 192-key tiles (9% faster at 16k-row
 // chunks) where the keys its walk loads exceed the chunk's by at most 2% (the
 // last tile, placed at the chunk's end, repeats some): every chunk of 9,600
-// rows or more, shorter ones near a multiple of 192.
+// rows or more, shorter ones near a multiple of 192. Head dim 128 on a ring
+// of one (mechanism copy_engine) with at most kPersistentRows tokens runs
+// persistent CTAs, the next tile's loads and this one's O store across the
+// tile boundary (tools/attention_sweep, 2026-12-07: 1.04x at 16 x 1024
+// tokens full, 1.07x causal at 1024 and 2048, level at 2048 full and 4096
+// causal, 0.95x at 4096 full, 0.69x at 8192 causal).
 Form form_of(const Params& p) {
+  constexpr int kPersistentRows = 2048;
+  if (p.head_dim == 128 && p.mechanism == Mechanism::kCopyEngine && p.geo.n == 1 &&
+      p.geo.s_local <= kPersistentRows)
+    return Form::kPersistent;
   if (p.head_dim == 64) {
     constexpr int kWideKeys = 192;
     const int64_t rows = p.geo.chunk_rows();

@@ -120,10 +120,11 @@ struct KernelArgs {
 enum class Form : int32_t {
   kBase = 0,  // 128 keys a tile (FwdTile's defaults); head dim 256: 80
   kWide = 1,  // head dim 64, long chunks: 192 keys a tile, O rescaled under QK
+  kPersistent = 2,  // head dim 128, a ring of one, short sequences: persistent CTAs
 };
 // The instantiations (kernels/common/variants.h): one per (element type,
 // head dim, mechanism, form),
-// instantiations/attention_<type>_d<D>[_k192][_ld_st].cu; defined in
+// instantiations/attention_<type>_d<D>[_k192|_persistent][_ld_st].cu; defined in
 // attention_sm90.cuh.
 struct VariantKey {
   DType dtype;

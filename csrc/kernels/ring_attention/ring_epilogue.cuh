@@ -22,8 +22,12 @@ namespace pk::ring_attention {
 using StrideO = cute::tuple<int64_t, cute::_1, cute::tuple<int64_t, int64_t>>;
 using StrideLse = cute::tuple<cute::_1, cute::tuple<int64_t, int64_t>>;
 
-template <class Element, class ElementAccumulator, class TileShape_WG>
+// kOwnBuffer (persistent CTAs): O's shared memory is its own, not the Q
+// stage, and a tile's TMA store is waited for only before the next tile's O
+// goes into the buffer (and once more as the CTA ends: finish()).
+template <class Element, class ElementAccumulator, class TileShape_WG, bool kOwnBuffer = false>
 struct RingEpilogue {
+  static constexpr bool kOwnSharedMemory = kOwnBuffer;
   static constexpr int kRows = cute::get<0>(TileShape_WG{});  // one math warpgroup's query rows
   static constexpr int kDim = cute::get<1>(TileShape_WG{});   // head dim
 
@@ -67,6 +71,12 @@ struct RingEpilogue {
     auto o = o_tensor(args.ptr_O, get<2>(problem_size), get<0>(problem_size),
                       get<1>(problem_size), args.dO);
     return Params{args.ptr_LSE, args.dLSE, make_tma_copy(SM90_TMA_STORE{}, o, SmemLayoutO{})};
+  }
+
+  // As the CTA ends: its last TMA store has read the shared memory.
+  CUTLASS_DEVICE static void finish() {
+    if constexpr (kOwnBuffer)
+      if (threadIdx.x % cutlass::NumThreadsPerWarpGroup == 0) cute::tma_store_wait<0>();
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& p) {
@@ -125,9 +135,13 @@ struct RingEpilogue {
     Tensor o = make_fragment_like<Element>(tOsO);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); ++i) o(i) = Element(acc(i));
+    const uint32_t wg = uint32_t(get<0>(blk_coord) % 2);
+    if constexpr (kOwnBuffer) {  // the previous tile's store has read the buffer
+      if (thread == 0) tma_store_wait<0>();
+      cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrier + wg);
+    }
     copy(AutoVectorizingCopyWithAssumedAlignment<32>{}, o, tOsO);  // column pairs
     cutlass::arch::fence_view_async_shared();  // the writes, visible to the TMA unit
-    const uint32_t wg = uint32_t(get<0>(blk_coord) % 2);
     cutlass::arch::NamedBarrier::sync(cutlass::NumThreadsPerWarpGroup, kBarrier + wg);
     if (thread == 0) {
       Tensor mO = params.tma_store_o.get_tma_tensor(
@@ -137,7 +151,9 @@ struct RingEpilogue {
       auto cta_tma = params.tma_store_o.get_slice(_0{});
       copy(params.tma_store_o, cta_tma.partition_S(sO), cta_tma.partition_D(gO));
       tma_store_arrive();
-      tma_store_wait<0>();  // the shared memory is read; the writes finish on their own
+      // The shared memory read (the writes finish on their own); with a buffer
+      // of its own, not until the next tile needs it.
+      if constexpr (!kOwnBuffer) tma_store_wait<0>();
     }
   }
 };

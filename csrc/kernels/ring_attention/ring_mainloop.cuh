@@ -88,7 +88,10 @@ struct RingMainloop
   using typename Base::TMA_K;
   using typename Base::TMA_V;
   using Base::NumMmaWarpGroups;
-  static_assert(!Base::kIsPersistent, "one query tile per CTA: the last stages are not released");
+  // Persistent CTAs (FwdTile's kPersistentCtas): each warpgroup gives its Q
+  // stage back after its tile's last QK GEMM, and the producer issues a
+  // tile's first K/V before its Q from the CTA's second tile on.
+  static constexpr bool kPersistent = Tile::kPersistentCtas;
   static constexpr bool kLazyRescale = Tile::kLazyRescale;
   static constexpr bool kRescaleUnderQk = Tile::kRescaleUnderQk;
   static constexpr bool kDoubleBufferP = Tile::kDoubleBufferP;
@@ -238,7 +241,11 @@ struct RingMainloop
       // Q (both warpgroups' stages) before the walk's arithmetic: its rows
       // come from HBM (no other CTA reads them), the K/V tiles mostly from
       // L2, so Q's latency is the longer.
-      while (q_count > 0) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
+      // (Persistent CTAs after their first tile: Q after the first K/V pair,
+      // as its stages free only once both warpgroups' last QK GEMM of the
+      // tile before is done, while K/V stages free as that tile proceeds.)
+      if (!kPersistent || write_q.count() == 0)
+        while (q_count > 0) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
       KvWalk walk = make_walk(blk, p);
       KvTile t;
       while (walk.next(t)) {
@@ -262,7 +269,9 @@ struct RingMainloop
         else issue(p.tma_load_k_peers, k_peer, key);
         if (t.step == 0) issue(p.tma_load_v, v_own, key);
         else issue(p.tma_load_v_peers, v_peer, key);
+        while (q_count > 0) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
       }
+      while (q_count > 0) load_q.step(q_iter, q_state, write_q, lane_predicate, q_count);
     }
   }
 
@@ -517,6 +526,9 @@ struct RingMainloop
     pipeline.consumer_release(read_v);
     next_tile(read_v);
     read = read_k;  // past every stage this CTA consumed (K_t at 2t, V_t at 2t + 1)
+    // Every QK GEMM of this tile is done: the producer may load the next
+    // tile's Q into this warpgroup's stage.
+    if constexpr (kPersistent) pipeline_q.consumer_release(read_q);
 
     Tensor lse = softmax.tail(state, acc_pv, mma_pv);
     // A failed call's tile is poison (NaN in O and the log-sum-exp): a wait
