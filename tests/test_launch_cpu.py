@@ -25,6 +25,10 @@ CHILD = """
 import os, pathlib, signal, subprocess, sys, time
 me = int(os.environ["PK_JAX_PROCESS_ID"])
 roles, ready = sys.argv[1:-1], pathlib.Path(sys.argv[-1])
+def publish(name, text):  # whole or absent: a reader that sees the file reads the pid
+    tmp = ready.parent / f".{name}.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, ready.parent / name)
 role = roles[me]
 if role == "ok":
     sys.exit(0)
@@ -41,8 +45,8 @@ if role == "spawn":
                                    "print('up', flush=True); time.sleep(600)"],
                                   stdout=subprocess.PIPE)
     grandchild.stdout.readline()  # its SIGTERM handler is set
-    (ready.parent / f"gpid{me}").write_text(str(grandchild.pid))
-(ready.parent / f"pid{me}").write_text(str(os.getpid()))
+    publish(f"gpid{me}", str(grandchild.pid))
+publish(f"pid{me}", str(os.getpid()))
 ready.touch()
 while True:  # blocked on a peer that is gone
     time.sleep(1)
