@@ -27,16 +27,17 @@
 
 namespace pk::ring_attention {
 
+// The frame with the register split: persistent CTAs' producer loops over
+// tiles and spills in 24 registers a thread; 40 leave the math warpgroups 232.
 template <class Mainloop, class Epilogue, class TileScheduler>
-struct RingFwdKernel
-    : fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler,
-                                       Mainloop::kPersistent ? 40 : 24,
-                                       Mainloop::kPersistent ? 232 : 240> {
-  // Persistent CTAs: the producer loops over tiles and spills in 24
-  // registers a thread; 40 leave the math warpgroups 232.
-  using Base = fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler,
-                                                Mainloop::kPersistent ? 40 : 24,
-                                                Mainloop::kPersistent ? 232 : 240>;
+using RingFwdBase =
+    fmha_kernel::AttentionKernelBase<Mainloop, Epilogue, TileScheduler,
+                                     Mainloop::kPersistent ? 40 : 24,
+                                     Mainloop::kPersistent ? 232 : 240>;
+
+template <class Mainloop, class Epilogue, class TileScheduler>
+struct RingFwdKernel : RingFwdBase<Mainloop, Epilogue, TileScheduler> {
+  using Base = RingFwdBase<Mainloop, Epilogue, TileScheduler>;
   using typename Base::Params;  // problem (B, Hq, Sq, Skv, D), mainloop, epilogue, scheduler
   static constexpr int kMathWarpGroups = Base::kMathWarpGroups;
 
